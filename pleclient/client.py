@@ -1,0 +1,485 @@
+"""PleClient: connect to a ple-server, look rows up over a shared-memory channel.
+
+::
+
+    with PleClient.connect() as client:
+        rows = client.lookup(3, ids)             # uint8 [len(ids), row_bytes]
+        ticket = client.submit("…layers.3…", ids)
+        view = ticket.wait()                     # zero-copy view of the slot
+        ...                                      # use it (DMA it to the GPU)
+        ticket.release()
+
+A client is used by one thread at a time (vLLM workers are single-threaded per
+rank); ``submit``/``wait`` pairs may overlap up to the channel depth.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import posix_ipc
+
+from pleclient import protocol as p
+from pleclient.channel import ChannelMap, SlotView
+from pleclient.errors import (AccessDenied, LookupTimeout, PleError, ProtocolMismatch,
+                              RequestError, ServerGone, ServerUnavailable)
+
+log = logging.getLogger(__name__)
+
+SPIN_SECONDS = 200e-6
+"""How long ``wait`` spins on the slot's state word before it blocks on the
+semaphore: a round trip through a sleeping semaphore costs ≈60 µs, a spin
+≈2 µs, and most requests are answered within this window."""
+LIVENESS_SLICE = 0.05
+"""While blocked, check the control socket this often, so a dead server is
+reported at once rather than at the end of the timeout."""
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    """A table the server serves (one PLE layer)."""
+
+    name: str
+    layer: int
+    rows: int
+    cols: int
+    dtype: str
+    row_bytes: int
+    scale: float | None
+    fingerprint: str
+    shard_size: int
+    parts: int
+
+    @classmethod
+    def from_wire(cls, msg: dict) -> "TableInfo":
+        return cls(**{k: msg[k] for k in cls.__dataclass_fields__})
+
+
+class Ticket:
+    """One request in flight; ``wait`` returns the rows, ``release`` frees the slot."""
+
+    __slots__ = ("_client", "_slot", "_table", "count", "_state")
+
+    def __init__(self, client: "PleClient", slot: SlotView, table: TableInfo, count: int):
+        self._client = client
+        self._slot = slot
+        self._table = table
+        self.count = count
+        self._state = "submitted"  # → done | released | abandoned
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        """The rows, as a zero-copy uint8 view ``[count, row_bytes]`` into shared
+        memory, valid until ``release``. Raises RequestError for a rejected
+        request (the slot is then already free), LookupTimeout, ServerGone."""
+        if self._state == "done":
+            return self._slot.rows_view(self.count, self._table.row_bytes)
+        if self._state != "submitted":
+            raise PleError(f"ticket already {self._state}")
+        client = self._client
+        timeout = client.timeout if timeout is None else timeout
+        words = self._slot.words
+        deadline = time.monotonic() + SPIN_SECONDS
+        while words[p.SL_STATE] == p.SlotState.SUBMITTED and time.monotonic() < deadline:
+            pass
+        # Acquire the slot's semaphore even when the state word already says
+        # DONE: the acquire pairs with the server's post and is what makes the
+        # rows visible on weakly ordered CPUs.
+        client._acquire_done(self._slot.index, timeout, self)
+        state = words[p.SL_STATE]
+        if state == p.SlotState.DONE:
+            self._state = "done"
+            return self._slot.rows_view(self.count, self._table.row_bytes)
+        code, text = words[p.SL_ERROR], self._slot.error_text()
+        self._state = "released"
+        client._free_slot(self._slot.index)
+        if state == p.SlotState.ERROR:
+            raise RequestError(code, f"ple-server rejected the request: {text}")
+        raise ProtocolMismatch(f"slot {self._slot.index} in unexpected state {state}")
+
+    def release(self) -> None:
+        """Give the slot back. A ticket released before it completed is abandoned:
+        its slot is reused only once the server has answered it."""
+        if self._state == "submitted":
+            self._state = "abandoned"
+            self._client._abandon_slot(self._slot.index)
+        elif self._state == "done":
+            self._state = "released"
+            self._client._free_slot(self._slot.index)
+
+    def __enter__(self) -> "Ticket":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class PleClient:
+    """A session with ple-server: control socket plus one shared-memory channel."""
+
+    def __init__(self, sock: socket.socket, socket_path: str, welcome: dict,
+                 timeout: float) -> None:
+        self._sock = sock
+        self.socket_path = socket_path
+        self.timeout = timeout
+        self.server_info = {k: v for k, v in welcome.items() if k != "tables"}
+        self.tables = [TableInfo.from_wire(t) for t in welcome["tables"]]
+        self._by_name = {t.name: t for t in self.tables}
+        self._index = {t.name: i for i, t in enumerate(self.tables)}
+        self._channel: ChannelMap | None = None
+        self._submit_sem: posix_ipc.Semaphore | None = None
+        self._done_sems: list[posix_ipc.Semaphore] = []
+        self._slot_owner: list[str] = []  # free | ticket | abandoned
+        self._sequence = 0
+        self._lock = threading.Lock()
+        self._gone: str | None = None
+        self._pid = os.getpid()
+
+    # --------------------------------------------------------------- connect
+    @classmethod
+    def connect(cls, socket_path: str | None = None, timeout: float = 10.0, *,
+                name: str | None = None, capacity: int | None = None,
+                depth: int | None = None) -> "PleClient":
+        """Connect, say hello, open the channel. ``socket_path`` defaults to
+        ``$PLE_SERVER_SOCKET`` or ``/run/ple-server/ple.sock``."""
+        path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
+        sock = _connect_socket(path, timeout)
+        try:
+            p.send_message(sock, {"type": p.MessageType.HELLO.value,
+                                  "version": p.PROTOCOL_VERSION, "pid": os.getpid(),
+                                  "name": name or f"pid{os.getpid()}"})
+            welcome = _expect(sock, p.MessageType.WELCOME, path)
+            client = cls(sock, path, welcome, timeout)
+            client._open_channel(capacity, depth)
+            return client
+        except BaseException:
+            sock.close()
+            raise
+
+    @classmethod
+    def query_stats(cls, socket_path: str | None = None, timeout: float = 5.0) -> dict:
+        """Server statistics, without opening a channel (for ``pleserver stats``)."""
+        path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
+        with _connect_socket(path, timeout) as sock:
+            p.send_message(sock, {"type": p.MessageType.HELLO.value,
+                                  "version": p.PROTOCOL_VERSION, "pid": os.getpid(),
+                                  "name": "stats"})
+            _expect(sock, p.MessageType.WELCOME, path)
+            p.send_message(sock, {"type": p.MessageType.STATS.value})
+            reply = _expect(sock, p.MessageType.STATS, path)
+            p.send_message(sock, {"type": p.MessageType.BYE.value})
+            return reply["stats"]
+
+    def _open_channel(self, capacity: int | None, depth: int | None) -> None:
+        request = {"type": p.MessageType.OPEN_CHANNEL.value}
+        if capacity is not None:
+            request["capacity"] = int(capacity)
+        if depth is not None:
+            request["depth"] = int(depth)
+        p.send_message(self._sock, request)
+        reply, fds = _expect_with_fds(self._sock, p.MessageType.CHANNEL, self.socket_path)
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolMismatch(f"CHANNEL reply carried {len(fds)} fds, expected 1")
+        try:
+            layout = p.ChannelLayout.from_wire(reply["layout"])
+            self._channel = ChannelMap(fds[0], layout)
+        finally:
+            os.close(fds[0])
+        self._submit_sem = posix_ipc.Semaphore(reply["submit_semaphore"])
+        self._done_sems = [posix_ipc.Semaphore(n) for n in reply["done_semaphores"]]
+        p.send_message(self._sock, {"type": p.MessageType.CHANNEL_OPENED.value})
+        _expect(self._sock, p.MessageType.CHANNEL_OPENED, self.socket_path)
+        self._slot_owner = ["free"] * layout.depth
+        self._sequence = self._channel.submit_counter
+        self._sock.setblocking(False)
+
+    # ----------------------------------------------------------------- lookup
+    @property
+    def capacity(self) -> int:
+        return self._require_channel().layout.capacity
+
+    @property
+    def depth(self) -> int:
+        return self._require_channel().layout.depth
+
+    @property
+    def segment_buffer(self) -> memoryview:
+        """The whole channel segment (page-aligned rows areas), e.g. for
+        ``cudaHostRegister``; valid until ``close``."""
+        return self._require_channel().buf
+
+    def table(self, key: str | int) -> TableInfo:
+        """A table by name or by layer index."""
+        if isinstance(key, str):
+            if key in self._by_name:
+                return self._by_name[key]
+        else:
+            matches = [t for t in self.tables if t.layer == key]
+            if len(matches) == 1:
+                return matches[0]
+        known = ", ".join(f"{t.name} (layer {t.layer})" for t in self.tables)
+        raise KeyError(f"ple-server at {self.socket_path} serves no single table "
+                       f"{key!r}; it serves: {known}")
+
+    def submit(self, table: str | int | TableInfo, ids) -> Ticket:
+        """Queue a lookup of ``ids`` (≤ capacity) and return its ticket."""
+        info = table if isinstance(table, TableInfo) else self.table(table)
+        ids = np.asarray(ids)
+        if ids.ndim != 1:
+            ids = ids.reshape(-1)
+        n = ids.shape[0]
+        channel = self._require_channel()
+        if n > channel.layout.capacity:
+            raise ValueError(f"{n} ids exceed the channel capacity of "
+                             f"{channel.layout.capacity}; use lookup(), which splits")
+        if self._gone:
+            raise ServerGone(self._gone)
+        with self._lock:
+            slot = channel.slots[self._take_slot()]
+            slot.ids[:n] = ids
+            words = slot.words
+            words[p.SL_TABLE] = self._index[info.name]
+            words[p.SL_COUNT] = n
+            words[p.SL_SEQUENCE] = self._sequence
+            words[p.SL_ERROR] = 0
+            slot.words64[p.SL_SUBMIT_NS // 2] = time.monotonic_ns()
+            words[p.SL_STATE] = p.SlotState.SUBMITTED
+            self._sequence = (self._sequence + 1) & 0xFFFFFFFF
+            channel.header[p.CH_SUBMIT_COUNTER] = self._sequence
+            self._submit_sem.release()
+        return Ticket(self, slot, info, n)
+
+    def lookup(self, table: str | int | TableInfo, ids, out: np.ndarray | None = None
+               ) -> np.ndarray:
+        """Rows of ``ids`` in order, copied into ``out`` (or a new array). Any
+        number of ids: larger requests are split and pipelined over the slots."""
+        info = table if isinstance(table, TableInfo) else self.table(table)
+        ids = np.asarray(ids).reshape(-1)
+        n = ids.shape[0]
+        if out is None:
+            out = np.empty((n, info.row_bytes), dtype=np.uint8)
+        elif out.shape != (n, info.row_bytes) or out.dtype != np.uint8:
+            raise ValueError(f"out must be uint8 {(n, info.row_bytes)}, got "
+                             f"{out.dtype} {out.shape}")
+        cap = self.capacity
+        if n <= cap:
+            ticket = self.submit(info, ids)
+            try:
+                out[:] = ticket.wait()
+            finally:
+                ticket.release()
+            return out
+        in_flight: list[tuple[int, Ticket]] = []
+        window = max(1, self.depth - 1)
+        try:
+            for start in range(0, n, cap):
+                if len(in_flight) >= window:
+                    s, t = in_flight.pop(0)
+                    out[s: s + t.count] = t.wait()
+                    t.release()
+                in_flight.append((start, self.submit(info, ids[start: start + cap])))
+            while in_flight:
+                s, t = in_flight.pop(0)
+                out[s: s + t.count] = t.wait()
+                t.release()
+        finally:
+            for _, t in in_flight:
+                t.release()
+        return out
+
+    def stats(self) -> dict:
+        """Server statistics over this session's control socket."""
+        with self._lock:
+            self._sock.setblocking(True)
+            self._sock.settimeout(self.timeout)
+            try:
+                p.send_message(self._sock, {"type": p.MessageType.STATS.value})
+                return _expect(self._sock, p.MessageType.STATS, self.socket_path)["stats"]
+            finally:
+                self._sock.setblocking(False)
+
+    # ------------------------------------------------------------------ slots
+    def _take_slot(self) -> int:
+        owners = self._slot_owner
+        for i, owner in enumerate(owners):
+            if owner == "abandoned":
+                self._reclaim(i)
+        for i, owner in enumerate(owners):
+            if owner == "free":
+                owners[i] = "ticket"
+                return i
+        raise PleError(f"all {len(owners)} channel slots are held by unreleased or "
+                       "unanswered tickets; release tickets (or connect with a larger depth)")
+
+    def _reclaim(self, index: int) -> None:
+        """An abandoned slot becomes free once the server's answer has arrived."""
+        try:
+            self._done_sems[index].acquire(0)
+        except posix_ipc.BusyError:
+            return
+        self._free_slot(index)
+
+    def _free_slot(self, index: int) -> None:
+        self._channel.slots[index].words[p.SL_STATE] = p.SlotState.FREE
+        self._slot_owner[index] = "free"
+
+    def _abandon_slot(self, index: int) -> None:
+        self._slot_owner[index] = "abandoned"
+
+    def _acquire_done(self, index: int, timeout: float, ticket: Ticket) -> None:
+        sem = self._done_sems[index]
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                sem.acquire(max(0.0, min(LIVENESS_SLICE, remaining)))
+                return
+            except posix_ipc.BusyError:
+                pass
+            self._check_alive()
+            if time.monotonic() >= deadline:
+                ticket.release()  # the slot comes back when the answer does
+                raise LookupTimeout(
+                    f"ple-server at {self.socket_path} did not answer a request of "
+                    f"{ticket.count} rows within {timeout:.3g} s; the server may be "
+                    "overloaded (see `pleserver stats`)")
+
+    def _check_alive(self) -> None:
+        if self._gone:
+            raise ServerGone(self._gone)
+        if self._pid != os.getpid():
+            raise PleError("a PleClient cannot be used across fork(); connect again in "
+                           "the child")
+        readable, _, _ = select.select([self._sock], [], [], 0)
+        if not readable:
+            return
+        try:
+            data = self._sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            data, why = b"", str(exc)
+        else:
+            why = "closed the connection"
+        if not data:
+            self._gone = (f"ple-server at {self.socket_path} {why} (stopped, restarted "
+                          "or crashed); reconnect with PleClient.connect()")
+        else:
+            reader = p.FrameReader()
+            for msg in reader.feed(data):
+                if msg["type"] == p.MessageType.SHUTDOWN.value:
+                    self._gone = (f"ple-server at {self.socket_path} is shutting down "
+                                  f"({msg.get('reason', 'no reason given')}); reconnect "
+                                  "once it is back")
+        if self._gone:
+            raise ServerGone(self._gone)
+
+    def _require_channel(self) -> ChannelMap:
+        if self._channel is None:
+            raise PleError("this client is closed")
+        return self._channel
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """End the session; the server frees its channel. Idempotent."""
+        if self._channel is None and self._sock.fileno() < 0:
+            return
+        try:
+            if not self._gone and self._sock.fileno() >= 0 and self._pid == os.getpid():
+                self._sock.setblocking(True)
+                self._sock.settimeout(1.0)
+                p.send_message(self._sock, {"type": p.MessageType.BYE.value})
+        except OSError:
+            pass
+        for sem in [self._submit_sem, *self._done_sems]:
+            if sem is not None:
+                sem.close()
+        self._submit_sem, self._done_sems = None, []
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        self._sock.close()
+
+    def __enter__(self) -> "PleClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if self._pid == os.getpid():
+                self.close()
+        except Exception:
+            pass
+
+
+def _connect_socket(path: str, timeout: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+    except FileNotFoundError:
+        sock.close()
+        raise ServerUnavailable(
+            f"socket {path} not found: is the ple-server service running? "
+            "`systemctl status ple-server` (or set PLE_SERVER_SOCKET / pass socket_path)"
+        ) from None
+    except ConnectionRefusedError:
+        sock.close()
+        raise ServerUnavailable(
+            f"nothing listens on {path} (a stale socket of a stopped server): "
+            "`systemctl start ple-server`") from None
+    except PermissionError:
+        sock.close()
+        raise ServerUnavailable(
+            f"permission denied on {path}: this user may not reach the socket; see "
+            "allow_uids/allow_gids in the ple-server configuration") from None
+    except OSError as exc:
+        sock.close()
+        raise ServerUnavailable(f"cannot connect to {path}: {exc}") from None
+    return sock
+
+
+def _expect(sock: socket.socket, kind: p.MessageType, path: str) -> dict:
+    msg, fds = _expect_with_fds(sock, kind, path)
+    for fd in fds:
+        os.close(fd)
+    return msg
+
+
+def _expect_with_fds(sock: socket.socket, kind: p.MessageType, path: str
+                     ) -> tuple[dict, list[int]]:
+    try:
+        msg, fds = p.recv_message(sock)
+    except socket.timeout:
+        raise LookupTimeout(f"ple-server at {path} did not answer {kind.value!r} in time"
+                            ) from None
+    except p.FrameError as exc:
+        raise ProtocolMismatch(f"ple-server at {path} sent a malformed frame: {exc}") from None
+    except ConnectionResetError:
+        msg, fds = None, []
+    if msg is None:
+        raise ServerGone(f"ple-server at {path} closed the connection while this client "
+                         f"waited for {kind.value!r}")
+    if msg["type"] == p.MessageType.ERROR.value:
+        for fd in fds:
+            os.close(fd)
+        code, text = msg.get("code", p.ErrorCode.INTERNAL), msg.get("message", "")
+        if code == p.ErrorCode.VERSION_MISMATCH:
+            raise ProtocolMismatch(text)
+        if code in (p.ErrorCode.NOT_ALLOWED, p.ErrorCode.TOO_MANY_CLIENTS):
+            raise AccessDenied(text)
+        raise RequestError(code, text)
+    if msg["type"] != kind.value:
+        raise ProtocolMismatch(f"ple-server at {path} answered {msg['type']!r} where "
+                               f"{kind.value!r} was expected")
+    return msg, fds

@@ -1,0 +1,315 @@
+"""The wire contract between ple-server and its clients — all of it, in one place.
+
+Both sides import this module; the client never imports the server.
+
+Control plane
+=============
+A Unix stream socket (default ``/run/ple-server/ple.sock``). Every message is a
+frame: a 4-byte little-endian length, then a msgpack map with a ``"type"`` key.
+Frames are at most ``MAX_FRAME_BYTES``. One exchange per request, in order::
+
+    client                                   server
+    HELLO {version, pid, name}        ─►
+                                      ◄─     WELCOME {version, server, instance, tables}
+    OPEN_CHANNEL {capacity, depth}    ─►
+                                      ◄─     CHANNEL {layout…, semaphore names}
+                                             + the segment's fd (SCM_RIGHTS)
+    CHANNEL_OPENED {}                 ─►     (server unlinks the semaphore names)
+                                      ◄─     CHANNEL_OPENED {}
+    STATS {}                          ─►
+                                      ◄─     STATS {snapshot}
+    BYE {}                            ─►     (session ends; closing the socket does too)
+                                      ◄─     SHUTDOWN {reason}   (server stopping; unsolicited)
+    any request                       ◄─     ERROR {code, message}
+
+Data plane: one channel per session
+===================================
+A shared-memory segment created by the server (mode 0600, unlinked before its fd
+is handed over, so no other process can ever open it) holding a ring of
+``depth`` slots::
+
+    offset 0          4096                              slot_stride
+    ┌────────────────┬──────────────────────────────────┬─────────────────── …
+    │ channel header │ slot 0                           │ slot 1
+    │ (one page)     │┌────────┬─────────┬─────┬───────┐│
+    │                ││ header │ message │ ids │ rows  ││
+    │                ││ 64 B   │ 448 B   │ 8·C │ R·C   ││
+    │                │└────────┴─────────┴─────┴───────┘│
+    └────────────────┴──────────────────────────────────┴─────────────────── …
+
+``C`` = capacity (rows per request), ``R`` = the widest table's row bytes.
+The ids area follows the 512-byte slot prelude; the rows area starts on a page
+boundary (so the client can ``cudaHostRegister`` the whole segment once and DMA
+from it), and every slot is a whole number of pages.
+
+Channel header (uint32 words unless noted):
+  0  magic "PLEC" · 1 protocol version · 2 depth · 3 capacity ·
+  4  max row bytes · 5 header bytes · 6-7 slot stride (uint64) ·
+  16 submit counter (client increments after every submit)
+
+Slot header (uint32 words):
+  0 state · 1 table index · 2 row count · 3 error code ·
+  4 request sequence · 5 reserved · 6-7 server time in ns (uint64) ·
+  8-9 submit time, CLOCK_MONOTONIC ns (uint64, written by the client; the
+  clock is system-wide, so the server derives queue time from it)
+followed by the message area: a UTF-8 error text, NUL-padded.
+
+Slot state machine
+------------------
+1. FREE       → the client owns the slot: writes ids, table, count, sequence,
+   then sets SUBMITTED, increments the submit counter, posts ``submit``.
+2. SUBMITTED  → the server owns the slot. It acquires ``submit`` first (that
+   acquire pairs with the client's post and makes the ids visible on weakly
+   ordered CPUs such as aarch64), copies count and ids out, validates them,
+   gathers rows into the rows area, writes count/error, then sets DONE or
+   ERROR and posts the slot's ``done`` semaphore.
+3. DONE/ERROR → the client owns the slot again. It acquires ``done`` before it
+   reads rows (again the acquire that pairs with the server's post), uses the
+   rows, and sets FREE when it releases the ticket.
+
+The one ordering rule: **write the payload, then the state word, then post;
+acquire, then read the payload.** The state word is the truth about *what*
+happened (and lets both sides spin on a cheap load while the peer is active);
+the semaphore post/acquire pair is what publishes the payload. Posting an
+uncontended POSIX semaphore is a user-space atomic (no system call when nobody
+sleeps on it), so both sides post on every transition and neither needs a
+"sleeping" flag to avoid system calls.
+
+Semaphores are named ``/<prefix>.<instance>.<session>.{submit,done<i>}``; the
+names exist only until the client answers CHANNEL_OPENED.
+"""
+
+from __future__ import annotations
+
+import array
+import enum
+import os
+import socket
+import struct
+from dataclasses import dataclass
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+DEFAULT_SOCKET = "/run/ple-server/ple.sock"
+SOCKET_ENV = "PLE_SERVER_SOCKET"
+
+NAME_PREFIX = "ple"
+"""Every shared-memory object and semaphore name starts with ``/ple.``."""
+
+MAX_FRAME_BYTES = 4 << 20
+FRAME_HEADER = struct.Struct("<I")
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+CHANNEL_MAGIC = 0x43454C50  # b"PLEC" little-endian
+CHANNEL_HEADER_BYTES = max(4096, PAGE)
+SLOT_HEADER_BYTES = 64
+SLOT_MESSAGE_BYTES = 448
+SLOT_PRELUDE_BYTES = SLOT_HEADER_BYTES + SLOT_MESSAGE_BYTES
+ID_BYTES = 8  # ids are int64
+
+# Channel header word indexes (uint32).
+CH_MAGIC, CH_VERSION, CH_DEPTH, CH_CAPACITY, CH_MAX_ROW_BYTES, CH_HEADER_BYTES = range(6)
+CH_SLOT_STRIDE = 6  # uint64 over words 6-7
+CH_SUBMIT_COUNTER = 16
+
+# Slot header word indexes (uint32).
+SL_STATE, SL_TABLE, SL_COUNT, SL_ERROR, SL_SEQUENCE = range(5)
+SL_SERVER_NS = 6  # uint64 over words 6-7
+SL_SUBMIT_NS = 8  # uint64 over words 8-9
+
+# Limits the server enforces on OPEN_CHANNEL (also its defaults).
+DEFAULT_CAPACITY = 16384
+DEFAULT_DEPTH = 4
+MAX_DEPTH = 64
+
+
+class SlotState(enum.IntEnum):
+    FREE = 0
+    SUBMITTED = 1
+    DONE = 2
+    ERROR = 3
+
+
+class ErrorCode(enum.IntEnum):
+    """Error codes, in ERROR messages and in a slot's error word."""
+
+    OK = 0
+    BAD_MESSAGE = 1
+    VERSION_MISMATCH = 2
+    NOT_ALLOWED = 3
+    TOO_MANY_CLIENTS = 4
+    BAD_TABLE = 5
+    BAD_COUNT = 6
+    ID_OUT_OF_RANGE = 7
+    CHANNEL_LIMIT = 8
+    NO_RESOURCES = 9
+    INTERNAL = 10
+    SHUTTING_DOWN = 11
+
+
+class MessageType(str, enum.Enum):
+    HELLO = "hello"
+    WELCOME = "welcome"
+    OPEN_CHANNEL = "open_channel"
+    CHANNEL = "channel"
+    CHANNEL_OPENED = "channel_opened"
+    STATS = "stats"
+    BYE = "bye"
+    SHUTDOWN = "shutdown"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class ChannelLayout:
+    """Byte geometry of one channel segment; both sides derive it the same way."""
+
+    depth: int
+    capacity: int
+    max_row_bytes: int
+
+    @property
+    def ids_offset(self) -> int:
+        """Offset of the ids area inside a slot."""
+        return SLOT_PRELUDE_BYTES
+
+    @property
+    def rows_offset(self) -> int:
+        """Offset of the rows area inside a slot (page-aligned)."""
+        return _round_up(SLOT_PRELUDE_BYTES + ID_BYTES * self.capacity, PAGE)
+
+    @property
+    def rows_bytes(self) -> int:
+        return _round_up(self.capacity * self.max_row_bytes, PAGE)
+
+    @property
+    def slot_stride(self) -> int:
+        return self.rows_offset + self.rows_bytes
+
+    @property
+    def size(self) -> int:
+        return CHANNEL_HEADER_BYTES + self.depth * self.slot_stride
+
+    def slot_offset(self, slot: int) -> int:
+        return CHANNEL_HEADER_BYTES + slot * self.slot_stride
+
+    def to_wire(self) -> dict:
+        return {"depth": self.depth, "capacity": self.capacity,
+                "max_row_bytes": self.max_row_bytes, "size": self.size,
+                "slot_stride": self.slot_stride, "rows_offset": self.rows_offset}
+
+    @classmethod
+    def from_wire(cls, msg: dict) -> "ChannelLayout":
+        layout = cls(int(msg["depth"]), int(msg["capacity"]), int(msg["max_row_bytes"]))
+        for key in ("size", "slot_stride", "rows_offset"):
+            if int(msg[key]) != getattr(layout, key):
+                raise ValueError(
+                    f"channel layout disagrees on {key}: server says {msg[key]}, "
+                    f"this client computes {getattr(layout, key)}")
+        return layout
+
+
+def semaphore_names(base: str, depth: int) -> tuple[str, list[str]]:
+    """The session's semaphore names: one ``submit``, one ``done`` per slot."""
+    return f"{base}.submit", [f"{base}.done{i}" for i in range(depth)]
+
+
+def encode_error_text(text: str) -> bytes:
+    """An error text truncated to fit a slot's message area, NUL-terminated."""
+    raw = text.encode("utf-8", "replace")[: SLOT_MESSAGE_BYTES - 1]
+    return raw + b"\0" * (SLOT_MESSAGE_BYTES - len(raw))
+
+
+def decode_error_text(raw: bytes) -> str:
+    return bytes(raw).split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+# --------------------------------------------------------------------- framing
+class FrameError(ValueError):
+    """A control frame that is not a msgpack map with a known ``type``."""
+
+
+def encode_frame(msg: dict) -> bytes:
+    body = msgpack.packb(msg, use_bin_type=True)
+    return FRAME_HEADER.pack(len(body)) + body
+
+
+def decode_body(body: bytes) -> dict:
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise FrameError(f"undecodable msgpack body: {exc}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        raise FrameError("a message must be a msgpack map with a string 'type'")
+    return msg
+
+
+def send_message(sock: socket.socket, msg: dict, fds: list[int] | None = None) -> None:
+    """Send one frame (blocking), with file descriptors attached if any."""
+    data = encode_frame(msg)
+    if fds:
+        sent = socket.send_fds(sock, [data], fds)
+        data = data[sent:]
+    if data:
+        sock.sendall(data)
+
+
+def recv_message(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    """Receive one frame (blocking); (None, []) when the peer closed the socket."""
+    fds: list[int] = []
+    header = _recv_exact(sock, FRAME_HEADER.size, fds)
+    if header is None:
+        return None, fds
+    (length,) = FRAME_HEADER.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    body = _recv_exact(sock, length, fds)
+    if body is None:
+        return None, fds
+    return decode_body(body), fds
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes | None:
+    chunks, got = [], 0
+    fd_space = socket.CMSG_SPACE(4 * array.array("i").itemsize)
+    while got < n:
+        data, ancdata, _flags, _addr = sock.recvmsg(n - got, fd_space)
+        for level, kind, cdata in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                arr = array.array("i")
+                arr.frombytes(cdata[: len(cdata) - len(cdata) % arr.itemsize])
+                fds.extend(arr)
+        if not data:
+            return None
+        chunks.append(data)
+        got += len(data)
+    return b"".join(chunks)
+
+
+class FrameReader:
+    """Reassembles frames from a non-blocking stream (the server side)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[dict]:
+        """Add received bytes; return the complete messages. Raises FrameError on
+        an oversized or undecodable frame (the caller drops the session)."""
+        self._buf += data
+        out = []
+        while len(self._buf) >= FRAME_HEADER.size:
+            (length,) = FRAME_HEADER.unpack_from(self._buf)
+            if length > MAX_FRAME_BYTES:
+                raise FrameError(f"frame of {length} bytes exceeds the "
+                                 f"{MAX_FRAME_BYTES}-byte limit")
+            end = FRAME_HEADER.size + length
+            if len(self._buf) < end:
+                break
+            body = bytes(self._buf[FRAME_HEADER.size:end])
+            del self._buf[:end]
+            out.append(decode_body(body))
+        return out

@@ -1,0 +1,11 @@
+"""Errors the plugin raises inside vLLM; each says what to do."""
+
+from __future__ import annotations
+
+
+class PleBackendError(RuntimeError):
+    """VLLM_PLE_BACKEND=shm cannot serve PLE rows (no server, server lost, …)."""
+
+
+class IdentityMismatch(PleBackendError):
+    """The server does not serve the checkpoint vLLM loads."""

@@ -1,0 +1,153 @@
+"""Is the server serving the checkpoint vLLM loads? Checked before any lookup.
+
+The table a layer will read is compared on three sides:
+
+* the checkpoint vLLM loads (``pleclient.checkpoint.discover_tables`` over the
+  directory of ``--model``, or ``VLLM_PLE_SHM_CHECKPOINT``): layer, rows, cols,
+  dtype, parts, scale and the table fingerprint (sampled rows of every shard);
+* the server's catalog entry for that table (``TableInfo``);
+* the geometry the model was built with (rows = the padded n-gram vocabulary,
+  cols = the head dimension, the row dtype its quantization method expects).
+
+Any difference stops startup with an error that prints both sides.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+from pleclient import TableInfo
+from pleclient.checkpoint import CheckpointError, TableSpec, discover_tables
+from pleclient.vllm_plugin.errors import IdentityMismatch, PleBackendError
+from pleclient.vllm_plugin.settings import ENV_ALLOW_DUMMY, ENV_CHECKPOINT
+
+log = logging.getLogger("pleclient.vllm_plugin")
+
+_LAYER_TABLE_RE = re.compile(r"(?:^|\.)(layers\.(\d+)\.ple\.ple_embedding)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the model built around one PLE layer needs from its table."""
+
+    prefix: str  # the module prefix of the n-gram embedding in vLLM
+    rows: int
+    cols: int
+    dtypes: tuple[str, ...]  # row dtypes the model can use unchanged
+    parts: int
+
+    @property
+    def table_suffix(self) -> str:
+        """``layers.<L>.ple.ple_embedding.ngram_embedding``: how checkpoint table
+        names end for this layer, whatever prefix the checkpoint uses."""
+        m = _LAYER_TABLE_RE.search(self.prefix)
+        if m is None:
+            raise PleBackendError(
+                f"cannot tell which PLE layer {self.prefix!r} is (no 'layers.<L>.ple."
+                "ple_embedding' in its name); this model layout is not supported")
+        return f"{m.group(1)}.ngram_embedding"
+
+    @property
+    def layer(self) -> int:
+        return int(_LAYER_TABLE_RE.search(self.prefix).group(2))  # type: ignore[union-attr]
+
+
+def select(tables: list, suffix: str, where: str) -> object:
+    """The one table (TableInfo or TableSpec) whose name ends with ``suffix``."""
+    matches = [t for t in tables if t.name == suffix or t.name.endswith("." + suffix)]
+    if len(matches) == 1:
+        return matches[0]
+    known = ", ".join(t.name for t in tables) or "none"
+    what = "several tables" if matches else "no table"
+    raise IdentityMismatch(f"{where} has {what} for {suffix}; its tables: {known}")
+
+
+def verify(server: TableInfo, socket: str, checkpoint: TableSpec, checkpoint_dir: str,
+           expected: Expected) -> None:
+    """Raise IdentityMismatch naming both sides unless all three agree."""
+    fields = ("layer", "rows", "cols", "dtype", "parts", "shard_size", "scale",
+              "fingerprint")
+    diffs = [f"{f}: server {getattr(server, f)!r} ≠ checkpoint {getattr(checkpoint, f)!r}"
+             for f in fields if getattr(server, f) != getattr(checkpoint, f)]
+    if diffs:
+        raise IdentityMismatch(
+            f"ple-server at {socket} serves {server.name} from another checkpoint than "
+            f"the one vLLM loads ({checkpoint_dir}): " + "; ".join(diffs) + ". Restart "
+            f"ple-server with --model {checkpoint_dir} (the checkpoint vLLM loads), or "
+            "start vLLM on the checkpoint the server serves.")
+    model = [(f, getattr(checkpoint, f), want) for f, want in
+             (("rows", expected.rows), ("cols", expected.cols), ("parts", expected.parts))
+             if getattr(checkpoint, f) != want]
+    if checkpoint.dtype not in expected.dtypes:
+        model.append(("dtype", checkpoint.dtype, " or ".join(expected.dtypes)))
+    if model:
+        raise IdentityMismatch(
+            f"{checkpoint.name} in {checkpoint_dir} does not fit the model vLLM built for "
+            f"{expected.prefix}: " + "; ".join(f"{f}: checkpoint {have!r}, model expects "
+                                              f"{want!r}" for f, have, want in model)
+            + ". The checkpoint and the model config disagree; check --model.")
+
+
+def checkpoint_dir(override: str | None = None) -> str:
+    """The local directory of the checkpoint vLLM loads."""
+    if override:
+        path = override
+        source = ENV_CHECKPOINT
+    else:
+        path, revision = _vllm_model()
+        source = "vLLM's --model"
+        if path and not os.path.isdir(path):
+            path = _hf_snapshot(path, revision) or path
+    if not path or not os.path.isdir(path):
+        raise PleBackendError(
+            f"VLLM_PLE_BACKEND=shm cannot find the checkpoint to check the server "
+            f"against ({source} is {path!r}, not a local directory); set "
+            f"{ENV_CHECKPOINT} to the model's local snapshot directory")
+    return os.path.abspath(path)
+
+
+@functools.lru_cache(maxsize=4)
+def checkpoint_tables(model_dir: str) -> list[TableSpec]:
+    """The checkpoint's PLE tables with fingerprints (read once per process)."""
+    try:
+        return discover_tables(model_dir, fingerprint=True)
+    except CheckpointError as exc:
+        raise IdentityMismatch(
+            f"VLLM_PLE_BACKEND=shm cannot read the PLE tables of the checkpoint vLLM "
+            f"loads, so it cannot check that ple-server serves the same one: {exc}\n"
+            f"(with --load-format dummy, set {ENV_ALLOW_DUMMY}=1 to run without PLE rows)"
+        ) from None
+
+
+def load_format() -> str | None:
+    try:
+        from vllm.config import get_current_vllm_config
+        load_config = get_current_vllm_config().load_config
+    except Exception:  # noqa: BLE001 - no config context: not a vLLM run
+        return None
+    return str(getattr(load_config, "load_format", None) or "") or None
+
+
+def _vllm_model() -> tuple[str | None, str | None]:
+    try:
+        from vllm.config import get_current_vllm_config
+        model_config = get_current_vllm_config().model_config
+    except Exception:  # noqa: BLE001
+        return None, None
+    if model_config is None:
+        return None, None
+    return getattr(model_config, "model", None), getattr(model_config, "revision", None)
+
+
+def _hf_snapshot(repo: str, revision: str | None) -> str | None:
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(repo, revision=revision, local_files_only=True,
+                                 allow_patterns=["*.json", "*.safetensors"])
+    except Exception as exc:  # noqa: BLE001 - any failure means "not local"
+        log.debug("PLE shm: %s is not in the local Hugging Face cache: %s", repo, exc)
+        return None

@@ -1,0 +1,143 @@
+"""Environment settings of the vLLM plugin, read once per process.
+
+Every knob, its default and why:
+
+``VLLM_PLE_BACKEND``               unset or ``vllm``: the plugin changes nothing.
+                                   ``shm``: PLE rows come from a ple-server. Any other
+                                   value stops vLLM with an error.
+``VLLM_PLE_SHM_SOCKET``            the server's control socket. Default:
+                                   ``$PLE_SERVER_SOCKET``, else the service's
+                                   ``/run/ple-server/ple.sock``.
+``VLLM_PLE_SHM_CONNECT_TIMEOUT=10``  seconds to connect and open the channel.
+``VLLM_PLE_SHM_LOOKUP_TIMEOUT=30``   seconds one request may take before the server
+                                   counts as hung (then the reconnect policy runs).
+``VLLM_PLE_SHM_RECONNECT_S=30``    how long a worker keeps reconnecting (with backoff)
+                                   to a server that went away mid-run before the
+                                   step fails. 0 = fail at once.
+``VLLM_PLE_SHM_DEPTH=4``           channel slots. Prefetch keeps two requests in flight
+                                   (the next layer's and the current one's) plus slots
+                                   whose device copy is still running.
+``VLLM_PLE_SHM_CAPACITY``          rows per request (default: the server's, 16384).
+                                   Larger batches are split over slots.
+``VLLM_PLE_SHM_PREFETCH=1``        look rows up for layer i+1 while layer i runs
+                                   (``start_prefetch``/``finalize_prefetch``). 0 = look
+                                   up synchronously in ``forward``.
+``VLLM_PLE_SHM_CHECKPOINT``        the checkpoint directory the identity check reads.
+                                   Default: vLLM's ``--model`` (a local directory, or a
+                                   Hugging Face repo already in the local cache).
+``VLLM_PLE_SHM_ALLOW_DUMMY=0``     1 = with ``--load-format dummy`` run without any
+                                   server: PLE rows are zeros (logged). Off by default
+                                   so that zeros never appear unasked.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pleclient import protocol
+
+ENV_BACKEND = "VLLM_PLE_BACKEND"
+BACKEND_VLLM = "vllm"
+BACKEND_SHM = "shm"
+BACKENDS = (BACKEND_VLLM, BACKEND_SHM)
+
+ENV_SOCKET = "VLLM_PLE_SHM_SOCKET"
+ENV_CONNECT_TIMEOUT = "VLLM_PLE_SHM_CONNECT_TIMEOUT"
+ENV_LOOKUP_TIMEOUT = "VLLM_PLE_SHM_LOOKUP_TIMEOUT"
+ENV_RECONNECT = "VLLM_PLE_SHM_RECONNECT_S"
+ENV_DEPTH = "VLLM_PLE_SHM_DEPTH"
+ENV_CAPACITY = "VLLM_PLE_SHM_CAPACITY"
+ENV_PREFETCH = "VLLM_PLE_SHM_PREFETCH"
+ENV_CHECKPOINT = "VLLM_PLE_SHM_CHECKPOINT"
+ENV_ALLOW_DUMMY = "VLLM_PLE_SHM_ALLOW_DUMMY"
+
+MIN_DEPTH = 2  # prefetch needs the next layer's request beside the current one
+
+
+class SettingsError(ValueError):
+    """An environment setting of the plugin has a value it cannot use."""
+
+
+def backend() -> str:
+    """The selected PLE backend; raises SettingsError for an unknown value."""
+    value = os.environ.get(ENV_BACKEND, "").strip().lower()
+    if value in ("", BACKEND_VLLM):
+        return BACKEND_VLLM
+    if value == BACKEND_SHM:
+        return BACKEND_SHM
+    raise SettingsError(
+        f"{ENV_BACKEND}={os.environ[ENV_BACKEND]!r} is not a PLE backend; use "
+        f"{ENV_BACKEND}=shm to serve PLE rows from ple-server, or unset it (or "
+        f"{ENV_BACKEND}=vllm) to keep vLLM's own table")
+
+
+@dataclass(frozen=True)
+class ShmSettings:
+    socket: str
+    connect_timeout: float = 10.0
+    lookup_timeout: float = 30.0
+    reconnect_window: float = 30.0
+    depth: int = protocol.DEFAULT_DEPTH
+    capacity: int | None = None
+    prefetch: bool = True
+    checkpoint: str | None = None
+    allow_dummy: bool = False
+
+    @classmethod
+    def from_env(cls) -> "ShmSettings":
+        socket = (os.environ.get(ENV_SOCKET) or os.environ.get(protocol.SOCKET_ENV)
+                  or protocol.DEFAULT_SOCKET)
+        depth = _int(ENV_DEPTH, protocol.DEFAULT_DEPTH)
+        if not MIN_DEPTH <= depth <= protocol.MAX_DEPTH:
+            raise SettingsError(f"{ENV_DEPTH}={depth}: the channel depth must lie in "
+                                f"[{MIN_DEPTH}, {protocol.MAX_DEPTH}]")
+        capacity = _int(ENV_CAPACITY, None)
+        if capacity is not None and capacity < 1:
+            raise SettingsError(f"{ENV_CAPACITY}={capacity}: must be a positive number "
+                                "of rows (or unset for the server's default)")
+        return cls(
+            socket=socket,
+            connect_timeout=_float(ENV_CONNECT_TIMEOUT, 10.0, minimum=0.1),
+            lookup_timeout=_float(ENV_LOOKUP_TIMEOUT, 30.0, minimum=0.1),
+            reconnect_window=_float(ENV_RECONNECT, 30.0, minimum=0.0),
+            depth=depth,
+            capacity=capacity,
+            prefetch=_bool(ENV_PREFETCH, True),
+            checkpoint=os.environ.get(ENV_CHECKPOINT) or None,
+            allow_dummy=_bool(ENV_ALLOW_DUMMY, False),
+        )
+
+
+def _int(name: str, default: int | None) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not an integer") from None
+
+
+def _float(name: str, default: float, *, minimum: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a number of seconds") from None
+    if value < minimum:
+        raise SettingsError(f"{name}={raw!r}: must be at least {minimum}")
+    return value
+
+
+def _bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name}={raw!r}: use 1 or 0")

@@ -1,0 +1,568 @@
+"""The ple-server process: lifecycle, control socket, sessions and channels.
+
+Everything about the process's life is here, in ``Server``: start (tables,
+stale-name cleanup, socket, serving loop, prewarm, readiness), one
+``handle_<signal>`` method per signal, the control loop (a selector over the
+listening socket, the sessions and a signal wake-up pipe), and stop. The data
+plane lives in ``pleserver.serving``; tables in ``pleserver.table``.
+
+Access model (see README, "Security"):
+- who may connect: the peer's SO_PEERCRED uid/gids against ``allow_uids`` /
+  ``allow_gids`` (the server's own uid and root always may);
+- a session's shared-memory segment is created 0600, unlinked at once and
+  handed over as a file descriptor (SCM_RIGHTS): no other process can open it;
+- its semaphores are created 0600 and, for a client of another uid, chowned to
+  that uid (needs CAP_CHOWN, which the systemd unit grants) or else shared
+  through ``client_group`` with mode 0660; their names are unlinked as soon as
+  the client has opened them.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import selectors
+import signal
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+
+import posix_ipc
+
+from pleclient import protocol as p
+from pleclient.channel import ChannelMap
+from pleclient.checkpoint import discover_tables
+from pleserver import __version__
+from pleserver.config import ServerConfig
+from pleserver.serving import Channel, ServingLoop
+from pleserver.stats import TableStats
+from pleserver.systemd import Notifier, watchdog_interval
+from pleserver.table import Prewarm, open_tables
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+RESIDENCY_CACHE_S = 2.0
+
+
+@dataclass
+class Session:
+    id: int
+    sock: socket.socket
+    pid: int
+    uid: int
+    gid: int
+    reader: p.FrameReader = field(default_factory=p.FrameReader)
+    name: str = ""
+    greeted: bool = False
+    channel: Channel | None = None
+    pending: object | None = None  # channel parts awaiting CHANNEL_OPENED
+    sem_names: list[str] = field(default_factory=list)  # not yet unlinked
+    opened_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def peer(self) -> str:
+        return f"pid {self.pid} uid {self.uid}" + (f" ({self.name})" if self.name else "")
+
+
+class StartupError(RuntimeError):
+    """The server cannot start; the message says why and what to do."""
+
+
+class Server:
+    def __init__(self, config: ServerConfig, notifier: Notifier | None = None) -> None:
+        self.config = config
+        self.notifier = notifier or Notifier()
+        self.instance = f"{p.NAME_PREFIX}.{os.getpid()}"
+        self.started = time.monotonic()
+        self.sessions: dict[socket.socket, Session] = {}
+        self._next_session = 1
+        self._stopping = False
+        self._stop_reason = ""
+        self._selector = selectors.DefaultSelector()
+        self._listener: socket.socket | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._residency: tuple[float, list[float | None]] = (0.0, [])
+        self.tables, self._files, self._pool = [], {}, None
+        self.loop: ServingLoop | None = None
+        self.prewarm: Prewarm | None = None
+        self.metrics = None
+
+    # ------------------------------------------------------------- lifecycle
+    def run(self) -> int:
+        """Start, serve until SIGTERM/SIGINT, stop cleanly. Returns the exit code."""
+        try:
+            self.start()
+        except StartupError as exc:
+            log.error("%s", exc)
+            self.close_resources()
+            return 2
+        try:
+            self.control_loop()
+        finally:
+            self.stop()
+        return 0
+
+    def start(self) -> None:
+        cfg = self.config
+        specs = discover_tables(cfg.model) if cfg.model else []
+        if not specs:
+            raise StartupError("no model directory given: pass --model DIR (or `model` in "
+                               "the config file)")
+        self.tables, self._files, self._pool = open_tables(
+            specs, cfg.gather_workers, cfg.parallel_min_rows, cfg.dedup_min_rows)
+        self.table_stats = [TableStats(t.spec.name, t.spec.layer) for t in self.tables]
+        for t in self.tables:
+            s = t.spec
+            log.info("table %s: layer %d, %d rows × %d %s (%d B/row), %d shards, %.2f GiB, "
+                     "fingerprint %s", s.name, s.layer, s.rows, s.cols, s.dtype, s.row_bytes,
+                     s.parts, s.nbytes / 2**30, s.fingerprint)
+        self.remove_stale_names()
+        self._listen()
+        interval = cfg.watchdog_s or watchdog_interval()
+        self.loop = ServingLoop(self.tables, self.table_stats, cfg.spin_us * 1e-6,
+                                heartbeat=self.notifier.watchdog if interval else None,
+                                heartbeat_every_s=min(interval or 1.0, 1.0))
+        self.loop.start()
+        if cfg.prewarm == "full":
+            self.prewarm = Prewarm(self.tables, cfg.prewarm_budget, cfg.prewarm_reserve)
+            self.prewarm.on_progress = self._report_prewarm
+            self.prewarm.start()
+        if cfg.metrics_address:
+            from pleserver.metrics import MetricsEndpoint
+            self.metrics = MetricsEndpoint(cfg.metrics_address, self.snapshot)
+            self.metrics.start()
+        for signum, handler in ((signal.SIGTERM, self.handle_sigterm),
+                                (signal.SIGINT, self.handle_sigint),
+                                (signal.SIGHUP, self.handle_sighup)):
+            signal.signal(signum, handler)
+        self._wake_w.setblocking(False)
+        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        status = f"serving {len(self.tables)} tables on {cfg.socket}"
+        log.info("ple-server %s ready: %s", __version__, status)
+        self.notifier.ready(status)
+
+    def _listen(self) -> None:
+        path = self.config.socket
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if os.path.exists(path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.settimeout(1.0)
+                probe.connect(path)
+            except (ConnectionRefusedError, FileNotFoundError):
+                log.info("removing stale socket %s (no server listens on it)", path)
+                os.unlink(path)
+            except OSError as exc:
+                raise StartupError(f"socket path {path} exists and cannot be probed ({exc}); "
+                                   "remove it or choose another --socket") from None
+            else:
+                raise StartupError(f"socket {path} is in use by a live ple-server; stop it "
+                                   "first (`systemctl stop ple-server`) or choose another "
+                                   "--socket")
+            finally:
+                probe.close()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(path)
+        except OSError as exc:
+            listener.close()
+            raise StartupError(f"cannot bind {path}: {exc.strerror}; check that the "
+                               "directory exists and this user may write it") from None
+        os.chmod(path, self.config.socket_mode)
+        listener.listen(128)
+        listener.setblocking(False)
+        self._listener = listener
+        self._selector.register(listener, selectors.EVENT_READ, "accept")
+
+    def handle_sigterm(self, signum, frame) -> None:
+        self.request_stop("SIGTERM")
+
+    def handle_sigint(self, signum, frame) -> None:
+        self.request_stop("SIGINT")
+
+    def handle_sighup(self, signum, frame) -> None:
+        log.info("SIGHUP: configuration reload is not supported; restart the service "
+                 "to apply changes")
+
+    def request_stop(self, reason: str) -> None:
+        self._stopping = True
+        self._stop_reason = reason
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        """Stop accepting, finish in-flight requests, tell clients, free everything."""
+        log.info("stopping (%s): finishing in-flight requests", self._stop_reason or "exit")
+        self.notifier.stopping()
+        if self._listener is not None:
+            self._selector.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+            try:
+                os.unlink(self.config.socket)
+            except FileNotFoundError:
+                pass
+        if self.loop is not None:
+            self.loop.stop()
+        for session in list(self.sessions.values()):
+            self._send(session, {"type": p.MessageType.SHUTDOWN.value,
+                                 "reason": self._stop_reason or "server stopping"})
+            self._close_session(session, "server stopping")
+        self.close_resources()
+        signal.set_wakeup_fd(-1)
+        log.info("stopped")
+
+    def close_resources(self) -> None:
+        if self.prewarm is not None:
+            self.prewarm.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for f in self._files.values():
+            f.close()
+        self._files = {}
+
+    # ------------------------------------------------------------ stale names
+    def remove_stale_names(self) -> None:
+        """Unlink shm/semaphore names left by dead ple-server instances."""
+        try:
+            entries = os.listdir(SHM_DIR)
+        except OSError:
+            return
+        removed = 0
+        for entry in entries:
+            name = entry[4:] if entry.startswith("sem.") else entry
+            parts = name.split(".")
+            if parts[0] != p.NAME_PREFIX or len(parts) < 3 or not parts[1].isdigit():
+                continue
+            pid = int(parts[1])
+            if pid == os.getpid() or _alive(pid):
+                continue
+            try:
+                os.unlink(os.path.join(SHM_DIR, entry))
+                removed += 1
+            except OSError as exc:
+                log.warning("cannot remove stale %s/%s: %s", SHM_DIR, entry, exc.strerror)
+        if removed:
+            log.info("removed %d stale shared-memory names of dead instances", removed)
+
+    # ---------------------------------------------------------- control loop
+    def control_loop(self) -> None:
+        while not self._stopping:
+            for key, _ in self._selector.select(timeout=1.0):
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "wake":
+                    try:
+                        self._wake_r.recv(4096)
+                    except BlockingIOError:
+                        pass
+                else:
+                    self._on_readable(key.data)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:  # EMFILE and friends: keep serving the others
+            log.error("accept failed: %s", exc)
+            time.sleep(0.05)
+            return
+        pid, uid, gid = struct.unpack("3i", sock.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        session = Session(self._next_session, sock, pid, uid, gid)
+        self._next_session += 1
+        reason = self._refusal(session)
+        if reason:
+            code, text = reason
+            log.warning("refused connection from %s: %s", session.peer, text)
+            sock.settimeout(0.5)
+            try:
+                p.send_message(sock, {"type": p.MessageType.ERROR.value, "code": int(code),
+                                      "message": text})
+            except OSError:
+                pass
+            sock.close()
+            return
+        sock.setblocking(False)
+        self.sessions[sock] = session
+        self._selector.register(sock, selectors.EVENT_READ, session)
+
+    def _refusal(self, s: Session) -> tuple[p.ErrorCode, str] | None:
+        cfg = self.config
+        if not (s.uid in (0, os.geteuid()) or s.uid in cfg.allow_uids
+                or (cfg.allow_gids and set(cfg.allow_gids) & _groups_of(s.pid, s.gid))):
+            return (p.ErrorCode.NOT_ALLOWED,
+                    f"uid {s.uid} (pid {s.pid}) may not use this ple-server; add the uid "
+                    "to allow_uids or one of its groups to allow_gids in the server config")
+        if len(self.sessions) >= cfg.max_clients:
+            return (p.ErrorCode.TOO_MANY_CLIENTS,
+                    f"ple-server already has {len(self.sessions)} clients (max_clients = "
+                    f"{cfg.max_clients}); close idle clients or raise max_clients")
+        return None
+
+    def _on_readable(self, session: Session) -> None:
+        try:
+            data = session.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._close_session(session, f"socket error: {exc}")
+            return
+        if not data:
+            self._close_session(session, "client closed the connection")
+            return
+        try:
+            messages = session.reader.feed(data)
+        except p.FrameError as exc:
+            self._reject(session, p.ErrorCode.BAD_MESSAGE, str(exc), close=True)
+            return
+        for msg in messages:
+            if session.sock not in self.sessions:
+                return
+            try:
+                self._dispatch(session, msg)
+            except Exception as exc:  # one client's message never takes the server down
+                log.exception("session %d (%s): error handling %r", session.id,
+                              session.peer, msg.get("type"))
+                self._reject(session, p.ErrorCode.INTERNAL, f"internal error: {exc}",
+                             close=True)
+
+    def _dispatch(self, s: Session, msg: dict) -> None:
+        kind = msg["type"]
+        if kind == p.MessageType.HELLO.value:
+            return self._on_hello(s, msg)
+        if not s.greeted:
+            return self._reject(s, p.ErrorCode.BAD_MESSAGE,
+                                f"{kind!r} before 'hello'", close=True)
+        if kind == p.MessageType.OPEN_CHANNEL.value:
+            return self._on_open_channel(s, msg)
+        if kind == p.MessageType.CHANNEL_OPENED.value:
+            return self._on_channel_opened(s)
+        if kind == p.MessageType.STATS.value:
+            return self._send(s, {"type": p.MessageType.STATS.value, "stats": self.snapshot()})
+        if kind == p.MessageType.BYE.value:
+            return self._close_session(s, "bye")
+        self._reject(s, p.ErrorCode.BAD_MESSAGE, f"unknown message type {kind!r}")
+
+    def _on_hello(self, s: Session, msg: dict) -> None:
+        version = msg.get("version")
+        if version != p.PROTOCOL_VERSION:
+            return self._reject(s, p.ErrorCode.VERSION_MISMATCH,
+                                f"client speaks protocol {version!r}, this ple-server "
+                                f"{__version__} speaks {p.PROTOCOL_VERSION}; install "
+                                "matching pleserver versions", close=True)
+        name = msg.get("name")
+        s.name = name[:64] if isinstance(name, str) else ""
+        s.greeted = True
+        self._send(s, {"type": p.MessageType.WELCOME.value, "version": p.PROTOCOL_VERSION,
+                       "server": __version__, "instance": self.instance, "pid": os.getpid(),
+                       "tables": [t.spec.info() for t in self.tables]})
+
+    def _on_open_channel(self, s: Session, msg: dict) -> None:
+        cfg = self.config
+        if s.channel is not None or s.pending is not None:
+            return self._reject(s, p.ErrorCode.CHANNEL_LIMIT,
+                                "this session already has its channel (one per session)")
+        capacity, depth = msg.get("capacity", cfg.default_capacity), \
+            msg.get("depth", cfg.default_depth)
+        if not (isinstance(capacity, int) and 1 <= capacity <= cfg.max_capacity):
+            return self._reject(s, p.ErrorCode.CHANNEL_LIMIT,
+                                f"capacity {capacity!r} out of range 1..{cfg.max_capacity}")
+        if not (isinstance(depth, int) and 1 <= depth <= cfg.max_depth):
+            return self._reject(s, p.ErrorCode.CHANNEL_LIMIT,
+                                f"depth {depth!r} out of range 1..{cfg.max_depth}")
+        layout = p.ChannelLayout(depth, capacity, max(t.row_bytes for t in self.tables))
+        if layout.size > cfg.max_channel_bytes:
+            return self._reject(s, p.ErrorCode.CHANNEL_LIMIT,
+                                f"a channel of depth {depth} × capacity {capacity} needs "
+                                f"{layout.size / 2**20:.0f} MiB, over max_channel_bytes "
+                                f"({cfg.max_channel_bytes / 2**20:.0f} MiB)")
+        base = f"/{self.instance}.{s.id}.{secrets.token_hex(6)}"
+        try:
+            parts = self._create_channel(s, base, layout)
+        except OSError as exc:
+            log.warning("session %d (%s): cannot create its channel: %s", s.id, s.peer, exc)
+            return self._reject(s, p.ErrorCode.NO_RESOURCES, str(exc))
+        mapping, shm_fd, submit, dones = parts
+        s.pending = (mapping, submit, dones)
+        try:
+            self._send(s, {"type": p.MessageType.CHANNEL.value, "layout": layout.to_wire(),
+                           "submit_semaphore": submit.name,
+                           "done_semaphores": [d.name for d in dones]}, fds=[shm_fd])
+        finally:
+            os.close(shm_fd)
+
+    def _create_channel(self, s: Session, base: str, layout: p.ChannelLayout):
+        """Segment (0600, unlinked at once, fd for the peer) and semaphores.
+        Raises OSError with a message naming the fix; leaves nothing behind."""
+        shm = posix_ipc.SharedMemory(base, posix_ipc.O_CREX, mode=0o600, size=layout.size)
+        fd = shm.fd
+        try:
+            shm.unlink()
+            try:  # reserve the pages now: a full /dev/shm must fail here, not SIGBUS later
+                os.posix_fallocate(fd, 0, layout.size)
+            except OSError as exc:
+                raise OSError(exc.errno, f"/dev/shm has no room for a {layout.size / 2**20:.1f}"
+                              f" MiB channel ({exc.strerror}); enlarge /dev/shm or ask for "
+                              "a smaller capacity/depth") from None
+            mapping = ChannelMap(fd, layout, format_header=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        submit_name, done_names = p.semaphore_names(base, layout.depth)
+        sems: list[posix_ipc.Semaphore] = []
+        try:
+            for name in [submit_name, *done_names]:
+                sems.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600,
+                                                initial_value=0))
+                s.sem_names.append(name)
+                self._grant(name, s)
+        except BaseException as exc:
+            for sem in sems:
+                sem.close()
+            self._unlink_names(s)
+            mapping.close()
+            os.close(fd)
+            if isinstance(exc, posix_ipc.Error):
+                raise OSError(errno.EIO, f"cannot create semaphores: {exc}") from None
+            raise
+        return mapping, fd, sems[0], sems[1:]
+
+    def _grant(self, sem_name: str, s: Session) -> None:
+        if s.uid == os.geteuid():
+            return
+        path = os.path.join(SHM_DIR, "sem." + sem_name.lstrip("/"))
+        try:
+            os.chown(path, s.uid, -1)
+            return
+        except PermissionError:
+            pass
+        if self.config.client_group is None:
+            raise OSError(errno.EPERM, f"client uid {s.uid} differs from the server's uid "
+                          f"{os.geteuid()} and the server may not chown its semaphores: "
+                          "grant CAP_CHOWN (the systemd unit does) or set client_group")
+        os.chown(path, -1, self.config.client_group)
+        os.chmod(path, 0o660)
+
+    def _on_channel_opened(self, s: Session) -> None:
+        if s.pending is None:
+            return self._reject(s, p.ErrorCode.BAD_MESSAGE, "'channel_opened' without a channel")
+        mapping, submit, dones = s.pending
+        s.pending = None
+        self._unlink_names(s)
+        s.channel = Channel(s.id, s.peer, mapping, submit, dones)
+        self.loop.add(s.channel)
+        log.info("session %d open: %s, channel depth %d × capacity %d (%.1f MiB)", s.id,
+                 s.peer, mapping.layout.depth, mapping.layout.capacity,
+                 mapping.layout.size / 2**20)
+        self._send(s, {"type": p.MessageType.CHANNEL_OPENED.value})
+
+    def _unlink_names(self, s: Session) -> None:
+        for name in s.sem_names:
+            try:
+                posix_ipc.unlink_semaphore(name)
+            except posix_ipc.ExistentialError:
+                pass
+        s.sem_names = []
+
+    def _send(self, s: Session, msg: dict, fds: list[int] | None = None) -> None:
+        try:
+            s.sock.setblocking(True)
+            s.sock.settimeout(1.0)  # a client that never reads is dropped, not waited on
+            p.send_message(s.sock, msg, fds)
+        except OSError as exc:
+            self._close_session(s, f"cannot send to client: {exc}")
+        finally:
+            if s.sock.fileno() >= 0:
+                s.sock.setblocking(False)
+
+    def _reject(self, s: Session, code: p.ErrorCode, text: str, close: bool = False) -> None:
+        log.warning("session %d (%s): %s", s.id, s.peer, text)
+        self._send(s, {"type": p.MessageType.ERROR.value, "code": int(code), "message": text})
+        if close:
+            self._close_session(s, text)
+
+    def _close_session(self, s: Session, why: str) -> None:
+        if self.sessions.pop(s.sock, None) is None:
+            return
+        try:
+            self._selector.unregister(s.sock)
+        except (KeyError, ValueError):
+            pass
+        self._unlink_names(s)
+        if s.pending is not None:
+            mapping, submit, dones = s.pending
+            for sem in [submit, *dones]:
+                sem.close()
+            mapping.close()
+            s.pending = None
+        if s.channel is not None:
+            self.loop.remove(s.channel)
+            s.channel = None
+        s.sock.close()
+        log.info("session %d closed: %s, %.1f s, %s", s.id, s.peer,
+                 time.monotonic() - s.opened_at, why)
+
+    # ----------------------------------------------------------------- stats
+    def snapshot(self) -> dict:
+        """Every number `pleserver stats` and the metrics endpoint show."""
+        now = time.monotonic()
+        if now - self._residency[0] > RESIDENCY_CACHE_S:
+            fractions: list[float | None] = []
+            for t in self.tables:
+                try:
+                    fractions.append(t.resident_bytes() / t.spec.nbytes if t.spec.nbytes else 1.0)
+                except OSError:
+                    fractions.append(None)
+            self._residency = (now, fractions)
+        tables = []
+        for t, st, resident in zip(self.tables, self.table_stats, self._residency[1]):
+            snap = st.snapshot()
+            snap.update(dtype=t.spec.dtype, rows_total=t.spec.rows, cols=t.spec.cols,
+                        row_bytes=t.row_bytes, table_bytes=t.spec.nbytes,
+                        fingerprint=t.spec.fingerprint, resident_fraction=resident)
+            tables.append(snap)
+        return {"pid": os.getpid(), "version": __version__, "model": self.config.model,
+                "socket": self.config.socket, "uptime_s": now - self.started,
+                "clients": len(self.sessions),
+                "channels": self.loop.channel_count if self.loop else 0,
+                "prewarm": self.prewarm.snapshot() if self.prewarm else None,
+                "tables": tables}
+
+    def _report_prewarm(self, prewarm: Prewarm) -> None:
+        self.notifier.status(f"prewarm {prewarm.state}: {100 * prewarm.fraction:.1f}% "
+                             f"({prewarm.done_bytes / 2**30:.2f} of "
+                             f"{prewarm.target / 2**30:.2f} GiB)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _groups_of(pid: int, gid: int) -> set[int]:
+    """The primary and supplementary groups of a live process."""
+    groups = {gid}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    groups.update(int(g) for g in line.split()[1:])
+    except OSError:
+        pass
+    return groups

@@ -1,0 +1,309 @@
+"""The data plane: one loop polls every channel, gathers rows into slots.
+
+Threads, and why:
+- **one serving loop** polls all channels' submit counters (one load each), so
+  many clients never mean many spinning Python threads fighting for the GIL.
+  After ``spin`` seconds without work it blocks;
+- **one waiter thread per channel**, parked while the loop spins; while the
+  loop sleeps each waiter blocks on its channel's ``submit`` semaphore (no CPU)
+  and hands every token it takes to the loop, then wakes it;
+- **gather workers** (the tables' pool) for requests of ``parallel_min_rows``
+  or more: the loop hands them off and keeps serving other channels; the last
+  chunk to finish completes the slot.
+
+Every request: acquire one ``submit`` token (pairs with the client's post),
+copy count and ids out of shared memory, validate the copies, gather, write
+the result words, set DONE or ERROR, post the slot's ``done`` semaphore.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import posix_ipc
+
+from pleclient import protocol as p
+from pleclient.channel import ChannelMap, SlotView
+from pleserver.stats import TableStats
+from pleserver.table import Table
+
+log = logging.getLogger(__name__)
+
+WAITER_SLICE_S = 0.25
+"""A parked or blocked waiter re-checks whether it is still needed this often."""
+
+
+class Channel:
+    """The server's side of one session's channel."""
+
+    def __init__(self, session_id: int, peer: str, mapping: ChannelMap,
+                 submit_sem: posix_ipc.Semaphore, done_sems: list[posix_ipc.Semaphore]) -> None:
+        self.session_id = session_id
+        self.peer = peer
+        self.map = mapping
+        self.submit_sem = submit_sem
+        self.done_sems = done_sems
+        self.seen = mapping.submit_counter  # submits whose token we hold
+        self.tokens = 0  # tokens taken by the waiter thread, not yet used
+        self.busy: set[int] = set()  # slots handed to gather workers
+        self.closing = False
+        self.lock = threading.Lock()
+        self.waiter: threading.Thread | None = None
+
+    def take_token(self) -> bool:
+        with self.lock:
+            if self.tokens:
+                self.tokens -= 1
+                return True
+        try:
+            self.submit_sem.acquire(0)
+            return True
+        except posix_ipc.BusyError:
+            return False
+
+    def destroy(self) -> None:
+        """Close semaphores and unmap (names were unlinked long ago)."""
+        for sem in [self.submit_sem, *self.done_sems]:
+            try:
+                sem.close()
+            except posix_ipc.ExistentialError:
+                pass
+        self.map.close()
+
+
+class ServingLoop:
+    def __init__(self, tables: list[Table], stats: list[TableStats], spin_s: float,
+                 heartbeat: Callable[[], None] | None = None,
+                 heartbeat_every_s: float = 1.0) -> None:
+        self.tables = tables
+        self.stats = stats
+        self.spin_s = spin_s
+        self.heartbeat = heartbeat
+        self.heartbeat_every_s = heartbeat_every_s
+        self.channels: list[Channel] = []  # replaced, never mutated: the loop reads it lock-free
+        self._change = threading.Lock()
+        self._retired: list[Channel] = []
+        self._wakeup = threading.Event()
+        self._sleeping = threading.Event()  # set while the loop blocks: waiters then wait on sems
+        self._stop = threading.Event()
+        self._draining = False
+        self._inflight = 0  # handed-off requests not yet completed
+        self._inflight_lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="serving", daemon=True)
+        self.last_tick = time.monotonic()
+
+    # --------------------------------------------------------------- channels
+    def add(self, channel: Channel) -> None:
+        channel.waiter = threading.Thread(target=self._waiter, args=(channel,),
+                                          name=f"waiter-{channel.session_id}", daemon=True)
+        with self._change:
+            self.channels = [*self.channels, channel]
+        channel.waiter.start()
+        self._wakeup.set()
+
+    def remove(self, channel: Channel) -> None:
+        """Stop serving ``channel``; it is destroyed once nothing uses it."""
+        channel.closing = True
+        try:
+            channel.submit_sem.release()  # wake its waiter if it blocks there
+        except posix_ipc.ExistentialError:
+            pass
+        with self._change:
+            self.channels = [c for c in self.channels if c is not channel]
+            self._retired.append(channel)
+        self._wakeup.set()
+
+    @property
+    def channel_count(self) -> int:
+        return len(self.channels)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, drain_s: float = 5.0) -> None:
+        """Serve what was already submitted (up to ``drain_s``), then stop."""
+        self._draining = True
+        deadline = time.monotonic() + drain_s
+        self._wakeup.set()
+        while time.monotonic() < deadline and (self._inflight or self._pending_work()):
+            time.sleep(0.005)
+        self._stop.set()
+        self._sleeping.set()
+        self._wakeup.set()
+        self.thread.join()
+        for ch in self.channels:
+            self.remove(ch)
+        self._reap(force=True)
+
+    def _pending_work(self) -> bool:
+        return any(c.map.submit_counter != c.seen for c in self.channels)
+
+    # ------------------------------------------------------------------- loop
+    def _run(self) -> None:
+        idle_since = time.monotonic()
+        next_beat = 0.0
+        while not self._stop.is_set():
+            did = False
+            for ch in self.channels:
+                if ch.map.submit_counter != ch.seen and not ch.closing:
+                    did |= self._serve_channel(ch)
+            now = time.monotonic()
+            if self._retired:
+                self._reap()
+            if now >= next_beat:
+                self.last_tick = now
+                next_beat = now + self.heartbeat_every_s
+                if self.heartbeat:
+                    self.heartbeat()
+            if did:
+                idle_since = now
+                continue
+            if now - idle_since < self.spin_s and not self._draining:
+                if self._inflight:
+                    time.sleep(0)  # let gather workers take the GIL
+                continue
+            # Idle: block. Waiters now watch the semaphores and wake us.
+            self._wakeup.clear()
+            self._sleeping.set()
+            if not self._pending_work():
+                self._wakeup.wait(self.heartbeat_every_s if not self._draining else 0.002)
+            self._sleeping.clear()
+            idle_since = time.monotonic()
+
+    def _serve_channel(self, ch: Channel) -> bool:
+        did = False
+        while ch.map.submit_counter != ch.seen and ch.take_token():
+            ch.seen = (ch.seen + 1) & 0xFFFFFFFF
+            did = True
+        if not did:
+            return False
+        for slot in ch.map.slots:
+            words = slot.words
+            if words[p.SL_STATE] != p.SlotState.SUBMITTED or slot.index in ch.busy:
+                continue
+            # Only slots whose submit token we hold: their ids are visible.
+            if ((ch.seen - words[p.SL_SEQUENCE] - 1) & 0xFFFFFFFF) >= 0x80000000:
+                continue
+            self._serve_slot(ch, slot)
+        return True
+
+    def _serve_slot(self, ch: Channel, slot: SlotView) -> None:
+        started = time.monotonic_ns()
+        words = slot.words
+        table_index = words[p.SL_TABLE]
+        count = words[p.SL_COUNT]  # copied once: the client may rewrite the slot
+        submitted_ns = slot.words64[p.SL_SUBMIT_NS // 2]
+        if table_index >= len(self.tables):
+            self._fail(ch, slot, p.ErrorCode.BAD_TABLE, None, "bad_table",
+                       f"table index {table_index} out of range: this server has "
+                       f"{len(self.tables)} tables (indexes 0..{len(self.tables) - 1})")
+            return
+        table, stats = self.tables[table_index], self.stats[table_index]
+        capacity = ch.map.layout.capacity
+        if count > capacity:
+            self._fail(ch, slot, p.ErrorCode.BAD_COUNT, stats, "bad_count",
+                       f"row count {count} exceeds the channel capacity {capacity}")
+            return
+        ids = slot.ids[:count].copy()
+        if count:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= table.rows:
+                bad = int(np.flatnonzero((ids < 0) | (ids >= table.rows))[0])
+                self._fail(ch, slot, p.ErrorCode.ID_OUT_OF_RANGE, stats, "id_out_of_range",
+                           f"id {int(ids[bad])} at position {bad} is out of range for "
+                           f"{table.spec.name} ({table.rows} rows: valid ids 0..{table.rows - 1})")
+                return
+        out = slot.rows_view(count, table.row_bytes)
+        if count >= table.parallel_min_rows and table.pool is not None:
+            self._hand_off(ch, slot, table, stats, ids, out, count, started, submitted_ns)
+            return
+        try:
+            table.gather(ids, out)
+        except Exception as exc:
+            log.exception("gather failed for session %d", ch.session_id)
+            self._fail(ch, slot, p.ErrorCode.INTERNAL, stats, "internal",
+                       f"internal error while gathering: {exc}")
+            return
+        self._complete(ch, slot, table, stats, count, started, submitted_ns)
+
+    def _hand_off(self, ch, slot, table, stats, ids, out, count, started, submitted_ns) -> None:
+        ch.busy.add(slot.index)
+        with self._inflight_lock:
+            self._inflight += 1
+
+        def run() -> None:
+            try:
+                table.gather(ids, out)
+            except Exception as exc:
+                log.exception("gather failed for session %d", ch.session_id)
+                self._fail(ch, slot, p.ErrorCode.INTERNAL, stats, "internal",
+                           f"internal error while gathering: {exc}")
+            else:
+                self._complete(ch, slot, table, stats, count, started, submitted_ns)
+            finally:
+                ch.busy.discard(slot.index)
+                with self._inflight_lock:
+                    self._inflight -= 1
+                if ch.closing:
+                    self._wakeup.set()
+
+        # A dedicated thread per large request: the table's pool is used *inside*
+        # gather for the chunks, and submitting the coordinator to that same
+        # pool could deadlock it.
+        threading.Thread(target=run, name="large-gather", daemon=True).start()
+
+    def _complete(self, ch, slot, table, stats, count, started, submitted_ns) -> None:
+        done = time.monotonic_ns()
+        words = slot.words
+        words[p.SL_ERROR] = p.ErrorCode.OK
+        slot.words64[p.SL_SERVER_NS // 2] = done - started
+        words[p.SL_STATE] = p.SlotState.DONE
+        ch.done_sems[slot.index].release()
+        stats.record(count, table.row_bytes, (done - started) * 1e-9,
+                     (started - submitted_ns) * 1e-9 if submitted_ns <= started else -1)
+
+    def _fail(self, ch, slot, code, stats, kind, text) -> None:
+        slot.set_error_text(text)
+        words = slot.words
+        words[p.SL_ERROR] = code
+        words[p.SL_STATE] = p.SlotState.ERROR
+        ch.done_sems[slot.index].release()
+        if stats is not None:
+            stats.record_error(kind)
+        log.debug("session %d (%s): request rejected: %s", ch.session_id, ch.peer, text)
+
+    # ----------------------------------------------------------------- waiters
+    def _waiter(self, ch: Channel) -> None:
+        while not ch.closing and not self._stop.is_set():
+            if not self._sleeping.wait(WAITER_SLICE_S):
+                continue
+            try:
+                ch.submit_sem.acquire(WAITER_SLICE_S)
+            except posix_ipc.BusyError:
+                continue
+            except posix_ipc.ExistentialError:
+                return
+            with ch.lock:
+                ch.tokens += 1
+            self._wakeup.set()
+
+    def _reap(self, force: bool = False) -> None:
+        with self._change:
+            retired, self._retired = self._retired, []
+        keep = []
+        for ch in retired:
+            waiter_alive = ch.waiter is not None and ch.waiter.is_alive()
+            if force and waiter_alive:
+                ch.waiter.join(timeout=2 * WAITER_SLICE_S + 1)
+                waiter_alive = ch.waiter.is_alive()
+            if (ch.busy or waiter_alive) and not force:
+                keep.append(ch)  # never block the loop: try again next pass
+                continue
+            ch.destroy()
+        if keep:
+            with self._change:
+                self._retired.extend(keep)

@@ -1,0 +1,109 @@
+"""Counters and latency histograms, and the snapshot that ``pleserver stats``,
+the STATS message and the Prometheus endpoint all read (one source of numbers).
+
+Latencies go into fixed log-spaced buckets (recording is a bisect and two
+increments under a lock, cheap enough per request); quantiles are read off the
+buckets, so p50/p99 are upper bounds with ≈ 19 % resolution.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+
+# Bucket upper bounds in seconds: 12 per decade from 1 µs to 100 s.
+BUCKETS_S: tuple[float, ...] = tuple(10 ** (-6 + i / 12) for i in range(0, 8 * 12 + 1))
+ERROR_KINDS = ("bad_table", "bad_count", "id_out_of_range", "internal")
+
+
+class Histogram:
+    """A latency histogram over ``BUCKETS_S`` (plus +Inf)."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKETS_S) + 1)
+        self.total = 0
+        self.sum_s = 0.0
+        self.max_s = 0.0
+
+    def record(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(BUCKETS_S, seconds)] += 1
+        self.total += 1
+        self.sum_s += seconds
+        if seconds > self.max_s:
+            self.max_s = seconds
+
+    def quantile(self, q: float) -> float:
+        if not self.total:
+            return 0.0
+        rank = q * self.total
+        seen = 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if seen >= rank and c:
+                return min(BUCKETS_S[i], self.max_s) if i < len(BUCKETS_S) else self.max_s
+        return self.max_s
+
+    def snapshot(self) -> dict:
+        return {"count": self.total, "sum_s": self.sum_s, "max_s": self.max_s,
+                "p50_s": self.quantile(0.5), "p99_s": self.quantile(0.99),
+                "buckets": list(self.counts)}
+
+
+@dataclass
+class TableStats:
+    """Per-table counters, updated by the serving loop and gather workers."""
+
+    name: str
+    layer: int
+    requests: int = 0
+    rows: int = 0
+    bytes: int = 0
+    errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ERROR_KINDS, 0))
+    server_time: Histogram = field(default_factory=Histogram)
+    queue_time: Histogram = field(default_factory=Histogram)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, rows: int, row_bytes: int, server_s: float, queue_s: float) -> None:
+        with self.lock:
+            self.requests += 1
+            self.rows += rows
+            self.bytes += rows * row_bytes
+            self.server_time.record(server_s)
+            if queue_s >= 0:
+                self.queue_time.record(queue_s)
+
+    def record_error(self, kind: str) -> None:
+        with self.lock:
+            self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {"name": self.name, "layer": self.layer, "requests": self.requests,
+                    "rows": self.rows, "bytes": self.bytes, "errors": dict(self.errors),
+                    "error_count": sum(self.errors.values()),
+                    "server_time": self.server_time.snapshot(),
+                    "queue_time": self.queue_time.snapshot()}
+
+
+def format_human(stats: dict) -> str:
+    """The ``pleserver stats`` text view of a snapshot."""
+    lines = [f"ple-server pid {stats['pid']}  up {stats['uptime_s']:.0f} s  "
+             f"clients {stats['clients']}  channels {stats['channels']}  "
+             f"model {stats['model']}"]
+    pw = stats.get("prewarm") or {}
+    if pw:
+        lines.append(f"prewarm {pw['state']}: {pw['done_bytes'] / 2**30:.2f} / "
+                     f"{pw['target_bytes'] / 2**30:.2f} GiB ({100 * pw['fraction']:.1f} %)")
+    lines.append(f"{'layer':>5} {'requests':>10} {'rows':>12} {'GiB':>8} {'errors':>7} "
+                 f"{'p50 µs':>8} {'p99 µs':>8} {'max µs':>9} {'resident':>9}  dtype")
+    for t in stats["tables"]:
+        st = t["server_time"]
+        resident = t.get("resident_fraction")
+        lines.append(
+            f"{t['layer']:>5} {t['requests']:>10} {t['rows']:>12} {t['bytes'] / 2**30:>8.3f} "
+            f"{t['error_count']:>7} {st['p50_s'] * 1e6:>8.1f} {st['p99_s'] * 1e6:>8.1f} "
+            f"{st['max_s'] * 1e6:>9.1f} "
+            f"{'' if resident is None else f'{100 * resident:.1f} %':>9}  "
+            f"{t['dtype']} {t['rows_total']}×{t['cols']}")
+    return "\n".join(lines)

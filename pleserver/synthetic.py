@@ -1,0 +1,167 @@
+"""Synthetic PLE checkpoints for the demo, the tests and the benchmarks.
+
+Writes real safetensors files in the layout of Qwen3.8-Flash-Next's PLE tables
+(shards split ``ceil(rows/parts)``, partial last shard, optional global FP8
+scale, an index file) with deterministic pseudo-random rows that are never
+NaN or Inf, so dequantized values compare exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from pleclient.checkpoint import INDEX_FILE, ITEMSIZE, read_header
+
+TABLE_PREFIX = "model.layers.{layer}.ple.ple_embedding.ngram_embedding"
+CHUNK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class SyntheticTable:
+    layer: int
+    rows: int
+    cols: int = 160
+    dtype: str = "BF16"
+    parts: int = 8
+    scale: float | None = None  # FP8 default: 0.0125
+
+    @property
+    def name(self) -> str:
+        return TABLE_PREFIX.format(layer=self.layer)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.cols * ITEMSIZE[self.dtype]
+
+    def shard_rows(self) -> list[int]:
+        size = math.ceil(self.rows / self.parts)
+        return [max(0, min(size, self.rows - i * size)) for i in range(self.parts)]
+
+
+DEMO_TABLES = (
+    SyntheticTable(layer=1, rows=200_003, cols=160, dtype="F8_E4M3", parts=16),
+    SyntheticTable(layer=3, rows=100_001, cols=160, dtype="BF16", parts=8),
+)
+
+
+def shard_bytes(table: SyntheticTable, index: int, seed: int = 0) -> np.ndarray:
+    """The deterministic contents of one shard, as uint8 [rows, row_bytes]."""
+    rows = table.shard_rows()[index]
+    rng = np.random.default_rng([seed, table.layer, index])
+    data = rng.integers(0, 256, size=(rows, table.row_bytes), dtype=np.uint8)
+    return _without_nan(data, table.dtype)
+
+
+def _without_nan(data: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "F8_E4M3":  # 0x7F / 0xFF are NaN
+        data[(data & 0x7F) == 0x7F] ^= 0x01
+    elif dtype == "F8_E5M2":  # exponent all ones: Inf / NaN
+        data[(data & 0x7C) == 0x7C] ^= 0x40
+    elif dtype == "BF16":
+        words = data.view("<u2")
+        words[(words & 0x7F80) == 0x7F80] ^= 0x4000
+    return data
+
+
+def write_safetensors(path: str, tensors: list[tuple[str, str, tuple[int, ...], object]]) -> None:
+    """Write ``(name, dtype, shape, producer)`` tensors; a producer is bytes or a
+    callable returning an iterator of byte chunks (for tables larger than RAM)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape, _ in tensors:
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, dtype, shape, producer in tensors:
+            chunks = [producer] if isinstance(producer, (bytes, bytearray, memoryview)) \
+                else producer()
+            for chunk in chunks:
+                f.write(chunk)
+    os.replace(tmp, path)
+
+
+def write_checkpoint(model_dir: str, tables: tuple[SyntheticTable, ...] | list[SyntheticTable]
+                     = DEMO_TABLES, *, files: int = 2, seed: int = 0, index: bool = True,
+                     extra_tensor: bool = True) -> str:
+    """Write a checkpoint with ``tables`` spread over ``files`` safetensors files.
+
+    The first file also holds a small non-PLE tensor (as real checkpoints mix
+    tensors), which also puts the shards after it at an offset that is not a
+    multiple of the row size."""
+    os.makedirs(model_dir, exist_ok=True)
+    per_file: list[list] = [[] for _ in range(files)]
+    if extra_tensor:
+        per_file[0].append(("model.embed_tokens.weight", "BF16", (3, 5), bytes(30)))
+    for table in tables:
+        for i, rows in enumerate(table.shard_rows()):
+            name = f"{table.name}.shard_{i}.weight"
+            per_file[i * files // table.parts].append(
+                (name, table.dtype, (rows, table.cols), _shard_producer(table, i, seed)))
+        if table.dtype.startswith("F8"):
+            scale = table.scale if table.scale is not None else 0.0125
+            per_file[-1].append((f"{table.name}.weight_scale", "F32", (),
+                                 struct.pack("<f", scale)))
+    weight_map = {}
+    for n, tensors in enumerate(per_file):
+        filename = f"model-{n + 1:05d}-of-{files:05d}.safetensors"
+        write_safetensors(os.path.join(model_dir, filename), tensors)
+        weight_map.update({name: filename for name, *_ in tensors})
+    if index:
+        with open(os.path.join(model_dir, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump({"ple_tables": [{"layer": t.layer, "rows": t.rows, "cols": t.cols,
+                                   "dtype": t.dtype, "parts": t.parts} for t in tables]},
+                  f, indent=1)
+    return model_dir
+
+
+def _shard_producer(table: SyntheticTable, index: int, seed: int):
+    rows = table.shard_rows()[index]
+    rows_per_chunk = max(1, CHUNK_BYTES // table.row_bytes)
+
+    def produce():
+        if rows * table.row_bytes <= CHUNK_BYTES:
+            yield shard_bytes(table, index, seed).tobytes()
+            return
+        rng = np.random.default_rng([seed, table.layer, index])
+        for start in range(0, rows, rows_per_chunk):
+            n = min(rows_per_chunk, rows - start)
+            chunk = rng.integers(0, 256, size=(n, table.row_bytes), dtype=np.uint8)
+            yield _without_nan(chunk, table.dtype).tobytes()
+
+    return produce
+
+
+def read_reference(model_dir: str, table_name: str) -> np.ndarray:
+    """The whole table as uint8 [rows, row_bytes], read with plain file reads
+    (independent of the server's mmap code; for tests on small tables)."""
+    entries = {}
+    for fn in sorted(os.listdir(model_dir)):
+        if fn.endswith(".safetensors"):
+            tensors, problems = read_header(os.path.join(model_dir, fn))
+            assert not problems, problems
+            entries.update(tensors)
+    prefix = table_name + ".shard_"
+    shards = sorted((int(n[len(prefix):].split(".")[0]), e) for n, e in entries.items()
+                    if n.startswith(prefix))
+    parts = []
+    for _, e in shards:
+        with open(e.path, "rb") as f:
+            f.seek(e.offset)
+            parts.append(np.frombuffer(f.read(e.nbytes), dtype=np.uint8)
+                         .reshape(e.shape[0], -1))
+    return np.concatenate(parts)
