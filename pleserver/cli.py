@@ -103,10 +103,23 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from pleserver.demo import run_demo
+    from pleserver.stats import format_human
 
     setup_logging(args.log_level)
-    return run_demo(cache_dir=args.cache_dir, seconds=args.seconds, clients=args.clients,
-                    as_json=args.json)
+    code, report = run_demo(cache_dir=args.cache_dir, seconds=args.seconds,
+                            clients=args.clients)
+    if args.json:
+        print(json.dumps(report))
+        return code
+    print(f"demo checkpoint: {report['model']}")
+    print(f"{report['clients']} client processes, {report['seconds']:.0f} s: "
+          f"{report['requests']} requests, {report['rows']} rows, "
+          f"{report['mismatches']} mismatching, {report['errors']} errors")
+    print(format_human(report["stats"]))
+    print("server stopped cleanly" if report["server_exit_code"] == 0 else
+          f"server exited with code {report['server_exit_code']}")
+    print("demo OK" if code == 0 else "demo FAILED")
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,102 @@
+"""``pleserver demo``: the whole path on a generated checkpoint, in a few seconds.
+
+Generates a small checkpoint (an FP8 table with its scale and a BF16 table,
+partial last shards) in the cache directory, starts a real ple-server process,
+drives it from several client processes that check every row against the
+files, prints the server's statistics and stops it with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from pleclient import PleClient, PleError
+from pleclient.checkpoint import CheckpointError, discover_tables
+from pleserver.synthetic import DEMO_TABLES, read_reference, write_checkpoint
+
+log = logging.getLogger(__name__)
+
+DEMO_VERSION = 1  # bump when DEMO_TABLES change, so a stale cache is regenerated
+REQUEST_SIZES = (1, 16, 256, 4096, 20000)
+
+
+def demo_checkpoint(cache_dir: str | None = None) -> str:
+    """The demo checkpoint's directory, generated on first use."""
+    base = cache_dir or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pleserver")
+    path = os.path.join(base, f"demo-checkpoint-v{DEMO_VERSION}")
+    try:
+        discover_tables(path, fingerprint=False)
+    except CheckpointError:
+        log.info("writing the demo checkpoint to %s", path)
+        write_checkpoint(path, DEMO_TABLES, files=2)
+    return path
+
+
+def drive(socket_path: str, model: str, seconds: float, seed: int) -> dict:
+    """One client process: random lookups of mixed sizes, every row verified."""
+    rng = np.random.default_rng(seed)
+    counts = {"requests": 0, "rows": 0, "mismatches": 0, "errors": 0}
+    with PleClient.connect(socket_path, name=f"demo-{seed}") as client:
+        references = {t.name: read_reference(model, t.name) for t in client.tables}
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            table = client.tables[int(rng.integers(len(client.tables)))]
+            ids = rng.integers(0, table.rows, int(rng.choice(REQUEST_SIZES)))
+            try:
+                rows = client.lookup(table.layer, ids)
+            except PleError:
+                counts["errors"] += 1
+                continue
+            counts["requests"] += 1
+            counts["rows"] += ids.size
+            counts["mismatches"] += int(not np.array_equal(rows, references[table.name][ids]))
+    return counts
+
+
+def run_demo(cache_dir: str | None = None, seconds: float = 3.0, clients: int = 2
+             ) -> tuple[int, dict]:
+    """Run the demo; returns (exit code, report)."""
+    model = demo_checkpoint(cache_dir)
+    with tempfile.TemporaryDirectory(prefix="pleserver-demo-") as tmp:
+        socket_path = os.path.join(tmp, "ple.sock")
+        server = subprocess.Popen(
+            [sys.executable, "-m", "pleserver.cli", "serve", "--model", model,
+             "--socket", socket_path, "--prewarm", "full", "--log-level", "WARNING"])
+        try:
+            _wait_ready(server, socket_path)
+            ctx = multiprocessing.get_context("spawn")
+            with ctx.Pool(clients) as pool:
+                results = pool.starmap(drive, [(socket_path, model, seconds, seed)
+                                               for seed in range(clients)])
+            stats = PleClient.query_stats(socket_path)
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server_code = server.wait(30)
+    totals = {k: sum(r[k] for r in results) for k in results[0]}
+    ok = server_code == 0 and totals["mismatches"] == 0 and totals["errors"] == 0
+    return (0 if ok else 1), {"model": model, "clients": clients, "seconds": seconds,
+                              "server_exit_code": server_code, "ok": ok, **totals,
+                              "stats": stats}
+
+
+def _wait_ready(server: subprocess.Popen, socket_path: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"ple-server exited with code {server.returncode}")
+        try:
+            PleClient.query_stats(socket_path, timeout=1.0)
+            return
+        except PleError:
+            time.sleep(0.05)
+    raise RuntimeError(f"ple-server did not answer on {socket_path} within {timeout} s")
