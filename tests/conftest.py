@@ -77,7 +77,8 @@ class ServerProcess:
         return PleClient.connect(self.socket, **kwargs)
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:

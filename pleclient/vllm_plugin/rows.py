@@ -323,7 +323,9 @@ class RowService:
         self._pinned = PinnedSegment(self._client.segment_buffer, device)
 
     def _drop_session(self) -> None:
-        """Forget the current session: finish device copies, unpin, close."""
+        """Forget the current session: finish device copies, unpin, close. Its
+        tickets become stale (another generation) and are never touched again."""
+        self._generation += 1
         while self._retiring:
             _, copy = self._retiring.popleft()
             copy.wait()
@@ -430,4 +432,4 @@ def _refuse_graph_capture() -> None:
             "seed interface list vllm::ple_shm_lookup in -cc.splitting_ops")
 
 
-__all__ = ["RowService", "TableBinding", "PendingLookup", "PleError"]
+__all__ = ["RowService", "TableBinding", "PendingLookup", "TORCH_DTYPES"]

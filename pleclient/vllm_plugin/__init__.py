@@ -1,0 +1,21 @@
+"""vLLM plugin: ``VLLM_PLE_BACKEND=shm`` makes the PLE embedding a ple-server client.
+
+Installed with pleserver as the ``vllm.general_plugins`` entry point
+``pleserver_shm = pleclient.vllm_plugin:register``. With ``VLLM_PLE_BACKEND``
+unset (or ``vllm``) it does nothing at all. With ``shm``:
+
+* ``qwen4_exp``          — vLLM 0.33 Qwen4Exp (NVIDIA and AMD): the n-gram
+  embedding's storage becomes ``storage.Qwen4ExpPLEShmEmbedding``;
+* ``qwen38_flash_next``  — the seed interface ``Qwen3_8FlashNextNGramEmbedding``
+  of qwen38-flash-next vLLM builds, with the custom op ``vllm::ple_shm_lookup``;
+* ``loader``             — vLLM's loader never reads the shard tensors;
+* ``rows``               — the worker's ple-server session, device copies and
+  the reconnect policy; ``identity`` — server vs checkpoint check;
+* ``settings``           — every environment knob, with defaults.
+"""
+
+from pleclient.vllm_plugin.errors import IdentityMismatch, PleBackendError
+from pleclient.vllm_plugin.registration import register
+from pleclient.vllm_plugin.settings import SettingsError
+
+__all__ = ["register", "PleBackendError", "IdentityMismatch", "SettingsError"]

@@ -1,0 +1,95 @@
+"""Qwen4Exp adapter (vLLM 0.33 ``vllm.models.qwen4_exp``, NVIDIA and AMD).
+
+``Qwen4ExpNGramEmbedding`` is patched in place (no vLLM file changes):
+
+* ``__init__`` runs the stock constructor — hashing buffers, quantization
+  method, prefetch buffers — with the module's storage classes
+  (``Qwen4ExpPLEDeviceEmbedding``, ``Qwen4ExpPLEPinnedHostEmbedding``) standing
+  in for ``Qwen4ExpPLEShmEmbedding`` for the duration of the call, so nothing
+  table-sized is allocated. Then: no SP reduce-scatter (every rank holds full
+  rows; summing TP copies would multiply them by the TP size), and the storage
+  binds to its ple-server table (connect, identity check) — startup fails here
+  if the server is missing or serves another checkpoint.
+* ``load_weights`` drops ``ngram_embedding.shard_<i>.weight`` tensors (served by
+  ple-server; normally the loader never reads them, see ``loader``) and hands
+  the rest — hash buffers, the FP8 ``weight_scale`` — to the stock code.
+
+``forward``, ``start_prefetch`` and ``compute_ngram_ids`` stay stock: they call
+the storage, which now asks the server.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("pleclient.vllm_plugin")
+
+STORAGE_NAMES = ("Qwen4ExpPLEDeviceEmbedding", "Qwen4ExpPLEPinnedHostEmbedding")
+SHARD_PREFIX = "ngram_embedding.shard_"
+
+
+def patch_nvidia(module: ModuleType) -> None:
+    """``vllm.models.qwen4_exp.nvidia.ngram_embedding``."""
+    patch_ngram_embedding(module, module.Qwen4ExpNGramEmbedding)
+
+
+def patch_amd(module: ModuleType) -> None:
+    """``vllm.models.qwen4_exp.amd.ple_layer``."""
+    patch_ngram_embedding(module, module.Qwen4ExpNGramEmbedding)
+
+
+def patch_ngram_embedding(module: ModuleType, cls: type) -> None:
+    if cls.__dict__.get("_ple_shm_patched"):
+        return
+    from pleclient.vllm_plugin.storage import Qwen4ExpPLEShmEmbedding
+
+    original_init = cls.__init__
+    original_load_weights = cls.load_weights
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        saved = {name: module.__dict__[name] for name in STORAGE_NAMES
+                 if name in module.__dict__}
+        for name in saved:
+            setattr(module, name, Qwen4ExpPLEShmEmbedding)
+        try:
+            original_init(self, *args, **kwargs)
+        finally:
+            for name, value in saved.items():
+                setattr(module, name, value)
+        storage = self.ngram_embedding
+        if isinstance(storage, Qwen4ExpPLEShmEmbedding):
+            self.use_reduce_scatter = False
+            storage.bind(self.split_ngram_parts)
+
+    @functools.wraps(original_load_weights)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:  # noqa: ANN001
+        from pleclient.vllm_plugin.storage import Qwen4ExpPLEShmEmbedding
+
+        if not isinstance(self.ngram_embedding, Qwen4ExpPLEShmEmbedding):
+            return original_load_weights(self, weights)
+        dropped: list[str] = []
+
+        def without_shards() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.startswith(SHARD_PREFIX):
+                    dropped.append(name)  # served by ple-server
+                    continue
+                yield name, tensor
+
+        loaded = original_load_weights(self, without_shards())
+        if dropped:
+            log.info("PLE backend shm: dropped %d shard tensor(s) the loader read anyway "
+                     "(mixed safetensors files with a whole-file load format)", len(dropped))
+        return loaded
+
+    cls.__init__ = __init__
+    cls.load_weights = load_weights
+    cls._ple_shm_patched = True
+    cls._ple_shm_original = {"__init__": original_init, "load_weights": original_load_weights}
+    log.info("PLE backend shm: patched %s.%s", cls.__module__, cls.__qualname__)

@@ -1,0 +1,173 @@
+"""The Qwen4Exp PLE storage that holds no table: rows come from ple-server.
+
+``Qwen4ExpPLEShmEmbedding`` takes the place of vLLM's
+``Qwen4ExpPLEDeviceEmbedding`` / ``Qwen4ExpPLEPinnedHostEmbedding`` inside
+``Qwen4ExpNGramEmbedding`` (see ``qwen4_exp``). It keeps their interface:
+
+* ``forward(ngram_ids)`` / ``sync_lookup(ngram_ids)`` → rows ``[*ids, cols]``;
+* ``start_prefetch(ngram_ids)`` then ``finalize_prefetch(total_tokens)`` →
+  ``[tokens, heads * cols]``: the request goes to the server before the
+  preceding decoder layer runs, the rows are collected when this layer needs
+  them;
+* ``dequantize`` and the FP8 ``weight_scale`` parameter come unchanged from the
+  quantization method, so dequantization is exactly stock.
+
+Differences that matter:
+
+* No table: ``weight`` is a 0-row, non-persistent buffer (its dtype and device
+  are what the rest of vLLM asks it for), so the loader has nothing to fill.
+* Every rank gets full rows from the server, so there is nothing to all-reduce
+  over the embedding-TP group and no DP id gather: ``reduce_results`` is off and
+  the owning ``Qwen4ExpNGramEmbedding`` shards (never reduce-scatters) rows under
+  sequence parallelism.
+* Host work (the server round trip) runs eagerly outside captured CUDA graphs:
+  the methods that do it are breakable-cudagraph break points writing into
+  caller-provided outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+import torch
+
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+from vllm.models.qwen4_exp.common.ngram_embedding import (
+    Qwen4ExpPLEEmbedding,
+    Qwen4ExpPLEEmbeddingMethod,
+    Qwen4ExpPLEFp8EmbeddingMethod,
+    Qwen4ExpPLENvFp4EmbeddingMethod,
+)
+
+from pleclient.vllm_plugin.errors import PleBackendError
+from pleclient.vllm_plugin.identity import Expected
+from pleclient.vllm_plugin.rows import PendingLookup, RowService, TableBinding
+
+log = logging.getLogger("pleclient.vllm_plugin")
+
+
+class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
+    """PLE rows served by ple-server; no table in this process."""
+
+    supports_prefetch: ClassVar[bool] = True  # per instance: VLLM_PLE_SHM_PREFETCH
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        params_dtype: torch.dtype,
+        padding_size: int,
+        prefix: str,
+        embedding_method: Qwen4ExpPLEEmbeddingMethod,
+        num_ngram_heads: int = 1,
+        max_total_tokens: int = 0,
+        data_parallel_rank: int = 0,
+        reduce_results: bool = True,
+    ) -> None:
+        if isinstance(embedding_method, Qwen4ExpPLENvFp4EmbeddingMethod):
+            raise PleBackendError(
+                f"{prefix}: VLLM_PLE_BACKEND=shm serves BF16 and FP8 PLE tables, not "
+                "NVFP4 ones (rows and block scales are separate tensors); unset "
+                "VLLM_PLE_BACKEND for this checkpoint")
+        del reduce_results  # full rows on every rank: nothing to reduce
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            params_dtype=params_dtype,
+            padding_size=padding_size,
+            prefix=prefix,
+            embedding_method=embedding_method,
+            num_ngram_heads=num_ngram_heads,
+            max_total_tokens=max_total_tokens,
+            data_parallel_rank=data_parallel_rank,
+            reduce_results=False,
+        )
+        # The 0-row placeholder: a buffer, so the loader expects nothing for it.
+        placeholder = self._parameters.pop("weight")
+        self.register_buffer("weight", placeholder.data, persistent=False)
+        self._rows = RowService.shared()
+        self.supports_prefetch = self._rows.settings.prefetch
+        self._num_ngram_heads = num_ngram_heads
+        self._binding: TableBinding | None = None
+        self._pending: PendingLookup | None = None
+
+    def allocate_embedding_weight(
+        self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        del num_embeddings  # the table stays in ple-server
+        return torch.empty(0, embedding_dim, dtype=dtype)
+
+    # ------------------------------------------------------------------ setup
+    def bind(self, split_ngram_parts: int) -> None:
+        """Connect (shared per process) and check the server's table against the
+        checkpoint and this layer's geometry; raises at startup on any mismatch."""
+        if isinstance(self.embedding_method, Qwen4ExpPLEFp8EmbeddingMethod):
+            dtypes: tuple[str, ...] = ("F8_E4M3",)
+        else:
+            dtypes = ("BF16",)  # converted to the params dtype if that differs
+        self._binding = self._rows.bind(Expected(
+            prefix=self.prefix, rows=self.org_vocab_size, cols=self.embedding_dim,
+            dtypes=dtypes, parts=split_ngram_parts))
+
+    @property
+    def binding(self) -> TableBinding:
+        if self._binding is None:
+            raise PleBackendError(f"{self.prefix}: the shm PLE embedding was never bound "
+                                  "to a ple-server table")
+        return self._binding
+
+    def extra_repr(self) -> str:
+        return (f"rows={self.org_vocab_size}, cols={self.embedding_dim}, "
+                f"dtype={self.weight.dtype}, backend=ple-server")
+
+    # --------------------------------------------------------------- lookups
+    def forward(self, ngram_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ``ngram_ids`` in the storage dtype, ``[*ids.shape, cols]``."""
+        output = torch.empty(
+            (*ngram_ids.shape, self.embedding_dim),
+            dtype=self.weight.dtype,
+            device=ngram_ids.device,
+        )
+        self._lookup_into(ngram_ids, output)
+        return output
+
+    def sync_lookup(self, ngram_ids: torch.Tensor) -> torch.Tensor:
+        """The pinned-storage name of ``forward`` (used by the AMD model)."""
+        return self.forward(ngram_ids)
+
+    @eager_break_during_capture
+    def _lookup_into(self, ngram_ids: torch.Tensor, output: torch.Tensor) -> None:
+        self._rows.lookup(self.binding, ngram_ids, output)
+
+    @eager_break_during_capture
+    def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
+        """Send this layer's ids to the server; collected by finalize_prefetch."""
+        if self._pending is not None:  # started and never used: give it up
+            self._rows.discard(self._pending)
+        self._pending = None
+        self._pending = self._rows.submit(self.binding, ngram_ids)
+
+    def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
+        """The prefetched rows, ``[total_tokens, heads * cols]``."""
+        output = torch.empty(
+            (total_tokens, self._num_ngram_heads * self.embedding_dim),
+            dtype=self.weight.dtype,
+            device=self.weight.device,
+        )
+        self._finalize_into(output)
+        return output
+
+    @eager_break_during_capture
+    def _finalize_into(self, output: torch.Tensor) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError(f"{self.prefix}: shm PLE lookup requires a prior "
+                               "start_prefetch()")
+        if pending.count != output.shape[0] * self._num_ngram_heads:
+            self._rows.discard(pending)
+            raise RuntimeError(
+                f"{self.prefix}: prefetched {pending.count} ids, but finalize asks for "
+                f"{output.shape[0]} tokens x {self._num_ngram_heads} heads")
+        self._rows.collect(pending, output)

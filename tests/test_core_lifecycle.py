@@ -1,0 +1,104 @@
+"""Server lifecycle: clean stop, a killed client's resources, stale names, demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import posix_ipc
+
+from pleclient import PleClient
+from tests.conftest import shm_names
+
+
+def segment_mappings(pid: int) -> list[str]:
+    """The server's mappings of channel segments (deleted /dev/shm/ple.* files)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return [line for line in f if "/dev/shm/ple." in line]
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_sigterm_stops_cleanly_and_removes_the_socket(server):
+    with server.client() as client:
+        client.lookup(1, [1, 2, 3])
+    assert server.stop(signal.SIGTERM) == 0
+    assert not os.path.exists(server.socket)
+    assert "stopped" in server.log()
+
+
+def test_client_killed_mid_session_frees_its_channel(server):
+    code = textwrap.dedent(f"""
+        import sys, time
+        from pleclient import PleClient
+        c = PleClient.connect({server.socket!r})
+        c.lookup(3, list(range(100)))
+        t = c.submit(3, list(range(2000)))  # in flight, never collected
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    assert PleClient.query_stats(server.socket)["channels"] == 1
+    assert len(segment_mappings(server.pid)) == 1
+    child.kill()
+    child.wait()
+    assert wait_until(lambda: PleClient.query_stats(server.socket)["channels"] == 0)
+    assert wait_until(lambda: not segment_mappings(server.pid))
+    assert not shm_names()
+    with server.client() as client:  # and the server keeps serving
+        assert client.lookup(3, [5]).shape == (1, 320)
+
+
+def test_names_exist_only_until_the_client_opened_them(server):
+    with server.client() as client:
+        client.lookup(1, [0])
+        assert not shm_names()
+
+
+def test_stale_names_of_dead_instances_are_removed_at_start(start_server, checkpoint):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    shm = posix_ipc.SharedMemory(f"/ple.{dead.pid}.1.stale", posix_ipc.O_CREX, size=4096)
+    shm.close_fd()
+    sem = posix_ipc.Semaphore(f"/ple.{dead.pid}.1.stale.submit", posix_ipc.O_CREX)
+    sem.close()
+    assert {f"ple.{dead.pid}.1.stale", f"sem.ple.{dead.pid}.1.stale.submit"} <= shm_names()
+    server = start_server(checkpoint)
+    assert not shm_names()
+    assert "removed 2 stale shared-memory names" in server.log()
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "pleserver.cli", "demo", "--json", "--seconds", "1",
+         "--cache-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["mismatches"] == 0 and report["requests"] > 0
+    assert report["server_exit_code"] == 0
+    assert {t["dtype"] for t in report["stats"]["tables"]} == {"F8_E4M3", "BF16"}
+
+
+def test_stats_cli_human_and_json(server):
+    with server.client() as client:
+        client.lookup(1, np.arange(10))
+    run = [sys.executable, "-m", "pleserver.cli", "stats", "--socket", server.socket]
+    human = subprocess.run(run, capture_output=True, text=True, timeout=30)
+    assert human.returncode == 0 and "F8_E4M3" in human.stdout and "p50" in human.stdout
+    data = json.loads(subprocess.run(run + ["--json"], capture_output=True, text=True,
+                                     timeout=30).stdout)
+    assert data["tables"][0]["requests"] == 1 and data["tables"][0]["rows"] == 10

@@ -1,0 +1,149 @@
+"""Lookups through a real ple-server: rows bit-exact against the files."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+
+from pleclient import PleClient, PleError, RequestError, ServerUnavailable
+from pleserver.synthetic import read_reference
+from tests.conftest import SMALL_TABLES
+
+
+@pytest.fixture(scope="module")
+def references(checkpoint):
+    return {t.name: read_reference(str(checkpoint), t.name) for t in SMALL_TABLES}
+
+
+@pytest.mark.parametrize("layer", [1, 3], ids=["fp8", "bf16"])
+def test_random_ids_are_bit_exact(server, references, layer):
+    with server.client() as client:
+        table = client.table(layer)
+        ids = np.random.default_rng(layer).integers(0, table.rows, 3000)
+        assert np.array_equal(client.lookup(layer, ids), references[table.name][ids])
+
+
+def test_catalog_describes_both_tables(server):
+    with server.client() as client:
+        fp8, bf16 = client.table(1), client.table(3)
+    assert (fp8.dtype, fp8.row_bytes, fp8.scale) == ("F8_E4M3", 160, pytest.approx(0.0125))
+    assert (bf16.dtype, bf16.row_bytes, bf16.scale) == ("BF16", 320, None)
+    assert fp8.rows == 20_011 and fp8.parts == 8 and len(fp8.fingerprint) == 32
+
+
+def test_duplicates_cross_shard_and_last_shard_ids(server, references):
+    with server.client() as client:
+        t = client.table(1)
+        last = t.rows - 1
+        edges = [0, t.shard_size - 1, t.shard_size, 2 * t.shard_size, last - 1, last]
+        ids = np.array(edges + [5, 5, 5, last, 0, last], dtype=np.int64)
+        assert np.array_equal(client.lookup(1, ids), references[t.name][ids])
+
+
+def test_empty_request_returns_no_rows(server):
+    with server.client() as client:
+        rows = client.lookup(3, np.array([], dtype=np.int64))
+        assert rows.shape == (0, 320)
+        ticket = client.submit(3, [])
+        assert ticket.wait().shape == (0, 320)
+        ticket.release()
+
+
+def test_request_of_exactly_capacity_and_larger_than_capacity(server, references):
+    with server.client(capacity=1000, depth=3) as client:
+        t = client.table(3)
+        ids = np.random.default_rng(0).integers(0, t.rows, 1000)
+        assert np.array_equal(client.lookup(3, ids), references[t.name][ids])
+        many = np.random.default_rng(1).integers(0, t.rows, 7777)  # split over 8 requests
+        assert np.array_equal(client.lookup(3, many), references[t.name][many])
+        with pytest.raises(ValueError, match="exceed the channel capacity"):
+            client.submit(3, many)
+
+
+def test_several_tickets_in_flight_are_zero_copy_views(server, references):
+    with server.client(depth=4) as client:
+        rng = np.random.default_rng(3)
+        batches = [(layer, rng.integers(0, client.table(layer).rows, 500))
+                   for layer in (1, 3, 1, 3)]
+        tickets = [client.submit(layer, ids) for layer, ids in batches]
+        views = [t.wait() for t in tickets]
+        for (layer, ids), view in zip(batches, views):
+            assert not view.flags.owndata  # a view into the shared segment
+            assert np.array_equal(view, references[client.table(layer).name][ids])
+        for t in tickets:
+            t.release()
+        with pytest.raises(PleError, match="all 4 channel slots"):
+            held = [client.submit(1, [1]) for _ in range(5)]  # noqa: F841
+
+
+def test_lookup_into_caller_buffer_and_by_name(server, references):
+    with server.client() as client:
+        t = client.table(1)
+        out = np.zeros((10, t.row_bytes), dtype=np.uint8)
+        result = client.lookup(t.name, np.arange(10), out=out)
+        assert result is out and np.array_equal(out, references[t.name][:10])
+
+
+def test_out_of_range_id_is_an_error_and_the_session_keeps_working(server, references):
+    with server.client() as client:
+        t = client.table(3)
+        for bad in ([t.rows], [-1], [0, 1, 2**40]):
+            with pytest.raises(RequestError, match="out of range"):
+                client.lookup(3, np.array(bad, dtype=np.int64))
+        assert np.array_equal(client.lookup(3, [7]), references[t.name][[7]])
+        stats = client.stats()
+    bf16 = next(s for s in stats["tables"] if s["layer"] == 3)
+    assert bf16["errors"]["id_out_of_range"] == 3
+
+
+def test_unknown_table_is_a_client_side_error(server):
+    with server.client() as client:
+        with pytest.raises(KeyError, match="serves no single table 7"):
+            client.lookup(7, [0])
+
+
+def _client_process(socket_path: str, model: str, seed: int, rounds: int) -> int:
+    """Mixed lookups from a separate process; returns the number of mismatches."""
+    rng = np.random.default_rng(seed)
+    refs = {}
+    bad = 0
+    with PleClient.connect(socket_path, name=f"worker{seed}") as client:
+        for t in client.tables:
+            refs[t.name] = read_reference(model, t.name)
+        for _ in range(rounds):
+            t = client.tables[int(rng.integers(2))]
+            ids = rng.integers(0, t.rows, int(rng.choice([1, 16, 300, 5000])))
+            bad += int(not np.array_equal(client.lookup(t.layer, ids), refs[t.name][ids]))
+    return bad
+
+
+def test_concurrent_client_processes_get_their_own_rows(server, checkpoint):
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        mismatches = pool.starmap(_client_process, [(server.socket, str(checkpoint), s, 150)
+                                                    for s in range(4)])
+    assert mismatches == [0, 0, 0, 0]
+    with server.client() as client:
+        stats = client.stats()
+    assert sum(t["requests"] for t in stats["tables"]) >= 600
+
+
+def test_missing_socket_names_the_service(tmp_path):
+    with pytest.raises(ServerUnavailable, match="systemctl status ple-server"):
+        PleClient.connect(str(tmp_path / "nothing.sock"))
+
+
+def test_stats_counts_rows_and_bytes(server):
+    with server.client() as client:
+        client.lookup(3, np.arange(100))
+        client.lookup(1, np.arange(50))
+        stats = client.stats()
+    by_layer = {t["layer"]: t for t in stats["tables"]}
+    assert by_layer[3]["rows"] == 100 and by_layer[3]["bytes"] == 100 * 320
+    assert by_layer[1]["rows"] == 50 and by_layer[1]["bytes"] == 50 * 160
+    assert by_layer[3]["server_time"]["count"] == 1
+    assert stats["clients"] == 1 and stats["pid"] == server.pid
+    assert os.path.samefile(stats["model"], server.args[server.args.index("--model") + 1])
