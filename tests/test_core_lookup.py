@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 
 import numpy as np
 import pytest
 
 from pleclient import PleClient, PleError, RequestError, ServerUnavailable
-from pleserver.synthetic import read_reference
+from pleserver.synthetic import read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
 
 
@@ -147,3 +148,27 @@ def test_stats_counts_rows_and_bytes(server):
     assert by_layer[3]["server_time"]["count"] == 1
     assert stats["clients"] == 1 and stats["pid"] == server.pid
     assert os.path.samefile(stats["model"], server.args[server.args.index("--model") + 1])
+
+
+@pytest.mark.parametrize("files", [1, 3], ids=["one-file-contiguous", "three-files"])
+@pytest.mark.parametrize("prewarm", ["none", "full"])
+def test_every_gather_path_is_bit_exact(start_server, tmp_path_factory, files, prewarm):
+    """Contiguous single view, several views; direct, deduplicated and parallel
+    gathers (large requests, with and without a completed prewarm)."""
+    model = tmp_path_factory.mktemp(f"layout{files}")
+    write_checkpoint(str(model), SMALL_TABLES, files=files, extra_tensor=files > 1)
+    server = start_server(model, "--prewarm", prewarm)
+    rng = np.random.default_rng(files)
+    with server.client(capacity=40_000, depth=2) as client:
+        if prewarm == "full":  # wait for the prewarm to finish, so the fast paths run
+            for _ in range(200):
+                if (client.stats()["prewarm"] or {}).get("state") == "done":
+                    break
+                time.sleep(0.05)
+        for t in client.tables:
+            ref = read_reference(str(model), t.name)
+            for n in (1, 100, 5000, 40_000):
+                ids = rng.integers(0, t.rows, n)
+                if n == 5000:
+                    ids[::2] = ids[0]  # many repeats: the deduplicating path
+                assert np.array_equal(client.lookup(t.layer, ids), ref[ids]), (t.name, n)
