@@ -13,16 +13,19 @@ import mmap
 import numpy as np
 
 from pleclient import protocol as p
+from pleclient.semaphore import SharedSemaphore
 
 
 class SlotView:
     """One slot: header words, message area, ids and rows views."""
 
-    __slots__ = ("index", "words", "words64", "message", "ids", "rows")
+    __slots__ = ("index", "words", "words64", "message", "ids", "rows", "done")
 
-    def __init__(self, buf: memoryview, layout: p.ChannelLayout, index: int) -> None:
+    def __init__(self, buf: memoryview, address: int, layout: p.ChannelLayout,
+                 index: int) -> None:
         base = layout.slot_offset(index)
         self.index = index
+        self.done = SharedSemaphore(address + base + p.SLOT_DONE_SEM_OFFSET)
         self.words = buf[base: base + p.SLOT_HEADER_BYTES].cast("I")
         self.words64 = buf[base: base + p.SLOT_HEADER_BYTES].cast("Q")
         self.message = buf[base + p.SLOT_HEADER_BYTES: base + p.SLOT_PRELUDE_BYTES]
@@ -57,11 +60,14 @@ class ChannelMap:
                             mmap.PROT_READ | mmap.PROT_WRITE)
         self.buf = memoryview(self.mm)
         self.header = self.buf[: p.CHANNEL_HEADER_BYTES].cast("I")
+        self._anchor = np.frombuffer(self.mm, dtype=np.uint8, count=1)  # for the address
+        address = self._anchor.ctypes.data
+        self.submit_sem = SharedSemaphore(address + p.CH_SUBMIT_SEM_OFFSET)
+        self.slots = [SlotView(self.buf, address, layout, i) for i in range(layout.depth)]
         if format_header:
             self._format()
         elif self.header[p.CH_MAGIC] != p.CHANNEL_MAGIC:
             raise ValueError("channel segment has no PLEC header: not a ple-server channel")
-        self.slots = [SlotView(self.buf, layout, i) for i in range(layout.depth)]
 
     def _format(self) -> None:
         h = self.header
@@ -74,6 +80,9 @@ class ChannelMap:
         h64[p.CH_SLOT_STRIDE // 2] = self.layout.slot_stride
         h64.release()
         h[p.CH_SUBMIT_COUNTER] = 0
+        self.submit_sem.initialize(0)
+        for slot in self.slots:
+            slot.done.initialize(0)
         h[p.CH_MAGIC] = p.CHANNEL_MAGIC
 
     @property
@@ -86,6 +95,7 @@ class ChannelMap:
             for slot in self.slots:
                 slot.release()
             self.slots = []
+            self._anchor = None
             self.header.release()
             self.buf.release()
             self.mm.close()

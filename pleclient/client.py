@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import posix_ipc
 
 from pleclient import protocol as p
 from pleclient.channel import ChannelMap, SlotView
@@ -133,8 +132,6 @@ class PleClient:
         self._by_name = {t.name: t for t in self.tables}
         self._index = {t.name: i for i, t in enumerate(self.tables)}
         self._channel: ChannelMap | None = None
-        self._submit_sem: posix_ipc.Semaphore | None = None
-        self._done_sems: list[posix_ipc.Semaphore] = []
         self._slot_owner: list[str] = []  # free | ticket | abandoned
         self._sequence = 0
         self._lock = threading.Lock()
@@ -191,12 +188,11 @@ class PleClient:
         try:
             layout = p.ChannelLayout.from_wire(reply["layout"])
             self._channel = ChannelMap(fds[0], layout)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolMismatch(f"ple-server at {self.socket_path} sent an unusable "
+                                   f"channel: {exc}") from None
         finally:
             os.close(fds[0])
-        self._submit_sem = posix_ipc.Semaphore(reply["submit_semaphore"])
-        self._done_sems = [posix_ipc.Semaphore(n) for n in reply["done_semaphores"]]
-        p.send_message(self._sock, {"type": p.MessageType.CHANNEL_OPENED.value})
-        _expect(self._sock, p.MessageType.CHANNEL_OPENED, self.socket_path)
         self._slot_owner = ["free"] * layout.depth
         self._sequence = self._channel.submit_counter
         self._sock.setblocking(False)
@@ -254,7 +250,7 @@ class PleClient:
             words[p.SL_STATE] = p.SlotState.SUBMITTED
             self._sequence = (self._sequence + 1) & 0xFFFFFFFF
             channel.header[p.CH_SUBMIT_COUNTER] = self._sequence
-            self._submit_sem.release()
+            channel.submit_sem.post()
         return Ticket(self, slot, info, n)
 
     def lookup(self, table: str | int | TableInfo, ids, out: np.ndarray | None = None
@@ -321,11 +317,8 @@ class PleClient:
 
     def _reclaim(self, index: int) -> None:
         """An abandoned slot becomes free once the server's answer has arrived."""
-        try:
-            self._done_sems[index].acquire(0)
-        except posix_ipc.BusyError:
-            return
-        self._free_slot(index)
+        if self._channel.slots[index].done.try_acquire():
+            self._free_slot(index)
 
     def _free_slot(self, index: int) -> None:
         self._channel.slots[index].words[p.SL_STATE] = p.SlotState.FREE
@@ -335,15 +328,12 @@ class PleClient:
         self._slot_owner[index] = "abandoned"
 
     def _acquire_done(self, index: int, timeout: float, ticket: Ticket) -> None:
-        sem = self._done_sems[index]
+        sem = self._channel.slots[index].done
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
-            try:
-                sem.acquire(max(0.0, min(LIVENESS_SLICE, remaining)))
+            if sem.acquire(max(0.0, min(LIVENESS_SLICE, remaining))):
                 return
-            except posix_ipc.BusyError:
-                pass
             self._check_alive()
             if time.monotonic() >= deadline:
                 ticket.release()  # the slot comes back when the answer does
@@ -399,10 +389,6 @@ class PleClient:
                 p.send_message(self._sock, {"type": p.MessageType.BYE.value})
         except OSError:
             pass
-        for sem in [self._submit_sem, *self._done_sems]:
-            if sem is not None:
-                sem.close()
-        self._submit_sem, self._done_sems = None, []
         if self._channel is not None:
             self._channel.close()
             self._channel = None

@@ -12,10 +12,7 @@ Frames are at most ``MAX_FRAME_BYTES``. One exchange per request, in order::
     HELLO {version, pid, name}        ─►
                                       ◄─     WELCOME {version, server, instance, tables}
     OPEN_CHANNEL {capacity, depth}    ─►
-                                      ◄─     CHANNEL {layout…, semaphore names}
-                                             + the segment's fd (SCM_RIGHTS)
-    CHANNEL_OPENED {}                 ─►     (server unlinks the semaphore names)
-                                      ◄─     CHANNEL_OPENED {}
+                                      ◄─     CHANNEL {layout} + the segment's fd (SCM_RIGHTS)
     STATS {}                          ─►
                                       ◄─     STATS {snapshot}
     BYE {}                            ─►     (session ends; closing the socket does too)
@@ -24,16 +21,18 @@ Frames are at most ``MAX_FRAME_BYTES``. One exchange per request, in order::
 
 Data plane: one channel per session
 ===================================
-A shared-memory segment created by the server (mode 0600, unlinked before its fd
-is handed over, so no other process can ever open it) holding a ring of
-``depth`` slots::
+A shared-memory segment created by the server as a sealed memfd — it has no
+name at all, only the server and the session's peer (who receives its file
+descriptor) can map it, and its size is sealed, so a client cannot truncate it
+under the server's mapping (which would SIGBUS the daemon) — holding the
+session's semaphores and a ring of ``depth`` slots::
 
     offset 0          4096                              slot_stride
     ┌────────────────┬──────────────────────────────────┬─────────────────── …
     │ channel header │ slot 0                           │ slot 1
     │ (one page)     │┌────────┬─────────┬─────┬───────┐│
     │                ││ header │ message │ ids │ rows  ││
-    │                ││ 64 B   │ 448 B   │ 8·C │ R·C   ││
+    │                ││ 128 B  │ 384 B   │ 8·C │ R·C   ││
     │                │└────────┴─────────┴─────┴───────┘│
     └────────────────┴──────────────────────────────────┴─────────────────── …
 
@@ -45,13 +44,15 @@ from it), and every slot is a whole number of pages.
 Channel header (uint32 words unless noted):
   0  magic "PLEC" · 1 protocol version · 2 depth · 3 capacity ·
   4  max row bytes · 5 header bytes · 6-7 slot stride (uint64) ·
-  16 submit counter (client increments after every submit)
+  16 submit counter (client increments after every submit) ·
+  bytes 128-159: the ``submit`` semaphore (process-shared sem_t)
 
 Slot header (uint32 words):
   0 state · 1 table index · 2 row count · 3 error code ·
   4 request sequence · 5 reserved · 6-7 server time in ns (uint64) ·
   8-9 submit time, CLOCK_MONOTONIC ns (uint64, written by the client; the
-  clock is system-wide, so the server derives queue time from it)
+  clock is system-wide, so the server derives queue time from it) ·
+  bytes 64-95: the slot's ``done`` semaphore (process-shared sem_t)
 followed by the message area: a UTF-8 error text, NUL-padded.
 
 Slot state machine
@@ -75,8 +76,8 @@ uncontended POSIX semaphore is a user-space atomic (no system call when nobody
 sleeps on it), so both sides post on every transition and neither needs a
 "sleeping" flag to avoid system calls.
 
-Semaphores are named ``/<prefix>.<instance>.<session>.{submit,done<i>}``; the
-names exist only until the client answers CHANNEL_OPENED.
+The semaphores are unnamed (``sem_init`` with ``pshared``, see
+``pleclient.semaphore``): they live in the segment and die with it.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ DEFAULT_SOCKET = "/run/ple-server/ple.sock"
 SOCKET_ENV = "PLE_SERVER_SOCKET"
 
 NAME_PREFIX = "ple"
-"""Every shared-memory object and semaphore name starts with ``/ple.``."""
+"""Segments are memfds named ``ple.<server pid>.<session>`` (visible only in
+/proc/<pid>/maps and fd links, for the operator's benefit)."""
 
 MAX_FRAME_BYTES = 4 << 20
 FRAME_HEADER = struct.Struct("<I")
@@ -103,8 +105,8 @@ FRAME_HEADER = struct.Struct("<I")
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 CHANNEL_MAGIC = 0x43454C50  # b"PLEC" little-endian
 CHANNEL_HEADER_BYTES = max(4096, PAGE)
-SLOT_HEADER_BYTES = 64
-SLOT_MESSAGE_BYTES = 448
+SLOT_HEADER_BYTES = 128
+SLOT_MESSAGE_BYTES = 384
 SLOT_PRELUDE_BYTES = SLOT_HEADER_BYTES + SLOT_MESSAGE_BYTES
 ID_BYTES = 8  # ids are int64
 
@@ -112,6 +114,8 @@ ID_BYTES = 8  # ids are int64
 CH_MAGIC, CH_VERSION, CH_DEPTH, CH_CAPACITY, CH_MAX_ROW_BYTES, CH_HEADER_BYTES = range(6)
 CH_SLOT_STRIDE = 6  # uint64 over words 6-7
 CH_SUBMIT_COUNTER = 16
+CH_SUBMIT_SEM_OFFSET = 128  # byte offset of the submit semaphore
+SLOT_DONE_SEM_OFFSET = 64  # byte offset of a slot's done semaphore
 
 # Slot header word indexes (uint32).
 SL_STATE, SL_TABLE, SL_COUNT, SL_ERROR, SL_SEQUENCE = range(5)
@@ -153,7 +157,6 @@ class MessageType(str, enum.Enum):
     WELCOME = "welcome"
     OPEN_CHANNEL = "open_channel"
     CHANNEL = "channel"
-    CHANNEL_OPENED = "channel_opened"
     STATS = "stats"
     BYE = "bye"
     SHUTDOWN = "shutdown"
@@ -207,11 +210,6 @@ class ChannelLayout:
                     f"channel layout disagrees on {key}: server says {msg[key]}, "
                     f"this client computes {getattr(layout, key)}")
         return layout
-
-
-def semaphore_names(base: str, depth: int) -> tuple[str, list[str]]:
-    """The session's semaphore names: one ``submit``, one ``done`` per slot."""
-    return f"{base}.submit", [f"{base}.done{i}" for i in range(depth)]
 
 
 def encode_error_text(text: str) -> bytes:

@@ -1,8 +1,9 @@
-"""The ``pleserver`` command: serve, inspect, stats, demo."""
+"""The ``pleserver`` command: serve, config check, inspect, stats, demo."""
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -14,44 +15,98 @@ from pleclient import protocol as p
 log = logging.getLogger("pleserver")
 
 
+EX_CONFIG = 78  # sysexits.h: configuration error (the unit does not restart on it)
+
+
 def parse_size(text: str) -> int:
-    """``8G``, ``512M``, ``1.5T``, ``4096`` → bytes (binary units)."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    s = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = s[-1] if s and s[-1] in units else ""
+    """``8G``, ``512M``, ``1.5T``, ``4096`` → bytes (binary units), for argparse."""
+    from pleserver.config import parse_size as parse
+
     try:
-        return int(float(s[: len(s) - len(unit)]) * units[unit])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 8G, 512M)") from None
+        return parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class _JournalFormatter(logging.Formatter):
+    """No timestamp (journald adds its own) and a ``<N>`` syslog priority prefix
+    on every line, which journald turns into the entry's priority."""
+
+    PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+                logging.CRITICAL: 2}
+
+    def format(self, record: logging.LogRecord) -> str:
+        prio = self.PRIORITY.get(record.levelno, 6)
+        return "\n".join(f"<{prio}>{line}" for line in super().format(record).splitlines())
+
+
+def _stderr_is_journal() -> bool:
+    """True when stderr is the journal stream systemd connected us to
+    ($JOURNAL_STREAM names its device and inode)."""
+    dev, _, ino = os.environ.get("JOURNAL_STREAM", "").partition(":")
+    try:
+        st = os.fstat(sys.stderr.fileno())
+        return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+    except (ValueError, OSError):
+        return False
 
 
 def setup_logging(level: str) -> None:
-    # journald stamps every line itself; elsewhere print our own timestamps.
-    under_journal = bool(os.environ.get("JOURNAL_STREAM") or os.environ.get("INVOCATION_ID"))
-    fmt = "%(levelname)s %(name)s: %(message)s" if under_journal else \
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt,
-                        stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    if _stderr_is_journal():
+        handler.setFormatter(_JournalFormatter("%(levelname)s %(name)s: %(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pleserver.config import ServerConfig
-    from pleserver.server import Server
     from pleclient.checkpoint import CheckpointError
+    from pleserver.config import SETTINGS, ConfigError, load_config
+    from pleserver.server import Server
 
-    cfg = ServerConfig(model=args.model, socket=args.socket)
-    for key in ("allow_uids", "allow_gids", "max_clients", "max_capacity", "prewarm",
-                "prewarm_budget", "gather_workers", "spin_us", "metrics_address",
-                "client_group"):
-        value = getattr(args, key, None)
-        if value is not None:
-            setattr(cfg, key, value)
-    setup_logging(args.log_level)
+    flags = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
     try:
-        return Server(cfg).run()
+        loaded = load_config(args.config, flags)
+    except ConfigError as exc:
+        setup_logging("INFO")
+        log.error("%s", exc)
+        return EX_CONFIG
+    setup_logging(loaded.config.log_level)
+    # A watchdog kill is a SIGABRT: dump every thread's stack first (to stderr,
+    # the journal), so a wedged server says where it was stuck.
+    faulthandler.enable(all_threads=True)
+    log.info("configuration: %s%s", loaded.file or "defaults (no config file)",
+             "; flags: " + " ".join(SETTINGS[n].flag for n in flags) if flags else "")
+    log.debug("effective configuration:\n%s", loaded.to_toml())
+    try:
+        return Server(loaded.config).run()
     except CheckpointError as exc:
         log.error("%s", exc)
         return 2
+    except OSError as exc:
+        log.error("ple-server failed: %s", exc)
+        return 2
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    from pleserver.config import ConfigError, load_config
+
+    try:
+        loaded = load_config(args.file)
+    except ConfigError as exc:
+        if args.json:
+            print(json.dumps({"file": args.file, "ok": False, "problems": exc.problems},
+                             indent=1))
+        else:
+            print(exc, file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"file": loaded.file, "ok": True, "config": loaded.to_dict(),
+                          "sources": loaded.sources}, indent=1))
+    else:
+        print(loaded.to_toml(), end="")
+    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -123,27 +178,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pleserver.config import DEFAULT_CONFIG_PATH, SETTINGS
+
     parser = argparse.ArgumentParser(prog="pleserver", description=(
         "Serve PLE (n-gram embedding) tables from NVMe to vLLM workers over shared memory."))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the ple-server daemon in the foreground")
-    serve.add_argument("--model", required=True, help="model directory (safetensors)")
-    serve.add_argument("--socket", default=p.DEFAULT_SOCKET, help="control socket path")
-    serve.add_argument("--allow-uid", dest="allow_uids", type=int, action="append",
-                       help="uid allowed to connect (repeatable)")
-    serve.add_argument("--allow-gid", dest="allow_gids", type=int, action="append",
-                       help="gid whose members may connect (repeatable)")
-    serve.add_argument("--client-group", type=int, help="gid to share semaphores through")
-    serve.add_argument("--max-clients", type=int)
-    serve.add_argument("--max-capacity", type=int, help="largest rows per request")
-    serve.add_argument("--prewarm", choices=["none", "full"])
-    serve.add_argument("--prewarm-budget", type=parse_size, help="e.g. 16G")
-    serve.add_argument("--gather-workers", type=int)
-    serve.add_argument("--spin-us", type=int, help="spin before blocking when idle")
-    serve.add_argument("--metrics-address", help="host:port for Prometheus metrics")
-    serve.add_argument("--log-level", default="INFO")
+    serve = sub.add_parser("serve", help="run the ple-server daemon in the foreground",
+                           description="Run the daemon. Settings come from the defaults, "
+                           "then the config file, then these flags.")
+    serve.add_argument("--config", metavar="PATH", help=f"TOML config file (default: "
+                       f"{DEFAULT_CONFIG_PATH}, when it exists)")
+    for s in SETTINGS.values():
+        serve.add_argument(s.flag, dest=s.name, default=argparse.SUPPRESS,
+                           action="append" if s.repeatable else "store",
+                           metavar=s.metavar or s.name.split("_")[-1].upper(),
+                           help=s.help + (" Repeatable." if s.repeatable else ""))
     serve.set_defaults(func=cmd_serve)
+
+    config = sub.add_parser("config", help="work with the config file")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser("check", help="validate a config file and print the "
+                                  "effective configuration (exit 1 when invalid)")
+    check.add_argument("file", nargs="?", default=DEFAULT_CONFIG_PATH,
+                       help=f"default: {DEFAULT_CONFIG_PATH}")
+    check.add_argument("--json", action="store_true")
+    check.set_defaults(func=cmd_config_check)
 
     inspect = sub.add_parser("inspect", help="list and validate a checkpoint's PLE tables")
     inspect.add_argument("model")

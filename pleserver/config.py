@@ -1,53 +1,447 @@
-"""ple-server settings: one dataclass, every field documented with its default."""
+"""ple-server settings: the ``ServerConfig`` dataclass, and loading it.
+
+Three layers, each overriding the one before it:
+
+1. the defaults below;
+2. the TOML file: ``/etc/ple-server/config.toml``, or ``--config PATH``. A
+   missing default file is fine (defaults and flags only); a missing file named
+   with ``--config`` is an error;
+3. the ``pleserver serve`` flags.
+
+Every setting has the same name everywhere: a top-level key in the file, a
+field here, a flag with ``-`` for ``_`` (``max_clients`` → ``--max-clients``).
+The two lists are repeatable flags in the singular, ``--allow-uid`` and
+``--allow-gid``; a list given on the command line replaces the file's list.
+``deploy/config.toml`` documents every key.
+
+Values:
+- sizes: an integer number of bytes, or a string with a binary unit
+  (``"8G"``, ``"512M"``, ``"1.5T"``, ``"64KiB"``);
+- users and groups: names or numbers; names are resolved with the host's
+  user database when the config is loaded;
+- ``socket_mode``: an integer (TOML ``0o666``) or an octal string (``"0666"``);
+- optional settings (``prewarm_budget``, ``watchdog_s``, ``metrics_address``):
+  leave the key out for none; ``"none"`` also means none (on the command line,
+  to drop a value the file sets).
+
+A bad configuration raises ``ConfigError`` listing every problem, each naming
+the key and where its value came from (the file, or the flag).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+import grp
+import math
+import os
+import pwd
+import tomllib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from pleclient import protocol as p
+
+DEFAULT_CONFIG_PATH = "/etc/ple-server/config.toml"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+PREWARM_MODES = ("none", "full")
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes, NUL included
+
+
+def _setting(default: Any, kind: str, help: str, *, minimum: float | None = None,
+             choices: tuple[str, ...] = (), optional: bool = False, flag: str | None = None,
+             metavar: str | None = None) -> Any:
+    meta = {"kind": kind, "help": help, "minimum": minimum, "choices": choices,
+            "optional": optional, "flag": flag, "metavar": metavar}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class ServerConfig:
-    model: str = ""
-    """Model directory holding the safetensors checkpoint (required)."""
-    socket: str = p.DEFAULT_SOCKET
-    """Control socket path; the systemd unit's RuntimeDirectory holds it."""
-    socket_mode: int = 0o666
-    """Mode of the socket file. Access is decided from the peer's credentials
-    (``allow_uids``/``allow_gids``), so the file itself may be open to all."""
-    allow_uids: list[int] = field(default_factory=list)
-    """Uids that may connect, besides the server's own uid and root."""
-    allow_gids: list[int] = field(default_factory=list)
-    """Gids (primary or supplementary) whose members may connect."""
-    client_group: int | None = None
-    """Group that shares a session's semaphores with a client of another uid when
-    the server cannot chown them to the client (it lacks CAP_CHOWN)."""
-    max_clients: int = 64
-    max_capacity: int = 262144
-    """Largest rows-per-request a client may ask for its channel."""
-    default_capacity: int = p.DEFAULT_CAPACITY
-    max_depth: int = p.MAX_DEPTH
-    default_depth: int = p.DEFAULT_DEPTH
-    max_channel_bytes: int = 1 << 30
-    """Largest shared-memory segment one client may ask for."""
-    prewarm: str = "none"
-    """``none`` or ``full``: read the tables into the page cache at start."""
-    prewarm_budget: int | None = None
-    """Bytes at most to prewarm (None: the whole tables)."""
-    prewarm_reserve: int = 4 << 30
-    """Stop prewarming when MemAvailable falls under this many bytes."""
-    gather_workers: int = 4
-    """Threads for large gathers (page faults overlap across threads)."""
-    parallel_min_rows: int = 16384
-    """Requests of at least this many rows are split over the gather threads."""
-    dedup_min_rows: int = 4096
-    """Requests of at least this many rows on a table not fully prewarmed are
-    deduplicated and read in ascending row order."""
-    spin_us: int = 2000
-    """How long the serving loop spins after the last request before it blocks."""
-    watchdog_s: float | None = None
-    """Watchdog interval (systemd sets WATCHDOG_USEC; this overrides)."""
-    metrics_address: str | None = None
-    """``host:port`` for the Prometheus endpoint; None disables it."""
-    log_level: str = "INFO"
+    model: str = _setting(
+        "", "path", "Model directory holding the safetensors checkpoint (required).",
+        metavar="DIR")
+    socket: str = _setting(
+        p.DEFAULT_SOCKET, "socket", "Control socket path; the systemd unit's "
+        "RuntimeDirectory (/run/ple-server) holds it.", metavar="PATH")
+    socket_mode: int = _setting(
+        0o666, "mode", "Mode of the socket file. Access is decided from the peer's "
+        "credentials (allow_uids/allow_gids), so the file itself may be open to all.",
+        metavar="OCTAL")
+    allow_uids: list[int] = _setting(
+        [], "uids", "Users (names or uids) that may connect, besides the server's own "
+        "uid and root.", flag="--allow-uid", metavar="USER")
+    allow_gids: list[int] = _setting(
+        [], "gids", "Groups (names or gids) whose members (primary or supplementary) "
+        "may connect.", flag="--allow-gid", metavar="GROUP")
+    max_clients: int = _setting(
+        64, "int", "Sessions at most at once (each vLLM worker holds one).", minimum=1)
+    max_capacity: int = _setting(
+        262144, "int", "Largest rows-per-request a client may ask for its channel.",
+        minimum=1)
+    default_capacity: int = _setting(
+        p.DEFAULT_CAPACITY, "int", "Rows per request of a channel whose client asks "
+        "for no capacity (lowered to max_capacity when only that is set).", minimum=1)
+    max_depth: int = _setting(
+        p.MAX_DEPTH, "int", f"Most slots (requests in flight) a client may ask for "
+        f"(the protocol allows {p.MAX_DEPTH}).", minimum=1)
+    default_depth: int = _setting(
+        p.DEFAULT_DEPTH, "int", "Slots of a channel whose client asks for no depth "
+        "(lowered to max_depth when only that is set).", minimum=1)
+    max_channel_bytes: int = _setting(
+        1 << 30, "size", "Largest shared-memory segment one client may ask for.",
+        minimum=1)
+    prewarm: str = _setting(
+        "none", "choice", "'none' or 'full': read the tables into the page cache at "
+        "start (in the background, after readiness).", choices=PREWARM_MODES)
+    prewarm_budget: int | None = _setting(
+        None, "size", "Bytes at most to prewarm (none: the whole tables).", minimum=0,
+        optional=True)
+    prewarm_reserve: int = _setting(
+        4 << 30, "size", "Stop prewarming when MemAvailable falls under this many bytes.",
+        minimum=0)
+    gather_workers: int = _setting(
+        4, "int", "Threads for large gathers (page faults overlap across threads).",
+        minimum=1)
+    parallel_min_rows: int = _setting(
+        16384, "int", "Requests of at least this many rows are split over the gather "
+        "threads.", minimum=1)
+    dedup_min_rows: int = _setting(
+        4096, "int", "Requests of at least this many rows on a table not fully "
+        "prewarmed are deduplicated and read in ascending row order.", minimum=1)
+    spin_us: int = _setting(
+        2000, "int", "How long (µs) the serving loop spins after the last request "
+        "before it blocks.", minimum=0)
+    watchdog_s: float | None = _setting(
+        None, "float", "Longest gap between systemd watchdog pings (none: half of the "
+        "unit's WatchdogSec, from WATCHDOG_USEC); the serving loop pings at least once a "
+        "second either way.", minimum=0.01, optional=True)
+    metrics_address: str | None = _setting(
+        None, "address", "host:port for the Prometheus endpoint (none: disabled).",
+        optional=True, metavar="HOST:PORT")
+    log_level: str = _setting(
+        "INFO", "choice", "DEBUG, INFO, WARNING or ERROR.", choices=LOG_LEVELS)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configuration key, as the loader and the command line see it."""
+
+    name: str
+    kind: str
+    help: str
+    default: Any
+    minimum: float | None
+    choices: tuple[str, ...]
+    optional: bool
+    flag: str
+    metavar: str | None
+
+    @property
+    def repeatable(self) -> bool:
+        return self.kind in ("uids", "gids")
+
+
+SETTINGS: dict[str, Setting] = {}
+for _f in fields(ServerConfig):
+    _m = _f.metadata
+    SETTINGS[_f.name] = Setting(
+        _f.name, _m["kind"], _m["help"],
+        _f.default_factory() if callable(_f.default_factory) else _f.default,
+        _m["minimum"], _m["choices"], _m["optional"],
+        _m["flag"] or "--" + _f.name.replace("_", "-"), _m["metavar"])
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; ``problems`` holds one line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+@dataclass
+class LoadedConfig:
+    """The effective configuration and where each value came from."""
+
+    config: ServerConfig
+    sources: dict[str, str]  # key → "default", the file's path, or the flag
+    file: str | None  # the file that was read, None when none was
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self.config)
+
+    def to_toml(self) -> str:
+        """The effective configuration as a TOML file, each key's source beside it."""
+        layers = " < ".join(["defaults", *([self.file] if self.file else []),
+                             *(["command line"] if any(s.startswith("--") for s in
+                                                      self.sources.values()) else [])])
+        lines = [f"# effective ple-server configuration ({layers})"]
+        for name, value in self.to_dict().items():
+            source = self.sources[name]
+            if value is None:
+                lines.append(f"# {name} = (none)".ljust(40) + f"  # {source}")
+            else:
+                lines.append(f"{name} = {_toml_value(name, value)}".ljust(40) + f"  # {source}")
+        return "\n".join(lines) + "\n"
+
+
+# -------------------------------------------------------------------- loading
+def load_config(path: str | None = None, flags: Mapping[str, Any] | None = None, *,
+                default_path: str = DEFAULT_CONFIG_PATH) -> LoadedConfig:
+    """Defaults, then the file (``path``, else ``default_path`` if it exists),
+    then ``flags`` (setting name → raw value as the command line gave it).
+    Raises ``ConfigError`` naming every bad key and its source."""
+    problems: list[str] = []
+    raw: dict[str, tuple[Any, str]] = {}  # name → (raw value, source)
+    file = path or default_path
+    explicit = path is not None
+    data: dict[str, Any] | None = None
+    try:
+        with open(file, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        if explicit:
+            raise ConfigError([f"{file}: no such config file; create it (deploy/config.toml "
+                               "in the source tree is a documented example) or name "
+                               "another file"]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"{file}: is a directory, not a config file"]) from None
+    except PermissionError:
+        raise ConfigError([f"{file}: not readable by uid {os.geteuid()}; make it readable "
+                           "(e.g. chmod 0644, or group ple-server)"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{file}: not valid TOML: {exc}"]) from None
+    if data is not None:
+        for key, value in data.items():
+            if key in SETTINGS:
+                raw[key] = (value, file)
+            else:
+                problems.append(f"{file}: unknown key {key!r}{_suggest(key, value)}")
+    else:
+        file = None
+    for name, value in (flags or {}).items():
+        if name not in SETTINGS:
+            raise ValueError(f"no setting named {name!r}")  # a caller's bug, not the user's
+        raw[name] = (value, SETTINGS[name].flag)
+
+    values: dict[str, Any] = {}
+    sources = {name: "default" for name in SETTINGS}
+    for name, (value, source) in raw.items():
+        try:
+            values[name] = _parse(SETTINGS[name], value)
+            sources[name] = source
+        except _Invalid as exc:
+            problems.append(f"{_where(source, name)}: {exc}")
+    config = ServerConfig(**values)
+    problems += _check_together(config, sources)
+    if problems:
+        raise ConfigError(problems)
+    return LoadedConfig(config, sources, file)
+
+
+def parse_size(text: str | int) -> int:
+    """``8G``, ``512M``, ``1.5T``, ``64KiB``, ``4096`` → bytes (binary units).
+    Raises ``ValueError`` for anything else."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    if not isinstance(text, str):
+        raise ValueError(f"not a size: {text!r} (examples: 8G, 512M, 4096)")
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    s = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = s[-1] if s and s[-1] in units else ""
+    try:
+        number = float(s[: len(s) - len(unit)])
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise ValueError(f"not a size: {text!r} (examples: 8G, 512M, 4096)")
+    return int(number * units[unit])
+
+
+# ------------------------------------------------------------------- parsing
+class _Invalid(ValueError):
+    pass
+
+
+def _where(source: str, name: str) -> str:
+    return source if source.startswith("--") else f"{source}: {name}"
+
+
+def _suggest(key: str, value: Any) -> str:
+    if isinstance(value, dict):
+        return " (settings are top-level keys; this file has a [table] section)"
+    close = difflib.get_close_matches(key, SETTINGS, n=1)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    return " (the keys are listed in deploy/config.toml and `pleserver serve --help`)"
+
+
+def _parse(s: Setting, value: Any) -> Any:
+    if s.optional and isinstance(value, str) and value.strip().lower() in ("none", ""):
+        return None
+    parse = _PARSERS[s.kind]
+    result = parse(s, value)
+    if s.minimum is not None and result < s.minimum:
+        raise _Invalid(f"must be at least {s.minimum:g}, got {value!r}")
+    return result
+
+
+def _int(s: Setting, value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise _Invalid(f"must be an integer, got {value!r}")
+
+
+def _size(s: Setting, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise _Invalid(f"must be a size in bytes or a string like \"8G\", got {value!r}")
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise _Invalid(str(exc)) from None
+
+
+def _float(s: Setting, value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        result = float(value)
+    elif isinstance(value, str):
+        try:
+            result = float(value.strip())
+        except ValueError:
+            raise _Invalid(f"must be a number, got {value!r}") from None
+    else:
+        raise _Invalid(f"must be a number, got {value!r}")
+    if not math.isfinite(result):
+        raise _Invalid(f"must be a finite number, got {value!r}")
+    return result
+
+
+def _choice(s: Setting, value: Any) -> str:
+    if isinstance(value, str):
+        for choice in s.choices:
+            if value.strip().lower() == choice.lower():
+                return choice
+    raise _Invalid(f"must be one of {', '.join(s.choices)}; got {value!r}")
+
+
+def _path(s: Setting, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _Invalid(f"must be a non-empty path string, got {value!r}")
+    return value
+
+
+def _socket(s: Setting, value: Any) -> str:
+    path = _path(s, value)
+    if len(os.fsencode(path)) > UNIX_PATH_MAX:
+        raise _Invalid(f"path is {len(os.fsencode(path))} bytes; a Unix socket path has at "
+                       f"most {UNIX_PATH_MAX}: choose a shorter one")
+    return path
+
+
+def _mode(s: Setting, value: Any) -> int:
+    mode: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        mode = value
+    elif isinstance(value, str):
+        try:
+            mode = int(value.strip().lower().removeprefix("0o"), 8)
+        except ValueError:
+            pass
+    if mode is None or not 0 <= mode <= 0o777:
+        raise _Invalid(f"must be a permission mode like 0o666 (TOML) or \"0666\", "
+                       f"got {value!r}")
+    return mode
+
+
+def _ids(value: Any, lookup, what: str) -> list[int]:
+    items = value if isinstance(value, list) else [value]
+    result: list[int] = []
+    for item in items:
+        parts = item.split(",") if isinstance(item, str) else [item]
+        for part in parts:
+            if isinstance(part, str):
+                part = part.strip()
+                if not part:
+                    continue
+                if part.isdigit():
+                    part = int(part)
+            if isinstance(part, int) and not isinstance(part, bool):
+                if part < 0:
+                    raise _Invalid(f"{what} ids are not negative, got {part}")
+                result.append(part)
+            elif isinstance(part, str):
+                try:
+                    result.append(lookup(part))
+                except KeyError:
+                    raise _Invalid(f"no {what} named {part!r} on this host; create "
+                                   f"it or give its number") from None
+            else:
+                raise _Invalid(f"must be {what} names or numbers, got {item!r}")
+    return list(dict.fromkeys(result))
+
+
+def _uids(s: Setting, value: Any) -> list[int]:
+    return _ids(value, lambda name: pwd.getpwnam(name).pw_uid, "user")
+
+
+def _gids(s: Setting, value: Any) -> list[int]:
+    return _ids(value, lambda name: grp.getgrnam(name).gr_gid, "group")
+
+
+def _address(s: Setting, value: Any) -> str:
+    if isinstance(value, str):
+        host, sep, port = value.strip().rpartition(":")
+        if sep and host and port.isdigit() and int(port) <= 65535:
+            return value.strip()
+    raise _Invalid(f"must be \"host:port\" (e.g. \"127.0.0.1:9478\", \"[::1]:9478\", "
+                   f"\"0.0.0.0:9478\"), got {value!r}")
+
+
+_PARSERS = {"int": _int, "size": _size, "float": _float, "choice": _choice, "path": _path,
+            "socket": _socket, "mode": _mode, "uids": _uids, "gids": _gids,
+            "address": _address}
+
+
+def _check_together(cfg: ServerConfig, sources: dict[str, str]) -> list[str]:
+    """Checks across settings; a default that only conflicts with a set limit
+    follows the limit instead."""
+    problems = []
+    if not cfg.model:
+        problems.append("model: required; set `model = \"/path/to/checkpoint\"` in the "
+                        "config file or pass --model DIR")
+    if cfg.max_depth > p.MAX_DEPTH:
+        problems.append(f"{_where(sources['max_depth'], 'max_depth')}: at most "
+                        f"{p.MAX_DEPTH} (the protocol's limit), got {cfg.max_depth}")
+    for default, limit in (("default_capacity", "max_capacity"),
+                           ("default_depth", "max_depth")):
+        if getattr(cfg, default) <= getattr(cfg, limit):
+            continue
+        if sources[default] == "default":
+            setattr(cfg, default, getattr(cfg, limit))
+        else:
+            problems.append(
+                f"{_where(sources[default], default)}: {getattr(cfg, default)} exceeds "
+                f"{limit} ({getattr(cfg, limit)}, from {sources[limit]}); lower {default} "
+                f"or raise {limit}")
+    return problems
+
+
+def _toml_value(name: str, value: Any) -> str:
+    if name == "socket_mode":
+        return f"0o{value:03o}"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(name, v) for v in value) + "]"
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'

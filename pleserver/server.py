@@ -6,31 +6,27 @@ stale-name cleanup, socket, serving loop, prewarm, readiness), one
 listening socket, the sessions and a signal wake-up pipe), and stop. The data
 plane lives in ``pleserver.serving``; tables in ``pleserver.table``.
 
-Access model (see README, "Security"):
+Access model (see docs/SECURITY.md):
 - who may connect: the peer's SO_PEERCRED uid/gids against ``allow_uids`` /
   ``allow_gids`` (the server's own uid and root always may);
-- a session's shared-memory segment is created 0600, unlinked at once and
-  handed over as a file descriptor (SCM_RIGHTS): no other process can open it;
-- its semaphores are created 0600 and, for a client of another uid, chowned to
-  that uid (needs CAP_CHOWN, which the systemd unit grants) or else shared
-  through ``client_group`` with mode 0660; their names are unlinked as soon as
-  the client has opened them.
+- a session's segment is a memfd: it never has a name another process could
+  open; its file descriptor goes to the peer alone (SCM_RIGHTS); its size is
+  sealed, so the peer cannot shrink it under the server's mapping; its
+  semaphores are unnamed and live inside it.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
-import secrets
 import selectors
 import signal
 import socket
 import struct
 import time
 from dataclasses import dataclass, field
-
-import posix_ipc
 
 from pleclient import protocol as p
 from pleclient.channel import ChannelMap
@@ -44,7 +40,6 @@ from pleserver.table import Prewarm, open_tables
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 RESIDENCY_CACHE_S = 2.0
 
 
@@ -59,8 +54,6 @@ class Session:
     name: str = ""
     greeted: bool = False
     channel: Channel | None = None
-    pending: object | None = None  # channel parts awaiting CHANNEL_OPENED
-    sem_names: list[str] = field(default_factory=list)  # not yet unlinked
     opened_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -120,7 +113,14 @@ class Server:
             log.info("table %s: layer %d, %d rows × %d %s (%d B/row), %d shards, %.2f GiB, "
                      "fingerprint %s", s.name, s.layer, s.rows, s.cols, s.dtype, s.row_bytes,
                      s.parts, s.nbytes / 2**30, s.fingerprint)
-        self.remove_stale_names()
+        if cfg.metrics_address:  # before the socket: a bad address fails the start cleanly
+            from pleserver.metrics import MetricsEndpoint, MetricsError
+            self.metrics = MetricsEndpoint(cfg.metrics_address, self.snapshot)
+            try:
+                self.metrics.start()
+            except MetricsError as exc:
+                self.metrics = None
+                raise StartupError(str(exc)) from None
         self._listen()
         interval = cfg.watchdog_s or watchdog_interval()
         self.loop = ServingLoop(self.tables, self.table_stats, cfg.spin_us * 1e-6,
@@ -131,10 +131,6 @@ class Server:
             self.prewarm = Prewarm(self.tables, cfg.prewarm_budget, cfg.prewarm_reserve)
             self.prewarm.on_progress = self._report_prewarm
             self.prewarm.start()
-        if cfg.metrics_address:
-            from pleserver.metrics import MetricsEndpoint
-            self.metrics = MetricsEndpoint(cfg.metrics_address, self.snapshot)
-            self.metrics.start()
         for signum, handler in ((signal.SIGTERM, self.handle_sigterm),
                                 (signal.SIGINT, self.handle_sigint),
                                 (signal.SIGHUP, self.handle_sighup)):
@@ -230,30 +226,6 @@ class Server:
             f.close()
         self._files = {}
 
-    # ------------------------------------------------------------ stale names
-    def remove_stale_names(self) -> None:
-        """Unlink shm/semaphore names left by dead ple-server instances."""
-        try:
-            entries = os.listdir(SHM_DIR)
-        except OSError:
-            return
-        removed = 0
-        for entry in entries:
-            name = entry[4:] if entry.startswith("sem.") else entry
-            parts = name.split(".")
-            if parts[0] != p.NAME_PREFIX or len(parts) < 3 or not parts[1].isdigit():
-                continue
-            pid = int(parts[1])
-            if pid == os.getpid() or _alive(pid):
-                continue
-            try:
-                os.unlink(os.path.join(SHM_DIR, entry))
-                removed += 1
-            except OSError as exc:
-                log.warning("cannot remove stale %s/%s: %s", SHM_DIR, entry, exc.strerror)
-        if removed:
-            log.info("removed %d stale shared-memory names of dead instances", removed)
-
     # ---------------------------------------------------------- control loop
     def control_loop(self) -> None:
         while not self._stopping:
@@ -346,8 +318,6 @@ class Server:
                                 f"{kind!r} before 'hello'", close=True)
         if kind == p.MessageType.OPEN_CHANNEL.value:
             return self._on_open_channel(s, msg)
-        if kind == p.MessageType.CHANNEL_OPENED.value:
-            return self._on_channel_opened(s)
         if kind == p.MessageType.STATS.value:
             return self._send(s, {"type": p.MessageType.STATS.value, "stats": self.snapshot()})
         if kind == p.MessageType.BYE.value:
@@ -370,7 +340,7 @@ class Server:
 
     def _on_open_channel(self, s: Session, msg: dict) -> None:
         cfg = self.config
-        if s.channel is not None or s.pending is not None:
+        if s.channel is not None:
             return self._reject(s, p.ErrorCode.CHANNEL_LIMIT,
                                 "this session already has its channel (one per session)")
         capacity, depth = msg.get("capacity", cfg.default_capacity), \
@@ -387,93 +357,44 @@ class Server:
                                 f"a channel of depth {depth} × capacity {capacity} needs "
                                 f"{layout.size / 2**20:.0f} MiB, over max_channel_bytes "
                                 f"({cfg.max_channel_bytes / 2**20:.0f} MiB)")
-        base = f"/{self.instance}.{s.id}.{secrets.token_hex(6)}"
         try:
-            parts = self._create_channel(s, base, layout)
+            fd, mapping = self._create_segment(s, layout)
         except OSError as exc:
             log.warning("session %d (%s): cannot create its channel: %s", s.id, s.peer, exc)
             return self._reject(s, p.ErrorCode.NO_RESOURCES, str(exc))
-        mapping, shm_fd, submit, dones = parts
-        s.pending = (mapping, submit, dones)
+        # Served from before the client has the fd: it may submit at once.
+        s.channel = Channel(s.id, s.peer, mapping)
+        self.loop.add(s.channel)
         try:
-            self._send(s, {"type": p.MessageType.CHANNEL.value, "layout": layout.to_wire(),
-                           "submit_semaphore": submit.name,
-                           "done_semaphores": [d.name for d in dones]}, fds=[shm_fd])
+            self._send(s, {"type": p.MessageType.CHANNEL.value, "layout": layout.to_wire()},
+                       fds=[fd])
         finally:
-            os.close(shm_fd)
+            os.close(fd)
+        if s.sock not in self.sessions:  # the send failed and closed the session
+            return
+        log.info("session %d open: %s, channel depth %d × capacity %d (%.1f MiB)", s.id,
+                 s.peer, depth, capacity, layout.size / 2**20)
 
-    def _create_channel(self, s: Session, base: str, layout: p.ChannelLayout):
-        """Segment (0600, unlinked at once, fd for the peer) and semaphores.
-        Raises OSError with a message naming the fix; leaves nothing behind."""
-        shm = posix_ipc.SharedMemory(base, posix_ipc.O_CREX, mode=0o600, size=layout.size)
-        fd = shm.fd
+    def _create_segment(self, s: Session, layout: p.ChannelLayout) -> tuple[int, ChannelMap]:
+        """A sealed memfd holding the formatted channel; raises OSError naming the
+        fix and leaves nothing behind."""
+        fd = os.memfd_create(f"{self.instance}.{s.id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            shm.unlink()
-            try:  # reserve the pages now: a full /dev/shm must fail here, not SIGBUS later
+            os.ftruncate(fd, layout.size)
+            try:  # reserve the pages now: no room must fail here, not SIGBUS later
                 os.posix_fallocate(fd, 0, layout.size)
             except OSError as exc:
-                raise OSError(exc.errno, f"/dev/shm has no room for a {layout.size / 2**20:.1f}"
-                              f" MiB channel ({exc.strerror}); enlarge /dev/shm or ask for "
-                              "a smaller capacity/depth") from None
-            mapping = ChannelMap(fd, layout, format_header=True)
+                raise OSError(exc.errno, f"no memory for a {layout.size / 2**20:.1f} MiB "
+                              f"channel ({exc.strerror}); ask for a smaller capacity or "
+                              "depth, or free memory") from None
+            # The client may not shrink or grow it: a shrunk segment would SIGBUS
+            # the server on its next access.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            return fd, ChannelMap(fd, layout, format_header=True)
         except BaseException:
             os.close(fd)
             raise
-        submit_name, done_names = p.semaphore_names(base, layout.depth)
-        sems: list[posix_ipc.Semaphore] = []
-        try:
-            for name in [submit_name, *done_names]:
-                sems.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600,
-                                                initial_value=0))
-                s.sem_names.append(name)
-                self._grant(name, s)
-        except BaseException as exc:
-            for sem in sems:
-                sem.close()
-            self._unlink_names(s)
-            mapping.close()
-            os.close(fd)
-            if isinstance(exc, posix_ipc.Error):
-                raise OSError(errno.EIO, f"cannot create semaphores: {exc}") from None
-            raise
-        return mapping, fd, sems[0], sems[1:]
-
-    def _grant(self, sem_name: str, s: Session) -> None:
-        if s.uid == os.geteuid():
-            return
-        path = os.path.join(SHM_DIR, "sem." + sem_name.lstrip("/"))
-        try:
-            os.chown(path, s.uid, -1)
-            return
-        except PermissionError:
-            pass
-        if self.config.client_group is None:
-            raise OSError(errno.EPERM, f"client uid {s.uid} differs from the server's uid "
-                          f"{os.geteuid()} and the server may not chown its semaphores: "
-                          "grant CAP_CHOWN (the systemd unit does) or set client_group")
-        os.chown(path, -1, self.config.client_group)
-        os.chmod(path, 0o660)
-
-    def _on_channel_opened(self, s: Session) -> None:
-        if s.pending is None:
-            return self._reject(s, p.ErrorCode.BAD_MESSAGE, "'channel_opened' without a channel")
-        mapping, submit, dones = s.pending
-        s.pending = None
-        self._unlink_names(s)
-        s.channel = Channel(s.id, s.peer, mapping, submit, dones)
-        self.loop.add(s.channel)
-        log.info("session %d open: %s, channel depth %d × capacity %d (%.1f MiB)", s.id,
-                 s.peer, mapping.layout.depth, mapping.layout.capacity,
-                 mapping.layout.size / 2**20)
-        self._send(s, {"type": p.MessageType.CHANNEL_OPENED.value})
-
-    def _unlink_names(self, s: Session) -> None:
-        for name in s.sem_names:
-            try:
-                posix_ipc.unlink_semaphore(name)
-            except posix_ipc.ExistentialError:
-                pass
-        s.sem_names = []
 
     def _send(self, s: Session, msg: dict, fds: list[int] | None = None) -> None:
         try:
@@ -499,19 +420,16 @@ class Server:
             self._selector.unregister(s.sock)
         except (KeyError, ValueError):
             pass
-        self._unlink_names(s)
-        if s.pending is not None:
-            mapping, submit, dones = s.pending
-            for sem in [submit, *dones]:
-                sem.close()
-            mapping.close()
-            s.pending = None
+        had_channel = s.channel is not None
         if s.channel is not None:
             self.loop.remove(s.channel)
             s.channel = None
         s.sock.close()
-        log.info("session %d closed: %s, %.1f s, %s", s.id, s.peer,
-                 time.monotonic() - s.opened_at, why)
+        # Sessions that never opened a channel (`pleserver stats`, probes) close
+        # at DEBUG: `pleserver stats --watch` must not log a line per poll.
+        log.log(logging.INFO if had_channel else logging.DEBUG,
+                "session %d closed: %s, %.1f s, %s", s.id, s.peer,
+                time.monotonic() - s.opened_at, why)
 
     # ----------------------------------------------------------------- stats
     def snapshot(self) -> dict:
@@ -543,16 +461,6 @@ class Server:
         self.notifier.status(f"prewarm {prewarm.state}: {100 * prewarm.fraction:.1f}% "
                              f"({prewarm.done_bytes / 2**30:.2f} of "
                              f"{prewarm.target / 2**30:.2f} GiB)")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _groups_of(pid: int, gid: int) -> set[int]:

@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import posix_ipc
 
 from pleclient import protocol as p
 from pleclient.channel import ChannelMap, SlotView
+from pleserver.peer_semaphore import PeerSemaphore
 from pleserver.stats import TableStats
 from pleserver.table import Table
 
@@ -40,14 +40,14 @@ WAITER_SLICE_S = 0.25
 class Channel:
     """The server's side of one session's channel."""
 
-    def __init__(self, session_id: int, peer: str, mapping: ChannelMap,
-                 submit_sem: posix_ipc.Semaphore, done_sems: list[posix_ipc.Semaphore]) -> None:
+    def __init__(self, session_id: int, peer: str, mapping: ChannelMap) -> None:
         self.session_id = session_id
         self.peer = peer
         self.map = mapping
-        self.submit_sem = submit_sem
-        self.done_sems = done_sems
-        self.seen = mapping.submit_counter  # submits whose token we hold
+        # The client can write anything into these: see pleserver.peer_semaphore.
+        self.submit_sem = PeerSemaphore(mapping.submit_sem.address.value)
+        self.done_sems = [PeerSemaphore(s.done.address.value) for s in mapping.slots]
+        self.seen = 0  # submits whose token we hold (the counter starts at 0)
         self.tokens = 0  # tokens taken by the waiter thread, not yet used
         self.busy: set[int] = set()  # slots handed to gather workers
         self.closing = False
@@ -59,19 +59,10 @@ class Channel:
             if self.tokens:
                 self.tokens -= 1
                 return True
-        try:
-            self.submit_sem.acquire(0)
-            return True
-        except posix_ipc.BusyError:
-            return False
+        return self.submit_sem.try_acquire()
 
     def destroy(self) -> None:
-        """Close semaphores and unmap (names were unlinked long ago)."""
-        for sem in [self.submit_sem, *self.done_sems]:
-            try:
-                sem.close()
-            except posix_ipc.ExistentialError:
-                pass
+        """Unmap; the segment is freed once the client has unmapped it too."""
         self.map.close()
 
 
@@ -107,11 +98,10 @@ class ServingLoop:
 
     def remove(self, channel: Channel) -> None:
         """Stop serving ``channel``; it is destroyed once nothing uses it."""
+        if channel.closing:  # removed already (and perhaps unmapped): nothing to do
+            return
         channel.closing = True
-        try:
-            channel.submit_sem.release()  # wake its waiter if it blocks there
-        except posix_ipc.ExistentialError:
-            pass
+        channel.submit_sem.wake()  # its waiter, if it sleeps there
         with self._change:
             self.channels = [c for c in self.channels if c is not channel]
             self._retired.append(channel)
@@ -150,7 +140,12 @@ class ServingLoop:
             did = False
             for ch in self.channels:
                 if ch.map.submit_counter != ch.seen and not ch.closing:
-                    did |= self._serve_channel(ch)
+                    try:
+                        did |= self._serve_channel(ch)
+                    except Exception:  # one channel never stops the loop
+                        log.exception("session %d (%s): serving its channel failed; "
+                                      "dropping the channel", ch.session_id, ch.peer)
+                        self.remove(ch)
             now = time.monotonic()
             if self._retired:
                 self._reap()
@@ -166,11 +161,12 @@ class ServingLoop:
                 if self._inflight:
                     time.sleep(0)  # let gather workers take the GIL
                 continue
-            # Idle: block. Waiters now watch the semaphores and wake us.
+            # Idle: block. Waiters now watch the semaphores and wake us. (A
+            # counter that moved without a post — a broken client — must not
+            # keep the loop from sleeping: the post, when it comes, wakes us.)
             self._wakeup.clear()
             self._sleeping.set()
-            if not self._pending_work():
-                self._wakeup.wait(self.heartbeat_every_s if not self._draining else 0.002)
+            self._wakeup.wait(self.heartbeat_every_s if not self._draining else 0.002)
             self._sleeping.clear()
             idle_since = time.monotonic()
 
@@ -262,7 +258,7 @@ class ServingLoop:
         words[p.SL_ERROR] = p.ErrorCode.OK
         slot.words64[p.SL_SERVER_NS // 2] = done - started
         words[p.SL_STATE] = p.SlotState.DONE
-        ch.done_sems[slot.index].release()
+        ch.done_sems[slot.index].post()
         stats.record(count, table.row_bytes, (done - started) * 1e-9,
                      (started - submitted_ns) * 1e-9 if submitted_ns <= started else -1)
 
@@ -271,7 +267,7 @@ class ServingLoop:
         words = slot.words
         words[p.SL_ERROR] = code
         words[p.SL_STATE] = p.SlotState.ERROR
-        ch.done_sems[slot.index].release()
+        ch.done_sems[slot.index].post()
         if stats is not None:
             stats.record_error(kind)
         log.debug("session %d (%s): request rejected: %s", ch.session_id, ch.peer, text)
@@ -281,12 +277,8 @@ class ServingLoop:
         while not ch.closing and not self._stop.is_set():
             if not self._sleeping.wait(WAITER_SLICE_S):
                 continue
-            try:
-                ch.submit_sem.acquire(WAITER_SLICE_S)
-            except posix_ipc.BusyError:
+            if not ch.submit_sem.acquire(WAITER_SLICE_S) or ch.closing:
                 continue
-            except posix_ipc.ExistentialError:
-                return
             with ch.lock:
                 ch.tokens += 1
             self._wakeup.set()
@@ -300,10 +292,10 @@ class ServingLoop:
             if force and waiter_alive:
                 ch.waiter.join(timeout=2 * WAITER_SLICE_S + 1)
                 waiter_alive = ch.waiter.is_alive()
-            if (ch.busy or waiter_alive) and not force:
+            if waiter_alive or (ch.busy and not force):
                 keep.append(ch)  # never block the loop: try again next pass
                 continue
-            ch.destroy()
+            ch.destroy()  # (a gather still writing holds a view: the unmap waits for it)
         if keep:
             with self._change:
                 self._retired.extend(keep)

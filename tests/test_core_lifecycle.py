@@ -11,16 +11,15 @@ import textwrap
 import time
 
 import numpy as np
-import posix_ipc
 
 from pleclient import PleClient
 from tests.conftest import shm_names
 
 
 def segment_mappings(pid: int) -> list[str]:
-    """The server's mappings of channel segments (deleted /dev/shm/ple.* files)."""
+    """The server's mappings of channel segments (memfds named ple.<pid>.<session>)."""
     with open(f"/proc/{pid}/maps") as f:
-        return [line for line in f if "/dev/shm/ple." in line]
+        return [line for line in f if "/memfd:ple." in line]
 
 
 def wait_until(predicate, timeout: float = 10.0) -> bool:
@@ -63,23 +62,11 @@ def test_client_killed_mid_session_frees_its_channel(server):
         assert client.lookup(3, [5]).shape == (1, 320)
 
 
-def test_names_exist_only_until_the_client_opened_them(server):
+def test_a_session_creates_no_name_another_process_could_open(server):
     with server.client() as client:
         client.lookup(1, [0])
         assert not shm_names()
-
-
-def test_stale_names_of_dead_instances_are_removed_at_start(start_server, checkpoint):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    shm = posix_ipc.SharedMemory(f"/ple.{dead.pid}.1.stale", posix_ipc.O_CREX, size=4096)
-    shm.close_fd()
-    sem = posix_ipc.Semaphore(f"/ple.{dead.pid}.1.stale.submit", posix_ipc.O_CREX)
-    sem.close()
-    assert {f"ple.{dead.pid}.1.stale", f"sem.ple.{dead.pid}.1.stale.submit"} <= shm_names()
-    server = start_server(checkpoint)
-    assert not shm_names()
-    assert "removed 2 stale shared-memory names" in server.log()
+        assert len(segment_mappings(server.pid)) == 1
 
 
 def test_demo_runs_end_to_end(tmp_path):
