@@ -62,12 +62,12 @@ def setup_logging(level: str) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pleclient.checkpoint import CheckpointError
-    from pleserver.config import SETTINGS, ConfigError, load_config
+    from pleserver.config import CONFIG_ENV, SETTINGS, ConfigError, load_config
     from pleserver.server import Server
 
     flags = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
     try:
-        loaded = load_config(args.config, flags)
+        loaded = load_config(args.config or os.environ.get(CONFIG_ENV) or None, flags)
     except ConfigError as exc:
         setup_logging("INFO")
         log.error("%s", exc)
@@ -178,7 +178,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pleserver.config import DEFAULT_CONFIG_PATH, SETTINGS
+    from pleserver.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, SETTINGS
 
     parser = argparse.ArgumentParser(prog="pleserver", description=(
         "Serve PLE (n-gram embedding) tables from NVMe to vLLM workers over shared memory."))
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Run the daemon. Settings come from the defaults, "
                            "then the config file, then these flags.")
     serve.add_argument("--config", metavar="PATH", help=f"TOML config file (default: "
-                       f"{DEFAULT_CONFIG_PATH}, when it exists)")
+                       f"${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH} when it exists)")
     for s in SETTINGS.values():
         serve.add_argument(s.flag, dest=s.name, default=argparse.SUPPRESS,
                            action="append" if s.repeatable else "store",
@@ -200,8 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", required=True)
     check = config_sub.add_parser("check", help="validate a config file and print the "
                                   "effective configuration (exit 1 when invalid)")
-    check.add_argument("file", nargs="?", default=DEFAULT_CONFIG_PATH,
-                       help=f"default: {DEFAULT_CONFIG_PATH}")
+    check.add_argument("file", nargs="?",
+                       default=os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH,
+                       help=f"default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH}")
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=cmd_config_check)
 

@@ -3,9 +3,10 @@
 Three layers, each overriding the one before it:
 
 1. the defaults below;
-2. the TOML file: ``/etc/ple-server/config.toml``, or ``--config PATH``. A
-   missing default file is fine (defaults and flags only); a missing file named
-   with ``--config`` is an error;
+2. the TOML file: ``--config PATH``, else ``$PLE_SERVER_CONFIG``, else
+   ``/etc/ple-server/config.toml``. A missing default file is fine (defaults
+   and flags only); a missing file named by the flag or the variable is an
+   error;
 3. the ``pleserver serve`` flags.
 
 Every setting has the same name everywhere: a top-level key in the file, a
@@ -43,6 +44,7 @@ from typing import Any
 from pleclient import protocol as p
 
 DEFAULT_CONFIG_PATH = "/etc/ple-server/config.toml"
+CONFIG_ENV = "PLE_SERVER_CONFIG"  # names the file when --config does not
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 PREWARM_MODES = ("none", "full")
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes, NUL included
@@ -212,8 +214,10 @@ def load_config(path: str | None = None, flags: Mapping[str, Any] | None = None,
     except PermissionError:
         raise ConfigError([f"{file}: not readable by uid {os.geteuid()}; make it readable "
                            "(e.g. chmod 0644, or group ple-server)"]) from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError([f"{file}: not valid TOML: {exc}"]) from None
+    except OSError as exc:
+        raise ConfigError([f"{file}: cannot read it: {exc.strerror or exc}"]) from None
     if data is not None:
         for key, value in data.items():
             if key in SETTINGS:

@@ -71,7 +71,8 @@ def run_demo(cache_dir: str | None = None, seconds: float = 3.0, clients: int = 
         socket_path = os.path.join(tmp, "ple.sock")
         server = subprocess.Popen(
             [sys.executable, "-m", "pleserver.cli", "serve", "--model", model,
-             "--socket", socket_path, "--prewarm", "full", "--log-level", "WARNING"])
+             "--socket", socket_path, "--prewarm", "full", "--log-level", "WARNING"],
+            env={**os.environ, "PLE_SERVER_CONFIG": os.devnull})  # not the host's service config
         try:
             _wait_ready(server, socket_path)
             ctx = multiprocessing.get_context("spawn")

@@ -52,8 +52,10 @@ class ServerProcess:
         self.args = [sys.executable, "-m", "pleserver.cli", "serve", "--model", str(model),
                      "--socket", self.socket, "--log-level", "DEBUG", *extra]
         self._log = open(self.log_path, "wb")
+        # PLE_SERVER_CONFIG: never read a host's /etc/ple-server/config.toml.
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, "PLE_SERVER_CONFIG": os.devnull,
+                                          **(env or {})})
         if wait:
             self.wait_ready()
 

@@ -1,0 +1,248 @@
+"""systemd integration: the unit and snippets as systemd reads them, and the
+notify protocol as a real server speaks it to a real datagram socket."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pleclient import PleClient
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "systemd"
+UNIT = DEPLOY / "ple-server.service"
+UNIT_EXEC = "/opt/ple-server/bin/pleserver"
+
+
+@pytest.fixture(autouse=True)
+def no_host_config(monkeypatch):
+    """Servers started here never read this host's /etc/ple-server/config.toml."""
+    monkeypatch.setenv("PLE_SERVER_CONFIG", os.devnull)
+
+
+def require_tool(name: str) -> str:
+    """The tool's path; a test needing a missing tool fails in CI (CI=true),
+    where .ci/run installs it, and is skipped elsewhere."""
+    path = shutil.which(name)
+    if path is None:
+        message = (f"{name} is not installed: `apt-get install systemd` (.ci/run installs "
+                   "it in CI)")
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+# ---------------------------------------------------------------- unit files
+def unit_settings() -> dict[str, list[str]]:
+    """Every ``Key=value`` of the unit (comments dropped), values in order."""
+    settings: dict[str, list[str]] = {}
+    for line in UNIT.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", ";", "[")):
+            key, _, value = line.partition("=")
+            settings.setdefault(key, []).append(value)
+    return settings
+
+
+def test_unit_file_passes_systemd_analyze_verify(tmp_path):
+    analyze = require_tool("systemd-analyze")
+    # verify also checks that ExecStart's program exists: stand one in for the
+    # installed /opt/ple-server/bin/pleserver; the rest of the unit is verbatim.
+    program = tmp_path / "pleserver"
+    program.write_text("#!/bin/sh\nexit 0\n")
+    program.chmod(0o755)
+    text = UNIT.read_text()
+    assert text.count(UNIT_EXEC) == 1
+    unit = tmp_path / "ple-server.service"
+    unit.write_text(text.replace(UNIT_EXEC, str(program)))
+    result = subprocess.run([analyze, "verify", "--man=no", str(unit)],
+                            capture_output=True, text=True, timeout=60)
+    ours = [line for line in result.stderr.splitlines() if "ple-server" in line]
+    assert result.returncode == 0 and not ours, result.stderr
+
+
+def test_unit_is_notify_type_with_watchdog_restart_and_directories():
+    s = unit_settings()
+    assert s["Type"] == ["notify"] and s["NotifyAccess"] == ["main"]
+    assert int(s["WatchdogSec"][0]) > 0
+    assert s["Restart"] == ["on-failure"]
+    assert s["User"] == ["ple-server"]
+    assert s["RuntimeDirectory"] == ["ple-server"] and s["RuntimeDirectoryPreserve"] == ["yes"]
+    assert s["StateDirectory"] == ["ple-server"]
+    assert s["LimitMEMLOCK"] == ["infinity"]
+    assert s["ExecStart"][0].startswith(f"{UNIT_EXEC} serve --config /etc/ple-server/")
+
+
+def test_unit_keeps_dev_shm_and_proc_visible():
+    s = unit_settings()
+    for isolating in ("PrivateDevices", "PrivateIPC", "PrivateUsers", "ProtectProc",
+                      "ProcSubset", "DynamicUser"):
+        assert isolating not in s, f"{isolating}= breaks clients or the server: see the unit"
+
+
+def test_sysusers_snippet_creates_the_user_and_client_group(tmp_path):
+    sysusers = require_tool("systemd-sysusers")
+    (tmp_path / "etc").mkdir()
+    result = subprocess.run([sysusers, f"--root={tmp_path}", "-"],
+                            input=(DEPLOY / "ple-server.sysusers").read_text(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    users = {line.split(":")[0]: line.split(":")
+             for line in (tmp_path / "etc/passwd").read_text().splitlines()}
+    groups = {line.split(":")[0] for line in (tmp_path / "etc/group").read_text().splitlines()}
+    assert "ple-server" in users and {"ple-server", "ple-clients"} <= groups
+    assert users["ple-server"][5] == "/var/lib/ple-server"
+    assert users["ple-server"][6].endswith("nologin")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="systemd-tmpfiles chowns: needs root")
+def test_tmpfiles_snippet_creates_the_socket_directory(tmp_path):
+    sysusers = require_tool("systemd-sysusers")
+    tmpfiles = require_tool("systemd-tmpfiles")
+    (tmp_path / "etc").mkdir()
+    subprocess.run([sysusers, f"--root={tmp_path}", "-"], check=True, capture_output=True,
+                   input=(DEPLOY / "ple-server.sysusers").read_text(), text=True, timeout=60)
+    result = subprocess.run([tmpfiles, f"--root={tmp_path}", "--create", "-"],
+                            input=(DEPLOY / "ple-server.tmpfiles").read_text(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "run/ple-server"
+    uid = next(int(line.split(":")[2])
+               for line in (tmp_path / "etc/passwd").read_text().splitlines()
+               if line.startswith("ple-server:"))
+    assert run_dir.is_dir() and run_dir.stat().st_uid == uid
+    assert run_dir.stat().st_mode & 0o777 == 0o755
+
+
+# ----------------------------------------------------------- notify protocol
+class NotifySocket:
+    """The datagram socket systemd would listen on; collects what it receives."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="ple-notify-")  # short: sun_path ≤ 107 bytes
+        self.path = os.path.join(self.dir, "notify")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.messages: list[tuple[float, list[str]]] = []  # (arrival, fields)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {"NOTIFY_SOCKET": self.path, **extra}
+
+    def receive(self, timeout: float) -> list[str] | None:
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(65536)
+        except socket.timeout:
+            return None
+        fields = data.decode().split("\n")
+        self.messages.append((time.monotonic(), fields))
+        return fields
+
+    def wait_for(self, field: str, proc: subprocess.Popen, timeout: float = 30.0) -> list[str]:
+        """The first message, received already or yet to come, with a field that
+        is ``field`` or starts with it."""
+        for _, fields in self.messages:
+            if any(f.startswith(field) for f in fields):
+                return fields
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            fields = self.receive(0.2)
+            if fields and any(f.startswith(field) for f in fields):
+                return fields
+            if fields is None and proc.poll() is not None:
+                raise AssertionError(f"server exited ({proc.returncode}) before sending "
+                                     f"{field!r}; got {self.fields()}")
+        raise AssertionError(f"no {field!r} in {timeout} s; got {self.fields()}")
+
+    def collect(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            self.receive(left)
+
+    def fields(self, prefix: str = "") -> list[str]:
+        return [f for _, fields in self.messages for f in fields if f.startswith(prefix)]
+
+    def close(self) -> None:
+        self.sock.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def notify():
+    sock = NotifySocket()
+    yield sock
+    sock.close()
+
+
+def test_ready_is_sent_once_lookups_are_answered(start_server, checkpoint, notify):
+    server = start_server(checkpoint, env=notify.env(), wait=False)
+    ready = notify.wait_for("READY=1", server.proc)
+    # The moment READY=1 arrives, a client connects and gets rows.
+    with PleClient.connect(server.socket, timeout=5.0) as client:
+        rows = client.lookup(3, [0, 1, 10_006])
+    assert rows.shape == (3, 320)
+    assert f"MAINPID={server.pid}" in ready
+    assert any(f.startswith("STATUS=serving 2 tables") for f in ready)
+    notify.collect(0.5)
+    assert notify.fields("READY=1") == ["READY=1"]  # once
+
+
+def test_status_reports_prewarm_progress(start_server, checkpoint, notify):
+    server = start_server(checkpoint, "--prewarm", "full", "--prewarm-budget", "4M",
+                          env=notify.env(), wait=False)
+    notify.wait_for("READY=1", server.proc)
+    final = notify.wait_for("STATUS=prewarm budget", server.proc)
+    statuses = notify.fields("STATUS=prewarm")
+    running = [s for s in statuses if s.startswith("STATUS=prewarm running: ")]
+    assert running and all("%" in s and "GiB" in s for s in running), statuses
+    assert any(f.startswith("STATUS=prewarm budget: 100.0%") for f in final), final
+
+
+def test_watchdog_pings_arrive_at_the_configured_interval(start_server, checkpoint, notify):
+    # WATCHDOG_USEC=600 ms: systemd expects a ping every 300 ms at least.
+    server = start_server(checkpoint, env=notify.env(WATCHDOG_USEC="600000"), wait=False)
+    notify.wait_for("READY=1", server.proc)
+    with PleClient.connect(server.socket) as client:
+        for _ in range(50):
+            client.lookup(1, list(range(64)))
+        notify.collect(3.0)
+    pings = [t for t, fields in notify.messages if "WATCHDOG=1" in fields]
+    assert len(pings) >= 4, notify.fields()  # ≈ 10 expected in 3 s: generous bound
+    assert server.proc.poll() is None
+
+
+def test_no_watchdog_pings_when_the_watchdog_is_meant_for_another_process(
+        start_server, checkpoint, notify):
+    server = start_server(checkpoint, env=notify.env(WATCHDOG_USEC="600000",
+                                                     WATCHDOG_PID=str(os.getpid())),
+                          wait=False)
+    notify.wait_for("READY=1", server.proc)
+    notify.collect(1.5)
+    assert "WATCHDOG=1" not in notify.fields()
+
+
+def test_stopping_is_sent_on_sigterm(start_server, checkpoint, notify):
+    server = start_server(checkpoint, env=notify.env(), wait=False)
+    notify.wait_for("READY=1", server.proc)
+    server.proc.send_signal(signal.SIGTERM)
+    stopping = notify.wait_for("STOPPING=1", server.proc, timeout=20.0)
+    assert "STATUS=stopping" in stopping
+    assert server.proc.wait(20) == 0
+
+
+def test_a_server_that_cannot_start_never_sends_ready(start_server, checkpoint, notify,
+                                                      tmp_path):
+    busy = start_server(checkpoint)  # holds the socket
+    server = start_server(checkpoint, "--socket", busy.socket, env=notify.env(), wait=False)
+    assert server.proc.wait(30) == 2
+    notify.collect(0.2)
+    assert "READY=1" not in notify.fields()
+    assert "in use by a live ple-server" in server.log()
