@@ -89,18 +89,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
 
+def print_problems(as_json: bool, subject: dict, exc: Exception) -> int:
+    """Report a validation failure (an exception with ``problems``); exit code 1."""
+    if as_json:
+        print(json.dumps({**subject, "ok": False, "problems": exc.problems}, indent=1))
+    else:
+        print(exc, file=sys.stderr)
+    return 1
+
+
 def cmd_config_check(args: argparse.Namespace) -> int:
     from pleserver.config import ConfigError, load_config
 
     try:
         loaded = load_config(args.file)
     except ConfigError as exc:
-        if args.json:
-            print(json.dumps({"file": args.file, "ok": False, "problems": exc.problems},
-                             indent=1))
-        else:
-            print(exc, file=sys.stderr)
-        return 1
+        return print_problems(args.json, {"file": args.file}, exc)
     if args.json:
         print(json.dumps({"file": loaded.file, "ok": True, "config": loaded.to_dict(),
                           "sources": loaded.sources}, indent=1))
@@ -115,12 +119,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         tables = discover_tables(args.model)
     except CheckpointError as exc:
-        if args.json:
-            print(json.dumps({"model": exc.model_dir, "ok": False, "problems": exc.problems},
-                             indent=1))
-        else:
-            print(exc, file=sys.stderr)
-        return 1
+        return print_problems(args.json, {"model": exc.model_dir}, exc)
     if args.json:
         print(json.dumps({"model": os.path.abspath(args.model), "ok": True,
                           "tables": [dict(t.info(), shards=len(t.shards), bytes=t.nbytes,
