@@ -37,12 +37,16 @@ def is_ple_shard(name: str) -> bool:
     return SHARD_WEIGHT_RE.search(name) is not None
 
 
+MODEL_CLASS_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "MTP")
+"""The classes vLLM instantiates as models (the loader asks those only)."""
+
+
 def patch_model_module(module: ModuleType) -> None:
     """Declare the shard tensors unused on every model class of ``module``."""
     for obj in list(vars(module).values()):
         if (isinstance(obj, type) and issubclass(obj, nn.Module)
-                and obj.__module__ == module.__name__ and hasattr(obj, "load_weights")
-                and not obj.__name__.startswith("_")):
+                and obj.__module__ == module.__name__
+                and obj.__name__.endswith(MODEL_CLASS_SUFFIXES)):
             declare_shards_unused(obj)
 
 

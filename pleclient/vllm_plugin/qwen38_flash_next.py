@@ -31,7 +31,9 @@ Patched:
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+import sys
 from collections.abc import Iterable
 from types import ModuleType
 
@@ -94,24 +96,25 @@ def apply(cls: type) -> None:
     ``VocabParallelEmbedding``). Idempotent."""
     if cls.__dict__.get("_ple_shm_patched"):
         return
-    import sys
-
     module = sys.modules[cls.__module__]
     original_init = cls.__init__
     original_load_weights = cls.load_weights
     original_forward_impl = cls.forward_impl
 
+    signature = inspect.signature(original_init)
+
     @functools.wraps(original_init)
-    def __init__(self, config, embedding_dim, ple_dense_layer_id, max_total_tokens,  # noqa: ANN001
-                 max_num_reqs, prefix, quant_config=None, params_dtype=None) -> None:  # noqa: ANN001
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        bound = signature.bind(self, *args, **kwargs)
+        if "quant_config" in signature.parameters:
+            bound.arguments["quant_config"] = None  # no FP8 weight parameter
+        prefix = bound.arguments["prefix"]
         real = module.VocabParallelEmbedding
         module.VocabParallelEmbedding = (
             lambda num_embeddings, embedding_dim, *_a, **_kw:
             ShmVocabEmbedding(num_embeddings, embedding_dim))
         try:
-            original_init(self, config, embedding_dim, ple_dense_layer_id,
-                          max_total_tokens, max_num_reqs, prefix,
-                          quant_config=None, params_dtype=params_dtype)
+            original_init(*bound.args, **bound.kwargs)
         finally:
             module.VocabParallelEmbedding = real
         self._ple_shm_prefix = prefix
@@ -170,8 +173,8 @@ def _set_scale(layer: nn.Module, scale: torch.Tensor) -> None:
 def _lookup(input_ids: torch.Tensor, query_start_loc: torch.Tensor,
             ngram_context: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
     layer = _LAYERS[layer_name]
-    rows = layer._ple_shm_original_forward_impl(layer, None, input_ids, query_start_loc,
-                                                ngram_context)
+    rows = layer._ple_shm_original_forward_impl(None, input_ids, query_start_loc,
+                                                ngram_context)  # bound: the stock method
     output[: rows.shape[0]].copy_(rows.reshape(rows.shape[0], -1))
 
 

@@ -27,7 +27,6 @@ Differences that matter:
 
 from __future__ import annotations
 
-import logging
 from typing import ClassVar
 
 import torch
@@ -43,9 +42,6 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 from pleclient.vllm_plugin.errors import PleBackendError
 from pleclient.vllm_plugin.identity import Expected
 from pleclient.vllm_plugin.rows import PendingLookup, RowService, TableBinding
-
-log = logging.getLogger("pleclient.vllm_plugin")
-
 
 class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
     """PLE rows served by ple-server; no table in this process."""

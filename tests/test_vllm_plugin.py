@@ -1,0 +1,146 @@
+"""The vLLM plugin's switch, loader behaviour, identity check and failure policy."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.vllm_helpers import run_scenario  # noqa: E402
+from tests.vllm_helpers.fixtures import (other_checkpoint, shm_env,  # noqa: E402,F401
+                                         vllm_checkpoint, vllm_server)
+
+SHARD = "model.layers.{}.ple.ple_embedding.ngram_embedding.shard_{}.weight"
+
+
+# ------------------------------------------------------------------- the switch
+@pytest.mark.parametrize("value", [None, "vllm"], ids=["unset", "vllm"])
+def test_plugin_off_leaves_every_class_untouched(value):
+    env = {} if value is None else {"VLLM_PLE_BACKEND": value}
+    result = run_scenario("plugin_off", env=env)
+    assert "vllm.models.qwen4_exp.nvidia.ngram_embedding" in result["imported"]
+    assert result["touched_modules"] == [] and result["touched_classes"] == []
+    assert result["import_hooks"] == [] and not result["registered"]
+    assert result["should_skip_weight_module"].startswith("vllm.")
+    assert result["storage"] == "Qwen4ExpPLEDeviceEmbedding"
+    assert result["init_module"].startswith("vllm.")
+    assert "vllm::unified_attention_with_output" in result["splitting_ops"]
+    assert not [op for op in result["splitting_ops"] if "ple" in op and "conv" not in op]
+
+
+def test_unknown_backend_stops_vllm_with_a_clear_error():
+    result = run_scenario("bad_backend", env={"VLLM_PLE_BACKEND": "mmap"})
+    assert result["error"] == "SettingsError"
+    assert "VLLM_PLE_BACKEND='mmap'" in result["message"]
+    assert "VLLM_PLE_BACKEND=shm" in result["message"]
+
+
+def test_bad_setting_is_reported_by_name():
+    result = run_scenario("bad_backend", env={"VLLM_PLE_BACKEND": "shm",
+                                              "VLLM_PLE_SHM_DEPTH": "1"})
+    assert result["error"] == "SettingsError"
+    assert "VLLM_PLE_SHM_DEPTH=1" in result["message"]
+
+
+def test_entry_point_patches_modules_as_vllm_imports_them_and_is_reentrant():
+    result = run_scenario("entry_point_hook", env={"VLLM_PLE_BACKEND": "shm"})
+    assert result["registered"] and result["patched"]
+    assert result["init_stable"]  # register() again did not wrap twice
+    assert result["finders"] == 1
+    assert result["skips_shards"] and result["keeps_scale"]
+    for ops in (result["splitting_ops"], result["explicit_splitting_ops"]):
+        assert "vllm::ple_shm_lookup" in ops
+        assert "vllm::qwen4_exp_amd_ple_ngram_embedding" in ops
+    assert "vllm::unified_attention_with_output" in result["splitting_ops"]
+    assert result["explicit_splitting_ops"][0] == "vllm::my_attention"
+    assert result["model_classes"] == {"Qwen4ExpForCausalLM": True,
+                                       "Qwen4ExpForConditionalGeneration": True,
+                                       "scale_unused": False}
+
+
+# ------------------------------------------------------------------- the loader
+def test_loader_never_reads_shard_tensors(vllm_checkpoint):
+    result = run_scenario("loader_reads", {"model": str(vllm_checkpoint)},
+                          env={"VLLM_PLE_BACKEND": "shm"})
+    reads = result["reads"]
+    # The middle file holds shards only: not opened for any tensor.
+    assert "model-00002-of-00003.safetensors" not in reads
+    # The mixed files: only their non-shard tensors are read.
+    assert reads["model-00001-of-00003.safetensors"] == ["model.embed_tokens.weight"]
+    assert reads["model-00003-of-00003.safetensors"] == [
+        "model.layers.1.ple.ple_embedding.ngram_embedding.weight_scale"]
+    assert sorted(result["yielded"]) == [
+        "model.embed_tokens.weight",
+        "model.layers.1.ple.ple_embedding.ngram_embedding.weight_scale"]
+
+
+def test_loader_without_plugin_reads_the_shards(vllm_checkpoint):
+    """The counting above is meaningful: stock vLLM reads all 8 shards."""
+    result = run_scenario("loader_reads", {"model": str(vllm_checkpoint)})
+    read = [name for names in result["reads"].values() for name in names]
+    assert sum(".shard_" in name for name in read) == 8
+
+
+# ------------------------------------------------------------------- startup
+def test_missing_server_fails_fast_naming_socket_and_service(vllm_checkpoint, tmp_path):
+    socket = str(tmp_path / "absent.sock")
+    result = run_scenario("startup_checks", env={
+        "VLLM_PLE_BACKEND": "shm", "VLLM_PLE_SHM_SOCKET": socket,
+        "VLLM_PLE_SHM_CHECKPOINT": str(vllm_checkpoint)})
+    assert result["error"] == "PleBackendError"
+    assert socket in result["message"]
+    assert "systemctl start ple-server" in result["message"]
+    assert result["seconds"] < 5
+
+
+def test_fingerprint_mismatch_stops_startup_naming_both(vllm_server, vllm_checkpoint,
+                                                       other_checkpoint):
+    result = run_scenario("startup_checks", env=shm_env(vllm_server, other_checkpoint))
+    assert result["error"] == "IdentityMismatch"
+    message = result["message"]
+    assert vllm_server.socket in message and str(other_checkpoint) in message
+    assert "fingerprint" in message
+    assert "model.layers.1.ple.ple_embedding.ngram_embedding" in message
+
+
+def test_geometry_mismatch_between_checkpoint_and_model_stops_startup(
+        start_server, checkpoint, tmp_path):
+    """The core tests' checkpoint has 160-column rows; the model wants 16."""
+    server = start_server(checkpoint)
+    result = run_scenario("startup_checks", env=shm_env(server, Path(checkpoint)))
+    assert result["error"] == "IdentityMismatch"
+    assert "cols: checkpoint 160, model expects 16" in result["message"]
+
+
+def test_dummy_load_format_needs_the_explicit_opt_in(vllm_checkpoint, tmp_path):
+    env = {"VLLM_PLE_BACKEND": "shm", "VLLM_PLE_SHM_SOCKET": str(tmp_path / "none.sock"),
+           "VLLM_PLE_SHM_CHECKPOINT": str(vllm_checkpoint)}
+    refused = run_scenario("startup_checks", {"load_format": "dummy"}, env=env)
+    assert refused["error"] == "PleBackendError"
+    assert "VLLM_PLE_SHM_ALLOW_DUMMY=1" in refused["message"]
+    allowed = run_scenario("startup_checks", {"load_format": "dummy"},
+                           env={**env, "VLLM_PLE_SHM_ALLOW_DUMMY": "1"})
+    assert allowed["error"] is None and allowed["rows_all_zero"]
+
+
+# ------------------------------------------------------------------- mid-run
+def test_server_killed_mid_run_reconnects_within_the_window_then_fails_clearly(
+        vllm_checkpoint, tmp_path):
+    socket = str(tmp_path / "restart.sock")
+    result = run_scenario(
+        "server_restarts", {"model": str(vllm_checkpoint), "log": str(tmp_path / "s.log"),
+                            "window": 2.0},
+        env={"VLLM_PLE_BACKEND": "shm", "VLLM_PLE_SHM_SOCKET": socket,
+             "VLLM_PLE_SHM_CHECKPOINT": str(vllm_checkpoint),
+             "VLLM_PLE_SHM_RECONNECT_S": "60"})
+    assert result["after_restart_equal"]
+    assert result["prefetch_resubmitted_equal"]
+    assert result["error"] is not None
+    assert socket in result["error"] and "within 2 s" in result["error"]
+    assert "systemctl start ple-server" in result["error"]
+    assert 2.0 <= result["seconds"] < 6.0
+    assert result["recovered_equal"]
+    assert not os.path.exists(socket)

@@ -1,0 +1,174 @@
+"""The plugin's row service and settings, in-process (torch on CPU, no vLLM),
+against a real ple-server over the core tests' checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pleclient import TableInfo  # noqa: E402
+from pleclient.vllm_plugin import IdentityMismatch, PleBackendError, SettingsError  # noqa: E402
+from pleclient.vllm_plugin import identity, loader, registration, settings  # noqa: E402
+from pleclient.vllm_plugin.identity import Expected  # noqa: E402
+from pleclient.vllm_plugin.rows import RowService  # noqa: E402
+from pleserver.synthetic import read_reference  # noqa: E402
+from tests.conftest import SMALL_TABLES  # noqa: E402
+
+FP8, BF16 = SMALL_TABLES
+
+
+def expected(table, **changes) -> Expected:
+    fields = dict(prefix=f"{table.name.removesuffix('.ngram_embedding')}", rows=table.rows,
+                  cols=table.cols, dtypes=(table.dtype,), parts=table.parts)
+    fields.update(changes)
+    return Expected(**fields)
+
+
+@pytest.fixture
+def service(server, checkpoint):
+    rows = RowService(settings.ShmSettings(socket=server.socket, checkpoint=str(checkpoint),
+                                           capacity=100, depth=2, reconnect_window=0))
+    yield rows
+    rows.close()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return {t.layer: read_reference(str(checkpoint), t.name) for t in SMALL_TABLES}
+
+
+def typed(table, n: int) -> torch.Tensor:
+    dtype = torch.float8_e4m3fn if table.dtype == "F8_E4M3" else torch.bfloat16
+    return torch.empty((n, table.cols), dtype=dtype)
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.uint8).numpy()
+
+
+# ------------------------------------------------------------------- settings
+def test_settings_defaults_follow_the_service(monkeypatch):
+    for name in list(__import__("os").environ):
+        if name.startswith("VLLM_PLE_") or name == "PLE_SERVER_SOCKET":
+            monkeypatch.delenv(name)
+    s = settings.ShmSettings.from_env()
+    assert (s.socket, s.depth, s.capacity, s.prefetch, s.allow_dummy) == (
+        "/run/ple-server/ple.sock", 4, None, True, False)
+    monkeypatch.setenv("PLE_SERVER_SOCKET", "/tmp/a.sock")
+    assert settings.ShmSettings.from_env().socket == "/tmp/a.sock"
+    monkeypatch.setenv("VLLM_PLE_SHM_SOCKET", "/tmp/b.sock")
+    monkeypatch.setenv("VLLM_PLE_SHM_PREFETCH", "0")
+    s = settings.ShmSettings.from_env()
+    assert s.socket == "/tmp/b.sock" and s.prefetch is False
+
+
+@pytest.mark.parametrize("name,value", [("VLLM_PLE_SHM_CAPACITY", "lots"),
+                                        ("VLLM_PLE_SHM_LOOKUP_TIMEOUT", "-1"),
+                                        ("VLLM_PLE_SHM_PREFETCH", "maybe"),
+                                        ("VLLM_PLE_SHM_DEPTH", "99")])
+def test_bad_settings_name_the_variable(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError, match=name):
+        settings.ShmSettings.from_env()
+
+
+def test_backend_values(monkeypatch):
+    monkeypatch.delenv("VLLM_PLE_BACKEND", raising=False)
+    assert settings.backend() == "vllm"
+    monkeypatch.setenv("VLLM_PLE_BACKEND", "SHM")
+    assert settings.backend() == "shm"
+    monkeypatch.setenv("VLLM_PLE_BACKEND", "mmap")
+    with pytest.raises(SettingsError, match="VLLM_PLE_BACKEND=shm"):
+        settings.backend()
+
+
+def test_register_without_backend_installs_nothing(monkeypatch):
+    monkeypatch.delenv("VLLM_PLE_BACKEND", raising=False)
+    registration.register()
+    assert not registration.is_registered()
+
+
+def test_shard_names_and_nothing_else_count_as_unused():
+    assert loader.is_ple_shard("model.layers.7.ple.ple_embedding.ngram_embedding.shard_511.weight")
+    assert loader.is_ple_shard("ngram_embedding.shard_0.weight") is False  # not a full name
+    assert not loader.is_ple_shard("model.layers.7.ple.ple_embedding.ngram_embedding.weight_scale")
+    assert not loader.is_ple_shard("model.layers.7.ple.kv_proj.weight")
+
+
+# ------------------------------------------------------------------- identity
+def test_identity_reports_both_sides(checkpoint):
+    spec = identity.select(identity.checkpoint_tables(str(checkpoint)),
+                           "layers.1.ple.ple_embedding.ngram_embedding", "ckpt")
+    server = TableInfo(**{**spec.info(), "fingerprint": "0" * 32, "rows": spec.rows + 1})
+    with pytest.raises(IdentityMismatch) as err:
+        identity.verify(server, "/run/x.sock", spec, str(checkpoint), expected(FP8))
+    text = str(err.value)
+    assert "/run/x.sock" in text and str(checkpoint) in text
+    assert f"rows: server {spec.rows + 1} ≠ checkpoint {spec.rows}" in text
+    assert f"fingerprint: server '{'0' * 32}' ≠ checkpoint '{spec.fingerprint}'" in text
+
+
+def test_identity_against_the_model_geometry(service):
+    with pytest.raises(IdentityMismatch, match="cols: checkpoint 160, model expects 16"):
+        service.bind(expected(FP8, cols=16))
+    with pytest.raises(IdentityMismatch, match="dtype: checkpoint 'BF16', model expects"):
+        service.bind(expected(BF16, dtypes=("F8_E4M3",)))
+
+
+# ------------------------------------------------------------------- lookups
+def test_lookup_larger_than_every_slot_together_is_exact(service, reference):
+    binding = service.bind(expected(BF16))
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, BF16.rows, 1000))
+    out = typed(BF16, 1000)  # 10 requests of 100 rows over 2 slots
+    service.lookup(binding, ids, out)
+    assert np.array_equal(as_bytes(out), reference[3][ids.numpy()])
+
+
+def test_two_prefetches_in_flight_collect_in_any_order(service, reference):
+    fp8, bf16 = service.bind(expected(FP8)), service.bind(expected(BF16))
+    rng = np.random.default_rng(1)
+    a = torch.from_numpy(rng.integers(0, FP8.rows, (25, 6)))  # 150 ids: 2 requests
+    b = torch.from_numpy(rng.integers(0, BF16.rows, 70))
+    pa, pb = service.submit(fp8, a), service.submit(bf16, b)
+    out_b, out_a = typed(BF16, 70), typed(FP8, 150)
+    service.collect(pb, out_b)
+    service.collect(pa, out_a)
+    assert np.array_equal(as_bytes(out_a), reference[1][a.reshape(-1).numpy()])
+    assert np.array_equal(as_bytes(out_b), reference[3][b.numpy()])
+
+
+def test_a_third_uncollected_prefetch_asks_for_more_depth(service):
+    binding = service.bind(expected(BF16))
+    ids = torch.arange(10)
+    held = [service.submit(binding, ids), service.submit(binding, ids)]
+    with pytest.raises(PleBackendError, match="VLLM_PLE_SHM_DEPTH"):
+        service.submit(binding, ids)
+    for pending in held:
+        service.discard(pending)
+    out = typed(BF16, 10)
+    service.lookup(binding, ids, out)  # the slots came back
+
+
+def test_rows_convert_to_the_model_dtype(service, reference):
+    binding = service.bind(expected(BF16))
+    ids = torch.arange(0, BF16.rows, 97)
+    out = torch.empty((ids.numel(), BF16.cols), dtype=torch.float32)
+    service.lookup(binding, ids, out)
+    want = torch.from_numpy(reference[3][ids.numpy()].copy()).view(torch.bfloat16).float()
+    assert torch.equal(out, want)
+
+
+def test_server_gone_with_no_reconnect_window_fails_at_once(server, service):
+    binding = service.bind(expected(BF16))
+    server.stop()
+    with pytest.raises(PleBackendError, match="systemctl start ple-server"):
+        service.lookup(binding, torch.arange(5), typed(BF16, 5))
+
+
+def test_missing_server_names_the_socket(tmp_path, checkpoint):
+    rows = RowService(settings.ShmSettings(socket=str(tmp_path / "no.sock"),
+                                           checkpoint=str(checkpoint)))
+    with pytest.raises(PleBackendError, match="no.sock.*systemctl start ple-server"):
+        rows.bind(expected(FP8))
