@@ -148,9 +148,7 @@ class PleClient:
         path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
         sock = _connect_socket(path, timeout)
         try:
-            p.send_message(sock, {"type": p.MessageType.HELLO.value,
-                                  "version": p.PROTOCOL_VERSION, "pid": os.getpid(),
-                                  "name": name or f"pid{os.getpid()}"})
+            _send_hello(sock, name or f"pid{os.getpid()}")
             welcome = _expect(sock, p.MessageType.WELCOME, path)
             client = cls(sock, path, welcome, timeout)
             client._open_channel(capacity, depth)
@@ -164,9 +162,7 @@ class PleClient:
         """Server statistics, without opening a channel (for ``pleserver stats``)."""
         path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
         with _connect_socket(path, timeout) as sock:
-            p.send_message(sock, {"type": p.MessageType.HELLO.value,
-                                  "version": p.PROTOCOL_VERSION, "pid": os.getpid(),
-                                  "name": "stats"})
+            _send_hello(sock, "stats")
             _expect(sock, p.MessageType.WELCOME, path)
             p.send_message(sock, {"type": p.MessageType.STATS.value})
             reply = _expect(sock, p.MessageType.STATS, path)
@@ -293,12 +289,18 @@ class PleClient:
 
     def stats(self) -> dict:
         """Server statistics over this session's control socket."""
+        if self._gone:
+            raise ServerGone(self._gone)
         with self._lock:
             self._sock.setblocking(True)
             self._sock.settimeout(self.timeout)
             try:
                 p.send_message(self._sock, {"type": p.MessageType.STATS.value})
                 return _expect(self._sock, p.MessageType.STATS, self.socket_path)["stats"]
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise ServerGone(f"ple-server at {self.socket_path} closed the connection "
+                                 f"({exc.strerror}: stopped, restarted or crashed); reconnect "
+                                 "with PleClient.connect()") from None
             finally:
                 self._sock.setblocking(False)
 
@@ -312,6 +314,19 @@ class PleClient:
             if owner == "free":
                 owners[i] = "ticket"
                 return i
+        if "abandoned" in owners:  # answers on their way: wait for one, not fail
+            index = owners.index("abandoned")
+            sem = self._channel.slots[index].done
+            deadline = time.monotonic() + self.timeout
+            while not sem.acquire(max(0.0, min(LIVENESS_SLICE, deadline - time.monotonic()))):
+                self._check_alive()
+                if time.monotonic() >= deadline:
+                    raise LookupTimeout(
+                        f"ple-server at {self.socket_path} did not answer the released "
+                        f"requests holding this channel's slots within {self.timeout:.3g} s")
+            self._free_slot(index)
+            owners[index] = "ticket"
+            return index
         raise PleError(f"all {len(owners)} channel slots are held by unreleased or "
                        "unanswered tickets; release tickets (or connect with a larger depth)")
 
@@ -435,6 +450,14 @@ def _connect_socket(path: str, timeout: float) -> socket.socket:
     return sock
 
 
+def _send_hello(sock: socket.socket, name: str) -> None:
+    try:
+        p.send_message(sock, {"type": p.MessageType.HELLO.value,
+                              "version": p.PROTOCOL_VERSION, "pid": os.getpid(), "name": name})
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # refused on accept (not allowed, too many clients): the reason waits unread
+
+
 def _expect(sock: socket.socket, kind: p.MessageType, path: str) -> dict:
     msg, fds = _expect_with_fds(sock, kind, path)
     for fd in fds:
@@ -456,6 +479,9 @@ def _expect_with_fds(sock: socket.socket, kind: p.MessageType, path: str
     if msg is None:
         raise ServerGone(f"ple-server at {path} closed the connection while this client "
                          f"waited for {kind.value!r}")
+    if msg["type"] == p.MessageType.SHUTDOWN.value:
+        raise ServerGone(f"ple-server at {path} is shutting down "
+                         f"({msg.get('reason', 'no reason given')}); reconnect once it is back")
     if msg["type"] == p.MessageType.ERROR.value:
         for fd in fds:
             os.close(fd)

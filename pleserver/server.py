@@ -24,6 +24,7 @@ import os
 import selectors
 import signal
 import socket
+import stat
 import struct
 import time
 from dataclasses import dataclass, field
@@ -101,6 +102,10 @@ class Server:
 
     def start(self) -> None:
         cfg = self.config
+        if cfg.model and os.path.isdir(cfg.model) and not os.access(cfg.model, os.R_OK | os.X_OK):
+            raise StartupError(f"cannot read the model directory {cfg.model} (Permission "
+                               f"denied for uid {os.geteuid()}): let the server's user read "
+                               "it and its files")
         specs = discover_tables(cfg.model) if cfg.model else []
         if not specs:
             raise StartupError("no model directory given: pass --model DIR (or `model` in "
@@ -145,6 +150,9 @@ class Server:
     def _listen(self) -> None:
         path = self.config.socket
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise StartupError(f"{path} exists and is not a socket; ple-server removes only "
+                               "stale sockets: move it away or choose another --socket")
         if os.path.exists(path):
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -380,13 +388,15 @@ class Server:
         fix and leaves nothing behind."""
         fd = os.memfd_create(f"{self.instance}.{s.id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, layout.size)
             try:  # reserve the pages now: no room must fail here, not SIGBUS later
+                os.ftruncate(fd, layout.size)
                 os.posix_fallocate(fd, 0, layout.size)
             except OSError as exc:
-                raise OSError(exc.errno, f"no memory for a {layout.size / 2**20:.1f} MiB "
-                              f"channel ({exc.strerror}); ask for a smaller capacity or "
-                              "depth, or free memory") from None
+                limit = (": over this server's file size limit (ulimit -f, LimitFSIZE=)"
+                         if exc.errno == errno.EFBIG else "")
+                raise OSError(exc.errno, f"cannot reserve {layout.size / 2**20:.1f} MiB for "
+                              f"a channel ({exc.strerror}{limit}); ask for a smaller "
+                              "capacity or depth, or free memory") from None
             # The client may not shrink or grow it: a shrunk segment would SIGBUS
             # the server on its next access.
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS,

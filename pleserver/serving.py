@@ -53,6 +53,7 @@ class Channel:
         self.closing = False
         self.lock = threading.Lock()
         self.waiter: threading.Thread | None = None
+        self.waiter_done = False  # the waiter no longer touches the segment
 
     def take_token(self) -> bool:
         with self.lock:
@@ -154,6 +155,8 @@ class ServingLoop:
                 next_beat = now + self.heartbeat_every_s
                 if self.heartbeat:
                     self.heartbeat()
+                for table in self.tables:  # a checkpoint file changed under us?
+                    table.check_files()
             if did:
                 idle_since = now
                 continue
@@ -199,6 +202,9 @@ class ServingLoop:
                        f"{len(self.tables)} tables (indexes 0..{len(self.tables) - 1})")
             return
         table, stats = self.tables[table_index], self.stats[table_index]
+        if table.problem:  # its file changed on disk: reading it could SIGBUS us
+            self._fail(ch, slot, p.ErrorCode.INTERNAL, stats, "internal", table.problem)
+            return
         capacity = ch.map.layout.capacity
         if count > capacity:
             self._fail(ch, slot, p.ErrorCode.BAD_COUNT, stats, "bad_count",
@@ -217,6 +223,10 @@ class ServingLoop:
         if count >= table.parallel_min_rows and table.pool is not None:
             self._hand_off(ch, slot, table, stats, ids, out, count, started, submitted_ns)
             return
+        self._answer(ch, slot, table, stats, ids, out, count, started, submitted_ns)
+
+    def _answer(self, ch, slot, table, stats, ids, out, count, started, submitted_ns) -> None:
+        """Gather into the slot and complete it, or fail it: never raises."""
         try:
             table.gather(ids, out)
         except Exception as exc:
@@ -233,13 +243,7 @@ class ServingLoop:
 
         def run() -> None:
             try:
-                table.gather(ids, out)
-            except Exception as exc:
-                log.exception("gather failed for session %d", ch.session_id)
-                self._fail(ch, slot, p.ErrorCode.INTERNAL, stats, "internal",
-                           f"internal error while gathering: {exc}")
-            else:
-                self._complete(ch, slot, table, stats, count, started, submitted_ns)
+                self._answer(ch, slot, table, stats, ids, out, count, started, submitted_ns)
             finally:
                 ch.busy.discard(slot.index)
                 with self._inflight_lock:
@@ -258,6 +262,7 @@ class ServingLoop:
         words[p.SL_ERROR] = p.ErrorCode.OK
         slot.words64[p.SL_SERVER_NS // 2] = done - started
         words[p.SL_STATE] = p.SlotState.DONE
+        ch.busy.discard(slot.index)  # before the post: the client may reuse the slot at once
         ch.done_sems[slot.index].post()
         stats.record(count, table.row_bytes, (done - started) * 1e-9,
                      (started - submitted_ns) * 1e-9 if submitted_ns <= started else -1)
@@ -267,6 +272,7 @@ class ServingLoop:
         words = slot.words
         words[p.SL_ERROR] = code
         words[p.SL_STATE] = p.SlotState.ERROR
+        ch.busy.discard(slot.index)  # (as in _complete)
         ch.done_sems[slot.index].post()
         if stats is not None:
             stats.record_error(kind)
@@ -282,13 +288,16 @@ class ServingLoop:
             with ch.lock:
                 ch.tokens += 1
             self._wakeup.set()
+        ch.waiter_done = True
+        self._wakeup.set()  # the loop may be asleep: it unmaps the channel now, not a beat later
 
     def _reap(self, force: bool = False) -> None:
         with self._change:
             retired, self._retired = self._retired, []
         keep = []
         for ch in retired:
-            waiter_alive = ch.waiter is not None and ch.waiter.is_alive()
+            waiter_alive = ch.waiter is not None and ch.waiter.is_alive() \
+                and not ch.waiter_done
             if force and waiter_alive:
                 ch.waiter.join(timeout=2 * WAITER_SLICE_S + 1)
                 waiter_alive = ch.waiter.is_alive()

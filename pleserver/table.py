@@ -48,18 +48,56 @@ class MappedFile:
     size: int
     mm: mmap.mmap
     flat: np.ndarray  # uint8 view of the whole mapping
+    stat: os.stat_result | None = None  # at open: what ``check`` compares against
+    problem: str | None = None  # set for good once the file changed in place
+    replaced: bool = False  # the path names another file now (logged once)
 
     @classmethod
     def open(cls, path: str) -> "MappedFile":
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            st = os.fstat(fd)
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
         except BaseException:
             os.close(fd)
             raise
         mm.madvise(mmap.MADV_RANDOM)
-        return cls(path, fd, size, mm, np.frombuffer(mm, dtype=np.uint8))
+        return cls(path, fd, st.st_size, mm, np.frombuffer(mm, dtype=np.uint8), st)
+
+    def check(self) -> str | None:
+        """Whether the file changed under the mapping (two stat calls).
+
+        Changed in place (size or mtime): rows may be gone — touching a page
+        past the new end of the file raises SIGBUS, which kills the process —
+        or different, so the problem is returned (and kept) and its tables
+        answer errors. Replaced (another file renamed over the path, as
+        downloads and rsync do) or removed: the mapping still holds the old
+        file, whole and consistent, so serving goes on; logged once."""
+        if self.problem is None and self.stat is not None:
+            try:
+                st = os.fstat(self.fd)
+            except OSError as exc:
+                st, error = None, exc.strerror
+            if st is None or (st.st_size, st.st_mtime_ns) != (self.stat.st_size,
+                                                             self.stat.st_mtime_ns):
+                what = f"cannot stat it ({error})" if st is None else (
+                    f"size {self.stat.st_size} → {st.st_size} bytes" if st.st_size !=
+                    self.stat.st_size else "rewritten in place, same size")
+                self.problem = (f"checkpoint file {self.path} changed on disk while "
+                                f"ple-server had it mapped ({what}); its tables are no "
+                                "longer served: restore the file, then restart ple-server")
+                log.error("%s", self.problem)
+        if not self.replaced and self.stat is not None:
+            try:
+                st = os.stat(self.path)
+            except OSError:
+                st = None
+            if st is None or (st.st_dev, st.st_ino) != (self.stat.st_dev, self.stat.st_ino):
+                self.replaced = True
+                log.warning("checkpoint file %s was %s on disk; ple-server keeps serving the "
+                            "file it mapped at start: restart it to serve the new one",
+                            self.path, "removed" if st is None else "replaced")
+        return self.problem
 
     @property
     def address(self) -> int:
@@ -88,6 +126,7 @@ class Table:
         self.parallel_min_rows = parallel_min_rows
         self.dedup_min_rows = dedup_min_rows
         self.fully_resident = False  # set by a completed full prewarm
+        self.problem: str | None = None  # set by check_files: requests then fail
         self.views: list[np.ndarray] = []
         view_keys: dict[tuple[str, int], int] = {}
         shard_view = np.zeros(spec.parts, dtype=np.int64)
@@ -111,6 +150,15 @@ class Table:
         contiguous = len(self.views) == 1 and all(
             shard_base[i] == shard_base[0] + i * spec.shard_size for i in range(spec.parts))
         self.contiguous_base: int | None = int(shard_base[0]) if contiguous else None
+
+    def check_files(self) -> str | None:
+        """Check this table's files (``MappedFile.check``); the first problem
+        found is kept in ``problem``."""
+        for mapped in self._files:
+            problem = mapped.check()
+            if problem and self.problem is None:
+                self.problem = problem
+        return self.problem
 
     # ------------------------------------------------------------------ gather
     def gather(self, ids: np.ndarray, out: np.ndarray) -> None:

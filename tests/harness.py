@@ -1,0 +1,355 @@
+"""Tools for the reliability, security and soak tests.
+
+- ``footprint(pid)``: what a process holds (fds, threads, RSS, channel segments
+  mapped), to check that sessions leave nothing behind;
+- ``RawSession``: the control protocol by hand, for hostile and half-finished
+  clients;
+- ``python_child``: a Python child process running a snippet, optionally as
+  another uid (it drops privileges itself after its imports — the equivalent of
+  ``setpriv --reuid --regid --init-groups``, which also works when the
+  interpreter lives where the other uid may not read);
+- ``LaunchedServer``: a ``pleserver serve`` process as another uid, under a
+  command prefix (``prlimit``, ``unshare``) or on a chosen socket path;
+- ``other_users``: system users and a group for the access-control tests,
+  created with ``useradd``/``groupadd`` and removed afterwards (root only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pleclient import protocol as p
+from tests.conftest import ServerProcess
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+# ------------------------------------------------------------------ footprints
+@dataclass(frozen=True)
+class Footprint:
+    fds: int
+    threads: int
+    rss_kib: int
+    segments: int  # channel segments mapped (memfds named ple.<pid>.<session>)
+
+
+def footprint(pid: int) -> Footprint:
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    with open(f"/proc/{pid}/maps") as f:
+        segments = {line.split()[-2] if line.rstrip().endswith("(deleted)") else
+                    line.split()[-1] for line in f if "/memfd:ple." in line}
+    return Footprint(len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task")),
+                     rss, len(segments))
+
+
+def settles_to(pid: int, baseline: Footprint, timeout: float = 10.0) -> Footprint:
+    """Wait until ``pid`` holds no more fds, threads or segments than
+    ``baseline`` (waiter threads need up to a waiter slice to notice their
+    session closed); the last footprint seen."""
+    last = footprint(pid)
+
+    def settled() -> bool:
+        nonlocal last
+        last = footprint(pid)
+        return (last.fds <= baseline.fds and last.threads <= baseline.threads
+                and last.segments <= baseline.segments)
+
+    wait_until(settled, timeout)
+    return last
+
+
+def quiet_footprint(pid: int, timeout: float = 10.0, segments: int | None = None
+                    ) -> Footprint:
+    """A footprint once two samples a waiter slice apart agree (sessions that
+    were closing have finished) — and, given ``segments``, once that many
+    channels are mapped — as a baseline."""
+    last = footprint(pid)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = footprint(pid)
+        if (now.fds, now.threads, now.segments) == (last.fds, last.threads, last.segments) \
+                and segments in (None, now.segments):
+            return now
+        last = now
+    return last
+
+
+def no_growth(baseline: Footprint, now: Footprint) -> bool:
+    return (now.fds <= baseline.fds and now.threads <= baseline.threads
+            and now.segments <= baseline.segments)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def shm_entries() -> set[str]:
+    """Every ple name in /dev/shm (segments and semaphores alike)."""
+    return {n for n in os.listdir("/dev/shm") if "ple" in n}
+
+
+# ------------------------------------------------------------ raw sessions
+class RawSession:
+    """The control protocol by hand: any bytes, any message, read what comes."""
+
+    def __init__(self, path: str, timeout: float = 2.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(path)
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send(self, msg: dict, fds: list[int] | None = None) -> None:
+        p.send_message(self.sock, msg, fds)
+
+    def recv(self) -> tuple[dict | None, list[int]]:
+        """One message (None once the server closed the session)."""
+        try:
+            return p.recv_message(self.sock)
+        except (ConnectionResetError, BrokenPipeError):
+            return None, []
+
+    def hello(self) -> dict:
+        self.send({"type": "hello", "version": p.PROTOCOL_VERSION, "pid": os.getpid(),
+                   "name": "raw"})
+        msg, _ = self.recv()
+        assert msg is not None and msg["type"] == "welcome", msg
+        return msg
+
+    def open_channel(self, **fields) -> tuple[dict, list[int]]:
+        self.send({"type": "open_channel", **fields})
+        return self.recv()
+
+    def closed_by_server(self, timeout: float = 5.0) -> bool:
+        """Read (and drop) whatever comes until the server closes the session;
+        False if it is still open after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+                data, ancdata, _, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(64))
+                for _level, _kind, cdata in ancdata:  # close any fd we were handed
+                    for i in range(0, len(cdata) - len(cdata) % 4, 4):
+                        os.close(int.from_bytes(cdata[i:i + 4], "little"))
+                if not data:
+                    return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except (socket.timeout, TimeoutError):
+            return False
+        return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "RawSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------- child processes
+@dataclass(frozen=True)
+class OtherUser:
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+    def as_env(self) -> dict[str, str]:
+        return {"PLE_TEST_AS": json.dumps([self.uid, self.gid, list(self.groups)])}
+
+
+PRELUDE = """\
+import ctypes, json, os, signal, socket, sys, time
+import numpy as np, numpy.random
+from pleclient import PleClient, PleError, ServerGone, protocol as p
+from pleclient.channel import ChannelMap
+from pleserver.synthetic import read_reference  # imported before a privilege drop
+
+def _become(spec):
+    uid, gid, groups = json.loads(spec)
+    os.setgroups(groups)
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE, as after an exec
+    with open("/proc/self/status") as f:
+        caps = next(line.split()[1] for line in f if line.startswith("CapEff:"))
+    assert os.geteuid() == uid and os.getegid() == gid and int(caps, 16) == 0, caps
+
+if os.environ.get("PLE_TEST_AS"):
+    _become(os.environ["PLE_TEST_AS"])
+"""
+
+SERVER_MAIN = """\
+from pleserver import cli, config, server, serving, table, peer_semaphore, stats, systemd
+from pleclient import checkpoint
+""" + PRELUDE + """
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def child_env(user: OtherUser | None = None, env: dict | None = None) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if k != "PLE_TEST_AS"}
+    out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    out.update(user.as_env() if user else {})
+    out.update(env or {})
+    return out
+
+
+def python_child(code: str, *args: str, user: OtherUser | None = None,
+                 env: dict | None = None, **popen) -> subprocess.Popen:
+    """Run ``code`` (after ``PRELUDE``) in a child Python; text pipes by default."""
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.PIPE)
+    popen.setdefault("text", True)
+    return subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args],
+                            cwd=REPO, env=child_env(user, env), **popen)
+
+
+def run_child(code: str, *args: str, timeout: float = 60.0, **kwargs
+              ) -> subprocess.CompletedProcess:
+    child = python_child(code, *args, **kwargs)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+        raise AssertionError(f"child did not finish in {timeout} s:\n{out}\n{err}") from None
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
+
+
+def child_report(result: subprocess.CompletedProcess) -> dict:
+    """The JSON object a child printed last."""
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"child printed no report (exit {result.returncode}):\n" \
+                  f"{result.stdout}\n{result.stderr}"
+    return json.loads(lines[-1])
+
+
+# ------------------------------------------------------------------- servers
+class LaunchedServer(ServerProcess):
+    """``pleserver serve`` as another user, under a command prefix, or on a
+    socket path of the caller's choosing."""
+
+    def __init__(self, model: Path, workdir: Path, *extra: str, socket_path: str | None = None,
+                 user: OtherUser | None = None, prefix: tuple[str, ...] = (),
+                 env: dict | None = None, wait: bool = True) -> None:
+        self.socket = socket_path or str(workdir / f"ple-{os.getpid()}-{time.monotonic_ns()}.sock")
+        self.log_path = workdir / f"server-{time.monotonic_ns()}.log"
+        serve = ["serve", "--model", str(model), "--socket", self.socket,
+                 "--log-level", "DEBUG", *extra]
+        main = [sys.executable, "-c", SERVER_MAIN] if user else \
+            [sys.executable, "-m", "pleserver.cli"]
+        self.args = [*prefix, *main, *serve]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=REPO, env=child_env(user, env))
+        if wait:
+            self.wait_ready()
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def exit_code(self, timeout: float = 30.0) -> int:
+        """Wait for the process to end on its own; its exit code."""
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if not self._log.closed:
+                self._log.close()
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """Factory: launch(model, *flags, **LaunchedServer kwargs), stopped at teardown."""
+    servers: list[LaunchedServer] = []
+
+    def start(model: Path, *extra: str, **kwargs) -> LaunchedServer:
+        server = LaunchedServer(model, tmp_path, *extra, **kwargs)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+# --------------------------------------------------------------------- users
+@contextmanager
+def other_users(names: list[str], group: str):
+    """System users ``names`` (each in its own primary group) and a shared
+    supplementary ``group`` holding the first two; removed afterwards. Skips
+    the test unless root with useradd."""
+    if os.geteuid() != 0 or not all(os.path.exists(f"/usr/sbin/{tool}") for tool in
+                                   ("useradd", "userdel", "groupadd", "groupdel")):
+        pytest.skip("needs root and useradd/groupadd to create users of other uids")
+    created_users, created_group = [], False
+    try:
+        if _run_ok(["getent", "group", group]) is False:
+            subprocess.run(["groupadd", "--system", group], check=True)
+            created_group = True
+        shared_gid = int(subprocess.run(["getent", "group", group], capture_output=True,
+                                        text=True, check=True).stdout.split(":")[2])
+        users = []
+        for i, name in enumerate(names):
+            try:
+                pwd.getpwnam(name)
+            except KeyError:
+                subprocess.run(["useradd", "--system", "--no-create-home", "--user-group",
+                                "--shell", "/usr/sbin/nologin",
+                                *(["--groups", group] if i < 2 else []), name], check=True)
+                created_users.append(name)
+            entry = pwd.getpwnam(name)
+            groups = (shared_gid,) if i < 2 else ()
+            users.append(OtherUser(name, entry.pw_uid, entry.pw_gid, groups))
+        yield users, shared_gid
+    finally:
+        for name in created_users:
+            subprocess.run(["userdel", name], check=False)
+        if created_group:
+            subprocess.run(["groupdel", group], check=False)
+
+
+def _run_ok(cmd: list[str]) -> bool:
+    return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+def world_readable(path: Path) -> Path:
+    """Make ``path`` and everything under it readable by every uid (a checkpoint
+    the other users must read; the directories above must be searchable too)."""
+    for root, _dirs, files in os.walk(path):
+        os.chmod(root, 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+    return path

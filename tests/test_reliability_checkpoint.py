@@ -1,0 +1,116 @@
+"""Bad checkpoints: refused at start with the reason; changed under a running
+server: replaced files keep being served as mapped, files changed in place
+make their tables answer errors, and a read racing a truncation kills the
+daemon loudly (a traceback in its log), never silently."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from pleclient import PleClient, RequestError, ServerGone
+from pleserver.synthetic import read_reference, write_checkpoint
+from tests.conftest import SMALL_TABLES
+from tests.harness import launch, wait_until  # noqa: F401 (fixture)
+
+
+@pytest.fixture
+def model(tmp_path):
+    return write_checkpoint(str(tmp_path / "model"), SMALL_TABLES, files=2)
+
+
+def second_file(model: str) -> str:
+    return sorted(os.path.join(model, f) for f in os.listdir(model)
+                  if f.endswith(".safetensors"))[1]
+
+
+def test_a_truncated_shard_file_is_refused_at_start(launch, model):
+    path = second_file(model)
+    os.truncate(path, os.path.getsize(path) - 1000)
+    server = launch(model, wait=False)
+    assert server.exit_code() == 2
+    log = server.log()
+    assert path in log and "truncated" in log
+    assert not os.path.exists(server.socket)
+
+
+def test_a_garbage_header_is_refused_at_start(launch, model):
+    path = second_file(model)
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(b"\x00garbage{{{")
+    server = launch(model, wait=False)
+    assert server.exit_code() == 2
+    assert "malformed safetensors header" in server.log()
+    assert not os.path.exists(server.socket)
+
+
+def test_a_shard_truncated_under_an_idle_server_fails_its_requests_clearly(launch, model):
+    server = launch(model)
+    with server.client() as client:
+        client.lookup(3, [1, 10_000])
+        path = second_file(model)
+        os.truncate(path, os.path.getsize(path) // 2)
+        assert wait_until(lambda: "changed on disk" in server.log()), server.log()[-2000:]
+        for layer in (1, 3):  # both tables have shards in that file
+            with pytest.raises(RequestError, match="changed on disk while ple-server had it "
+                               r"mapped \(size .* bytes\).*restart ple-server"):
+                client.lookup(layer, [1, 10_000])
+        assert client.stats()["tables"][0]["errors"]["internal"] == 1
+    assert server.proc.poll() is None
+    assert server.stop() == 0
+    # What a restart (systemd's Restart=on-failure) then says:
+    again = launch(model, wait=False)
+    assert again.exit_code() == 2 and "truncated" in again.log()
+
+
+def test_a_request_racing_a_truncation_errs_or_kills_the_server_loudly(launch, model):
+    server = launch(model)
+    path = second_file(model)
+    ids = np.arange(10_007)  # every row: some live past the new end of the file
+    with server.client(timeout=10.0) as client:
+        client.lookup(3, [1])
+        os.truncate(path, os.path.getsize(path) // 2)
+        try:
+            client.lookup(3, ids)
+        except RequestError as exc:  # the periodic check saw it first
+            assert "changed on disk" in str(exc)
+            assert server.proc.poll() is None
+        except ServerGone:  # the read hit a page past the end: SIGBUS
+            server.proc.wait(10)
+            log = server.log()
+            assert server.proc.returncode < 0  # killed by the signal
+            assert "Fatal Python error: Bus error" in log and "in gather" in log, log[-3000:]
+        else:
+            pytest.fail("rows past the end of a truncated file were served")
+
+
+def test_a_shard_replaced_while_serving_keeps_serving_the_mapped_rows(launch, model):
+    reference = read_reference(model, SMALL_TABLES[1].name)
+    server = launch(model)
+    path = second_file(model)
+    other = write_checkpoint(str(os.path.join(os.path.dirname(model), "other")),
+                             SMALL_TABLES, files=2, seed=1)
+    shutil.copy(second_file(other), path + ".new")
+    os.replace(path + ".new", path)  # as downloads and rsync do
+    assert wait_until(lambda: "was replaced on disk" in server.log())
+    ids = np.arange(10_007)
+    with server.client() as client:
+        assert np.array_equal(client.lookup(3, ids), reference)  # the rows it mapped
+
+
+def test_a_shard_rewritten_in_place_fails_its_requests_clearly(launch, model):
+    server = launch(model)
+    path = second_file(model)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:  # same size, other bytes: as `cp other file` would
+        f.seek(size - 4096)
+        f.write(bytes(4096))
+    assert wait_until(lambda: "changed on disk" in server.log())
+    with server.client() as client, pytest.raises(RequestError,
+                                                  match="rewritten in place, same size"):
+        client.lookup(3, [1])
+    assert PleClient.query_stats(server.socket)["clients"] >= 1  # still up

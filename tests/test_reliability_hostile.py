@@ -1,0 +1,429 @@
+"""Hostile or broken clients: fuzzed control messages, a slot rewritten while
+the server works on it, semaphores scribbled on, a segment resized, requests
+faster than the server serves. Each gets an error status or a closed session;
+the server never crashes, never reads out of bounds, and a well-behaved client
+beside them keeps getting bit-exact rows."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pleclient import PleClient
+from pleclient import protocol as p
+from pleserver.synthetic import read_reference
+from tests.conftest import SMALL_TABLES
+from tests.harness import (LaunchedServer, RawSession, no_growth, python_child,
+                           quiet_footprint, settles_to)
+
+
+@pytest.fixture(scope="module")
+def references(checkpoint):
+    return {t.layer: read_reference(str(checkpoint), t.name) for t in SMALL_TABLES}
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint, tmp_path_factory):
+    server = LaunchedServer(checkpoint, tmp_path_factory.mktemp("hostile"))
+    with server.client() as client:  # warm: the gather threads exist
+        client.lookup(1, np.arange(4 * client.capacity) % 20_011)
+    yield server
+    assert server.proc.poll() is None, server.log()[-3000:]
+    assert server.stop() == 0
+    assert "Traceback" not in server.log(), server.log()[-3000:]
+
+
+class Bystander:
+    """A well-behaved client in a thread, checking every row it gets."""
+
+    def __init__(self, server, references) -> None:
+        self.client = server.client(name="bystander")
+        self.references = references
+        self.lookups = 0
+        self.worst_s = 0.0
+        self.failure: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        rng = np.random.default_rng(99)
+        try:
+            while not self._stop.is_set():
+                layer = int(rng.choice([1, 3]))
+                ref = self.references[layer]
+                ids = rng.integers(0, ref.shape[0], int(rng.choice([1, 300, 5000])))
+                started = time.monotonic()
+                rows = self.client.lookup(layer, ids)
+                self.worst_s = max(self.worst_s, time.monotonic() - started)
+                assert np.array_equal(rows, ref[ids]), "a row differs from the checkpoint"
+                self.lookups += 1
+        except BaseException as exc:  # reported by stop()
+            self.failure = exc
+
+    def __enter__(self) -> "Bystander":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self.client.close()
+        if exc[0] is None:
+            assert self.failure is None, f"the bystander failed: {self.failure!r}"
+            assert self.lookups > 0
+
+
+def error_counts(server) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for table in PleClient.query_stats(server.socket)["tables"]:
+        for kind, n in table["errors"].items():
+            total[kind] = total.get(kind, 0) + n
+    return total
+
+
+# ------------------------------------------------------------ control plane
+KINDS = [m.value for m in p.MessageType] + ["", "HELLO", "x" * 300]
+anything = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats()
+    | st.text(max_size=20) | st.binary(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                               max_size=4),
+    max_leaves=12)
+message = st.fixed_dictionaries(
+    {"type": st.sampled_from(KINDS) | anything},
+    optional={"version": st.sampled_from([p.PROTOCOL_VERSION, True]) | anything,
+              "capacity": st.integers(-5, 2**40) | anything,
+              "depth": st.integers(-5, 100) | anything,
+              "name": anything, "pid": anything})
+
+
+def as_frame(msg) -> bytes:
+    body = msgpack.packb(msg, use_bin_type=True)
+    return struct.pack("<I", len(body)) + body
+
+
+frame = st.one_of(
+    message.map(as_frame),
+    anything.map(as_frame),  # not a map, or a map without a string type
+    st.binary(max_size=64),  # not even a frame
+    st.tuples(st.integers(0, 2**32 - 1), st.binary(max_size=64)).map(  # lying length
+        lambda t: struct.pack("<I", t[0]) + t[1]),
+)
+
+
+@settings(max_examples=250, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(greet=st.booleans(), frames=st.lists(frame, min_size=1, max_size=4))
+def test_fuzzed_control_messages_get_an_error_or_a_closed_session(served, greet, frames):
+    with RawSession(served.socket) as raw:
+        if greet:
+            raw.hello()
+        for data in frames:
+            try:
+                raw.send_bytes(data)
+            except (BrokenPipeError, ConnectionResetError):
+                break  # the server closed the session already
+        try:
+            raw.sock.shutdown(socket.SHUT_WR)  # no more from us: the server ends it
+        except OSError:
+            pass
+        assert raw.closed_by_server(timeout=10), "the session stayed open after EOF"
+
+
+def test_after_fuzzing_the_server_holds_nothing_extra_and_serves(served, references):
+    settled = settles_to(served.pid, quiet_footprint(served.pid, segments=0))
+    assert settled.segments == 0
+    with Bystander(served, references):
+        time.sleep(0.5)
+    assert "internal error" not in served.log()
+
+
+def test_frame_longer_than_the_limit_closes_the_session(served):
+    with RawSession(served.socket) as raw:
+        raw.send_bytes(struct.pack("<I", p.MAX_FRAME_BYTES + 1))
+        msg, _ = raw.recv()
+        assert msg["type"] == "error" and msg["code"] == p.ErrorCode.BAD_MESSAGE
+        assert "exceeds" in msg["message"]
+        assert raw.closed_by_server()
+
+
+@pytest.mark.parametrize("fields", [
+    {"capacity": "many"}, {"capacity": -1}, {"capacity": 0}, {"capacity": 2**40},
+    {"capacity": 1.5}, {"depth": 0}, {"depth": p.MAX_DEPTH + 1}, {"depth": None},
+    {"capacity": 1 << 18, "depth": p.MAX_DEPTH},  # over max_channel_bytes
+])
+def test_bad_channel_geometry_is_refused_and_the_session_survives(served, fields):
+    with RawSession(served.socket) as raw:
+        raw.hello()
+        msg, fds = raw.open_channel(**fields)
+        assert not fds and msg["type"] == "error" and \
+            msg["code"] == p.ErrorCode.CHANNEL_LIMIT, msg
+        msg, fds = raw.open_channel(capacity=16, depth=1)  # the session still works
+        assert msg["type"] == "channel" and len(fds) == 1
+        os.close(fds[0])
+
+
+def test_anything_before_hello_closes_the_session(served):
+    with RawSession(served.socket) as raw:
+        raw.send({"type": "open_channel", "capacity": 16})
+        msg, _ = raw.recv()
+        assert msg["code"] == p.ErrorCode.BAD_MESSAGE and "before 'hello'" in msg["message"]
+        assert raw.closed_by_server()
+
+
+def test_a_stalled_half_frame_does_not_hold_up_other_clients(served, references):
+    with RawSession(served.socket) as raw:
+        raw.send_bytes(struct.pack("<I", 1000) + b"\x81")  # 1 of 1000 bytes, then silence
+        with Bystander(served, references):
+            time.sleep(0.3)
+
+
+# --------------------------------------------------------------- data plane
+TAMPER = """
+path, seconds = sys.argv[1], float(sys.argv[2])
+import threading
+client = PleClient.connect(path, name="tamperer", depth=4, capacity=4096)
+ch = client._channel
+cap, depth = ch.layout.capacity, ch.layout.depth
+stop = time.monotonic() + seconds
+counts = {"submits": 0, "rewrites": 0}
+
+def garbage_ids(rng, n):
+    kind = rng.integers(4)
+    if kind == 0:
+        return rng.integers(0, 10_007, n)
+    if kind == 1:
+        return rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64)
+    if kind == 2:
+        return -rng.integers(1, 1000, n)
+    return rng.integers(10_007, 1 << 40, n)
+
+def garbage_count(rng):
+    return int(rng.choice([0, 1, cap, cap + 1, 2**31, 2**32 - 1, rng.integers(0, cap)]))
+
+def garbage_table(rng):
+    return int(rng.choice([0, 1, 2, 3, 2**31, 2**32 - 1]))
+
+def submitter():
+    rng = np.random.default_rng(1)
+    while time.monotonic() < stop:
+        slot = ch.slots[int(rng.integers(depth))]
+        n = int(rng.integers(0, cap + 1))
+        slot.ids[:n] = garbage_ids(rng, n)
+        w = slot.words
+        w[p.SL_TABLE] = garbage_table(rng)
+        w[p.SL_COUNT] = garbage_count(rng)
+        w[p.SL_SEQUENCE] = ch.header[p.CH_SUBMIT_COUNTER]
+        w[p.SL_STATE] = p.SlotState.SUBMITTED
+        ch.header[p.CH_SUBMIT_COUNTER] = (ch.header[p.CH_SUBMIT_COUNTER] + 1) & 0xFFFFFFFF
+        ch.submit_sem.post()
+        for s in ch.slots:  # keep the done semaphores from saturating
+            s.done.try_acquire()
+        counts["submits"] += 1
+
+def rewriter():
+    rng = np.random.default_rng(2)
+    while time.monotonic() < stop:
+        slot = ch.slots[int(rng.integers(depth))]
+        w = slot.words
+        what = int(rng.integers(7))
+        if what == 0:
+            w[p.SL_COUNT] = garbage_count(rng)
+        elif what == 1:
+            w[p.SL_TABLE] = garbage_table(rng)
+        elif what == 2:
+            w[p.SL_STATE] = int(rng.choice([0, 1, 2, 3, 7, 2**32 - 1]))
+        elif what == 3:
+            w[p.SL_SEQUENCE] = int(rng.integers(0, 2**32))
+        elif what == 4:
+            slot.ids[:] = garbage_ids(rng, cap)
+        elif what == 5:  # the counter moves without a post
+            ch.header[p.CH_SUBMIT_COUNTER] = int(rng.integers(0, 2**32))
+        else:  # the done semaphore's words: value, waiters, futex flags
+            w[16 + int(rng.integers(3))] = int(rng.integers(0, 2**32))
+        counts["rewrites"] += 1
+
+threads = [threading.Thread(target=submitter), threading.Thread(target=rewriter)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(counts), flush=True)
+os._exit(0)
+"""
+
+
+def test_slot_rewritten_while_the_server_works_never_crashes_it_or_leaks_rows(
+        served, references):
+    baseline = quiet_footprint(served.pid, segments=0)
+    before = error_counts(served)
+    with Bystander(served, references) as bystander:
+        tamperer = python_child(TAMPER, served.socket, "4")
+        out, err = tamperer.communicate(timeout=60)
+        assert tamperer.returncode == 0, err
+    assert served.proc.poll() is None, served.log()[-3000:]
+    after = error_counts(served)
+    rejected = {kind: after[kind] - before.get(kind, 0) for kind in after}
+    # The tampering got through to validation (bad table indexes are refused too,
+    # but no table's counters can count them).
+    assert rejected["bad_count"] and rejected["id_out_of_range"], rejected
+    assert no_growth(baseline, settles_to(served.pid, baseline))
+    print(f"tamperer {out.strip()}, rejected {rejected}, bystander {bystander.lookups} "
+          f"lookups all exact")
+
+
+@pytest.mark.parametrize("table, count, ids, code, text", [
+    (7, 3, [1, 2, 3], p.ErrorCode.BAD_TABLE, "table index 7 out of range"),
+    (2**32 - 1, 3, [1, 2, 3], p.ErrorCode.BAD_TABLE, "out of range"),
+    (0, 2**32 - 1, [1, 2, 3], p.ErrorCode.BAD_COUNT, "exceeds the channel capacity"),
+    (1, 2, [5, -1], p.ErrorCode.ID_OUT_OF_RANGE, "id -1 at position 1"),
+    (1, 2, [5, 2**62], p.ErrorCode.ID_OUT_OF_RANGE, f"id {2**62} at position 1"),
+])
+def test_raw_slot_words_out_of_range_get_an_error_status(served, table, count, ids, code,
+                                                          text):
+    """What a client writes past the library's checks: the server answers with
+    an error status and the session goes on."""
+    from pleclient import RequestError
+
+    with served.client(capacity=64, depth=1) as client:
+        ticket = client.submit(1, [0])  # a legitimate submit, then rewritten in place
+        ticket.wait()
+        ticket.release()
+        ch = client._channel
+        slot = ch.slots[0]
+        slot.ids[:len(ids)] = ids
+        w = slot.words
+        w[p.SL_TABLE], w[p.SL_COUNT] = table, count
+        w[p.SL_SEQUENCE] = ch.header[p.CH_SUBMIT_COUNTER]
+        w[p.SL_STATE] = p.SlotState.SUBMITTED
+        client._slot_owner[0] = "ticket"
+        ch.header[p.CH_SUBMIT_COUNTER] += 1
+        client._sequence = ch.header[p.CH_SUBMIT_COUNTER]
+        ch.submit_sem.post()
+        from pleclient.client import Ticket
+        with pytest.raises(RequestError, match=text) as caught:
+            Ticket(client, slot, client.table(1), 1).wait()
+        assert caught.value.code == code
+        assert client.lookup(3, [7]).shape == (1, 320)  # the session goes on
+
+
+SEMAPHORE_ATTACK = """
+path, attack = sys.argv[1], sys.argv[2]
+client = PleClient.connect(path, name="sem-" + attack, depth=2, capacity=64)
+ch = client._channel
+client.lookup(1, [1, 2, 3])
+if attack == "done-flags":  # a waiter registered, and futex flags the kernel rejects
+    for slot in ch.slots:
+        slot.words[17], slot.words[18] = 1, 0x40000
+    tickets = [client.submit(1, [4, 5]) for _ in ch.slots]  # the server posts them
+elif attack == "submit-flags":  # the server's waiter sleeps on this one
+    ch.header[34] = 0x40000
+elif attack == "submit-overflow":  # no room for another post, not even the server's
+    ch.header[32] = 0x7FFFFFFF
+elif attack == "done-overflow":
+    ch.slots[0].words[16] = 0x7FFFFFFF
+    ch.slots[0].words[p.SL_SEQUENCE] = ch.header[p.CH_SUBMIT_COUNTER]
+    ch.slots[0].words[p.SL_COUNT], ch.slots[0].words[p.SL_TABLE] = 1, 0
+    ch.slots[0].words[p.SL_STATE] = p.SlotState.SUBMITTED
+    ch.header[p.CH_SUBMIT_COUNTER] += 1
+    ch.submit_sem.post()
+time.sleep(1.5)  # past the serving loop's spin: its waiter sleeps on submit
+print("done", flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("attack", ["done-flags", "submit-flags", "submit-overflow",
+                                    "done-overflow"])
+def test_a_client_scribbling_on_its_semaphores_cannot_stop_the_server(
+        served, references, attack):
+    baseline = quiet_footprint(served.pid, segments=0)
+    with Bystander(served, references):
+        attacker = python_child(SEMAPHORE_ATTACK, served.socket, attack)
+        out, err = attacker.communicate(timeout=60)
+        assert served.proc.poll() is None, \
+            f"the server died ({served.proc.returncode}):\n{served.log()[-2000:]}"
+        assert out.strip() == "done", err
+    assert no_growth(baseline, settles_to(served.pid, baseline))
+
+
+SHRINK = """
+client = PleClient.connect(sys.argv[1], name="shrinker")
+client.lookup(3, [1])
+def target(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # the fd listdir itself used
+        return ""
+fd = next(int(fd) for fd in os.listdir("/proc/self/fd") if "memfd:ple." in target(fd))
+results = {}
+for size in (0, 4096, os.fstat(fd).st_size * 2):
+    try:
+        os.ftruncate(fd, size)
+        results[size] = "resized"
+    except OSError as exc:
+        results[size] = exc.strerror
+print(json.dumps(list(results.values())), flush=True)
+ids = np.arange(client.capacity) % 10_007
+print(json.dumps(bool(client.lookup(3, ids).shape == (len(ids), 320))), flush=True)
+"""
+
+
+def test_the_client_cannot_resize_its_segment_under_the_server(served, references):
+    result = python_child(SHRINK, served.socket)
+    out, err = result.communicate(timeout=60)
+    lines = out.splitlines()
+    assert lines[0] == '["Operation not permitted", "Operation not permitted", ' \
+                       '"Operation not permitted"]', (out, err)
+    assert lines[1] == "true"
+    assert served.proc.poll() is None
+
+
+FLOOD = """
+path, seconds, mode = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+client = PleClient.connect(path, name="flood-" + mode)
+ch = client._channel
+ids = np.random.default_rng(0).integers(0, 20_011, client.capacity)
+for slot in ch.slots:
+    slot.ids[:] = ids
+stop, submits = time.monotonic() + seconds, 0
+while time.monotonic() < stop:
+    if mode == "posts":  # wake-ups with no request behind them
+        ch.submit_sem.post()
+        submits += 1
+        continue
+    for slot in ch.slots:  # every slot, again and again, answered or not
+        w = slot.words
+        w[p.SL_TABLE], w[p.SL_COUNT] = 0, client.capacity
+        w[p.SL_SEQUENCE] = ch.header[p.CH_SUBMIT_COUNTER]
+        w[p.SL_STATE] = p.SlotState.SUBMITTED
+        ch.header[p.CH_SUBMIT_COUNTER] += 1
+        ch.submit_sem.post()
+        slot.done.try_acquire()
+        submits += 1
+print(json.dumps(submits), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["requests", "posts"])
+def test_requests_faster_than_the_server_serves_do_not_starve_others(
+        served, references, mode):
+    baseline = quiet_footprint(served.pid, segments=0)
+    with Bystander(served, references) as bystander:
+        flood = python_child(FLOOD, served.socket, "3", mode)
+        out, err = flood.communicate(timeout=60)
+        assert flood.returncode == 0, err
+    assert bystander.worst_s < 10.0  # the client timeout: served all along
+    assert no_growth(baseline, settles_to(served.pid, baseline))
+    print(f"flood of {mode}: {out.strip()} submits; bystander {bystander.lookups} lookups, "
+          f"worst {bystander.worst_s * 1e3:.1f} ms")

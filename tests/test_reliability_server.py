@@ -1,0 +1,180 @@
+"""Server faults: SIGKILL with requests in flight, restart on the same socket,
+SIGTERM with requests in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from pleclient import PleClient, ServerGone
+from pleserver.synthetic import read_reference
+from tests.conftest import SMALL_TABLES
+from tests.harness import launch, python_child, shm_entries  # noqa: F401 (fixture)
+
+TIMEOUT = 10.0  # the clients' timeout
+
+
+@pytest.fixture(scope="module")
+def references(checkpoint):
+    return {t.layer: read_reference(str(checkpoint), t.name) for t in SMALL_TABLES}
+
+
+LOOPER = """
+path, model, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+from pleserver.synthetic import read_reference
+client = PleClient.connect(path, timeout=10.0, name=f"looper{seed}")
+refs = {t.layer: read_reference(model, t.name) for t in client.tables}
+rng = np.random.default_rng(seed)
+done = 0
+print("ready", flush=True)
+while True:
+    layer = int(rng.choice([1, 3]))
+    ids = rng.integers(0, refs[layer].shape[0], int(rng.choice([1, 500, 16384, 40000])))
+    try:
+        rows = client.lookup(layer, ids)
+    except Exception as exc:
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc),
+                          "at": time.monotonic(), "done": done}), flush=True)
+        break
+    assert np.array_equal(rows, refs[layer][ids]), "wrong rows"
+    done += 1
+"""
+
+
+def last_report(out: str, err: str) -> dict:
+    """The JSON line a child printed last."""
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert lines, f"no report from the child:\n{out}\n{err}"
+    return json.loads(lines[-1])
+
+
+def start_loopers(server, checkpoint, n: int) -> list:
+    children = [python_child(LOOPER, server.socket, str(checkpoint), str(seed))
+                for seed in range(n)]
+    for child in children:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()
+    return children
+
+
+def test_server_killed_with_requests_in_flight_gives_every_client_server_gone(
+        launch, checkpoint, references):
+    server = launch(checkpoint)
+    loopers = start_loopers(server, checkpoint, 3)
+    client = server.client(timeout=TIMEOUT)
+    ids = np.arange(client.capacity) % 10_007
+    tickets = [client.submit(3, ids) for _ in range(client.depth)]
+    time.sleep(0.3)  # the loopers are mid-request, most of the time
+    killed_at = time.monotonic()
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait()
+    for ticket in tickets:  # answered before the kill, or ServerGone: never a hang
+        try:
+            assert np.array_equal(ticket.wait(), references[3][ids])
+        except ServerGone:
+            pass
+        ticket.release()
+    with pytest.raises(ServerGone, match="closed the connection"):
+        client.lookup(1, [1, 2, 3])
+    assert time.monotonic() - killed_at < TIMEOUT
+    for child in loopers:
+        out, err = child.communicate(timeout=2 * TIMEOUT)
+        report = last_report(out, err)
+        assert report["error"] == "ServerGone", report
+        assert report["at"] - killed_at < TIMEOUT, report
+        assert report["done"] > 0
+        print(f"looper: ServerGone {report['at'] - killed_at:.3f} s after the kill, "
+              f"{report['done']} lookups verified before")
+    client.close()
+    assert not shm_entries()
+
+
+RECONNECTING = """
+path, model = sys.argv[1], sys.argv[2]
+from pleserver.synthetic import read_reference
+refs = None
+rng = np.random.default_rng(7)
+gone = verified = 0
+deadline = time.monotonic() + 60
+client = None
+print("ready", flush=True)
+while time.monotonic() < deadline:
+    try:
+        if client is None:
+            client = PleClient.connect(path, timeout=10.0, name="reconnecting")
+            servers = client.server_info["pid"]
+            if refs is None:
+                refs = {t.layer: read_reference(model, t.name) for t in client.tables}
+        ids = rng.integers(0, 10_007, 2000)
+        assert np.array_equal(client.lookup(3, ids), refs[3][ids]), "wrong rows"
+        verified += 1
+        if gone and verified >= 50:
+            break
+    except ServerGone:
+        gone += 1
+        client.close()
+        client = None
+        verified = 0
+    except PleError:  # no server on the socket yet: retry
+        client = None
+        time.sleep(0.05)
+print(json.dumps({"gone": gone, "verified_after": verified,
+                  "server": client.server_info["pid"] if client else None}), flush=True)
+"""
+
+
+def test_a_new_server_on_the_same_socket_is_picked_up_by_a_reconnecting_client(
+        launch, checkpoint, tmp_path):
+    first = launch(checkpoint)
+    child = python_child(RECONNECTING, first.socket, str(checkpoint))
+    assert child.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    assert os.path.exists(first.socket)  # a stale socket file is left behind
+    second = launch(checkpoint, socket_path=first.socket)
+    assert "removing stale socket" in second.log()
+    out, err = child.communicate(timeout=60)
+    report = last_report(out, err)
+    assert report == {"gone": 1, "verified_after": 50, "server": second.pid}, err
+    assert not shm_entries()
+
+
+def test_sigterm_with_requests_in_flight_completes_them(launch, checkpoint, references):
+    server = launch(checkpoint)
+    loopers = start_loopers(server, checkpoint, 2)
+    client = server.client(timeout=TIMEOUT)
+    rng = np.random.default_rng(11)
+    wanted = [(layer, rng.integers(0, references[layer].shape[0], client.capacity))
+              for layer in (1, 3, 1, 3)]
+    tickets = [client.submit(layer, ids) for layer, ids in wanted]
+    server.proc.send_signal(signal.SIGTERM)
+    for (layer, ids), ticket in zip(wanted, tickets):
+        assert np.array_equal(ticket.wait(), references[layer][ids])
+        ticket.release()
+    assert server.exit_code() == 0
+    with pytest.raises(ServerGone):
+        client.lookup(1, [1])
+    for child in loopers:  # each finished its last request, or was told the server left
+        out, err = child.communicate(timeout=2 * TIMEOUT)
+        assert "wrong rows" not in err
+        report = last_report(out, err)
+        assert report["error"] == "ServerGone", report
+    client.close()
+    assert "stopping (SIGTERM)" in server.log() and not shm_entries()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_stats_on_a_departed_server_raises_server_gone(launch, checkpoint, sig):
+    server = launch(checkpoint)
+    client = server.client()
+    client.lookup(1, [1])
+    server.proc.send_signal(sig)
+    server.proc.wait()
+    with pytest.raises(ServerGone):
+        client.stats()
+    client.close()

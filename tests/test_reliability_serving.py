@@ -1,0 +1,134 @@
+"""Races of the serving loop, held open in-process.
+
+A black-box test meets these only at random (the soak, about once in a few
+thousand requests). Here the loop, its channels, tables and statistics are the
+server's own objects; the test plays the client on a second mapping of each
+segment and holds the moment open with one of the server's own locks or a
+quiet spell."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pleclient import protocol as p
+from pleclient.channel import ChannelMap
+from pleclient.checkpoint import discover_tables
+from pleserver.serving import Channel, ServingLoop
+from pleserver.stats import TableStats
+from pleserver.table import open_tables
+
+BIG = 16384  # at least parallel_min_rows: gathered on a thread of its own
+
+
+class Kit:
+    """A serving loop over the checkpoint's tables, and channels on it."""
+
+    def __init__(self, checkpoint, heartbeat_s: float = 1.0) -> None:
+        self.tables, self.files, self.pool = open_tables(discover_tables(str(checkpoint)))
+        self.stats = [TableStats(t.spec.name, t.spec.layer) for t in self.tables]
+        self.loop = ServingLoop(self.tables, self.stats, spin_s=0.002,
+                                heartbeat_every_s=heartbeat_s)
+        self.loop.start()
+        self.fds: list[int] = []
+        self.client_maps: list[ChannelMap] = []
+
+    def channel(self, session: int, depth: int = 1, capacity: int = BIG):
+        """(the server's Channel, the client's mapping) of a new channel."""
+        layout = p.ChannelLayout(depth, capacity, max(t.row_bytes for t in self.tables))
+        fd = os.memfd_create(f"ple.test.{session}", os.MFD_CLOEXEC)
+        os.ftruncate(fd, layout.size)
+        self.fds.append(fd)
+        channel = Channel(session, f"test {session}", ChannelMap(fd, layout, format_header=True))
+        self.loop.add(channel)
+        client = ChannelMap(fd, layout)
+        self.client_maps.append(client)
+        return channel, client
+
+    def close(self) -> None:
+        self.loop.stop()
+        for client in self.client_maps:
+            client.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.pool.shutdown()
+        for f in self.files.values():
+            f.close()
+
+
+@pytest.fixture
+def kit(checkpoint):
+    made = []
+
+    def make(**kwargs) -> Kit:
+        made.append(Kit(checkpoint, **kwargs))
+        return made[-1]
+
+    yield make
+    for k in made:
+        k.close()
+
+
+def submit(client: ChannelMap, slot_index: int, table: int, ids) -> None:
+    """What PleClient.submit does: payload, state, counter, post."""
+    slot = client.slots[slot_index]
+    sequence = client.header[p.CH_SUBMIT_COUNTER]
+    slot.ids[:len(ids)] = ids
+    slot.words[p.SL_TABLE], slot.words[p.SL_COUNT] = table, len(ids)
+    slot.words[p.SL_SEQUENCE] = sequence
+    slot.words[p.SL_STATE] = p.SlotState.SUBMITTED
+    client.header[p.CH_SUBMIT_COUNTER] = (sequence + 1) & 0xFFFFFFFF
+    client.submit_sem.post()
+
+
+def test_a_slot_reused_the_moment_its_large_answer_lands_is_served(kit):
+    """A large request is gathered on a thread of its own, and the client may
+    reuse its slot the moment the answer is posted. If the server still counted
+    the slot as that thread's, the new request would never be served. The test
+    holds the table's statistics lock, on which the gather thread waits right
+    after its post."""
+    k = kit()
+    _, client = k.channel(1)
+    slot = client.slots[0]
+    with k.stats[1].lock:
+        submit(client, 0, 1, np.arange(BIG) % 10_007)  # large: handed off
+        assert slot.done.acquire(10.0) and slot.words[p.SL_STATE] == p.SlotState.DONE
+        slot.words[p.SL_STATE] = p.SlotState.FREE
+        submit(client, 0, 0, [1, 2, 3])  # the same slot, at once
+        served = slot.done.acquire(3.0)
+    assert served, "a request on a slot reused right after a large answer was never served"
+    assert slot.words[p.SL_STATE] == p.SlotState.DONE
+
+
+def test_a_closed_channel_is_unmapped_when_its_waiter_leaves_not_a_heartbeat_later(kit):
+    """A channel closes while the loop is busy with another one, which then goes
+    quiet: the loop falls asleep (here for a 5 s heartbeat) before the closed
+    channel's parked waiter leaves. The waiter wakes the loop as it leaves."""
+    k = kit(heartbeat_s=5.0)
+    _, busy = k.channel(1, capacity=64)
+    for round_ in range(3):
+        closing, _ = k.channel(10 + round_, capacity=64)
+        time.sleep(0.05)
+        quiet = threading.Event()
+
+        def keep_busy() -> None:
+            slot = busy.slots[0]
+            while not quiet.is_set():
+                submit(busy, 0, 0, [1, 2, 3])
+                assert slot.done.acquire(5.0)
+                slot.words[p.SL_STATE] = p.SlotState.FREE
+
+        worker = threading.Thread(target=keep_busy)
+        worker.start()
+        time.sleep(0.05)  # the loop awake, the waiters parked
+        k.loop.remove(closing)
+        quiet.set()  # the loop falls asleep before the waiter's slice ends
+        worker.join()
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and not closing.map.mm.closed:
+            time.sleep(0.01)
+        assert closing.map.mm.closed, f"round {round_}: still mapped 2 s after it closed"

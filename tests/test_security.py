@@ -1,0 +1,254 @@
+"""Access control across uids (docs/SECURITY.md): who may connect, what another
+uid can reach of a session, and what a server of its own uid needs.
+
+Needs root (to create the users and switch to them); skipped otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from pleclient.protocol import ErrorCode
+from pleserver.synthetic import write_checkpoint
+from tests.conftest import SMALL_TABLES
+from tests.harness import (OtherUser, RawSession, launch, other_users,  # noqa: F401
+                           python_child, run_child, wait_until)
+
+
+@pytest.fixture(scope="module")
+def users():
+    """(server, client, other): the server's own uid, an allowed client's, a
+    stranger's; server and client share the group ``ple-t-shared``."""
+    with other_users(["ple-t-server", "ple-t-client", "ple-t-other"], "ple-t-shared") as (
+            found, shared_gid):
+        yield found, shared_gid
+
+
+@pytest.fixture(scope="module")
+def public():
+    """A directory every uid may search, holding a world-readable checkpoint."""
+    root = Path(tempfile.mkdtemp(prefix="ple-security-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    write_checkpoint(str(root / "model"), SMALL_TABLES, files=2)
+    for dirpath, _dirs, files in os.walk(root / "model"):
+        os.chmod(dirpath, 0o755)
+        for name in files:
+            os.chmod(os.path.join(dirpath, name), 0o644)
+    yield root
+    shutil.rmtree(root)
+
+
+@pytest.fixture
+def socket_dir(public, users, request):
+    """A socket directory the server user owns."""
+    (server_user, _, _), _ = users
+    path = public / f"run-{request.node.name[:40]}"
+    path.mkdir()
+    os.chown(path, server_user.uid, server_user.gid)
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+LOOKUP = """
+path, model = sys.argv[1], sys.argv[2]
+from pleserver.synthetic import read_reference
+try:
+    client = PleClient.connect(path, name="as-" + str(os.getuid()))
+except PleError as exc:
+    print(json.dumps({"uid": os.getuid(), "pid": os.getpid(), "error": type(exc).__name__,
+                      "message": str(exc)}))
+    sys.exit(0)
+exact = 0
+for t in client.tables:
+    ref = read_reference(model, t.name)
+    ids = np.random.default_rng(t.layer).integers(0, t.rows, 3000)
+    exact += bool(np.array_equal(client.lookup(t.layer, ids), ref[ids]))
+print(json.dumps({"uid": os.getuid(), "exact_tables": exact,
+                  "server_pid": client.server_info["pid"]}))
+"""
+
+
+def lookup_as(user: OtherUser, server, public) -> dict:
+    result = run_child(LOOKUP, server.socket, str(public / "model"), user=user)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_a_uid_not_allowed_is_refused_before_it_sees_anything(launch, users, public,
+                                                              socket_dir):
+    (_, client_user, other), _ = users
+    server = launch(public / "model", "--allow-uid", str(client_user.uid),
+                    socket_path=str(socket_dir / "ple.sock"))
+    refused = lookup_as(other, server, public)
+    assert refused["error"] == "AccessDenied"
+    assert f"uid {other.uid} " in refused["message"] and "allow_uids" in refused["message"]
+    raw = run_child("""
+        s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])
+        try:
+            s.sendall(p.encode_frame({"type": "stats"}))
+        except BrokenPipeError:  # refused and closed already
+            pass
+        first, _ = p.recv_message(s)
+        try:
+            second, _ = p.recv_message(s)
+        except ConnectionResetError:  # closed with our frame unread
+            second = None
+        print(json.dumps([first, second]))
+    """, server.socket, user=other)
+    assert raw.returncode == 0, raw.stderr
+    first, second = json.loads(raw.stdout)
+    assert first["type"] == "error" and first["code"] == ErrorCode.NOT_ALLOWED
+    assert second is None  # closed: no catalog, no stats, nothing else
+    assert lookup_as(client_user, server, public)["exact_tables"] == 2
+    assert f"refused connection from pid {refused['pid']} uid {other.uid}" in server.log()
+
+
+def test_allow_gid_admits_the_groups_members_only(launch, users, public, socket_dir):
+    (_, client_user, other), shared_gid = users
+    server = launch(public / "model", "--allow-gid", str(shared_gid),
+                    socket_path=str(socket_dir / "ple.sock"))
+    assert lookup_as(client_user, server, public)["exact_tables"] == 2
+    assert lookup_as(other, server, public)["error"] == "AccessDenied"
+
+
+def test_a_server_of_its_own_uid_serves_an_allowed_uid_and_refuses_others(
+        launch, users, public, socket_dir):
+    server_user, client_user, other = users[0]
+    server = launch(public / "model", "--allow-uid", str(client_user.uid),
+                    socket_path=str(socket_dir / "ple.sock"), user=server_user)
+    with open(f"/proc/{server.pid}/status") as f:
+        status = dict(line.split(":", 1) for line in f)
+    assert status["Uid"].split()[0] == str(server_user.uid)
+    assert int(status["CapEff"], 16) == 0  # no capability at all
+    allowed = lookup_as(client_user, server, public)
+    assert allowed == {"uid": client_user.uid, "exact_tables": 2, "server_pid": server.pid}
+    assert lookup_as(other, server, public)["error"] == "AccessDenied"
+    with server.client() as client:  # root always may
+        assert client.lookup(1, [1]).shape == (1, 160)
+
+
+HOLD = """
+client = PleClient.connect(sys.argv[1], name="holder")
+client.lookup(1, [1, 2, 3])
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+PROBE = """
+targets = [int(pid) for pid in sys.argv[1:]]
+outcome = {}
+
+def attempt(what, fn):
+    try:
+        fn()
+        outcome[what] = "OPENED"
+    except PermissionError:
+        outcome[what] = "denied"
+    except OSError as exc:
+        outcome[what] = exc.strerror
+
+def open_all(directory):
+    def go():
+        opened = 0
+        for name in os.listdir(directory):
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            os.close(fd)
+            opened += 1
+        if not opened:
+            raise OSError(0, "nothing there")
+    return go
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+
+def steal_fds(pid):
+    def go():
+        pidfd = os.pidfd_open(pid)
+        try:
+            for fd in range(64):
+                got = libc.syscall(438, pidfd, fd, 0)  # pidfd_getfd
+                if got >= 0:
+                    os.close(got)
+                    raise RuntimeError("took a descriptor")
+                if ctypes.get_errno() == 1:
+                    raise PermissionError
+        finally:
+            os.close(pidfd)
+    return go
+
+for pid in targets:
+    attempt(f"{pid}/fd", open_all(f"/proc/{pid}/fd"))
+    attempt(f"{pid}/map_files", open_all(f"/proc/{pid}/map_files"))
+    attempt(f"{pid}/mem", lambda: open(f"/proc/{pid}/mem", "rb").read(1))
+    attempt(f"{pid}/pidfd_getfd", steal_fds(pid))
+outcome["/dev/shm"] = sorted(n for n in os.listdir("/dev/shm") if "ple" in n)
+print(json.dumps(outcome))
+"""
+
+
+def test_another_uid_cannot_reach_a_sessions_segment(launch, users, public, socket_dir):
+    """A second uid — itself allowed to connect — finds no name to open, and no
+    way into the descriptors or memory of the server or of the session's peer."""
+    server_user, client_user, other = users[0]
+    server = launch(public / "model", "--allow-uid", str(client_user.uid), "--allow-uid",
+                    str(other.uid), socket_path=str(socket_dir / "ple.sock"), user=server_user)
+    holder = python_child(HOLD, server.socket, user=client_user, stdin=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "ready", holder.stderr.read()
+        probe = run_child(PROBE, str(server.pid), str(holder.pid), user=other)
+        outcome = json.loads(probe.stdout)
+        assert outcome.pop("/dev/shm") == []
+        assert set(outcome.values()) == {"denied"}, outcome
+        assert lookup_as(other, server, public)["exact_tables"] == 2  # its own session works
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+
+
+def test_an_unreadable_model_directory_is_a_clear_startup_error(
+        launch, users, public, socket_dir):
+    server_user = users[0][0]
+    private = public / "private-model"
+    shutil.copytree(public / "model", private)
+    os.chmod(private, 0o700)  # root's alone
+    try:
+        server = launch(private, socket_path=str(socket_dir / "ple.sock"), user=server_user,
+                        wait=False)
+        assert server.exit_code() == 2
+        log = server.log()
+        assert f"cannot read the model directory {private}" in log and "Permission denied" in \
+            log, log[-1500:]
+        assert not os.path.exists(socket_dir / "ple.sock")
+    finally:
+        shutil.rmtree(private)
+
+
+def test_an_unreadable_shard_file_is_a_clear_startup_error(launch, users, public, socket_dir):
+    server_user = users[0][0]
+    private = public / "private-file"
+    shutil.copytree(public / "model", private)
+    shard = sorted(private.glob("*.safetensors"))[0]
+    os.chmod(shard, 0o600)
+    try:
+        server = launch(private, socket_path=str(socket_dir / "ple.sock"), user=server_user,
+                        wait=False)
+        assert server.exit_code() == 2
+        assert f"{shard}: cannot read (Permission denied)" in server.log()
+    finally:
+        shutil.rmtree(private)
+
+
+def test_a_socket_directory_the_server_may_not_write_is_a_clear_startup_error(
+        launch, users, public):
+    server_user = users[0][0]
+    server = launch(public / "model", socket_path=str(public / "ple.sock"), user=server_user,
+                    wait=False)  # `public` is root's, 0755
+    assert server.exit_code() == 2
+    assert "cannot bind" in server.log() and "Permission denied" in server.log()
