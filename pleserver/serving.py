@@ -245,7 +245,8 @@ class ServingLoop:
             try:
                 self._answer(ch, slot, table, stats, ids, out, count, started, submitted_ns)
             finally:
-                ch.busy.discard(slot.index)
+                # (busy was cleared before the post, in _complete/_fail: clearing it
+                # here could clear the mark of a request already resubmitted there)
                 with self._inflight_lock:
                     self._inflight -= 1
                 if ch.closing:

@@ -132,3 +132,30 @@ def test_a_closed_channel_is_unmapped_when_its_waiter_leaves_not_a_heartbeat_lat
         while time.monotonic() < deadline and not closing.map.mm.closed:
             time.sleep(0.01)
         assert closing.map.mm.closed, f"round {round_}: still mapped 2 s after it closed"
+
+
+def test_a_large_answer_never_clears_the_busy_mark_of_the_next_request_in_its_slot(kit):
+    """The client reuses a slot for a second large request while the thread of
+    the first is still finishing. If that thread cleared the slot's busy mark
+    after its post, the loop would serve the second request a second time (on
+    the next scan, caused here by a request on another slot) and leave an
+    extra ``done`` token behind."""
+    k = kit()
+    _, client = k.channel(1, depth=2)
+    big, small = client.slots
+    extra_tokens = 0
+    for _ in range(20):
+        with k.stats[1].lock:  # the first gather thread waits here after its post
+            submit(client, 0, 1, np.arange(BIG) % 10_007)
+            assert big.done.acquire(10.0)
+            big.words[p.SL_STATE] = p.SlotState.FREE
+            submit(client, 0, 1, (np.arange(BIG) * 7) % 10_007)  # handed off again
+        time.sleep(0.0005)  # the first thread finishes; the second still gathers
+        submit(client, 1, 0, [1, 2, 3])
+        assert small.done.acquire(10.0) and big.done.acquire(10.0)
+        time.sleep(0.02)
+        extra_tokens += big.done.value
+        while big.done.try_acquire():
+            pass
+        big.words[p.SL_STATE] = small.words[p.SL_STATE] = p.SlotState.FREE
+    assert extra_tokens == 0, f"{extra_tokens} requests were answered twice"
