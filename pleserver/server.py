@@ -370,18 +370,16 @@ class Server:
         except OSError as exc:
             log.warning("session %d (%s): cannot create its channel: %s", s.id, s.peer, exc)
             return self._reject(s, p.ErrorCode.NO_RESOURCES, str(exc))
-        # Served from before the client has the fd: it may submit at once.
+        # Served (and logged) before the client has the fd: it may submit at once.
         s.channel = Channel(s.id, s.peer, mapping)
         self.loop.add(s.channel)
+        log.info("session %d open: %s, channel depth %d × capacity %d (%.1f MiB)", s.id,
+                 s.peer, depth, capacity, layout.size / 2**20)
         try:
             self._send(s, {"type": p.MessageType.CHANNEL.value, "layout": layout.to_wire()},
                        fds=[fd])
         finally:
             os.close(fd)
-        if s.sock not in self.sessions:  # the send failed and closed the session
-            return
-        log.info("session %d open: %s, channel depth %d × capacity %d (%.1f MiB)", s.id,
-                 s.peer, depth, capacity, layout.size / 2**20)
 
     def _create_segment(self, s: Session, layout: p.ChannelLayout) -> tuple[int, ChannelMap]:
         """A sealed memfd holding the formatted channel; raises OSError naming the
