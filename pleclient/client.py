@@ -384,6 +384,9 @@ class PleClient:
                     self._gone = (f"ple-server at {self.socket_path} is shutting down "
                                   f"({msg.get('reason', 'no reason given')}); reconnect "
                                   "once it is back")
+                elif msg["type"] == p.MessageType.ERROR.value:  # then it closes the session
+                    self._gone = (f"ple-server at {self.socket_path} ended this session: "
+                                  f"{msg.get('message', 'no reason given')}")
         if self._gone:
             raise ServerGone(self._gone)
 

@@ -6,7 +6,10 @@ Control plane
 =============
 A Unix stream socket (default ``/run/ple-server/ple.sock``). Every message is a
 frame: a 4-byte little-endian length, then a msgpack map with a ``"type"`` key.
-Frames are at most ``MAX_FRAME_BYTES``. One exchange per request, in order::
+Frames are at most ``MAX_FRAME_BYTES``, and at most ``MAX_HELLO_FRAME_BYTES``
+before the server has answered ``hello``. A frame must arrive whole within the
+server's ``frame_timeout_s`` of its first byte. One exchange per request, in
+order::
 
     client                                   server
     HELLO {version, pid, name}        ─►
@@ -87,6 +90,7 @@ import enum
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 import msgpack
@@ -100,6 +104,7 @@ NAME_PREFIX = "ple"
 /proc/<pid>/maps and fd links, for the operator's benefit)."""
 
 MAX_FRAME_BYTES = 4 << 20
+MAX_HELLO_FRAME_BYTES = 64 << 10
 FRAME_HEADER = struct.Struct("<I")
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -293,21 +298,32 @@ class FrameReader:
 
     def __init__(self) -> None:
         self._buf = bytearray()
+        self.incomplete_since: float | None = None
+        """When the frame now incomplete began to arrive (caller's clock)."""
 
-    def feed(self, data: bytes) -> list[dict]:
-        """Add received bytes; return the complete messages. Raises FrameError on
-        an oversized or undecodable frame (the caller drops the session)."""
+    def feed(self, data: bytes, now: float | None = None,
+             limit: int = MAX_FRAME_BYTES) -> list[dict]:
+        """Add received bytes (at ``now``, default ``time.monotonic()``); return
+        the complete messages.
+        Raises FrameError on a frame over ``limit`` bytes or an undecodable one
+        (the caller drops the session)."""
+        now = time.monotonic() if now is None else now
+        if not self._buf:
+            self.incomplete_since = now
         self._buf += data
         out = []
         while len(self._buf) >= FRAME_HEADER.size:
             (length,) = FRAME_HEADER.unpack_from(self._buf)
-            if length > MAX_FRAME_BYTES:
-                raise FrameError(f"frame of {length} bytes exceeds the "
-                                 f"{MAX_FRAME_BYTES}-byte limit")
+            if length > limit:
+                raise FrameError(f"frame of {length} bytes exceeds the {limit}-byte limit"
+                                 + (" before 'hello'" if limit < MAX_FRAME_BYTES else ""))
             end = FRAME_HEADER.size + length
             if len(self._buf) < end:
                 break
             body = bytes(self._buf[FRAME_HEADER.size:end])
             del self._buf[:end]
+            self.incomplete_since = now
             out.append(decode_body(body))
+        if not self._buf:
+            self.incomplete_since = None
         return out

@@ -21,7 +21,8 @@ Values:
 - users and groups: names or numbers; names are resolved with the host's
   user database when the config is loaded;
 - ``socket_mode``: an integer (TOML ``0o666``) or an octal string (``"0666"``);
-- optional settings (``prewarm_budget``, ``watchdog_s``, ``metrics_address``):
+- optional settings (``max_channel_memory``, ``prewarm_budget``, ``watchdog_s``,
+  ``metrics_address``):
   leave the key out for none; ``"none"`` also means none (on the command line,
   to drop a value the file sets).
 
@@ -95,6 +96,23 @@ class ServerConfig:
     max_channel_bytes: int = _setting(
         1 << 30, "size", "Largest shared-memory segment one client may ask for.",
         minimum=1)
+    max_channel_memory: int | None = _setting(
+        None, "size", "Bytes of channel segments at most, all clients together; an "
+        "open_channel past it gets NO_RESOURCES (none: 3/4 of the room under the "
+        "service's memory limit, MemoryMax=, or of MemAvailable, at start).", minimum=0,
+        optional=True)
+    chunk_rows: int = _setting(
+        4096, "int", "Rows the serving loop gathers for one client before it looks at "
+        "the others: a small request waits for at most one such chunk.", minimum=1)
+    hello_timeout_s: float = _setting(
+        5.0, "float", "A session that has not said hello this long after connecting "
+        "is closed.", minimum=0.01)
+    idle_timeout_s: float = _setting(
+        60.0, "float", "A session without a channel that sends nothing for this long "
+        "is closed.", minimum=0.01)
+    frame_timeout_s: float = _setting(
+        10.0, "float", "A control frame must arrive whole within this long of its "
+        "first byte, else the session is closed.", minimum=0.01)
     prewarm: str = _setting(
         "none", "choice", "'none' or 'full': read the tables into the page cache at "
         "start (in the background, after readiness).", choices=PREWARM_MODES)

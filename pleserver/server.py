@@ -17,23 +17,25 @@ Access model (see docs/SECURITY.md):
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
+import queue
 import selectors
 import signal
 import socket
 import stat
 import struct
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from pleclient import protocol as p
-from pleclient.channel import ChannelMap
 from pleclient.checkpoint import discover_tables
 from pleserver import __version__
+from pleserver.budget import ChannelBudget, default_budget, memory_room
 from pleserver.config import ServerConfig
+from pleserver.lograte import RateLimitedLog
+from pleserver.segments import Reservation, Reserver
 from pleserver.serving import Channel, ServingLoop
 from pleserver.stats import TableStats
 from pleserver.systemd import Notifier, watchdog_interval
@@ -42,9 +44,23 @@ from pleserver.table import Prewarm, open_tables
 log = logging.getLogger(__name__)
 
 RESIDENCY_CACHE_S = 2.0
+OUTBOX_LIMIT_BYTES = 1 << 20
+"""Replies queued for a session that does not read them, at most; past this the
+session is dropped (a STATS reply is a few KiB)."""
+HOUSEKEEPING_S = 0.25
+"""The control loop checks deadlines (hello, idle, frame) at least this often."""
 
 
-@dataclass
+@dataclass(eq=False)
+class Outgoing:
+    """A frame (or what is left of it) waiting to be sent, and the descriptors
+    that go with its first byte (owned here until sent)."""
+
+    data: memoryview
+    fds: list[int]
+
+
+@dataclass(eq=False)
 class Session:
     id: int
     sock: socket.socket
@@ -55,7 +71,12 @@ class Session:
     name: str = ""
     greeted: bool = False
     channel: Channel | None = None
+    opening: bool = False  # its channel is being reserved
     opened_at: float = field(default_factory=time.monotonic)
+    last_active: float = field(default_factory=time.monotonic)  # last frame received
+    outbox: deque[Outgoing] = field(default_factory=deque)
+    outbox_bytes: int = 0
+    writing: bool = False  # the selector watches it for EVENT_WRITE too
 
     @property
     def peer(self) -> str:
@@ -73,6 +94,7 @@ class Server:
         self.instance = f"{p.NAME_PREFIX}.{os.getpid()}"
         self.started = time.monotonic()
         self.sessions: dict[socket.socket, Session] = {}
+        self.by_id: dict[int, Session] = {}
         self._next_session = 1
         self._stopping = False
         self._stop_reason = ""
@@ -84,6 +106,10 @@ class Server:
         self.loop: ServingLoop | None = None
         self.prewarm: Prewarm | None = None
         self.metrics = None
+        self.budget = ChannelBudget(None)
+        self.reserver = Reserver(self._wake)
+        self._dropped: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
+        self._peer_log = RateLimitedLog(log)
 
     # ------------------------------------------------------------- lifecycle
     def run(self) -> int:
@@ -126,12 +152,15 @@ class Server:
             except MetricsError as exc:
                 self.metrics = None
                 raise StartupError(str(exc)) from None
+        self._set_budget()
         self._listen()
         interval = cfg.watchdog_s or watchdog_interval()
         self.loop = ServingLoop(self.tables, self.table_stats, cfg.spin_us * 1e-6,
                                 heartbeat=self.notifier.watchdog if interval else None,
-                                heartbeat_every_s=min(interval or 1.0, 1.0))
+                                heartbeat_every_s=min(interval or 1.0, 1.0),
+                                chunk_rows=cfg.chunk_rows, on_drop=self._on_channel_dropped)
         self.loop.start()
+        self.reserver.start()
         if cfg.prewarm == "full":
             self.prewarm = Prewarm(self.tables, cfg.prewarm_budget, cfg.prewarm_reserve)
             self.prewarm.on_progress = self._report_prewarm
@@ -146,6 +175,23 @@ class Server:
         status = f"serving {len(self.tables)} tables on {cfg.socket}"
         log.info("ple-server %s ready: %s", __version__, status)
         self.notifier.ready(status)
+
+    def _set_budget(self) -> None:
+        cfg = self.config
+        if cfg.max_channel_memory is not None:
+            self.budget = ChannelBudget(cfg.max_channel_memory)
+            log.info("channel memory budget: %.0f MiB (max_channel_memory)",
+                     cfg.max_channel_memory / 2**20)
+            return
+        room = memory_room()
+        limit = default_budget(room)
+        self.budget = ChannelBudget(limit)
+        if limit is None:
+            log.warning("channel memory budget: none (%s); set max_channel_memory",
+                        room.describe())
+        else:
+            log.info("channel memory budget: %.0f MiB, 3/4 of the room at start (%s); "
+                     "max_channel_memory overrides it", limit / 2**20, room.describe())
 
     def _listen(self) -> None:
         path = self.config.socket
@@ -215,6 +261,9 @@ class Server:
                 pass
         if self.loop is not None:
             self.loop.stop()
+        for job in self.reserver.stop():
+            job.discard()
+            self.budget.give_back(job.layout.size)
         for session in list(self.sessions.values()):
             self._send(session, {"type": p.MessageType.SHUTDOWN.value,
                                  "reason": self._stop_reason or "server stopping"})
@@ -236,8 +285,9 @@ class Server:
 
     # ---------------------------------------------------------- control loop
     def control_loop(self) -> None:
+        next_check = 0.0
         while not self._stopping:
-            for key, _ in self._selector.select(timeout=1.0):
+            for key, events in self._selector.select(timeout=HOUSEKEEPING_S):
                 if key.data == "accept":
                     self._accept()
                 elif key.data == "wake":
@@ -246,7 +296,25 @@ class Server:
                     except BlockingIOError:
                         pass
                 else:
-                    self._on_readable(key.data)
+                    session = key.data
+                    if events & selectors.EVENT_WRITE:
+                        self._flush(session)
+                    if events & selectors.EVENT_READ and session.sock in self.sessions:
+                        self._on_readable(session)
+            self._collect_reservations()
+            self._collect_dropped()
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + HOUSEKEEPING_S
+                self._check_deadlines(now)
+                self._peer_log.flush()
+
+    def _wake(self) -> None:
+        """Wake the control loop (from another thread)."""
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # full: it is awake already
+            pass
 
     def _accept(self) -> None:
         try:
@@ -254,7 +322,7 @@ class Server:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:  # EMFILE and friends: keep serving the others
-            log.error("accept failed: %s", exc)
+            self._peer_log.log("accept-failed", logging.ERROR, "accept failed: %s", exc)
             time.sleep(0.05)
             return
         pid, uid, gid = struct.unpack("3i", sock.getsockopt(
@@ -264,17 +332,19 @@ class Server:
         reason = self._refusal(session)
         if reason:
             code, text = reason
-            log.warning("refused connection from %s: %s", session.peer, text)
-            sock.settimeout(0.5)
+            self._peer_log.log(f"refused ({code.name})", logging.WARNING,
+                               "refused connection from %s: %s", session.peer, text)
+            sock.setblocking(False)  # one try: the buffer of a new socket is empty
             try:
-                p.send_message(sock, {"type": p.MessageType.ERROR.value, "code": int(code),
-                                      "message": text})
+                sock.send(p.encode_frame({"type": p.MessageType.ERROR.value,
+                                          "code": int(code), "message": text}))
             except OSError:
                 pass
             sock.close()
             return
         sock.setblocking(False)
         self.sessions[sock] = session
+        self.by_id[session.id] = session
         self._selector.register(sock, selectors.EVENT_READ, session)
 
     def _refusal(self, s: Session) -> tuple[p.ErrorCode, str] | None:
@@ -284,10 +354,13 @@ class Server:
             return (p.ErrorCode.NOT_ALLOWED,
                     f"uid {s.uid} (pid {s.pid}) may not use this ple-server; add the uid "
                     "to allow_uids or one of its groups to allow_gids in the server config")
-        if len(self.sessions) >= cfg.max_clients:
+        # One session beyond max_clients, so that `pleserver stats` gets in when
+        # every client slot is taken; only max_clients of them may open channels.
+        if len(self.sessions) >= cfg.max_clients + 1:
             return (p.ErrorCode.TOO_MANY_CLIENTS,
-                    f"ple-server already has {len(self.sessions)} clients (max_clients = "
-                    f"{cfg.max_clients}); close idle clients or raise max_clients")
+                    f"ple-server already has {len(self.sessions)} sessions (max_clients = "
+                    f"{cfg.max_clients}, plus one for `pleserver stats`); close idle "
+                    "clients or raise max_clients")
         return None
 
     def _on_readable(self, session: Session) -> None:
@@ -301,8 +374,11 @@ class Server:
         if not data:
             self._close_session(session, "client closed the connection")
             return
+        session.last_active = time.monotonic()
         try:
-            messages = session.reader.feed(data)
+            messages = session.reader.feed(
+                data, session.last_active,
+                p.MAX_FRAME_BYTES if session.greeted else p.MAX_HELLO_FRAME_BYTES)
         except p.FrameError as exc:
             self._reject(session, p.ErrorCode.BAD_MESSAGE, str(exc), close=True)
             return
@@ -316,6 +392,26 @@ class Server:
                               session.peer, msg.get("type"))
                 self._reject(session, p.ErrorCode.INTERNAL, f"internal error: {exc}",
                              close=True)
+
+    def _check_deadlines(self, now: float) -> None:
+        """Close sessions that hold a slot without using it: no hello in time, no
+        channel and nothing said for too long, a frame that never completes."""
+        cfg = self.config
+        for s in list(self.sessions.values()):
+            started = s.reader.incomplete_since
+            if started is not None and now - started > cfg.frame_timeout_s:
+                self._reject(s, p.ErrorCode.BAD_MESSAGE,
+                             f"a frame stayed incomplete for {now - started:.0f} s "
+                             f"(frame_timeout_s = {cfg.frame_timeout_s:g})", close=True)
+            elif not s.greeted and now - s.opened_at > cfg.hello_timeout_s:
+                self._reject(s, p.ErrorCode.BAD_MESSAGE,
+                             f"no 'hello' within {cfg.hello_timeout_s:g} s of connecting "
+                             "(hello_timeout_s)", close=True)
+            elif (s.greeted and s.channel is None and not s.opening
+                    and now - s.last_active > cfg.idle_timeout_s):
+                self._reject(s, p.ErrorCode.BAD_MESSAGE,
+                             f"idle for {now - s.last_active:.0f} s without a channel "
+                             f"(idle_timeout_s = {cfg.idle_timeout_s:g})", close=True)
 
     def _dispatch(self, s: Session, msg: dict) -> None:
         kind = msg["type"]
@@ -348,7 +444,7 @@ class Server:
 
     def _on_open_channel(self, s: Session, msg: dict) -> None:
         cfg = self.config
-        if s.channel is not None:
+        if s.channel is not None or s.opening:
             return self._reject(s, p.ErrorCode.CHANNEL_LIMIT,
                                 "this session already has its channel (one per session)")
         capacity, depth = msg.get("capacity", cfg.default_capacity), \
@@ -365,58 +461,122 @@ class Server:
                                 f"a channel of depth {depth} × capacity {capacity} needs "
                                 f"{layout.size / 2**20:.0f} MiB, over max_channel_bytes "
                                 f"({cfg.max_channel_bytes / 2**20:.0f} MiB)")
+        with_channel = sum(1 for o in self.sessions.values() if o.channel or o.opening)
+        if with_channel >= cfg.max_clients:
+            return self._reject(s, p.ErrorCode.TOO_MANY_CLIENTS,
+                                f"ple-server already has {with_channel} clients "
+                                f"(max_clients = {cfg.max_clients}), each with its channel; "
+                                "close idle clients or raise max_clients", close=True)
+        if not self.budget.take(layout.size):
+            return self._reject(
+                s, p.ErrorCode.NO_RESOURCES,
+                f"no memory for a channel of {layout.size / 2**20:.1f} MiB: channels hold "
+                f"{self.budget.used / 2**20:.1f} MiB of the {self.budget.limit / 2**20:.0f} "
+                "MiB budget (max_channel_memory); ask for a smaller capacity or depth, "
+                "wait for other clients to close, or raise max_channel_memory (and the "
+                "service's MemoryMax=)")
+        s.opening = True
+        self.reserver.submit(Reservation(s.id, f"{self.instance}.{s.id}", layout))
+
+    def _collect_reservations(self) -> None:
+        while not self.reserver.results.empty():
+            self._on_reserved(self.reserver.results.get_nowait())
+
+    def _on_reserved(self, job: Reservation) -> None:
+        """A channel segment is ready (or could not be made): serve it, answer."""
+        s = self.by_id.get(job.session_id)
+        if job.error is not None or s is None:
+            job.discard()
+            self.budget.give_back(job.layout.size)
+            if s is not None:
+                s.opening = False
+                log.warning("session %d (%s): cannot create its channel: %s", s.id, s.peer,
+                            job.error)
+                self._reject(s, p.ErrorCode.NO_RESOURCES, job.error)
+            return
+        s.opening = False
+        channel = Channel(s.id, s.peer, job.mapping, job.fd,
+                          on_destroy=lambda ch: self.budget.give_back(ch.size))
         try:
-            fd, mapping = self._create_segment(s, layout)
-        except OSError as exc:
-            log.warning("session %d (%s): cannot create its channel: %s", s.id, s.peer, exc)
-            return self._reject(s, p.ErrorCode.NO_RESOURCES, str(exc))
-        # Served (and logged) before the client has the fd: it may submit at once.
-        s.channel = Channel(s.id, s.peer, mapping)
-        self.loop.add(s.channel)
+            self.loop.add(channel)  # served (and logged) before the client has the fd
+            client_fd = os.dup(job.fd)
+        except (RuntimeError, OSError) as exc:  # no thread or no descriptor left
+            if channel in self.loop.channels:
+                self.loop.remove(channel)
+            else:
+                channel.destroy()
+            return self._reject(s, p.ErrorCode.NO_RESOURCES,
+                                f"cannot serve a channel now ({exc}): the server is at its "
+                                "thread or descriptor limit (TasksMax=, LimitNOFILE=); "
+                                "close idle clients or raise the limit")
+        s.channel = channel
+        layout = job.layout
         log.info("session %d open: %s, channel depth %d × capacity %d (%.1f MiB)", s.id,
-                 s.peer, depth, capacity, layout.size / 2**20)
-        try:
-            self._send(s, {"type": p.MessageType.CHANNEL.value, "layout": layout.to_wire()},
-                       fds=[fd])
-        finally:
-            os.close(fd)
+                 s.peer, layout.depth, layout.capacity, layout.size / 2**20)
+        self._send(s, {"type": p.MessageType.CHANNEL.value, "layout": layout.to_wire()},
+                   fds=[client_fd])
 
-    def _create_segment(self, s: Session, layout: p.ChannelLayout) -> tuple[int, ChannelMap]:
-        """A sealed memfd holding the formatted channel; raises OSError naming the
-        fix and leaves nothing behind."""
-        fd = os.memfd_create(f"{self.instance}.{s.id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            try:  # reserve the pages now: no room must fail here, not SIGBUS later
-                os.ftruncate(fd, layout.size)
-                os.posix_fallocate(fd, 0, layout.size)
-            except OSError as exc:
-                limit = (": over this server's file size limit (ulimit -f, LimitFSIZE=)"
-                         if exc.errno == errno.EFBIG else "")
-                raise OSError(exc.errno, f"cannot reserve {layout.size / 2**20:.1f} MiB for "
-                              f"a channel ({exc.strerror}{limit}); ask for a smaller "
-                              "capacity or depth, or free memory") from None
-            # The client may not shrink or grow it: a shrunk segment would SIGBUS
-            # the server on its next access.
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
-                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            return fd, ChannelMap(fd, layout, format_header=True)
-        except BaseException:
-            os.close(fd)
-            raise
+    def _on_channel_dropped(self, channel: Channel, reason: str) -> None:
+        """(serving thread) A channel broke the protocol: its session must end."""
+        self._dropped.put((channel.session_id, reason))
+        self._wake()
 
+    def _collect_dropped(self) -> None:
+        while not self._dropped.empty():
+            session_id, reason = self._dropped.get_nowait()
+            s = self.by_id.get(session_id)
+            if s is not None:
+                self._reject(s, p.ErrorCode.BAD_MESSAGE,
+                             f"channel closed: {reason}", close=True)
+
+    # ---------------------------------------------------------------- sending
     def _send(self, s: Session, msg: dict, fds: list[int] | None = None) -> None:
-        try:
-            s.sock.setblocking(True)
-            s.sock.settimeout(1.0)  # a client that never reads is dropped, not waited on
-            p.send_message(s.sock, msg, fds)
-        except OSError as exc:
-            self._close_session(s, f"cannot send to client: {exc}")
-        finally:
-            if s.sock.fileno() >= 0:
-                s.sock.setblocking(False)
+        """Queue ``msg`` (``fds`` now owned by the session) and send what the
+        socket takes; never blocks. A session whose replies pile up past
+        ``OUTBOX_LIMIT_BYTES`` is dropped."""
+        if s.sock not in self.sessions:
+            for fd in fds or ():
+                os.close(fd)
+            return
+        data = p.encode_frame(msg)
+        s.outbox.append(Outgoing(memoryview(data), list(fds or ())))
+        s.outbox_bytes += len(data)
+        if s.outbox_bytes > OUTBOX_LIMIT_BYTES:
+            log.warning("session %d (%s): dropped: %d bytes of replies it does not read "
+                        "(limit %d)", s.id, s.peer, s.outbox_bytes, OUTBOX_LIMIT_BYTES)
+            self._close_session(s, "replies not read")
+            return
+        self._flush(s)
+
+    def _flush(self, s: Session) -> None:
+        while s.outbox:
+            out = s.outbox[0]
+            try:
+                if out.fds:
+                    sent = socket.send_fds(s.sock, [out.data], out.fds)
+                    for fd in out.fds:
+                        os.close(fd)
+                    out.fds = []
+                else:
+                    sent = s.sock.send(out.data)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self._close_session(s, f"cannot send to client: {exc}")
+                return
+            out.data = out.data[sent:]
+            s.outbox_bytes -= sent
+            if not len(out.data):
+                s.outbox.popleft()
+        want = bool(s.outbox)
+        if want != s.writing and s.sock in self.sessions:
+            s.writing = want
+            self._selector.modify(s.sock, selectors.EVENT_READ | (
+                selectors.EVENT_WRITE if want else 0), s)
 
     def _reject(self, s: Session, code: p.ErrorCode, text: str, close: bool = False) -> None:
-        log.warning("session %d (%s): %s", s.id, s.peer, text)
+        self._peer_log.log(f"session error ({code.name})", logging.WARNING,
+                           "session %d (%s): %s", s.id, s.peer, text)
         self._send(s, {"type": p.MessageType.ERROR.value, "code": int(code), "message": text})
         if close:
             self._close_session(s, text)
@@ -424,6 +584,7 @@ class Server:
     def _close_session(self, s: Session, why: str) -> None:
         if self.sessions.pop(s.sock, None) is None:
             return
+        self.by_id.pop(s.id, None)
         try:
             self._selector.unregister(s.sock)
         except (KeyError, ValueError):
@@ -432,6 +593,10 @@ class Server:
         if s.channel is not None:
             self.loop.remove(s.channel)
             s.channel = None
+        for out in s.outbox:
+            for fd in out.fds:
+                os.close(fd)
+        s.outbox.clear()
         s.sock.close()
         # Sessions that never opened a channel (`pleserver stats`, probes) close
         # at DEBUG: `pleserver stats --watch` must not log a line per poll.

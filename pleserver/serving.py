@@ -6,22 +6,39 @@ Threads, and why:
   After ``spin`` seconds without work it blocks;
 - **one waiter thread per channel**, parked while the loop spins; while the
   loop sleeps each waiter blocks on its channel's ``submit`` semaphore (no CPU)
-  and hands every token it takes to the loop, then wakes it;
-- **gather workers** (the tables' pool) for requests of ``parallel_min_rows``
-  or more: the loop hands them off and keeps serving other channels; the last
-  chunk to finish completes the slot.
+  and hands the tokens it takes to the loop, then wakes it.
 
 Every request: acquire one ``submit`` token (pairs with the client's post),
 copy count and ids out of shared memory, validate the copies, gather, write
 the result words, set DONE or ERROR, post the slot's ``done`` semaphore.
+
+Fairness is by rows, not by requests: a deficit round robin over the channels
+with work, one *turn* at a time. A turn serves at most ``chunk_rows`` rows of
+one channel (a large request takes several turns, a chunk each); between two
+turns the loop admits whatever was submitted meanwhile. A channel that becomes
+busy goes to the front (the ``fresh`` list, as in FQ-CoDel), so a small request
+waits for at most the one chunk being gathered when it arrives, however much
+the other channels have queued.
+
+A client owns its segment and may write anything into it, so the loop bounds
+what one channel can cost it: per pass it takes at most ``depth`` tokens and
+reads each slot once. More pending submits or more unused tokens than the
+channel has slots cannot come from a client that follows the protocol (each
+submit needs a free slot): such a channel is dropped and ``on_drop`` tells the
+control plane, which answers the client with an error and closes its session.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
+import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,22 +52,47 @@ log = logging.getLogger(__name__)
 
 WAITER_SLICE_S = 0.25
 """A parked or blocked waiter re-checks whether it is still needed this often."""
+DEFAULT_CHUNK_ROWS = 4096
+"""Rows gathered in one turn: ≈ 0.2 ms of page-cache reads for 320-byte rows."""
+REQUEST_COST_ROWS = 256
+"""What a request costs besides its rows (validation, completion, statistics:
+≈ 10 µs), in rows of gather: many small requests fill a turn too."""
+U32 = 0xFFFFFFFF
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.fallocate.restype = ctypes.c_int
 
 
 class Channel:
-    """The server's side of one session's channel."""
+    """The server's side of one session's channel.
 
-    def __init__(self, session_id: int, peer: str, mapping: ChannelMap) -> None:
+    ``fd`` (the segment's memfd, owned here once given) lets ``destroy`` free
+    the pages even while the client keeps its mapping; ``on_destroy`` runs
+    after that (the server returns the bytes to its channel memory budget)."""
+
+    def __init__(self, session_id: int, peer: str, mapping: ChannelMap, fd: int | None = None,
+                 on_destroy: Callable[["Channel"], None] | None = None) -> None:
         self.session_id = session_id
         self.peer = peer
         self.map = mapping
+        self.depth = mapping.layout.depth
+        self.size = mapping.layout.size
+        self.fd = fd
+        self.on_destroy = on_destroy
+        self.opened_ns = time.monotonic_ns()  # older submit times are not believed
         # The client can write anything into these: see pleserver.peer_semaphore.
         self.submit_sem = PeerSemaphore(mapping.submit_sem.address.value)
         self.done_sems = [PeerSemaphore(s.done.address.value) for s in mapping.slots]
         self.seen = 0  # submits whose token we hold (the counter starts at 0)
         self.tokens = 0  # tokens taken by the waiter thread, not yet used
-        self.busy: set[int] = set()  # slots handed to gather workers
+        self.queued: deque[Request] = deque()  # admitted, not yet completed
+        self.busy: set[int] = set()  # slots of the queued requests
+        self.deficit = 0  # rows this channel may still be served in its turn
+        self.scheduled = False  # in the loop's fresh or old list
         self.closing = False
+        self.free_pages = True  # on destroy: False while the client may still read rows
         self.lock = threading.Lock()
         self.waiter: threading.Thread | None = None
         self.waiter_done = False  # the waiter no longer touches the segment
@@ -63,44 +105,88 @@ class Channel:
         return self.submit_sem.try_acquire()
 
     def destroy(self) -> None:
-        """Unmap; the segment is freed once the client has unmapped it too."""
+        """Unmap, free the pages (``free_pages``), close the fd. A client still
+        mapping the segment then sees zeros, and what it touches again is
+        charged to it, not to us."""
         self.map.close()
+        if self.fd is not None:
+            if self.free_pages and _libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
+                               0, self.size) != 0:
+                log.warning("session %d: cannot free its channel's pages: %s", self.session_id,
+                            os.strerror(ctypes.get_errno()))
+            os.close(self.fd)
+            self.fd = None
+        if self.on_destroy is not None:
+            self.on_destroy(self)
+            self.on_destroy = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One admitted request: validated copies of what the client wrote, and
+    how far its gather got (``done_rows``)."""
+
+    channel: Channel
+    slot: SlotView
+    table: Table
+    stats: TableStats
+    ids: np.ndarray  # private copy: the client may rewrite the slot meanwhile
+    out: np.ndarray  # view of the slot's rows area
+    started_ns: int
+    submitted_ns: int  # the client's word, checked before it is used
+    done_rows: int = 0
+
+    @property
+    def count(self) -> int:
+        return self.ids.shape[0]
+
+
+class HostileChannel(Exception):
+    """The channel's words break what any protocol-following client can write."""
 
 
 class ServingLoop:
     def __init__(self, tables: list[Table], stats: list[TableStats], spin_s: float,
                  heartbeat: Callable[[], None] | None = None,
-                 heartbeat_every_s: float = 1.0) -> None:
+                 heartbeat_every_s: float = 1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                 on_drop: Callable[[Channel, str], None] | None = None) -> None:
         self.tables = tables
         self.stats = stats
         self.spin_s = spin_s
         self.heartbeat = heartbeat
         self.heartbeat_every_s = heartbeat_every_s
+        self.chunk_rows = chunk_rows
+        self.on_drop = on_drop
         self.channels: list[Channel] = []  # replaced, never mutated: the loop reads it lock-free
         self._change = threading.Lock()
         self._retired: list[Channel] = []
+        self._fresh: deque[Channel] = deque()  # became busy: served first, one turn
+        self._old: deque[Channel] = deque()  # busy for longer: round robin
         self._wakeup = threading.Event()
         self._sleeping = threading.Event()  # set while the loop blocks: waiters then wait on sems
         self._stop = threading.Event()
         self._draining = False
-        self._inflight = 0  # handed-off requests not yet completed
-        self._inflight_lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="serving", daemon=True)
         self.last_tick = time.monotonic()
 
     # --------------------------------------------------------------- channels
     def add(self, channel: Channel) -> None:
+        """Serve ``channel``. Raises RuntimeError (the channel untouched and not
+        served) when its waiter thread cannot start."""
         channel.waiter = threading.Thread(target=self._waiter, args=(channel,),
                                           name=f"waiter-{channel.session_id}", daemon=True)
+        channel.waiter.start()  # first: a channel without its waiter is never published
         with self._change:
             self.channels = [*self.channels, channel]
-        channel.waiter.start()
         self._wakeup.set()
 
-    def remove(self, channel: Channel) -> None:
-        """Stop serving ``channel``; it is destroyed once nothing uses it."""
+    def remove(self, channel: Channel, free_pages: bool = True) -> None:
+        """Stop serving ``channel``; it is destroyed once nothing uses it. Its
+        pages are freed then unless ``free_pages`` is False (the server stops:
+        its clients may still be reading rows of answered requests)."""
         if channel.closing:  # removed already (and perhaps unmapped): nothing to do
             return
+        channel.free_pages = free_pages
         channel.closing = True
         channel.submit_sem.wake()  # its waiter, if it sleeps there
         with self._change:
@@ -120,33 +206,27 @@ class ServingLoop:
         self._draining = True
         deadline = time.monotonic() + drain_s
         self._wakeup.set()
-        while time.monotonic() < deadline and (self._inflight or self._pending_work()):
+        while time.monotonic() < deadline and self._pending_work():
             time.sleep(0.005)
         self._stop.set()
         self._sleeping.set()
         self._wakeup.set()
         self.thread.join()
         for ch in self.channels:
-            self.remove(ch)
+            self.remove(ch, free_pages=False)
         self._reap(force=True)
 
     def _pending_work(self) -> bool:
-        return any(c.map.submit_counter != c.seen for c in self.channels)
+        return any(c.queued or c.map.submit_counter != c.seen
+                   for c in self.channels if not c.closing)
 
     # ------------------------------------------------------------------- loop
     def _run(self) -> None:
         idle_since = time.monotonic()
         next_beat = 0.0
         while not self._stop.is_set():
-            did = False
-            for ch in self.channels:
-                if ch.map.submit_counter != ch.seen and not ch.closing:
-                    try:
-                        did |= self._serve_channel(ch)
-                    except Exception:  # one channel never stops the loop
-                        log.exception("session %d (%s): serving its channel failed; "
-                                      "dropping the channel", ch.session_id, ch.peer)
-                        self.remove(ch)
+            did = self._admit_all()
+            did |= self._serve_turn()
             now = time.monotonic()
             if self._retired:
                 self._reap()
@@ -161,8 +241,6 @@ class ServingLoop:
                 idle_since = now
                 continue
             if now - idle_since < self.spin_s and not self._draining:
-                if self._inflight:
-                    time.sleep(0)  # let gather workers take the GIL
                 continue
             # Idle: block. Waiters now watch the semaphores and wake us. (A
             # counter that moved without a post — a broken client — must not
@@ -173,24 +251,61 @@ class ServingLoop:
             self._sleeping.clear()
             idle_since = time.monotonic()
 
-    def _serve_channel(self, ch: Channel) -> bool:
+    def _admit_all(self) -> bool:
+        """Admit what every channel submitted since the last pass; True if any."""
         did = False
-        while ch.map.submit_counter != ch.seen and ch.take_token():
-            ch.seen = (ch.seen + 1) & 0xFFFFFFFF
-            did = True
-        if not did:
+        for ch in self.channels:
+            if ch.closing or (ch.map.submit_counter == ch.seen and not ch.tokens):
+                continue
+            try:
+                did |= self._admit(ch)
+            except HostileChannel as exc:
+                self._drop(ch, str(exc))
+            except Exception:  # one channel never stops the loop
+                log.exception("session %d (%s): serving its channel failed; "
+                              "dropping the channel", ch.session_id, ch.peer)
+                self._drop(ch, "internal error while serving this channel")
+        return did
+
+    def _admit(self, ch: Channel) -> bool:
+        """Take the tokens of ``ch``'s new submits (at most ``depth``), then read
+        each slot once: validate and queue the requests whose token we hold."""
+        pending = (ch.map.submit_counter - ch.seen) & U32
+        if pending > ch.depth:
+            raise HostileChannel(
+                f"its submit counter ran {pending} submits ahead of the server, over its "
+                f"{ch.depth} slots: the channel's words were overwritten")
+        if ch.tokens > ch.depth:
+            raise HostileChannel(
+                f"its submit semaphore was posted more often than it submitted "
+                f"({ch.tokens} tokens unused, {ch.depth} slots)")
+        took = False
+        while pending and ch.take_token():
+            ch.seen = (ch.seen + 1) & U32
+            pending -= 1
+            took = True
+        if not took:
             return False
         for slot in ch.map.slots:
             words = slot.words
             if words[p.SL_STATE] != p.SlotState.SUBMITTED or slot.index in ch.busy:
                 continue
             # Only slots whose submit token we hold: their ids are visible.
-            if ((ch.seen - words[p.SL_SEQUENCE] - 1) & 0xFFFFFFFF) >= 0x80000000:
+            if ((ch.seen - words[p.SL_SEQUENCE] - 1) & U32) >= 0x80000000:
                 continue
-            self._serve_slot(ch, slot)
+            request = self._validate(ch, slot)
+            if request is None:
+                continue
+            ch.busy.add(slot.index)
+            ch.queued.append(request)
+        if ch.queued and not ch.scheduled:
+            ch.scheduled = True
+            ch.deficit = 0
+            self._fresh.append(ch)
         return True
 
-    def _serve_slot(self, ch: Channel, slot: SlotView) -> None:
+    def _validate(self, ch: Channel, slot: SlotView) -> Request | None:
+        """The request in ``slot`` as a ``Request``, or None once it was failed."""
         started = time.monotonic_ns()
         words = slot.words
         table_index = words[p.SL_TABLE]
@@ -200,16 +315,16 @@ class ServingLoop:
             self._fail(ch, slot, p.ErrorCode.BAD_TABLE, None, "bad_table",
                        f"table index {table_index} out of range: this server has "
                        f"{len(self.tables)} tables (indexes 0..{len(self.tables) - 1})")
-            return
+            return None
         table, stats = self.tables[table_index], self.stats[table_index]
         if table.problem:  # its file changed on disk: reading it could SIGBUS us
             self._fail(ch, slot, p.ErrorCode.INTERNAL, stats, "internal", table.problem)
-            return
+            return None
         capacity = ch.map.layout.capacity
         if count > capacity:
             self._fail(ch, slot, p.ErrorCode.BAD_COUNT, stats, "bad_count",
                        f"row count {count} exceeds the channel capacity {capacity}")
-            return
+            return None
         ids = slot.ids[:count].copy()
         if count:
             lo, hi = int(ids.min()), int(ids.max())
@@ -218,55 +333,68 @@ class ServingLoop:
                 self._fail(ch, slot, p.ErrorCode.ID_OUT_OF_RANGE, stats, "id_out_of_range",
                            f"id {int(ids[bad])} at position {bad} is out of range for "
                            f"{table.spec.name} ({table.rows} rows: valid ids 0..{table.rows - 1})")
-                return
-        out = slot.rows_view(count, table.row_bytes)
-        if count >= table.parallel_min_rows and table.pool is not None:
-            self._hand_off(ch, slot, table, stats, ids, out, count, started, submitted_ns)
-            return
-        self._answer(ch, slot, table, stats, ids, out, count, started, submitted_ns)
+                return None
+        return Request(ch, slot, table, stats, ids, slot.rows_view(count, table.row_bytes),
+                       started, submitted_ns)
 
-    def _answer(self, ch, slot, table, stats, ids, out, count, started, submitted_ns) -> None:
-        """Gather into the slot and complete it, or fail it: never raises."""
+    # -------------------------------------------------------------- scheduling
+    def _serve_turn(self) -> bool:
+        """One channel's turn: at most ``chunk_rows`` rows of its queued
+        requests (deficit round robin, fresh channels first). False if none
+        had work."""
+        while self._fresh or self._old:
+            fresh = bool(self._fresh)
+            ch = self._fresh.popleft() if fresh else self._old.popleft()
+            if ch.closing or not ch.queued:
+                ch.scheduled = False
+                continue
+            ch.deficit += self.chunk_rows
+            while ch.queued and ch.deficit > 0 and not ch.closing:
+                request = ch.queued[0]
+                cost = REQUEST_COST_ROWS if request.done_rows == 0 else 0
+                rows = min(request.count - request.done_rows, max(ch.deficit - cost, 1))
+                ch.deficit -= rows + cost
+                if self._gather(request, rows):
+                    ch.queued.popleft()
+            if ch.queued and not ch.closing:
+                self._old.append(ch)  # its deficit carries over: fair by rows
+            else:
+                ch.scheduled = False
+                ch.deficit = 0
+            return True
+        return False
+
+    def _gather(self, r: Request, rows: int) -> bool:
+        """Gather the next ``rows`` rows of ``r``; complete it when that was the
+        last of them, or fail it. True once ``r`` is answered; never raises."""
+        a, b = r.done_rows, r.done_rows + rows
         try:
-            table.gather(ids, out)
+            r.table.gather(r.ids[a:b], r.out[a:b])
         except Exception as exc:
-            log.exception("gather failed for session %d", ch.session_id)
-            self._fail(ch, slot, p.ErrorCode.INTERNAL, stats, "internal",
+            log.exception("gather failed for session %d", r.channel.session_id)
+            self._fail(r.channel, r.slot, p.ErrorCode.INTERNAL, r.stats, "internal",
                        f"internal error while gathering: {exc}")
-            return
-        self._complete(ch, slot, table, stats, count, started, submitted_ns)
+            return True
+        r.done_rows = b
+        if b < r.count:
+            return False
+        self._complete(r)
+        return True
 
-    def _hand_off(self, ch, slot, table, stats, ids, out, count, started, submitted_ns) -> None:
-        ch.busy.add(slot.index)
-        with self._inflight_lock:
-            self._inflight += 1
-
-        def run() -> None:
-            try:
-                self._answer(ch, slot, table, stats, ids, out, count, started, submitted_ns)
-            finally:
-                # (busy was cleared before the post, in _complete/_fail: clearing it
-                # here could clear the mark of a request already resubmitted there)
-                with self._inflight_lock:
-                    self._inflight -= 1
-                if ch.closing:
-                    self._wakeup.set()
-
-        # A dedicated thread per large request: the table's pool is used *inside*
-        # gather for the chunks, and submitting the coordinator to that same
-        # pool could deadlock it.
-        threading.Thread(target=run, name="large-gather", daemon=True).start()
-
-    def _complete(self, ch, slot, table, stats, count, started, submitted_ns) -> None:
+    def _complete(self, r: Request) -> None:
         done = time.monotonic_ns()
+        ch, slot = r.channel, r.slot
         words = slot.words
         words[p.SL_ERROR] = p.ErrorCode.OK
-        slot.words64[p.SL_SERVER_NS // 2] = done - started
+        slot.words64[p.SL_SERVER_NS // 2] = done - r.started_ns
         words[p.SL_STATE] = p.SlotState.DONE
         ch.busy.discard(slot.index)  # before the post: the client may reuse the slot at once
         ch.done_sems[slot.index].post()
-        stats.record(count, table.row_bytes, (done - started) * 1e-9,
-                     (started - submitted_ns) * 1e-9 if submitted_ns <= started else -1)
+        # A submit time from before the channel opened, or after the request was
+        # admitted, is not a time this client could have had: not recorded.
+        believable = ch.opened_ns <= r.submitted_ns <= r.started_ns
+        r.stats.record(r.count, r.table.row_bytes, (done - r.started_ns) * 1e-9,
+                       (r.started_ns - r.submitted_ns) * 1e-9 if believable else -1)
 
     def _fail(self, ch, slot, code, stats, kind, text) -> None:
         slot.set_error_text(text)
@@ -279,10 +407,22 @@ class ServingLoop:
             stats.record_error(kind)
         log.debug("session %d (%s): request rejected: %s", ch.session_id, ch.peer, text)
 
+    def _drop(self, ch: Channel, reason: str) -> None:
+        """Stop serving a channel that broke the protocol; tell the control plane."""
+        self.remove(ch)
+        if self.on_drop is not None:
+            self.on_drop(ch, reason)
+        else:
+            log.warning("session %d (%s): channel dropped: %s", ch.session_id, ch.peer, reason)
+
     # ----------------------------------------------------------------- waiters
     def _waiter(self, ch: Channel) -> None:
         while not ch.closing and not self._stop.is_set():
             if not self._sleeping.wait(WAITER_SLICE_S):
+                continue
+            if ch.tokens > ch.depth:  # proof enough of a flood: the loop drops it
+                self._wakeup.set()
+                time.sleep(WAITER_SLICE_S)
                 continue
             if not ch.submit_sem.acquire(WAITER_SLICE_S) or ch.closing:
                 continue
@@ -302,10 +442,11 @@ class ServingLoop:
             if force and waiter_alive:
                 ch.waiter.join(timeout=2 * WAITER_SLICE_S + 1)
                 waiter_alive = ch.waiter.is_alive()
-            if waiter_alive or (ch.busy and not force):
+            if waiter_alive:
                 keep.append(ch)  # never block the loop: try again next pass
                 continue
-            ch.destroy()  # (a gather still writing holds a view: the unmap waits for it)
+            ch.queued.clear()
+            ch.destroy()
         if keep:
             with self._change:
                 self._retired.extend(keep)

@@ -22,7 +22,7 @@ from pleserver.serving import Channel, ServingLoop
 from pleserver.stats import TableStats
 from pleserver.table import open_tables
 
-BIG = 16384  # at least parallel_min_rows: gathered on a thread of its own
+BIG = 16384  # four chunks of the default chunk_rows
 
 
 class Kit:
@@ -86,22 +86,22 @@ def submit(client: ChannelMap, slot_index: int, table: int, ids) -> None:
 
 
 def test_a_slot_reused_the_moment_its_large_answer_lands_is_served(kit):
-    """A large request is gathered on a thread of its own, and the client may
-    reuse its slot the moment the answer is posted. If the server still counted
-    the slot as that thread's, the new request would never be served. The test
-    holds the table's statistics lock, on which the gather thread waits right
-    after its post."""
+    """A large request is gathered in chunks, over several turns of the loop,
+    and the client may reuse its slot the moment the answer is posted. If the
+    server still counted the slot as that request's, the new request would
+    never be served."""
     k = kit()
     _, client = k.channel(1)
     slot = client.slots[0]
-    with k.stats[1].lock:
-        submit(client, 0, 1, np.arange(BIG) % 10_007)  # large: handed off
+    for _ in range(20):
+        submit(client, 0, 1, np.arange(BIG) % 10_007)  # several chunks
         assert slot.done.acquire(10.0) and slot.words[p.SL_STATE] == p.SlotState.DONE
         slot.words[p.SL_STATE] = p.SlotState.FREE
         submit(client, 0, 0, [1, 2, 3])  # the same slot, at once
         served = slot.done.acquire(3.0)
-    assert served, "a request on a slot reused right after a large answer was never served"
-    assert slot.words[p.SL_STATE] == p.SlotState.DONE
+        assert served, "a request on a slot reused right after a large answer was never served"
+        assert slot.words[p.SL_STATE] == p.SlotState.DONE
+        slot.words[p.SL_STATE] = p.SlotState.FREE
 
 
 def test_a_closed_channel_is_unmapped_when_its_waiter_leaves_not_a_heartbeat_later(kit):
@@ -135,27 +135,25 @@ def test_a_closed_channel_is_unmapped_when_its_waiter_leaves_not_a_heartbeat_lat
 
 
 def test_a_large_answer_never_clears_the_busy_mark_of_the_next_request_in_its_slot(kit):
-    """The client reuses a slot for a second large request while the thread of
-    the first is still finishing. If that thread cleared the slot's busy mark
-    after its post, the loop would serve the second request a second time (on
-    the next scan, caused here by a request on another slot) and leave an
-    extra ``done`` token behind."""
+    """The client reuses a slot for a second large request at once, while a
+    small request on another slot is served between its chunks. If the first
+    request's completion cleared the slot's busy mark late, the loop would
+    queue the second request twice and leave an extra ``done`` token behind."""
     k = kit()
     _, client = k.channel(1, depth=2)
     big, small = client.slots
     extra_tokens = 0
     for _ in range(20):
-        with k.stats[1].lock:  # the first gather thread waits here after its post
-            submit(client, 0, 1, np.arange(BIG) % 10_007)
-            assert big.done.acquire(10.0)
-            big.words[p.SL_STATE] = p.SlotState.FREE
-            submit(client, 0, 1, (np.arange(BIG) * 7) % 10_007)  # handed off again
-        time.sleep(0.0005)  # the first thread finishes; the second still gathers
+        submit(client, 0, 1, np.arange(BIG) % 10_007)
+        assert big.done.acquire(10.0)
+        big.words[p.SL_STATE] = p.SlotState.FREE
+        submit(client, 0, 1, (np.arange(BIG) * 7) % 10_007)
         submit(client, 1, 0, [1, 2, 3])
         assert small.done.acquire(10.0) and big.done.acquire(10.0)
         time.sleep(0.02)
-        extra_tokens += big.done.value
-        while big.done.try_acquire():
-            pass
+        extra_tokens += big.done.value + small.done.value
+        for slot in (big, small):
+            while slot.done.try_acquire():
+                pass
         big.words[p.SL_STATE] = small.words[p.SL_STATE] = p.SlotState.FREE
     assert extra_tokens == 0, f"{extra_tokens} requests were answered twice"
