@@ -2,6 +2,7 @@
 
 - ``footprint(pid)``: what a process holds (fds, threads, RSS, channel segments
   mapped), to check that sessions leave nothing behind;
+- ``Bystander``: a well-behaved client in a thread, checking every row;
 - ``RawSession``: the control protocol by hand, for hostile and half-finished
   clients;
 - ``python_child``: a Python child process running a snippet, optionally as
@@ -23,11 +24,13 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pleclient import protocol as p
@@ -112,6 +115,47 @@ def cpu_seconds(pid: int) -> float:
 def shm_entries() -> set[str]:
     """Every ple name in /dev/shm (segments and semaphores alike)."""
     return {n for n in os.listdir("/dev/shm") if "ple" in n}
+
+
+# ---------------------------------------------------------------- bystander
+class Bystander:
+    """A well-behaved client in a thread, checking every row it gets."""
+
+    def __init__(self, server, references) -> None:
+        self.client = server.client(name="bystander")
+        self.references = references
+        self.lookups = 0
+        self.worst_s = 0.0
+        self.failure: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        rng = np.random.default_rng(99)
+        try:
+            while not self._stop.is_set():
+                layer = int(rng.choice([1, 3]))
+                ref = self.references[layer]
+                ids = rng.integers(0, ref.shape[0], int(rng.choice([1, 300, 5000])))
+                started = time.monotonic()
+                rows = self.client.lookup(layer, ids)
+                self.worst_s = max(self.worst_s, time.monotonic() - started)
+                assert np.array_equal(rows, ref[ids]), "a row differs from the checkpoint"
+                self.lookups += 1
+        except BaseException as exc:  # reported by stop()
+            self.failure = exc
+
+    def __enter__(self) -> "Bystander":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self.client.close()
+        if exc[0] is None:
+            assert self.failure is None, f"the bystander failed: {self.failure!r}"
+            assert self.lookups > 0
 
 
 # ------------------------------------------------------------ raw sessions
@@ -303,6 +347,76 @@ def launch(tmp_path):
     yield start
     for server in servers:
         server.stop()
+
+
+# ------------------------------------------------------------------ cgroups
+@contextmanager
+def child_cgroup(controller: str):
+    """A cgroup of ``controller`` (``"memory"``, ``"pids"``) under this
+    process's own, created for the test and removed afterwards (whatever still
+    runs in it is killed first); yields its directory. cgroup v1 (the
+    controller's own hierarchy) or v2 (where the controller is enabled for
+    children). Skips the test where neither can be created."""
+    name = f"ple-test-{os.getpid()}-{time.monotonic_ns()}"
+    with open("/proc/self/cgroup") as f:
+        lines = [line.rstrip("\n").split(":", 2) for line in f]
+    path = None
+    for _id, controllers, relative in lines:
+        if controller in controllers.split(","):
+            path = Path("/sys/fs/cgroup", controller, relative.lstrip("/"), name)
+    for _id, controllers, relative in lines:
+        if path is None and controllers == "":
+            parent = Path("/sys/fs/cgroup", relative.lstrip("/"))
+            try:
+                enabled = (parent / "cgroup.subtree_control").read_text().split()
+            except OSError:
+                enabled = []
+            if controller in enabled:
+                path = parent / name
+    if path is None:
+        pytest.skip(f"no {controller} cgroup controller available to this process")
+    try:
+        path.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a {controller} cgroup at {path}: {exc}")
+    try:
+        yield path
+    finally:
+        for _ in range(100):
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                for pid in (path / "cgroup.procs").read_text().split():
+                    try:
+                        os.kill(int(pid), 9)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.05)
+
+
+def cgroup_write(path: Path, v2_name: str, v1_name: str, value: str) -> None:
+    """Write a setting by its cgroup v2 name, or its v1 name on v1."""
+    target = path / v2_name if (path / v2_name).exists() else path / v1_name
+    target.write_text(value)
+
+
+def oom_kills(path: Path) -> int:
+    """How many processes the kernel OOM-killed in a memory cgroup."""
+    for name in ("memory.events", "memory.oom_control"):
+        try:
+            for line in (path / name).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except OSError:
+            continue
+    raise AssertionError(f"{path} reports no oom_kill count")
+
+
+def in_cgroup(path: Path) -> tuple[str, ...]:
+    """A command prefix that runs the command inside the cgroup ``path``."""
+    return ("sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(path))
 
 
 # --------------------------------------------------------------------- users

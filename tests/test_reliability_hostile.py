@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import threading
 import time
 
 import msgpack
@@ -22,7 +21,7 @@ from pleclient import PleClient
 from pleclient import protocol as p
 from pleserver.synthetic import read_reference
 from tests.conftest import SMALL_TABLES
-from tests.harness import (LaunchedServer, RawSession, no_growth, python_child,
+from tests.harness import (Bystander, LaunchedServer, RawSession, no_growth, python_child,
                            quiet_footprint, settles_to)
 
 
@@ -40,46 +39,6 @@ def served(checkpoint, tmp_path_factory):
     assert server.proc.poll() is None, server.log()[-3000:]
     assert server.stop() == 0
     assert "Traceback" not in server.log(), server.log()[-3000:]
-
-
-class Bystander:
-    """A well-behaved client in a thread, checking every row it gets."""
-
-    def __init__(self, server, references) -> None:
-        self.client = server.client(name="bystander")
-        self.references = references
-        self.lookups = 0
-        self.worst_s = 0.0
-        self.failure: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        rng = np.random.default_rng(99)
-        try:
-            while not self._stop.is_set():
-                layer = int(rng.choice([1, 3]))
-                ref = self.references[layer]
-                ids = rng.integers(0, ref.shape[0], int(rng.choice([1, 300, 5000])))
-                started = time.monotonic()
-                rows = self.client.lookup(layer, ids)
-                self.worst_s = max(self.worst_s, time.monotonic() - started)
-                assert np.array_equal(rows, ref[ids]), "a row differs from the checkpoint"
-                self.lookups += 1
-        except BaseException as exc:  # reported by stop()
-            self.failure = exc
-
-    def __enter__(self) -> "Bystander":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(30)
-        self.client.close()
-        if exc[0] is None:
-            assert self.failure is None, f"the bystander failed: {self.failure!r}"
-            assert self.lookups > 0
 
 
 def error_counts(server) -> dict[str, int]:

@@ -1,0 +1,372 @@
+"""One client must never freeze, starve or stall the others.
+
+Each test plays a hostile but *allowed* client (or many) against a real
+``pleserver serve`` process and checks what the others see: a bystander keeps
+getting bit-exact rows, the control plane answers, SIGTERM ends the server
+within its budget, and nothing is left behind (descriptors, threads, channel
+mappings, memory)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import socket
+import struct
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from pleclient import PleClient, RequestError
+from pleclient import client as client_module
+from pleclient import protocol as p
+from pleserver.synthetic import read_reference
+from tests.conftest import SMALL_TABLES
+from tests.harness import (Bystander, RawSession, cgroup_write, child_cgroup,  # noqa: F401
+                           in_cgroup, launch, no_growth, oom_kills, python_child,
+                           quiet_footprint, settles_to, wait_until)
+
+STOP_BUDGET_S = 10.0
+"""SIGTERM to exit: the drain (5 s at most) and the goodbyes, well inside the
+unit's TimeoutStopSec=30."""
+
+
+@pytest.fixture(scope="module")
+def references(checkpoint):
+    return {t.layer: read_reference(str(checkpoint), t.name) for t in SMALL_TABLES}
+
+
+def stops_in_budget(server) -> int:
+    """SIGTERM the server; its exit status, which must come within the budget."""
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        return server.proc.wait(STOP_BUDGET_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running {STOP_BUDGET_S} s after SIGTERM:\n"
+                             f"{server.log()[-3000:]}") from None
+
+
+# ------------------------------------------------- 1: runaway submit counter
+RUNAWAY = """
+path, attack = sys.argv[1], sys.argv[2]
+client = PleClient.connect(path, name="runaway-" + attack, depth=4, capacity=64)
+client.lookup(1, [1, 2, 3])
+ch = client._channel
+if attack == "counter":  # seen − 1, and a semaphore value of about 2³¹: then one post
+    ch.header[p.CH_SUBMIT_COUNTER] = (ch.header[p.CH_SUBMIT_COUNTER] - 1) & 0xFFFFFFFF
+    ch.header[32] = 0x7FFFFFF0
+    ch.submit_sem.post()
+else:  # posts as fast as it can, no submit behind them
+    stop = time.monotonic() + 2.0
+    while time.monotonic() < stop:
+        ch.submit_sem.post()
+client._sock.setblocking(True)
+client._sock.settimeout(10.0)
+msg, _ = p.recv_message(client._sock)
+after, _ = p.recv_message(client._sock)
+print(json.dumps({"message": msg, "closed": after is None}), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("attack", ["counter", "posts"])
+def test_a_runaway_channel_is_closed_and_the_others_keep_being_served(
+        launch, checkpoint, references, attack):
+    server = launch(checkpoint)
+    baseline = quiet_footprint(server.pid, segments=0)
+    with Bystander(server, references) as bystander:
+        attacker = python_child(RUNAWAY, server.socket, attack)
+        out, err = attacker.communicate(timeout=60)
+        assert attacker.returncode == 0, err
+        lookups_at_close = bystander.lookups
+        assert wait_until(lambda: bystander.lookups > lookups_at_close + 20)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["closed"], report
+    assert report["message"]["code"] == p.ErrorCode.BAD_MESSAGE
+    assert re.search(r"channel closed: its submit (counter ran|semaphore was posted)",
+                     report["message"]["message"]), report
+    assert no_growth(baseline, settles_to(server.pid, baseline))
+    assert stops_in_budget(server) == 0
+
+
+# ------------------------------------------------------- 2: memory budget
+def test_channels_past_the_memory_budget_are_refused_not_oom_killed(launch, checkpoint,
+                                                                    references):
+    """The server runs in a memory cgroup of 400 MiB, as under MemoryMax=400M.
+    Without the budget the fifth or so 43 MiB channel gets it OOM-killed; with
+    the default budget (3/4 of the room left at start) the channel that does
+    not fit is refused with NO_RESOURCES, and one fits again once another
+    client leaves."""
+    with child_cgroup("memory") as cgroup:
+        cgroup_write(cgroup, "memory.max", "memory.limit_in_bytes", str(400 << 20))
+        server = launch(checkpoint, "--max-clients", "32", prefix=in_cgroup(cgroup))
+        assert re.search(r"channel memory budget: \d+ MiB, 3/4 of the room at start "
+                         r"\(cgroup limit 400 MiB", server.log()), server.log()
+        clients, refusal = [], None
+        try:
+            for _ in range(16):  # 16 × 43 MiB: far over the limit
+                try:
+                    clients.append(server.client(capacity=16384, depth=8))
+                except RequestError as exc:
+                    refusal = exc
+                    break
+            assert refusal is not None, "every channel was granted"
+            assert refusal.code == p.ErrorCode.NO_RESOURCES
+            assert "max_channel_memory" in str(refusal) and "MemoryMax=" in str(refusal)
+            assert len(clients) >= 2
+            ids = np.arange(16384) % 20_011
+            for c in clients:  # the granted ones are whole: every page touched
+                assert np.array_equal(c.lookup(1, ids), references[1][ids])
+            clients.pop().close()
+            assert wait_until(lambda: _opens(server), 10), "no room after a client left"
+            assert server.proc.poll() is None
+            assert oom_kills(cgroup) == 0
+        finally:
+            for c in clients:
+                c.close()
+        assert stops_in_budget(server) == 0
+
+
+def _opens(server) -> bool:
+    try:
+        server.client(capacity=16384, depth=8).close()
+        return True
+    except RequestError:
+        return False
+
+
+# ------------------------------------------- 3: a peer that never reads
+def test_sessions_that_never_read_their_replies_are_dropped_and_stall_no_one(
+        launch, checkpoint, references):
+    server = launch(checkpoint)
+    baseline = quiet_footprint(server.pid, segments=0)
+    stats_frame = p.encode_frame({"type": "stats"})
+    stuck = [RawSession(server.socket) for _ in range(20)]
+    try:
+        for raw in stuck:
+            raw.hello()
+            raw.send_bytes(stats_frame * 3000)  # and never read the replies
+        with Bystander(server, references):
+            assert PleClient.query_stats(server.socket)["pid"] == server.pid
+            with server.client(name="newcomer") as newcomer:
+                assert np.array_equal(newcomer.lookup(3, [5, 6]), references[3][[5, 6]])
+        assert wait_until(lambda: server.log().count("replies it does not read") == 20), \
+            server.log()[-3000:]
+        for raw in stuck:
+            assert raw.closed_by_server(timeout=10)
+    finally:
+        for raw in stuck:
+            raw.close()
+    assert re.search(r"WARNING .*session \d+ .*dropped: \d+ bytes of replies it does not "
+                     r"read", server.log())
+    assert no_growth(baseline, settles_to(server.pid, baseline))
+    assert stops_in_budget(server) == 0
+
+
+# ------------------------------------------------- 4: no thread to start
+def test_a_channel_whose_thread_cannot_start_is_refused_and_leaves_nothing(launch,
+                                                                         checkpoint):
+    """The server in a pids cgroup at its task limit (TasksMax=): the channel's
+    waiter thread cannot start. The client gets NO_RESOURCES, the segment is
+    unmapped and its descriptor closed, and the budget is given back."""
+    with child_cgroup("pids") as cgroup:
+        server = launch(checkpoint, prefix=in_cgroup(cgroup))
+        with server.client() as warm:
+            warm.lookup(1, [1])
+        baseline = quiet_footprint(server.pid, segments=0)
+        tasks = (cgroup / "pids.current").read_text().strip()
+        (cgroup / "pids.max").write_text(tasks)
+        try:
+            for _ in range(3):
+                with pytest.raises(RequestError, match="cannot serve a channel now") as refused:
+                    server.client()
+                assert refused.value.code == p.ErrorCode.NO_RESOURCES
+            assert no_growth(baseline, settles_to(server.pid, baseline))
+        finally:
+            (cgroup / "pids.max").write_text("max")
+        with server.client() as client:  # nothing was kept: it works again
+            assert client.lookup(3, [1, 2]).shape == (2, 320)
+        assert stops_in_budget(server) == 0
+
+
+# --------------------------------------- 5: hello deadline, idle, stats slot
+def test_sessions_that_never_say_hello_are_closed_and_stats_always_gets_in(launch,
+                                                                         checkpoint):
+    server = launch(checkpoint, "--max-clients", "2", "--hello-timeout-s", "1",
+                    "--idle-timeout-s", "1")
+    assert wait_until(lambda: PleClient.query_stats(server.socket)["clients"] <= 1)
+    silent = [RawSession(server.socket) for _ in range(3)]  # every slot, and the spare
+    try:
+        with pytest.raises(Exception):  # refused at accept while they hold the slots
+            PleClient.query_stats(server.socket, timeout=0.5)
+        for raw in silent:
+            assert raw.closed_by_server(timeout=10)
+        assert "no 'hello' within 1 s of connecting" in server.log()
+    finally:
+        for raw in silent:
+            raw.close()
+    with server.client() as a, server.client() as b:  # every client slot taken
+        assert PleClient.query_stats(server.socket)["clients"] >= 2  # the spare slot
+        with RawSession(server.socket) as idle:  # greeted, never opens a channel
+            idle.hello()
+            assert idle.closed_by_server(timeout=10)
+        assert "without a channel (idle_timeout_s = 1)" in server.log()
+        assert a.lookup(1, [1]).shape == b.lookup(1, [1]).shape == (1, 160)
+
+
+# ------------------------------------------------------- 6: fairness by rows
+def test_a_small_request_waits_for_a_chunk_not_for_a_backlog(launch, checkpoint,
+                                                              references):
+    """Two clients queue 16 requests of 16 383 rows each, then a bystander 16
+    rows, while the server is stopped (SIGSTOP): everything is pending at once.
+    Served by rows, the bystander's answer comes after at most a chunk of each,
+    long before the backlog; served by request, after all 32 of them."""
+    server = launch(checkpoint)
+    heavy = [server.client(name=f"heavy{i}", capacity=16383, depth=16) for i in range(2)]
+    small = server.client(name="small", capacity=16, depth=1)
+    ids = (np.arange(16383) * 13) % 20_011
+    small_ids = np.arange(16) * 7
+    try:
+        for _ in range(3):
+            server.proc.send_signal(signal.SIGSTOP)
+            try:
+                tickets = [c.submit(1, ids) for c in heavy for _ in range(16)]
+                ticket = small.submit(1, small_ids)
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+            rows = ticket.wait()
+            answered = sum(t._slot.words[p.SL_STATE] == p.SlotState.DONE for t in tickets)
+            assert np.array_equal(rows, references[1][small_ids])
+            ticket.release()
+            assert answered < len(tickets) // 2, \
+                f"the 16-row request waited for {answered} of {len(tickets)} large ones"
+            for t in tickets:
+                assert np.array_equal(t.wait(), references[1][ids])
+                t.release()
+    finally:
+        for c in (*heavy, small):
+            c.close()
+
+
+# --------------------------------------- 7: reservation off the control thread
+def test_reserving_a_large_channel_does_not_hold_up_other_sessions(launch, checkpoint):
+    server = launch(checkpoint, "--max-channel-bytes", "2G")
+    with RawSession(server.socket, timeout=30) as big:
+        big.hello()
+        big.send({"type": "open_channel", "capacity": 196608, "depth": 16})  # 0.96 GiB
+        stats = PleClient.query_stats(server.socket)  # while the pages are reserved
+        with server.client(capacity=64, depth=1) as other:
+            other.lookup(1, [1, 2])
+        readable, _, _ = select.select([big.sock], [], [], 0)
+        assert not readable, "the large channel was ready before the small session ended"
+        msg, fds = big.recv()
+        assert msg["type"] == "channel" and len(fds) == 1
+        for fd in fds:
+            os.close(fd)
+    assert stats["pid"] == server.pid
+
+
+# ------------------------------------------------- 8: refusal log rate limit
+def test_refusals_are_logged_a_few_at_a_time_with_a_count_of_the_rest(launch, checkpoint):
+    server = launch(checkpoint, "--max-clients", "1", "--log-level", "INFO")
+    holder = server.client()
+    spare = RawSession(server.socket)
+    spare.hello()
+    try:
+        for _ in range(300):  # each refused at accept, each a would-be WARNING
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(server.socket)
+                s.settimeout(5)
+                s.recv(4096)
+        pattern = r"(\d+) more refused \(TOO_MANY_CLIENTS\) lines suppressed"
+        assert wait_until(lambda: re.search(pattern, server.log()), 15), server.log()[-2000:]
+        logged = server.log().count("refused connection from")
+        suppressed = int(re.search(pattern, server.log()).group(1))
+        assert logged <= 5 and logged + suppressed == 300, (logged, suppressed)
+    finally:
+        spare.close()
+        holder.close()
+
+
+# ------------------------------------------------- 9: half frames, trickled
+def test_half_frames_are_capped_before_hello_and_time_out_after(launch, checkpoint):
+    server = launch(checkpoint, "--frame-timeout-s", "1")
+    baseline = quiet_footprint(server.pid, segments=0)
+    header = struct.pack("<I", p.MAX_FRAME_BYTES - 1)
+    before_hello = [RawSession(server.socket) for _ in range(30)]
+    try:
+        for raw in before_hello:
+            raw.send_bytes(header + b"\0" * 60_000)
+        for raw in before_hello:
+            msg, _ = raw.recv()
+            assert msg["code"] == p.ErrorCode.BAD_MESSAGE
+            assert "65536-byte limit before 'hello'" in msg["message"]
+    finally:
+        for raw in before_hello:
+            raw.close()
+    trickled = [RawSession(server.socket) for _ in range(10)]
+    try:
+        for raw in trickled:
+            raw.hello()
+            raw.send_bytes(header + b"\x81" * 200_000)  # most of 4 MiB never comes
+        open_ = list(trickled)
+        deadline = time.monotonic() + 10
+        while open_ and time.monotonic() < deadline:  # a byte at a time: never a frame
+            for raw in list(open_):
+                try:
+                    raw.send_bytes(b"\0")
+                except (BrokenPipeError, ConnectionResetError):
+                    open_.remove(raw)  # closed by the server
+            time.sleep(0.2)
+        assert not open_, f"{len(open_)} trickling sessions still open after 10 s"
+        texts = []
+        for raw in trickled:
+            msg, _ = raw.recv()  # the error, unless the close reset the connection first
+            texts.append(msg and msg["message"])
+            assert raw.closed_by_server()
+        assert any("a frame stayed incomplete" in t for t in texts if t), texts
+        assert all("a frame stayed incomplete" in t for t in texts if t), texts
+    finally:
+        for raw in trickled:
+            raw.close()
+    now = settles_to(server.pid, baseline)
+    assert no_growth(baseline, now)
+    assert now.rss_kib - baseline.rss_kib < 16 << 10, (baseline, now)
+
+
+# ---------------------------------------------------- 10: submit times
+class _ClientClock:
+    """``time`` for the client module, with a submit time of the test's choosing."""
+
+    def __init__(self, submit_ns) -> None:
+        self._submit_ns = submit_ns
+
+    def monotonic_ns(self) -> int:
+        return self._submit_ns()
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_submit_times_a_client_could_not_have_are_not_recorded(server, monkeypatch):
+    def queue_count() -> tuple[int, float]:
+        table = PleClient.query_stats(server.socket)["tables"][1]
+        return table["queue_time"]["count"], table["queue_time"]["max_s"]
+
+    with server.client() as client:
+        client.lookup(3, [1])
+        count, _ = queue_count()
+        for submit_ns in (lambda: 1,  # before the session
+                          lambda: time.monotonic_ns() + 10**12,  # in the future
+                          time.monotonic_ns):  # honest
+            monkeypatch.setattr(client_module, "time", _ClientClock(submit_ns))
+            assert client.lookup(3, [2, 3]).shape == (2, 320)
+        monkeypatch.undo()
+    after, worst = queue_count()
+    assert after == count + 1, "an impossible submit time was recorded"
+    assert worst < 60, f"queue time max {worst} s"
+
