@@ -22,9 +22,9 @@ the other channels have queued.
 
 A client owns its segment and may write anything into it, so the loop bounds
 what one channel can cost it: per pass it takes at most ``depth`` tokens and
-reads each slot once. More pending submits or more unused tokens than the
-channel has slots cannot come from a client that follows the protocol (each
-submit needs a free slot): such a channel is dropped and ``on_drop`` tells the
+reads each slot once. More pending submits than the channel has slots, or
+more tokens than submits, cannot come from a client that follows the protocol
+(each submit needs a free slot, and is posted once): such a channel is dropped and ``on_drop`` tells the
 control plane, which answers the client with an error and closes its session.
 """
 
@@ -247,7 +247,10 @@ class ServingLoop:
             # keep the loop from sleeping: the post, when it comes, wakes us.)
             self._wakeup.clear()
             self._sleeping.set()
-            self._wakeup.wait(self.heartbeat_every_s if not self._draining else 0.002)
+            # A token a waiter took after our last pass woke us before clear():
+            # that wake-up is gone, the token is not.
+            if not any(c.tokens for c in self.channels if not c.closing):
+                self._wakeup.wait(self.heartbeat_every_s if not self._draining else 0.002)
             self._sleeping.clear()
             idle_since = time.monotonic()
 
@@ -270,15 +273,18 @@ class ServingLoop:
     def _admit(self, ch: Channel) -> bool:
         """Take the tokens of ``ch``'s new submits (at most ``depth``), then read
         each slot once: validate and queue the requests whose token we hold."""
+        # Tokens first: the client moves the counter before it posts, so a token
+        # taken by then is always counted in the counter read after it.
+        tokens = ch.tokens
         pending = (ch.map.submit_counter - ch.seen) & U32
         if pending > ch.depth:
             raise HostileChannel(
                 f"its submit counter ran {pending} submits ahead of the server, over its "
                 f"{ch.depth} slots: the channel's words were overwritten")
-        if ch.tokens > ch.depth:
+        if tokens > pending:
             raise HostileChannel(
                 f"its submit semaphore was posted more often than it submitted "
-                f"({ch.tokens} tokens unused, {ch.depth} slots)")
+                f"({tokens} tokens for {pending} new submits)")
         took = False
         while pending and ch.take_token():
             ch.seen = (ch.seen + 1) & U32

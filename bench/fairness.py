@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Fairness benchmark: a small client's latency beside maximal submitters.
+
+Writes one synthetic BF16 table (default 2 M rows × 160 cols = 320-byte rows,
+≈ 0.6 GiB) into a temporary directory, starts ``pleserver serve --prewarm
+full``, and measures a *bystander* — one client of capacity 16, depth 1, doing
+``lookup`` of 16 random ids, one every ``--gap-ms`` — with 0, 1 and 4 *maximal
+submitters* beside it (``--submitters``). A maximal submitter is a process
+with a channel of depth 64 × capacity 16 383 that keeps every slot submitted
+with 16 383 random ids, taking each answer and resubmitting at once.
+
+For each case it reports the bystander's p50 / p99 / p99.9 / max latency (the
+whole ``lookup`` call, timed in the bystander), the submitters' rows per
+second, and the CPU share that processes other than the benchmark, its server
+and its submitters used meanwhile (``others_cpu``): other load on the machine
+lands in the bystander's tail, so a run with high ``others_cpu`` should be
+repeated. Everything is removed at the end.
+
+    python bench/fairness.py                          # 0, 1 and 4 submitters, 15 s each
+    python bench/fairness.py --submitters 4 --seconds 30 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lookup import OthersMeter, Server, loadavg, machine, source  # noqa: E402
+
+from pleclient import PleClient  # noqa: E402
+from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+
+SUBMITTER = """
+import json, os, sys, time
+import numpy as np
+from pleclient import PleClient
+path, seconds = sys.argv[1], float(sys.argv[2])
+client = PleClient.connect(path, name="submitter", capacity=16383, depth=64)
+rows = client.tables[0].rows
+rng = np.random.default_rng(os.getpid())
+ids = [rng.integers(0, rows, 16383) for _ in range(8)]
+tickets = [client.submit(0, ids[i % 8]) for i in range(64)]
+print("ready", flush=True)
+stop, done, i = time.monotonic() + seconds, 0, 0
+while time.monotonic() < stop:
+    ticket = tickets.pop(0)
+    ticket.wait()
+    ticket.release()
+    done += 1
+    i += 1
+    tickets.append(client.submit(0, ids[i % 8]))
+for ticket in tickets:
+    ticket.wait()
+    ticket.release()
+client.close()
+print(json.dumps({"requests": done, "rows": done * 16383}), flush=True)
+"""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")
+    ap.add_argument("--rows", type=int, default=2_000_000)
+    ap.add_argument("--cols", type=int, default=160)
+    ap.add_argument("--submitters", default="0,1,4",
+                    help="comma-separated numbers of maximal submitters (default 0,1,4)")
+    ap.add_argument("--seconds", type=float, default=15.0, help="per case (default 15)")
+    ap.add_argument("--gap-ms", type=float, default=1.0,
+                    help="pause between the bystander's lookups (default 1)")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra `pleserver serve` argument (repeatable), e.g. "
+                         "--server-arg=--chunk-rows=8192")
+    ap.add_argument("--json", help="also write the results here")
+    return ap.parse_args(argv)
+
+
+def run_case(server: Server, n: int, args, rows: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    children = [subprocess.Popen([sys.executable, "-c", SUBMITTER, server.socket,
+                                  str(args.seconds + 2)], stdout=subprocess.PIPE, text=True,
+                                 cwd=REPO, env=env) for _ in range(n)]
+    try:
+        for child in children:
+            if child.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a submitter did not start:\n{server.log_tail()}")
+        time.sleep(1.0)  # every submitter in its steady state
+        rng = np.random.default_rng(7)
+        samples = []
+        meter = OthersMeter([server.proc.pid] + [c.pid for c in children])
+        with PleClient.connect(server.socket, name="bystander", capacity=16, depth=1) as client:
+            out = np.empty((16, client.tables[0].row_bytes), dtype=np.uint8)
+            meter.start()
+            stop = time.monotonic() + args.seconds
+            while time.monotonic() < stop:
+                ids = rng.integers(0, rows, 16)
+                t0 = time.perf_counter_ns()
+                client.lookup(0, ids, out=out)
+                samples.append(time.perf_counter_ns() - t0)
+                time.sleep(args.gap_ms * 1e-3)
+            others = meter.stop()
+        reports = [json.loads(child.communicate(timeout=60)[0].strip().splitlines()[-1])
+                   for child in children]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    ms = np.array(samples) / 1e6
+    submitted_rows = sum(r["rows"] for r in reports)
+    return {"submitters": n, "bystander_lookups": len(samples),
+            "p50_ms": round(float(np.percentile(ms, 50)), 3),
+            "p99_ms": round(float(np.percentile(ms, 99)), 3),
+            "p999_ms": round(float(np.percentile(ms, 99.9)), 3),
+            "max_ms": round(float(ms.max()), 3),
+            "submitter_rows_per_s": round(submitted_rows / (args.seconds + 2)),
+            "others_cpu": others, "loadavg": loadavg()}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    workdir = tempfile.mkdtemp(prefix="ple-fairness-", dir=args.dir)
+    server = None
+    try:
+        model = os.path.join(workdir, "model")
+        write_checkpoint(model, [SyntheticTable(layer=0, rows=args.rows, cols=args.cols,
+                                                dtype="BF16", parts=16)], files=1)
+        server = Server("fairness", model, workdir, 0, 16383, args.server_arg)
+        server.wait_ready()
+        result = {"machine": machine(), "source": source(), "args": vars(args), "cases": []}
+        print(f"{'submitters':>10} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} "
+              f"{'p99.9 ms':>9} {'max ms':>8} {'submitter rows/s':>17} {'others cpu':>10}")
+        for n in [int(x) for x in args.submitters.split(",") if x.strip()]:
+            case = run_case(server, n, args, args.rows)
+            result["cases"].append(case)
+            print(f"{case['submitters']:>10} {case['bystander_lookups']:>8} "
+                  f"{case['p50_ms']:>8.3f} {case['p99_ms']:>8.3f} {case['p999_ms']:>9.3f} "
+                  f"{case['max_ms']:>8.3f} {case['submitter_rows_per_s']:>17,} "
+                  f"{100 * case['others_cpu']:>9.1f}%", flush=True)
+        print(f"commit {result['source']['commit']}"
+              f"{' (modified)' if result['source']['modified'] else ''}, "
+              f"{result['machine'].get('model_name', '?')}, {result['machine']['cores']} cores")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
