@@ -90,7 +90,11 @@ def test_a_runaway_channel_is_closed_and_the_others_keep_being_served(
     assert re.search(r"channel closed: its submit (counter ran|semaphore was posted)",
                      report["message"]["message"]), report
     assert no_growth(baseline, settles_to(server.pid, baseline))
+    started = time.monotonic()
     assert stops_in_budget(server) == 0
+    print(f"{attack}: closed with {report['message']['message']!r}; bystander "
+          f"{bystander.lookups} lookups all exact, worst {bystander.worst_s * 1e3:.1f} ms; "
+          f"SIGTERM to exit {time.monotonic() - started:.2f} s")
 
 
 # ------------------------------------------------------- 2: memory budget
@@ -125,6 +129,7 @@ def test_channels_past_the_memory_budget_are_refused_not_oom_killed(launch, chec
             assert wait_until(lambda: _opens(server), 10), "no room after a client left"
             assert server.proc.poll() is None
             assert oom_kills(cgroup) == 0
+            print(f"granted {len(clients) + 1} channels, then: {refusal}")
         finally:
             for c in clients:
                 c.close()
@@ -164,7 +169,9 @@ def test_sessions_that_never_read_their_replies_are_dropped_and_stall_no_one(
     assert re.search(r"WARNING .*session \d+ .*dropped: \d+ bytes of replies it does not "
                      r"read", server.log())
     assert no_growth(baseline, settles_to(server.pid, baseline))
+    started = time.monotonic()
     assert stops_in_budget(server) == 0
+    print(f"SIGTERM to exit {time.monotonic() - started:.2f} s")
 
 
 # ------------------------------------------------- 4: no thread to start
@@ -244,6 +251,7 @@ def test_a_small_request_waits_for_a_chunk_not_for_a_backlog(launch, checkpoint,
             ticket.release()
             assert answered < len(tickets) // 2, \
                 f"the 16-row request waited for {answered} of {len(tickets)} large ones"
+            print(f"answered before the 16-row request: {answered} of {len(tickets)}")
             for t in tickets:
                 assert np.array_equal(t.wait(), references[1][ids])
                 t.release()
@@ -287,6 +295,7 @@ def test_refusals_are_logged_a_few_at_a_time_with_a_count_of_the_rest(launch, ch
         logged = server.log().count("refused connection from")
         suppressed = int(re.search(pattern, server.log()).group(1))
         assert logged <= 5 and logged + suppressed == 300, (logged, suppressed)
+        print(f"300 refusals: {logged} lines, then {suppressed} counted")
     finally:
         spare.close()
         holder.close()
