@@ -123,11 +123,12 @@ class ServerConfig:
         4 << 30, "size", "Stop prewarming when MemAvailable falls under this many bytes.",
         minimum=0)
     gather_workers: int = _setting(
-        4, "int", "Threads for large gathers (page faults overlap across threads).",
+        4, "int", "Threads for gathers of parallel_min_rows or more (page faults "
+        "overlap across threads).",
         minimum=1)
     parallel_min_rows: int = _setting(
-        16384, "int", "Requests of at least this many rows are split over the gather "
-        "threads.", minimum=1)
+        16384, "int", "Gathers of at least this many rows (a chunk, see chunk_rows) are "
+        "split over the gather threads.", minimum=1)
     dedup_min_rows: int = _setting(
         4096, "int", "Requests of at least this many rows on a table not fully "
         "prewarmed are deduplicated and read in ascending row order.", minimum=1)
