@@ -9,8 +9,13 @@ submitters* beside it (``--submitters``). A maximal submitter is a process
 with a channel of depth 64 × capacity 16 383 that keeps every slot submitted
 with 16 383 random ids, taking each answer and resubmitting at once.
 
-For each case it reports the bystander's p50 / p99 / p99.9 / max latency (the
-whole ``lookup`` call, timed in the bystander), the submitters' rows per
+The bystander reads a table of its own (layer 1, 100 000 rows), so the
+server's statistics for that table are the bystander's alone: its queue time
+(client's submit → the loop admits it: the wait behind other clients' chunks)
+and server time (admitted → answered), read off the server's histograms
+(bucket upper bounds, ≈ 19 % resolution). For each case it reports those and
+the bystander's p50 / p99 / p99.9 / max latency (the whole ``lookup`` call,
+timed in the bystander, which adds its own wake-ups), the submitters' rows per
 second, and the CPU share that processes other than the benchmark, its server
 and its submitters used meanwhile (``others_cpu``): other load on the machine
 lands in the bystander's tail, so a run with high ``others_cpu`` should be
@@ -37,7 +42,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lookup import OthersMeter, Server, loadavg, machine, source  # noqa: E402
+from lookup import (OthersMeter, Server, hist_quantiles, loadavg, machine,  # noqa: E402
+                    source)
 
 from pleclient import PleClient  # noqa: E402
 from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
@@ -87,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def run_case(server: Server, n: int, args, rows: int) -> dict:
+def run_case(server: Server, n: int, args) -> dict:
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     children = [subprocess.Popen([sys.executable, "-c", SUBMITTER, server.socket,
                                   str(args.seconds + 2)], stdout=subprocess.PIPE, text=True,
@@ -101,16 +107,19 @@ def run_case(server: Server, n: int, args, rows: int) -> dict:
         samples = []
         meter = OthersMeter([server.proc.pid] + [c.pid for c in children])
         with PleClient.connect(server.socket, name="bystander", capacity=16, depth=1) as client:
-            out = np.empty((16, client.tables[0].row_bytes), dtype=np.uint8)
+            table = client.table(1)
+            out = np.empty((16, table.row_bytes), dtype=np.uint8)
+            before = PleClient.query_stats(server.socket)["tables"][1]
             meter.start()
             stop = time.monotonic() + args.seconds
             while time.monotonic() < stop:
-                ids = rng.integers(0, rows, 16)
+                ids = rng.integers(0, table.rows, 16)
                 t0 = time.perf_counter_ns()
-                client.lookup(0, ids, out=out)
+                client.lookup(table, ids, out=out)
                 samples.append(time.perf_counter_ns() - t0)
                 time.sleep(args.gap_ms * 1e-3)
             others = meter.stop()
+            after = PleClient.query_stats(server.socket)["tables"][1]
         reports = [json.loads(child.communicate(timeout=60)[0].strip().splitlines()[-1])
                    for child in children]
     finally:
@@ -125,8 +134,14 @@ def run_case(server: Server, n: int, args, rows: int) -> dict:
             "p99_ms": round(float(np.percentile(ms, 99)), 3),
             "p999_ms": round(float(np.percentile(ms, 99.9)), 3),
             "max_ms": round(float(ms.max()), 3),
+            "server_queue": hist_quantiles(before["queue_time"], after["queue_time"]),
+            "server_time": hist_quantiles(before["server_time"], after["server_time"]),
             "submitter_rows_per_s": round(submitted_rows / (args.seconds + 2)),
             "others_cpu": others, "loadavg": loadavg()}
+
+
+def _pair(q: dict) -> str:
+    return "/".join("-" if q[k] is None else f"{q[k]:.0f}" for k in ("p50_us", "p99_us"))
 
 
 def main(argv=None) -> int:
@@ -136,18 +151,22 @@ def main(argv=None) -> int:
     try:
         model = os.path.join(workdir, "model")
         write_checkpoint(model, [SyntheticTable(layer=0, rows=args.rows, cols=args.cols,
-                                                dtype="BF16", parts=16)], files=1)
+                                                dtype="BF16", parts=16),
+                                 SyntheticTable(layer=1, rows=100_000, cols=args.cols,
+                                                dtype="BF16", parts=2)], files=1)
         server = Server("fairness", model, workdir, 0, 16383, args.server_arg)
         server.wait_ready()
         result = {"machine": machine(), "source": source(), "args": vars(args), "cases": []}
         print(f"{'submitters':>10} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} "
-              f"{'p99.9 ms':>9} {'max ms':>8} {'submitter rows/s':>17} {'others cpu':>10}")
+              f"{'p99.9 ms':>9} {'max ms':>8} {'queue p50/p99 µs':>17} "
+              f"{'server p50/p99 µs':>18} {'submitter rows/s':>17} {'others cpu':>10}")
         for n in [int(x) for x in args.submitters.split(",") if x.strip()]:
-            case = run_case(server, n, args, args.rows)
+            case = run_case(server, n, args)
             result["cases"].append(case)
             print(f"{case['submitters']:>10} {case['bystander_lookups']:>8} "
                   f"{case['p50_ms']:>8.3f} {case['p99_ms']:>8.3f} {case['p999_ms']:>9.3f} "
-                  f"{case['max_ms']:>8.3f} {case['submitter_rows_per_s']:>17,} "
+                  f"{case['max_ms']:>8.3f} {_pair(case['server_queue']):>17} "
+                  f"{_pair(case['server_time']):>18} {case['submitter_rows_per_s']:>17,} "
                   f"{100 * case['others_cpu']:>9.1f}%", flush=True)
         print(f"commit {result['source']['commit']}"
               f"{' (modified)' if result['source']['modified'] else ''}, "
