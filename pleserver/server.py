@@ -1,10 +1,17 @@
 """The ple-server process: lifecycle, control socket, sessions and channels.
 
 Everything about the process's life is here, in ``Server``: start (tables,
-stale-name cleanup, socket, serving loop, prewarm, readiness), one
-``handle_<signal>`` method per signal, the control loop (a selector over the
-listening socket, the sessions and a signal wake-up pipe), and stop. The data
-plane lives in ``pleserver.serving``; tables in ``pleserver.table``.
+stale-name cleanup, channel memory budget, socket, serving loop, reservers,
+prewarm, readiness), one ``handle_<signal>`` method per signal, the control
+loop (a selector over the listening socket, the sessions and a wake-up pipe
+for signals and for the serving and reserver threads), and stop. The data
+plane lives in ``pleserver.serving``; channel segments in
+``pleserver.segments``; tables in ``pleserver.table``.
+
+The control loop never waits on one peer: replies go through a per-session
+outbox on non-blocking sockets; channel segments are reserved off this thread;
+deadlines (hello, idle without a channel, incomplete frame) are checked every
+``HOUSEKEEPING_S``; log lines a peer can trigger at will are rate-limited.
 
 Access model (see docs/SECURITY.md):
 - who may connect: the peer's SO_PEERCRED uid/gids against ``allow_uids`` /
@@ -153,14 +160,18 @@ class Server:
                 self.metrics = None
                 raise StartupError(str(exc)) from None
         self._set_budget()
-        self._listen()
         interval = cfg.watchdog_s or watchdog_interval()
         self.loop = ServingLoop(self.tables, self.table_stats, cfg.spin_us * 1e-6,
                                 heartbeat=self.notifier.watchdog if interval else None,
                                 heartbeat_every_s=min(interval or 1.0, 1.0),
                                 chunk_rows=cfg.chunk_rows, on_drop=self._on_channel_dropped)
-        self.loop.start()
-        self.reserver.start()
+        try:
+            self.loop.start()
+            self.reserver.start()
+        except RuntimeError as exc:  # no thread to be had: at a task limit already
+            raise StartupError(f"cannot start the serving threads ({exc}): the service is "
+                               "at its task limit (TasksMax=, ulimit -u); raise it") from None
+        self._listen()
         if cfg.prewarm == "full":
             self.prewarm = Prewarm(self.tables, cfg.prewarm_budget, cfg.prewarm_reserve)
             self.prewarm.on_progress = self._report_prewarm
@@ -273,6 +284,10 @@ class Server:
         log.info("stopped")
 
     def close_resources(self) -> None:
+        if self.loop is not None and self.loop.thread.is_alive():  # a start that failed
+            self.loop.stop()
+        for job in self.reserver.stop():
+            job.discard()
         if self.prewarm is not None:
             self.prewarm.stop()
         if self.metrics is not None:
