@@ -118,7 +118,7 @@ class ServerConfig:
         None, "size", "Bytes of the row cache (direct and buffered modes; auto compares "
         "the tables against it). None: a quarter of the memory available at start "
         "(MemAvailable, or the cgroup's room when smaller) less prewarm_reserve, at most "
-        "what the tables need.", minimum=0, optional=True)
+        "what the tables need.", minimum=64 << 10, optional=True)
     cache_hugepages: bool = _setting(
         True, "bool", "Back the row cache with huge pages where the kernel has them "
         "(fewer TLB misses on random rows).")
