@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import queue
 
 import numpy as np
 
@@ -93,8 +93,11 @@ class ServingLoop:
         self._inflight = 0  # handed-off requests not yet completed
         self._inflight_lock = threading.Lock()
         self._read_error_logged = -READ_ERROR_LOG_S
-        self.workers = ThreadPoolExecutor(max_workers=max(1, workers),
-                                          thread_name_prefix="gather")
+        # Started with the loop, all of them: a server's thread count does not
+        # change with its load.
+        self._handed: queue.SimpleQueue = queue.SimpleQueue()
+        self.workers = [threading.Thread(target=self._worker, name=f"gather-{i}", daemon=True)
+                        for i in range(max(1, workers))]
         self.thread = threading.Thread(target=self._run, name="serving", daemon=True)
         self.last_tick = time.monotonic()
 
@@ -123,6 +126,8 @@ class ServingLoop:
         return len(self.channels)
 
     def start(self) -> None:
+        for worker in self.workers:
+            worker.start()
         self.thread.start()
 
     def stop(self, drain_s: float = 5.0) -> None:
@@ -136,7 +141,10 @@ class ServingLoop:
         self._sleeping.set()
         self._wakeup.set()
         self.thread.join()
-        self.workers.shutdown(wait=True)
+        for _ in self.workers:
+            self._handed.put(None)
+        for worker in self.workers:
+            worker.join()
         for ch in self.channels:
             self.remove(ch)
         self._reap(force=True)
@@ -280,7 +288,11 @@ class ServingLoop:
                 if ch.closing:
                     self._wakeup.set()
 
-        self.workers.submit(run)
+        self._handed.put(run)
+
+    def _worker(self) -> None:
+        while (work := self._handed.get()) is not None:
+            work()
 
     def _complete(self, ch, slot, table, stats, count, started, submitted_ns) -> None:
         done = time.monotonic_ns()
