@@ -542,8 +542,14 @@ int64_t ple_source_gather_hits(ple_source *src, const int64_t *ids, size_t n,
         if (locate(src, ids[i], &shard, &row, err) != 0)
             return -1;
         if (!ple_cache_get(src->cache, row_key(src, shard, row), out + i * src->row_bytes,
-                           src->row_bytes))
-            return (int64_t)(n - i);  /* the caller gathers the request instead */
+                           src->row_bytes)) {
+            /* The caller gathers the request instead; its ids are still all
+             * checked, so a bad id is reported here as it would be there. */
+            for (size_t k = i + 1; k < n; k++)
+                if (locate(src, ids[k], &shard, &row, err) != 0)
+                    return -1;
+            return (int64_t)(n - i);
+        }
     }
     /* Counted only when served: a request handed on to gather counts there. */
     tally t = {.hits = n};
