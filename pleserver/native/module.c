@@ -323,10 +323,10 @@ static PyObject *Cache_stats(CacheObject *self, PyObject *unused)
     ple_cache_unref(cache);
     Py_END_ALLOW_THREADS
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:O,s:s,s:O,s:s,s:I}",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:O,s:s,s:O,s:s,s:I}",
         "capacity_rows", st.capacity_rows, "used_rows", st.used_rows, "hits", st.hits,
         "misses", st.misses, "inserts", st.inserts, "evictions", st.evictions,
-        "reserved_bytes", st.reserved_bytes,
+        "reserved_bytes", st.reserved_bytes, "populated_bytes", st.populated_bytes,
         "hugepages", (st.hugetlb || st.thp) ? Py_True : Py_False,
         "hugepage_kind", st.hugetlb ? "hugetlb" : st.thp ? "thp" : "none",
         "mlocked", st.mlocked ? Py_True : Py_False, "policy", ple_cache_policy(),

@@ -11,8 +11,9 @@
  * index (linear probing, load <= 0.7, backward-shift deletion, no
  * tombstones), its SIEVE list and hand, and a mutex that guards all of that
  * and the slot bytes. Everything a shard owns is touched only under its
- * mutex, so plain loads and stores suffice; the only atomics are the
- * cache-wide hit/miss counters (relaxed) and the reference count. */
+ * mutex (the index entries are relaxed atomics only for the lock-free
+ * prefetch hint, see index_entry); the other atomics are the cache-wide
+ * hit/miss counters (relaxed) and the reference count. */
 #include <errno.h>
 #include <pthread.h>
 #include <stdalign.h>
@@ -22,16 +23,29 @@
 
 #include "rowcache.h"
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  /* Linux 5.14 */
+#endif
+
 #define NONE UINT32_MAX
+#define POPULATE_CHUNK (64u << 20)
 #define HUGE_PAGE (2u << 20)
 #define ROWS_PER_SHARD_MIN 64u
 #define SHARDS_MAX 256u
 
+/* Index entries are written only under the shard's mutex, but they are also
+ * read without it by ple_cache_prefetch_row, as a hint: so both fields are
+ * atomics, all accessed RELAXED (under the mutex the mutex orders them; the
+ * hint needs no ordering, it is checked under the mutex before any use). On
+ * x86-64 and aarch64 these are plain loads and stores. */
 typedef struct index_entry {
-    uint64_t key;
-    uint32_t slot1;  /* slot + 1; 0 = empty (zeroed memory is an empty index) */
+    _Atomic uint64_t key;
+    _Atomic uint32_t slot1;  /* slot + 1; 0 = empty (zeroed memory is an empty index) */
     uint32_t unused;
 } index_entry;
+
+#define LOAD(field) atomic_load_explicit(&(field), memory_order_relaxed)
+#define STORE(field, value) atomic_store_explicit(&(field), (value), memory_order_relaxed)
 
 typedef struct shard {
     alignas(64) pthread_mutex_t lock;
@@ -57,6 +71,12 @@ struct ple_cache {
     uint32_t *newer, *older; /* per slot: SIEVE list links */
     unsigned char *visited;  /* per slot: SIEVE visited bit */
     int hugetlb, thp, mlocked;
+    /* Background commit of the region (see populate): relaxed atomics, the
+     * join in unref orders the thread's end before the unmap. */
+    pthread_t populator;
+    int populating;
+    _Atomic int stop_populating;
+    _Atomic uint64_t populated;
 };
 
 static uint64_t mix(uint64_t x)  /* murmur3 fmix64 */
@@ -85,8 +105,8 @@ static uint32_t home_of(const shard *s, uint64_t h)
 static uint32_t index_find(const shard *s, uint64_t key, uint64_t h, int *found)
 {
     uint32_t pos = home_of(s, h);
-    while (s->index[pos].slot1) {
-        if (s->index[pos].key == key) {
+    while (LOAD(s->index[pos].slot1)) {
+        if (LOAD(s->index[pos].key) == key) {
             *found = 1;
             return pos;
         }
@@ -103,18 +123,21 @@ static void index_delete(shard *s, uint32_t hole)
     uint32_t pos = hole;
     for (;;) {
         pos = pos + 1 == s->index_size ? 0 : pos + 1;
-        if (!s->index[pos].slot1)
+        uint32_t slot1 = LOAD(s->index[pos].slot1);
+        if (!slot1)
             break;
-        uint32_t home = home_of(s, mix(s->index[pos].key));
+        uint64_t key = LOAD(s->index[pos].key);
+        uint32_t home = home_of(s, mix(key));
         /* The entry may move to `hole` unless its home lies cyclically in
          * (hole, pos]. */
         int stays = hole <= pos ? (home > hole && home <= pos) : (home > hole || home <= pos);
         if (!stays) {
-            s->index[hole] = s->index[pos];
+            STORE(s->index[hole].key, key);
+            STORE(s->index[hole].slot1, slot1);
             hole = pos;
         }
     }
-    s->index[hole].slot1 = 0;
+    STORE(s->index[hole].slot1, 0);
 }
 
 /* ------------------------------------------------- the eviction policy
@@ -164,15 +187,48 @@ static uint32_t policy_evict(ple_cache *c, shard *s)
 
 /* ------------------------------------------------------ get and put */
 
+void ple_cache_prepare(ple_cache *c, uint64_t key, ple_cache_probe *p)
+{
+    p->key = key;
+    p->hash = mix(key);
+    const shard *s = shard_of(c, p->hash);
+    __builtin_prefetch(&s->index[home_of(s, p->hash)]);
+}
+
+void ple_cache_prefetch_row(ple_cache *c, const ple_cache_probe *p)
+{
+    const shard *s = shard_of(c, p->hash);
+    uint32_t pos = home_of(s, p->hash);
+    for (int probes = 0; probes < 8; probes++) {  /* bounded: entries move meanwhile */
+        uint32_t slot1 = LOAD(s->index[pos].slot1);
+        if (!slot1)
+            return;
+        if (LOAD(s->index[pos].key) == p->key) {
+            const unsigned char *row = c->slots + (size_t)(slot1 - 1) * c->slot_bytes;
+            for (uint32_t at = 0; at < c->slot_bytes; at += 64)
+                __builtin_prefetch(row + at);
+            __builtin_prefetch(row + c->slot_bytes - 1);
+            return;
+        }
+        pos = pos + 1 == s->index_size ? 0 : pos + 1;
+    }
+}
+
 int ple_cache_get(ple_cache *c, uint64_t key, void *dst, size_t len)
 {
-    uint64_t h = mix(key);
+    ple_cache_probe p = {key, mix(key)};
+    return ple_cache_get_prepared(c, &p, dst, len);
+}
+
+int ple_cache_get_prepared(ple_cache *c, const ple_cache_probe *p, void *dst, size_t len)
+{
+    uint64_t key = p->key, h = p->hash;
     shard *s = shard_of(c, h);
     int found;
     pthread_mutex_lock(&s->lock);
     uint32_t pos = index_find(s, key, h, &found);
     if (found) {
-        uint32_t slot = s->index[pos].slot1 - 1;
+        uint32_t slot = LOAD(s->index[pos].slot1) - 1;
         policy_hit(c, slot);
         memcpy(dst, c->slots + (size_t)slot * c->slot_bytes, len);
     }
@@ -190,7 +246,7 @@ int ple_cache_put(ple_cache *c, uint64_t key, const void *src, size_t len)
     uint32_t slot;
     int evicted = 0;
     if (found) {
-        slot = s->index[pos].slot1 - 1;
+        slot = LOAD(s->index[pos].slot1) - 1;
     } else {
         if (s->used < s->nslots) {
             slot = s->base + s->used++;
@@ -204,8 +260,8 @@ int ple_cache_put(ple_cache *c, uint64_t key, const void *src, size_t len)
             pos = index_find(s, key, h, &found);  /* the deletion moved entries */
         }
         c->keys[slot] = key;
-        s->index[pos].key = key;
-        s->index[pos].slot1 = slot + 1;
+        STORE(s->index[pos].key, key);
+        STORE(s->index[pos].slot1, slot + 1);
         policy_insert(c, s, slot);
         s->inserts++;
     }
@@ -235,6 +291,7 @@ void ple_cache_get_stats(ple_cache *c, ple_cache_stats *st)
         pthread_mutex_unlock(&s->lock);
     }
     st->reserved_bytes = c->region_size;
+    st->populated_bytes = atomic_load_explicit(&c->populated, memory_order_relaxed);
     st->hugetlb = c->hugetlb;
     st->thp = c->thp;
     st->mlocked = c->mlocked;
@@ -270,6 +327,26 @@ int64_t ple_cache_keys(ple_cache *c, uint64_t **keys)
 }
 
 /* ------------------------------------------------------- setup */
+
+/* Commit the whole region in the background, 64 MiB at a time, with
+ * MADV_POPULATE_WRITE (which faults pages in without touching their bytes,
+ * so it may run while the cache is in use). Without it the first requests
+ * after a start would each pay for zeroing fresh (huge) pages. Kernels
+ * before 5.14 refuse the advice: pages are then committed on first use. */
+static void *populate(void *arg)
+{
+    ple_cache *c = arg;
+    for (size_t off = 0; off < c->region_size; off += POPULATE_CHUNK) {
+        if (atomic_load_explicit(&c->stop_populating, memory_order_relaxed))
+            break;
+        size_t len = c->region_size - off < POPULATE_CHUNK ? c->region_size - off
+                                                          : POPULATE_CHUNK;
+        if (madvise(c->region + off, len, MADV_POPULATE_WRITE) != 0)
+            break;
+        atomic_fetch_add_explicit(&c->populated, len, memory_order_relaxed);
+    }
+    return NULL;
+}
 
 static size_t align_up(size_t x, size_t a)
 {
@@ -386,6 +463,9 @@ ple_cache *ple_cache_open(uint64_t budget, uint32_t slot_bytes, int hugepages,
             return NULL;
         }
         c->mlocked = 1;
+        atomic_store_explicit(&c->populated, c->region_size, memory_order_relaxed);
+    } else {
+        c->populating = pthread_create(&c->populator, NULL, populate, c) == 0;
     }
     return c;
 nomem:
@@ -420,6 +500,10 @@ void ple_cache_unref(ple_cache *c)
     /* Acq_rel: every user's last accesses happen before the unmap below. */
     if (atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) != 1)
         return;
+    if (c->populating) {
+        atomic_store_explicit(&c->stop_populating, 1, memory_order_relaxed);
+        pthread_join(c->populator, NULL);
+    }
     for (unsigned i = 0; i < c->nshards; i++)
         pthread_mutex_destroy(&c->shards[i].lock);
     free(c->shards);

@@ -18,7 +18,7 @@ typedef struct ple_cache ple_cache;
 
 typedef struct ple_cache_stats {
     uint64_t capacity_rows, used_rows, hits, misses, inserts, evictions;
-    uint64_t reserved_bytes;
+    uint64_t reserved_bytes, populated_bytes;
     int hugetlb, thp, mlocked;
     unsigned shards;
 } ple_cache_stats;
@@ -30,6 +30,18 @@ uint32_t ple_cache_slot_bytes(const ple_cache *cache);
 const char *ple_cache_policy(void);
 /* Copy the row of `key` (len <= slot_bytes) into dst: 1 on a hit, 0 on a miss. */
 int ple_cache_get(ple_cache *cache, uint64_t key, void *dst, size_t len);
+/* The same in steps, for lookups in batches: prepare hashes the key and
+ * prefetches its index entry, prefetch_row prefetches its slot, so the memory
+ * misses of a batch overlap; get_prepared then looks it up. */
+typedef struct ple_cache_probe {
+    uint64_t key, hash;
+} ple_cache_probe;
+void ple_cache_prepare(ple_cache *cache, uint64_t key, ple_cache_probe *probe);
+/* After prepare: prefetch the row's slot, found by a lock-free look at the
+ * index (a hint only; get_prepared looks again under the lock). */
+void ple_cache_prefetch_row(ple_cache *cache, const ple_cache_probe *probe);
+int ple_cache_get_prepared(ple_cache *cache, const ple_cache_probe *probe, void *dst,
+                           size_t len);
 /* Store the row of `key`, evicting if the shard is full. Returns whether the
  * key was cached already (its slot is rewritten), new, or new in the slot of
  * an evicted row. */
