@@ -137,6 +137,8 @@ class DataPlane:
         return out
 
     def close(self) -> None:
+        for table in self.tables:
+            table.source.close()  # before the files: mmap-mode sources read the mappings
         self.tables = []
         for f in self.files.values():
             f.close()
