@@ -197,3 +197,12 @@ def test_probe_rejects_bad_arguments(specs, tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(ValueError, match="block"):
         nat.probe_random_reads([str(empty)], seconds=0.1)
+
+
+def test_empty_requests_do_nothing(fp8):
+    ids = np.empty(0, dtype=np.int64)
+    out = np.empty((0, 160), np.uint8)
+    fp8.source.gather(ids, out, 4)
+    assert fp8.source.gather_hits(ids, out) == 0
+    assert fp8.source.fill(ids) == 0
+    assert fp8.source.stats()["reads"] == 0

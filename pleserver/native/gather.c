@@ -595,6 +595,8 @@ static int gather(ple_source *src, const int64_t *ids, size_t n, unsigned char *
                   unsigned threads, int flags, tally *counted, ple_error *err)
 {
     tally t = {0};
+    if (n == 0)
+        return 0;
     size_t tasks = threads > 1 ? n / SPLIT_MIN_ROWS : 1;
     if (tasks > threads)
         tasks = threads;

@@ -20,6 +20,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "rowcache.h"
 
@@ -336,6 +339,9 @@ int64_t ple_cache_keys(ple_cache *c, uint64_t **keys)
 static void *populate(void *arg)
 {
     ple_cache *c = arg;
+    /* Lowest priority (nice is per thread on Linux): committing gigabytes
+     * must not take CPU time from requests. Failure only costs that. */
+    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 19);
     for (size_t off = 0; off < c->region_size; off += POPULATE_CHUNK) {
         if (atomic_load_explicit(&c->stop_populating, memory_order_relaxed))
             break;
