@@ -187,6 +187,35 @@ def test_concurrent_callers_get_exact_rows(specs, opened):
     assert stats["hits"] + stats["misses"] == 6 * 30 * 257
 
 
+@pytest.mark.parametrize("mode", ["direct", "buffered"])
+def test_lock_free_hits_stay_exact_while_other_threads_evict(specs, opened, mode):
+    """Readers look rows up without the shard locks while writers evict and
+    rewrite slots: a reader that raced a writer must retry, never copy a
+    half-written or foreign row."""
+    spec = specs["F8_E4M3"]
+    expected = file_rows(spec)
+    o = opened(spec, mode, cache_bytes=400 * (spec.row_bytes + 40))
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(200):
+                ids = rng.integers(0, 1500, 200).astype(np.int64)  # hot: many hits
+                np.testing.assert_array_equal(o.gather(ids), expected[ids])
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    c = o.cache.stats()
+    assert c["hits"] > 0 and c["evictions"] > 0
+
+
 def test_eviction_under_a_tiny_budget_keeps_rows_exact(specs, opened):
     spec = specs["F8_E4M3"]
     expected = file_rows(spec)

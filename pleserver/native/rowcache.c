@@ -9,11 +9,12 @@
  * Shards: the key's hash picks the shard (top bits) and the home position in
  * the shard's index (low bits). Each shard owns a fixed range of slots, its
  * index (linear probing, load <= 0.7, backward-shift deletion, no
- * tombstones), its SIEVE list and hand, and a mutex that guards all of that
- * and the slot bytes. Everything a shard owns is touched only under its
- * mutex (the index entries are relaxed atomics only for the lock-free
- * prefetch hint, see index_entry); the other atomics are the cache-wide
- * hit/miss counters (relaxed) and the reference count. */
+ * tombstones), its SIEVE list and hand, and a mutex that writers hold.
+ * Lookups first try without the mutex, under the shard's sequence count
+ * (get_optimistic); so the index entries, slot words and visited bits, which
+ * such readers touch, are relaxed atomics (plain loads and stores on x86-64
+ * and aarch64), and everything else (slot keys, list links, counters) is
+ * touched only under the mutex. */
 #include <errno.h>
 #include <pthread.h>
 #include <stdalign.h>
@@ -56,6 +57,9 @@ typedef struct shard {
     uint32_t index_size;
     index_entry *index;
     uint32_t newest, oldest, hand;  /* SIEVE list (slot numbers), NONE = empty */
+    /* Sequence count for lock-free readers: odd while a writer (holding the
+     * mutex) changes the index or a slot. See ple_cache_get_prepared. */
+    _Atomic uint32_t seq;
     uint64_t inserts, evictions;
 } shard;
 
@@ -63,16 +67,17 @@ struct ple_cache {
     _Atomic unsigned refs;
     _Atomic uint64_t hits, misses;
     uint32_t slot_bytes;
+    uint32_t slot_words;     /* a slot's stride, in 8-byte words */
     uint64_t capacity;
     unsigned shard_bits;
     shard *shards;
     unsigned nshards;
     unsigned char *region;   /* the mapping */
     size_t region_size;
-    unsigned char *slots;    /* capacity * slot_bytes */
+    _Atomic uint64_t *slots; /* capacity * slot_words: see slot_read */
     uint64_t *keys;          /* per slot */
     uint32_t *newer, *older; /* per slot: SIEVE list links */
-    unsigned char *visited;  /* per slot: SIEVE visited bit */
+    _Atomic unsigned char *visited;  /* per slot: SIEVE visited bit (relaxed) */
     int hugetlb, thp, mlocked;
     /* Background commit of the region (see populate): relaxed atomics, the
      * join in unref orders the thread's end before the unmap. */
@@ -153,12 +158,13 @@ static void index_delete(shard *s, uint32_t hole)
 
 static void policy_hit(ple_cache *c, uint32_t slot)
 {
-    c->visited[slot] = 1;
+    if (!LOAD(c->visited[slot]))  /* no store (and no dirty line) when set already */
+        STORE(c->visited[slot], 1);
 }
 
 static void policy_insert(ple_cache *c, shard *s, uint32_t slot)
 {
-    c->visited[slot] = 0;
+    STORE(c->visited[slot], 0);
     c->newer[slot] = NONE;
     c->older[slot] = s->newest;
     if (s->newest != NONE)
@@ -172,8 +178,8 @@ static void policy_insert(ple_cache *c, shard *s, uint32_t slot)
 static uint32_t policy_evict(ple_cache *c, shard *s)
 {
     uint32_t slot = s->hand != NONE ? s->hand : s->oldest;
-    while (c->visited[slot]) {
-        c->visited[slot] = 0;
+    while (LOAD(c->visited[slot])) {
+        STORE(c->visited[slot], 0);
         slot = c->newer[slot] != NONE ? c->newer[slot] : s->oldest;
     }
     s->hand = c->newer[slot];
@@ -207,7 +213,8 @@ void ple_cache_prefetch_row(ple_cache *c, const ple_cache_probe *p)
         if (!slot1)
             return;
         if (LOAD(s->index[pos].key) == p->key) {
-            const unsigned char *row = c->slots + (size_t)(slot1 - 1) * c->slot_bytes;
+            const unsigned char *row =
+                (const unsigned char *)(c->slots + (size_t)(slot1 - 1) * c->slot_words);
             for (uint32_t at = 0; at < c->slot_bytes; at += 64)
                 __builtin_prefetch(row + at);
             __builtin_prefetch(row + c->slot_bytes - 1);
@@ -223,17 +230,93 @@ int ple_cache_get(ple_cache *c, uint64_t key, void *dst, size_t len)
     return ple_cache_get_prepared(c, &p, dst, len);
 }
 
+/* Slot bytes are relaxed atomic 8-byte words, so that a lock-free reader
+ * racing with a writer is defined behaviour (it then retries, see below). On
+ * x86-64 and aarch64 these are plain loads and stores. */
+static void slot_read(const ple_cache *c, uint32_t slot, void *dst, size_t len)
+{
+    _Atomic uint64_t *w = c->slots + (size_t)slot * c->slot_words;
+    unsigned char *out = dst;
+    size_t words = len / 8, i = 0;
+    for (; i < words; i++) {
+        uint64_t v = atomic_load_explicit(&w[i], memory_order_relaxed);
+        memcpy(out + 8 * i, &v, 8);
+    }
+    if (len % 8) {
+        uint64_t v = atomic_load_explicit(&w[i], memory_order_relaxed);
+        memcpy(out + 8 * i, &v, len % 8);
+    }
+}
+
+static void slot_write(ple_cache *c, uint32_t slot, const void *src, size_t len)
+{
+    _Atomic uint64_t *w = c->slots + (size_t)slot * c->slot_words;
+    const unsigned char *in = src;
+    size_t words = len / 8, i = 0;
+    for (; i < words; i++) {
+        uint64_t v;
+        memcpy(&v, in + 8 * i, 8);
+        atomic_store_explicit(&w[i], v, memory_order_relaxed);
+    }
+    if (len % 8) {
+        uint64_t v = 0;
+        memcpy(&v, in + 8 * i, len % 8);
+        atomic_store_explicit(&w[i], v, memory_order_relaxed);
+    }
+}
+
+/* A lookup without the mutex (a sequence lock, as in Boehm, "Can seqlocks
+ * get along with programming language memory models?", 2012): read the
+ * shard's sequence (ACQUIRE), look up and copy with relaxed loads, then an
+ * ACQUIRE fence and the sequence again (relaxed). Equal and even: no writer
+ * touched the shard meanwhile, so the answer is right. Returns 0 when it
+ * cannot tell (a writer was active, or a probe ran long). A hit needs no
+ * atomic read-modify-write, so lookups of a batch overlap their memory
+ * misses and several threads read one shard without bouncing a lock. */
+static int get_optimistic(ple_cache *c, shard *s, const ple_cache_probe *p, void *dst,
+                          size_t len, int *found)
+{
+    uint32_t before = atomic_load_explicit(&s->seq, memory_order_acquire);
+    if (before & 1)
+        return 0;
+    uint32_t pos = home_of(s, p->hash), slot1 = 0;
+    int probes = 0;
+    for (;; probes++) {
+        if (probes == 64)
+            return 0;
+        uint32_t v = LOAD(s->index[pos].slot1);
+        if (!v)
+            break;
+        if (LOAD(s->index[pos].key) == p->key) {
+            slot1 = v;
+            break;
+        }
+        pos = pos + 1 == s->index_size ? 0 : pos + 1;
+    }
+    if (slot1)  /* any value ever stored is a slot of this shard: in bounds */
+        slot_read(c, slot1 - 1, dst, len);
+    atomic_thread_fence(memory_order_acquire);
+    if (atomic_load_explicit(&s->seq, memory_order_relaxed) != before)
+        return 0;
+    if (slot1)
+        policy_hit(c, slot1 - 1);
+    *found = slot1 != 0;
+    return 1;
+}
+
 int ple_cache_get_prepared(ple_cache *c, const ple_cache_probe *p, void *dst, size_t len)
 {
     uint64_t key = p->key, h = p->hash;
     shard *s = shard_of(c, h);
     int found;
+    if (get_optimistic(c, s, p, dst, len, &found))
+        return found;
     pthread_mutex_lock(&s->lock);
     uint32_t pos = index_find(s, key, h, &found);
     if (found) {
         uint32_t slot = LOAD(s->index[pos].slot1) - 1;
         policy_hit(c, slot);
-        memcpy(dst, c->slots + (size_t)slot * c->slot_bytes, len);
+        slot_read(c, slot, dst, len);
     }
     pthread_mutex_unlock(&s->lock);
     return found;
@@ -245,6 +328,12 @@ int ple_cache_put(ple_cache *c, uint64_t key, const void *src, size_t len)
     shard *s = shard_of(c, h);
     int found;
     pthread_mutex_lock(&s->lock);
+    /* Odd while we write (relaxed: we are the only writer, under the mutex);
+     * the RELEASE fence orders it before our index and slot stores, the
+     * RELEASE store of the even value orders those stores before it. */
+    uint32_t seq = atomic_load_explicit(&s->seq, memory_order_relaxed);
+    atomic_store_explicit(&s->seq, seq + 1, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);
     uint32_t pos = index_find(s, key, h, &found);
     uint32_t slot;
     int evicted = 0;
@@ -268,7 +357,8 @@ int ple_cache_put(ple_cache *c, uint64_t key, const void *src, size_t len)
         policy_insert(c, s, slot);
         s->inserts++;
     }
-    memcpy(c->slots + (size_t)slot * c->slot_bytes, src, len);
+    slot_write(c, slot, src, len);
+    atomic_store_explicit(&s->seq, seq + 2, memory_order_release);
     pthread_mutex_unlock(&s->lock);
     return found ? PLE_PUT_PRESENT : evicted ? PLE_PUT_EVICTED : PLE_PUT_NEW;
 }
@@ -395,7 +485,8 @@ static unsigned char *reserve(ple_cache *c, size_t size, int hugepages)
 ple_cache *ple_cache_open(uint64_t budget, uint32_t slot_bytes, int hugepages,
                           int lock_memory, ple_error *err)
 {
-    uint64_t per_row = (uint64_t)slot_bytes + PLE_CACHE_ROW_OVERHEAD;
+    uint32_t slot_words = (slot_bytes + 7) / 8;
+    uint64_t per_row = (uint64_t)slot_words * 8 + PLE_CACHE_ROW_OVERHEAD;
     uint64_t capacity = budget / per_row;
     if (slot_bytes == 0 || capacity == 0 || capacity >= NONE) {
         ple_error_set(err, PLE_ERR_VALUE, 0,
@@ -410,6 +501,7 @@ ple_cache *ple_cache_open(uint64_t budget, uint32_t slot_bytes, int hugepages,
         goto nomem;
     atomic_init(&c->refs, 1);
     c->slot_bytes = slot_bytes;
+    c->slot_words = slot_words;
     while (c->shard_bits < 8 && (capacity >> (c->shard_bits + 1)) >= ROWS_PER_SHARD_MIN)
         c->shard_bits++;
     c->nshards = 1u << c->shard_bits;
@@ -417,7 +509,7 @@ ple_cache *ple_cache_open(uint64_t budget, uint32_t slot_bytes, int hugepages,
     c->capacity = (uint64_t)per_shard * c->nshards;
     uint32_t index_size = (uint32_t)((uint64_t)per_shard * 10 / 7 + 1);
 
-    size_t slots_size = align_up(c->capacity * slot_bytes, 64);
+    size_t slots_size = align_up(c->capacity * slot_words * 8, 64);
     size_t index_bytes = align_up((size_t)index_size * sizeof(index_entry), 64) * c->nshards;
     size_t keys_size = align_up(c->capacity * sizeof(uint64_t), 64);
     size_t links_size = align_up(c->capacity * sizeof(uint32_t), 64);
@@ -428,7 +520,7 @@ ple_cache *ple_cache_open(uint64_t budget, uint32_t slot_bytes, int hugepages,
         goto nomem;
     }
     unsigned char *p = c->region;
-    c->slots = p;
+    c->slots = (_Atomic uint64_t *)p;
     p += slots_size;
     index_entry *index = (index_entry *)p;
     p += index_bytes;
@@ -438,7 +530,7 @@ ple_cache *ple_cache_open(uint64_t budget, uint32_t slot_bytes, int hugepages,
     p += links_size;
     c->older = (uint32_t *)p;
     p += links_size;
-    c->visited = p;
+    c->visited = (_Atomic unsigned char *)p;
 
     c->shards = aligned_alloc(64, align_up(sizeof(shard) * c->nshards, 64));
     if (!c->shards) {
