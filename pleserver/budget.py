@@ -1,72 +1,103 @@
-"""The channel memory budget: how many bytes of channel segments may exist at once.
+"""The daemon's memory budgets: the row cache, and the channel segments.
 
-A channel's pages are reserved when it opens (``posix_fallocate`` on its memfd)
-and are charged to the server's memory cgroup, but they never show in its RSS.
-Under a memory limit (systemd's ``MemoryMax=``, a container's limit) one channel
-too many would get the daemon OOM-killed, with nothing logged; the budget
-refuses that channel instead (``NO_RESOURCES``).
+ple-server starts before the model (the vLLM unit comes ``After=`` it), so the
+memory free at start is not free for long: the model's weights and its KV
+cache arrive next, and on unified-memory machines (DGX Spark, GX10) the GPU
+allocates from the same RAM. So each default takes a share of the room at
+start (``pleserver.memory``: ``MemAvailable``, or the room under the cgroup's
+limit when that is smaller), not all of it.
 
-The default (``max_channel_memory`` unset) is ``DEFAULT_SHARE`` of the smaller
-of two figures read at start:
-
-- the room left under the memory limit of the server's cgroup (v2
-  ``memory.max``, v1 ``memory.limit_in_bytes``; the tightest of it and its
-  ancestors), less what the cgroup already uses that cannot be reclaimed
-  (usage minus page cache);
-- ``MemAvailable`` of ``/proc/meminfo``.
-
-The rest is left for the server's own growth and for page cache (the tables).
+- **Row cache** (``plan``): ``CACHE_SHARE`` of the room less the
+  ``prewarm_reserve``, fixed at start and reserved up front. The tables are
+  served from the page cache (``mmap``) only when they fit in that budget: a
+  page cache that grows without limit starves the GPU allocator, a row cache
+  of fixed size does not.
+- **Channel segments** (``ChannelBudget``): a channel's pages are reserved
+  when it opens (``posix_fallocate`` on its memfd) and charged to the server's
+  memory cgroup, but they never show in its RSS. Under a memory limit
+  (systemd's ``MemoryMax=``, a container's limit) one channel too many would
+  get the daemon OOM-killed with nothing logged; the budget refuses that
+  channel instead (``NO_RESOURCES``). Its default is ``CHANNEL_SHARE`` of the
+  room once the row cache has taken its budget.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import threading
 from dataclasses import dataclass
 
-log = logging.getLogger(__name__)
+from pleclient.checkpoint import TableSpec
+from pleserver.memory import MemoryRoom, memory_room
 
-DEFAULT_SHARE = 0.75
-UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2⁶³ − 1
-CGROUP_ROOT = "/sys/fs/cgroup"
+CACHE_SHARE = 0.25
+"""Share of the room (less the reserve) the default row cache takes."""
+MIN_CACHE_BYTES = 64 << 20
+"""A default cache never smaller than this (a machine short of memory still
+serves its hottest rows from the cache rather than none)."""
+CHANNEL_SHARE = 0.75
+"""Share of the room left beside the row cache that channels may take."""
 
 
+# ---------------------------------------------------------------- row cache
 @dataclass(frozen=True)
-class MemoryRoom:
-    """What the default budget is derived from (bytes; None: no such limit)."""
+class Budget:
+    """The row cache's size, the io mode, and why (both are logged and in stats)."""
 
-    cgroup_limit: int | None
-    cgroup_used: int | None  # not reclaimable: usage minus page cache
-    mem_available: int | None
-
-    @property
-    def room(self) -> int | None:
-        candidates = [self.mem_available] if self.mem_available is not None else []
-        if self.cgroup_limit is not None:
-            candidates.append(max(0, self.cgroup_limit - (self.cgroup_used or 0)))
-        return min(candidates) if candidates else None
-
-    def describe(self) -> str:
-        parts = []
-        if self.cgroup_limit is not None:
-            parts.append(f"cgroup limit {self.cgroup_limit / 2**20:.0f} MiB with "
-                         f"{(self.cgroup_used or 0) / 2**20:.0f} MiB in use")
-        if self.mem_available is not None:
-            parts.append(f"MemAvailable {self.mem_available / 2**20:.0f} MiB")
-        return ", ".join(parts) or "no memory figures readable"
+    cache_bytes: int
+    cache_reason: str
+    io: str  # "direct" | "buffered" | "mmap"
+    io_reason: str
 
 
-def memory_room(proc_cgroup: str = "/proc/self/cgroup") -> MemoryRoom:
-    limit, used = _cgroup_memory(proc_cgroup)
-    return MemoryRoom(limit, used, _mem_available())
+def table_cache_bytes(specs: list[TableSpec]) -> int:
+    """Bytes a cache needs to hold every row of ``specs`` (slots are as wide as
+    the widest row)."""
+    slot = max((s.row_bytes for s in specs), default=0)
+    return sum(s.rows for s in specs) * slot
 
 
-def default_budget(room: MemoryRoom) -> int | None:
-    """``DEFAULT_SHARE`` of the room, whole MiB; None when nothing is known."""
+def plan(specs: list[TableSpec], io: str, cache_size: int | None, reserve: int,
+         memory: MemoryRoom | None = None) -> Budget:
+    """The cache size (``cache_size``, else the default described above) and the
+    io mode (``io``, or for ``auto`` mmap when the tables fit in that size)."""
+    tables_bytes = sum(s.nbytes for s in specs)
+    needed = table_cache_bytes(specs)
+    if cache_size is not None:
+        cache_bytes = cache_size
+        cache_reason = "cache_size setting"
+    else:
+        memory = memory or memory_room()
+        share = int(max(0, memory.available - reserve) * CACHE_SHARE)
+        cache_bytes = max(MIN_CACHE_BYTES, share)
+        cache_reason = (f"default: {CACHE_SHARE:.0%} of the memory available at start "
+                        f"({memory.describe()}) less the {reserve / 2**30:.1f} GiB reserve "
+                        "(prewarm_reserve)")
+        if cache_bytes > needed:
+            cache_bytes = needed
+            cache_reason += ", capped at what the tables need"
+    if io != "auto":
+        io_reason = "io setting"
+        chosen = io
+    elif tables_bytes <= cache_bytes:
+        chosen = "mmap"
+        io_reason = (f"auto: the tables ({tables_bytes / 2**30:.2f} GiB) fit in the "
+                     f"{cache_bytes / 2**30:.2f} GiB budget, so the page cache serves them")
+    else:
+        chosen = "direct"
+        io_reason = (f"auto: the tables ({tables_bytes / 2**30:.2f} GiB) exceed the "
+                     f"{cache_bytes / 2**30:.2f} GiB budget, so a row cache of that size "
+                     "serves them and misses are read with O_DIRECT")
+    return Budget(cache_bytes, cache_reason, chosen, io_reason)
+
+
+# ----------------------------------------------------------------- channels
+def default_channel_budget(room: MemoryRoom, cache_pending: int = 0) -> int | None:
+    """``CHANNEL_SHARE`` of the room, less the row cache bytes not yet
+    committed (``cache_pending``: the cache fills its budget in the
+    background), in whole MiB; None when nothing is known."""
     if room.room is None:
         return None
-    return int(room.room * DEFAULT_SHARE) >> 20 << 20
+    return int(max(0, room.room - cache_pending) * CHANNEL_SHARE) >> 20 << 20
 
 
 class ChannelBudget:
@@ -88,79 +119,3 @@ class ChannelBudget:
     def give_back(self, size: int) -> None:
         with self._lock:
             self.used -= size
-
-
-# ------------------------------------------------------------------ reading
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    if text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        return None
-    return None if value >= UNLIMITED else value
-
-
-def _stat_value(path: str, keys: tuple[str, ...]) -> int | None:
-    try:
-        with open(path) as f:
-            stats = dict(line.split() for line in f if len(line.split()) == 2)
-    except OSError:
-        return None
-    for key in keys:
-        if key in stats:
-            return int(stats[key])
-    return None
-
-
-def _cgroup_memory(proc_cgroup: str) -> tuple[int | None, int | None]:
-    """(tightest limit over the cgroup and its ancestors, unreclaimable usage)."""
-    try:
-        with open(proc_cgroup) as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
-        return None, None
-    for _id, controllers, path in lines:  # v1 memory controller first: it is the one in charge
-        if "memory" in controllers.split(","):
-            base = os.path.join(CGROUP_ROOT, "memory")
-            return _walk(base, path, "memory.limit_in_bytes", "memory.usage_in_bytes",
-                         ("total_cache", "cache"))
-    for _id, controllers, path in lines:
-        if controllers == "" and os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers")):
-            return _walk(CGROUP_ROOT, path, "memory.max", "memory.current", ("file",))
-    return None, None
-
-
-def _walk(base: str, path: str, limit_file: str, usage_file: str,
-          cache_keys: tuple[str, ...]) -> tuple[int | None, int | None]:
-    leaf = os.path.join(base, path.lstrip("/"))
-    limit = None
-    here = leaf
-    while True:
-        value = _read_int(os.path.join(here, limit_file))
-        if value is not None:
-            limit = value if limit is None else min(limit, value)
-        if os.path.normpath(here) == os.path.normpath(base):
-            break
-        here = os.path.dirname(here)
-    if limit is None:
-        return None, None
-    usage = _read_int(os.path.join(leaf, usage_file)) or 0
-    cache = _stat_value(os.path.join(leaf, "memory.stat"), cache_keys) or 0
-    return limit, max(0, usage - cache)
-
-
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None

@@ -6,7 +6,13 @@ Threads, and why:
   After ``spin`` seconds without work it blocks;
 - **one waiter thread per channel**, parked while the loop spins; while the
   loop sleeps each waiter blocks on its channel's ``submit`` semaphore (no CPU)
-  and hands the tokens it takes to the loop, then wakes it.
+  and hands the tokens it takes to the loop, then wakes it;
+- **gather workers** (``workers`` threads): the loop answers inline what needs
+  no disk read (rows in the row cache, or mmap mode) and hands off the rest of
+  a request with a cache miss, and any request of ``parallel_min_rows`` rows or
+  more; a worker gathers with the GIL released (disk reads, native threads for
+  large requests) and completes the slot, so one request's reads never hold up
+  other channels.
 
 Every request: acquire one ``submit`` token (pairs with the client's post),
 copy count and ids out of shared memory, validate the copies, gather, write
@@ -18,7 +24,9 @@ one channel (a large request takes several turns, a chunk each); between two
 turns the loop admits whatever was submitted meanwhile. A channel that becomes
 busy goes to the front (the ``fresh`` list, as in FQ-CoDel), so a small request
 waits for at most the one chunk being gathered when it arrives, however much
-the other channels have queued.
+the other channels have queued. A hand-off costs the channel's turn
+``REQUEST_COST_ROWS`` (the loop does not wait for the worker); the workers take
+hand-offs in order.
 
 A client owns its segment and may write anything into it, so the loop bounds
 what one channel can cost it: per pass it takes at most ``depth`` tokens and
@@ -34,6 +42,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -46,7 +55,7 @@ from pleclient import protocol as p
 from pleclient.channel import ChannelMap, SlotView
 from pleserver.peer_semaphore import PeerSemaphore
 from pleserver.stats import TableStats
-from pleserver.table import Table
+from pleserver.table import Table, nat
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +67,9 @@ REQUEST_COST_ROWS = 256
 """What a request costs besides its rows (validation, completion, statistics:
 ≈ 10 µs), in rows of gather: many small requests fill a turn too."""
 U32 = 0xFFFFFFFF
+READ_ERROR_LOG_S = 10.0
+"""Failed reads are logged at most once per this many seconds (each request
+that meets one gets its own error text, and stats count them all)."""
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -87,8 +99,9 @@ class Channel:
         self.done_sems = [PeerSemaphore(s.done.address.value) for s in mapping.slots]
         self.seen = 0  # submits whose token we hold (the counter starts at 0)
         self.tokens = 0  # tokens taken by the waiter thread, not yet used
-        self.queued: deque[Request] = deque()  # admitted, not yet completed
-        self.busy: set[int] = set()  # slots of the queued requests
+        self.queued: deque[Request] = deque()  # admitted, served by the loop's turns
+        self.busy: set[int] = set()  # slots of the queued and handed-off requests
+        self.handed = 0  # requests with a gather worker (guarded by the loop's lock)
         self.deficit = 0  # rows this channel may still be served in its turn
         self.scheduled = False  # in the loop's fresh or old list
         self.closing = False
@@ -149,7 +162,8 @@ class ServingLoop:
     def __init__(self, tables: list[Table], stats: list[TableStats], spin_s: float,
                  heartbeat: Callable[[], None] | None = None,
                  heartbeat_every_s: float = 1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-                 on_drop: Callable[[Channel, str], None] | None = None) -> None:
+                 on_drop: Callable[[Channel, str], None] | None = None,
+                 workers: int = 4) -> None:
         self.tables = tables
         self.stats = stats
         self.spin_s = spin_s
@@ -166,6 +180,14 @@ class ServingLoop:
         self._sleeping = threading.Event()  # set while the loop blocks: waiters then wait on sems
         self._stop = threading.Event()
         self._draining = False
+        self._inflight = 0  # handed-off requests not yet answered
+        self._inflight_lock = threading.Lock()
+        self._read_error_logged = -READ_ERROR_LOG_S
+        # Started with the loop, all of them: a server's thread count does not
+        # change with its load.
+        self._handed: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+        self.workers = [threading.Thread(target=self._worker, name=f"gather-{i}", daemon=True)
+                        for i in range(max(1, workers))]
         self.thread = threading.Thread(target=self._run, name="serving", daemon=True)
         self.last_tick = time.monotonic()
 
@@ -199,19 +221,36 @@ class ServingLoop:
         return len(self.channels)
 
     def start(self) -> None:
-        self.thread.start()
+        """Start the workers and the loop. Raises RuntimeError (what started is
+        stopped again) when a thread cannot start."""
+        try:
+            for worker in self.workers:
+                worker.start()
+            self.thread.start()
+        except RuntimeError:
+            for worker in self.workers:
+                if worker.is_alive():
+                    self._handed.put(None)
+            raise
 
     def stop(self, drain_s: float = 5.0) -> None:
         """Serve what was already submitted (up to ``drain_s``), then stop."""
         self._draining = True
         deadline = time.monotonic() + drain_s
         self._wakeup.set()
-        while time.monotonic() < deadline and self._pending_work():
+        while time.monotonic() < deadline and (self._inflight or self._pending_work()):
             time.sleep(0.005)
         self._stop.set()
         self._sleeping.set()
         self._wakeup.set()
-        self.thread.join()
+        if self.thread.is_alive():
+            self.thread.join()
+        for worker in self.workers:
+            if worker.is_alive():
+                self._handed.put(None)
+        for worker in self.workers:
+            if worker.is_alive():
+                worker.join()
         for ch in self.channels:
             self.remove(ch, free_pages=False)
         self._reap(force=True)
@@ -241,6 +280,8 @@ class ServingLoop:
                 idle_since = now
                 continue
             if now - idle_since < self.spin_s and not self._draining:
+                if self._inflight:
+                    time.sleep(0)  # let gather workers take the GIL
                 continue
             # Idle: block. Waiters now watch the semaphores and wake us. (A
             # counter that moved without a post — a broken client — must not
@@ -358,9 +399,14 @@ class ServingLoop:
             while ch.queued and ch.deficit > 0 and not ch.closing:
                 request = ch.queued[0]
                 cost = REQUEST_COST_ROWS if request.done_rows == 0 else 0
+                if request.count >= request.table.parallel_min_rows:
+                    ch.deficit -= cost
+                    ch.queued.popleft()
+                    self._hand_off(request)
+                    continue
                 rows = min(request.count - request.done_rows, max(ch.deficit - cost, 1))
                 ch.deficit -= rows + cost
-                if self._gather(request, rows):
+                if self._gather_inline(request, rows):
                     ch.queued.popleft()
             if ch.queued and not ch.closing:
                 self._old.append(ch)  # its deficit carries over: fair by rows
@@ -370,22 +416,77 @@ class ServingLoop:
             return True
         return False
 
-    def _gather(self, r: Request, rows: int) -> bool:
-        """Gather the next ``rows`` rows of ``r``; complete it when that was the
-        last of them, or fail it. True once ``r`` is answered; never raises."""
+    def _gather_inline(self, r: Request, rows: int) -> bool:
+        """Gather the next ``rows`` rows of ``r`` if no disk read is needed, and
+        complete ``r`` when that was the last of them; else hand the rest of
+        ``r`` off to a worker. True once ``r`` left the queue; never raises."""
         a, b = r.done_rows, r.done_rows + rows
         try:
-            r.table.gather(r.ids[a:b], r.out[a:b])
+            answered = r.table.gather_inline(r.ids[a:b], r.out[a:b])
         except Exception as exc:
-            log.exception("gather failed for session %d", r.channel.session_id)
-            self._fail(r.channel, r.slot, p.ErrorCode.INTERNAL, r.stats, "internal",
-                       f"internal error while gathering: {exc}")
+            self._gather_failed(r, exc)
+            return True
+        if not answered:  # a cache miss: the reads are a worker's
+            self._hand_off(r)
             return True
         r.done_rows = b
         if b < r.count:
             return False
         self._complete(r)
         return True
+
+    def _hand_off(self, r: Request) -> None:
+        """Give the rest of ``r`` (from ``done_rows``) to a gather worker."""
+        with self._inflight_lock:
+            self._inflight += 1
+            r.channel.handed += 1
+        self._handed.put(r)
+
+    def _worker(self) -> None:
+        while True:
+            r = self._handed.get()
+            if r is None:
+                return
+            try:
+                if not r.channel.closing:
+                    self._answer(r)
+            finally:
+                # (busy was cleared before the post, in _complete/_fail: clearing
+                # it here could clear the mark of a request resubmitted there)
+                with self._inflight_lock:
+                    self._inflight -= 1
+                    r.channel.handed -= 1
+                if r.channel.closing:
+                    self._wakeup.set()  # the loop may now unmap the channel
+            # The request's views of its channel die here, not when the next
+            # request comes: a held view would keep a closed channel mapped.
+            del r
+
+    def _answer(self, r: Request) -> None:
+        """Gather the rest of ``r`` (may block on disk reads, GIL released) and
+        complete it, or fail it: never raises."""
+        a = r.done_rows
+        try:
+            r.table.gather(r.ids[a:], r.out[a:])
+        except Exception as exc:
+            self._gather_failed(r, exc)
+            return
+        r.done_rows = r.count
+        self._complete(r)
+
+    def _gather_failed(self, r: Request, exc: Exception) -> None:
+        ch = r.channel
+        if isinstance(exc, nat.ReadError):  # the disk or the file: the server is fine
+            now = time.monotonic()
+            if now - self._read_error_logged >= READ_ERROR_LOG_S:  # not one line a request
+                self._read_error_logged = now
+                log.error("session %d (%s): a read failed: %s", ch.session_id, ch.peer, exc)
+            self._fail(ch, r.slot, p.ErrorCode.INTERNAL, r.stats, "read_error",
+                       f"reading rows failed: {exc}")
+            return
+        log.exception("gather failed for session %d", ch.session_id)
+        self._fail(ch, r.slot, p.ErrorCode.INTERNAL, r.stats, "internal",
+                   f"internal error while gathering: {exc}")
 
     def _complete(self, r: Request) -> None:
         done = time.monotonic_ns()
@@ -448,11 +549,11 @@ class ServingLoop:
             if force and waiter_alive:
                 ch.waiter.join(timeout=2 * WAITER_SLICE_S + 1)
                 waiter_alive = ch.waiter.is_alive()
-            if waiter_alive:
+            if waiter_alive or (ch.handed and not force):
                 keep.append(ch)  # never block the loop: try again next pass
                 continue
             ch.queued.clear()
-            ch.destroy()
+            ch.destroy()  # (with force, the workers have stopped: no gather writes)
         if keep:
             with self._change:
                 self._retired.extend(keep)

@@ -18,18 +18,20 @@ import pytest
 from pleclient import protocol as p
 from pleclient.channel import ChannelMap
 from pleclient.checkpoint import discover_tables
+from pleserver.dataplane import DataPlane
 from pleserver.serving import Channel, ServingLoop
 from pleserver.stats import TableStats
-from pleserver.table import open_tables
 
-BIG = 16384  # four chunks of the default chunk_rows
+CHUNKED = 16383  # under parallel_min_rows: gathered by the loop, four chunk_rows turns
+HANDED = 16384  # parallel_min_rows: handed off whole to a gather worker
 
 
 class Kit:
     """A serving loop over the checkpoint's tables, and channels on it."""
 
     def __init__(self, checkpoint, heartbeat_s: float = 1.0) -> None:
-        self.tables, self.files, self.pool = open_tables(discover_tables(str(checkpoint)))
+        self.plane = DataPlane.open(discover_tables(str(checkpoint)))
+        self.tables = self.plane.tables
         self.stats = [TableStats(t.spec.name, t.spec.layer) for t in self.tables]
         self.loop = ServingLoop(self.tables, self.stats, spin_s=0.002,
                                 heartbeat_every_s=heartbeat_s)
@@ -37,7 +39,7 @@ class Kit:
         self.fds: list[int] = []
         self.client_maps: list[ChannelMap] = []
 
-    def channel(self, session: int, depth: int = 1, capacity: int = BIG):
+    def channel(self, session: int, depth: int = 1, capacity: int = HANDED):
         """(the server's Channel, the client's mapping) of a new channel."""
         layout = p.ChannelLayout(depth, capacity, max(t.row_bytes for t in self.tables))
         fd = os.memfd_create(f"ple.test.{session}", os.MFD_CLOEXEC)
@@ -55,9 +57,7 @@ class Kit:
             client.close()
         for fd in self.fds:
             os.close(fd)
-        self.pool.shutdown()
-        for f in self.files.values():
-            f.close()
+        self.plane.close()
 
 
 @pytest.fixture
@@ -85,16 +85,18 @@ def submit(client: ChannelMap, slot_index: int, table: int, ids) -> None:
     client.submit_sem.post()
 
 
-def test_a_slot_reused_the_moment_its_large_answer_lands_is_served(kit):
+@pytest.mark.parametrize("size", [CHUNKED, HANDED], ids=["chunked", "handed-off"])
+def test_a_slot_reused_the_moment_its_large_answer_lands_is_served(kit, size):
     """A large request is gathered in chunks, over several turns of the loop,
-    and the client may reuse its slot the moment the answer is posted. If the
+    or by a gather worker, and the client may reuse its slot the moment the
+    answer is posted. If the
     server still counted the slot as that request's, the new request would
     never be served."""
     k = kit()
     _, client = k.channel(1)
     slot = client.slots[0]
     for _ in range(20):
-        submit(client, 0, 1, np.arange(BIG) % 10_007)  # several chunks
+        submit(client, 0, 1, np.arange(size) % 10_007)
         assert slot.done.acquire(10.0) and slot.words[p.SL_STATE] == p.SlotState.DONE
         slot.words[p.SL_STATE] = p.SlotState.FREE
         submit(client, 0, 0, [1, 2, 3])  # the same slot, at once
@@ -134,9 +136,11 @@ def test_a_closed_channel_is_unmapped_when_its_waiter_leaves_not_a_heartbeat_lat
         assert closing.map.mm.closed, f"round {round_}: still mapped 2 s after it closed"
 
 
-def test_a_large_answer_never_clears_the_busy_mark_of_the_next_request_in_its_slot(kit):
+@pytest.mark.parametrize("size", [CHUNKED, HANDED], ids=["chunked", "handed-off"])
+def test_a_large_answer_never_clears_the_busy_mark_of_the_next_request_in_its_slot(kit, size):
     """The client reuses a slot for a second large request at once, while a
-    small request on another slot is served between its chunks. If the first
+    small request on another slot is served between its chunks (or while a
+    worker gathers it). If the first
     request's completion cleared the slot's busy mark late, the loop would
     queue the second request twice and leave an extra ``done`` token behind."""
     k = kit()
@@ -144,10 +148,10 @@ def test_a_large_answer_never_clears_the_busy_mark_of_the_next_request_in_its_sl
     big, small = client.slots
     extra_tokens = 0
     for _ in range(20):
-        submit(client, 0, 1, np.arange(BIG) % 10_007)
+        submit(client, 0, 1, np.arange(size) % 10_007)
         assert big.done.acquire(10.0)
         big.words[p.SL_STATE] = p.SlotState.FREE
-        submit(client, 0, 1, (np.arange(BIG) * 7) % 10_007)
+        submit(client, 0, 1, (np.arange(size) * 7) % 10_007)
         submit(client, 1, 0, [1, 2, 3])
         assert small.done.acquire(10.0) and big.done.acquire(10.0)
         time.sleep(0.02)

@@ -1,0 +1,139 @@
+"""What memory this process may still use: the room under its cgroup's limit
+and ``MemAvailable``, read at the moment asked.
+
+- cgroup: the tightest limit of the process's memory cgroup and its ancestors
+  (v2 ``memory.max``; v1 ``memory.limit_in_bytes``, which is the one in charge
+  when both hierarchies are mounted), less what the cgroup uses that cannot be
+  reclaimed (usage minus page cache);
+- ``MemAvailable`` of ``/proc/meminfo``.
+
+The budgets (``pleserver.budget``) are shares of the smaller of the two.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2⁶³ − 1
+CGROUP_ROOT = "/sys/fs/cgroup"
+UNKNOWN = 1 << 62
+"""What ``mem_available`` answers when /proc/meminfo cannot be read."""
+
+
+@dataclass(frozen=True)
+class MemoryRoom:
+    """What the default budgets are derived from (bytes; None: no such limit)."""
+
+    cgroup_limit: int | None
+    cgroup_used: int | None  # not reclaimable: usage minus page cache
+    mem_available: int | None
+
+    @property
+    def room(self) -> int | None:
+        candidates = [self.mem_available] if self.mem_available is not None else []
+        if self.cgroup_limit is not None:
+            candidates.append(max(0, self.cgroup_limit - (self.cgroup_used or 0)))
+        return min(candidates) if candidates else None
+
+    @property
+    def available(self) -> int:
+        """``room``, or ``UNKNOWN`` (a very large number) when nothing is known."""
+        room = self.room
+        return UNKNOWN if room is None else room
+
+    def describe(self) -> str:
+        parts = []
+        if self.cgroup_limit is not None:
+            parts.append(f"cgroup limit {self.cgroup_limit / 2**20:.0f} MiB with "
+                         f"{(self.cgroup_used or 0) / 2**20:.0f} MiB in use")
+        if self.mem_available is not None:
+            parts.append(f"MemAvailable {self.mem_available / 2**20:.0f} MiB")
+        return ", ".join(parts) or "no memory figures readable"
+
+
+def memory_room(proc_cgroup: str = "/proc/self/cgroup") -> MemoryRoom:
+    limit, used = _cgroup_memory(proc_cgroup)
+    return MemoryRoom(limit, used, _read_mem_available())
+
+
+# ------------------------------------------------------------------ reading
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return None if value >= UNLIMITED else value
+
+
+def _stat_value(path: str, keys: tuple[str, ...]) -> int | None:
+    try:
+        with open(path) as f:
+            stats = dict(line.split() for line in f if len(line.split()) == 2)
+    except OSError:
+        return None
+    for key in keys:
+        if key in stats:
+            return int(stats[key])
+    return None
+
+
+def _cgroup_memory(proc_cgroup: str) -> tuple[int | None, int | None]:
+    """(tightest limit over the cgroup and its ancestors, unreclaimable usage)."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None, None
+    for _id, controllers, path in lines:  # v1 memory controller first: it is the one in charge
+        if "memory" in controllers.split(","):
+            base = os.path.join(CGROUP_ROOT, "memory")
+            return _walk(base, path, "memory.limit_in_bytes", "memory.usage_in_bytes",
+                         ("total_cache", "cache"))
+    for _id, controllers, path in lines:
+        if controllers == "" and os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers")):
+            return _walk(CGROUP_ROOT, path, "memory.max", "memory.current", ("file",))
+    return None, None
+
+
+def _walk(base: str, path: str, limit_file: str, usage_file: str,
+          cache_keys: tuple[str, ...]) -> tuple[int | None, int | None]:
+    leaf = os.path.join(base, path.lstrip("/"))
+    limit = None
+    here = leaf
+    while True:
+        value = _read_int(os.path.join(here, limit_file))
+        if value is not None:
+            limit = value if limit is None else min(limit, value)
+        if os.path.normpath(here) == os.path.normpath(base):
+            break
+        here = os.path.dirname(here)
+    if limit is None:
+        return None, None
+    usage = _read_int(os.path.join(leaf, usage_file)) or 0
+    cache = _stat_value(os.path.join(leaf, "memory.stat"), cache_keys) or 0
+    return limit, max(0, usage - cache)
+
+
+def _read_mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def mem_available() -> int:
+    """MemAvailable in bytes (``UNKNOWN`` when it cannot be read)."""
+    value = _read_mem_available()
+    return UNKNOWN if value is None else value
