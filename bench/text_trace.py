@@ -9,7 +9,7 @@ each (16 ids per token), per-head vocabularies of the primes after 20 M, so
 ≈ 320 M rows of 160 columns. Each document is one request, hashed from an EOS
 context as a new request is.
 
-Sources, in this order, whole documents until ``--max-tokens``:
+Sources, in this order, whole documents (up to ``--max-tokens`` if given):
 
 - ``pydoc``: the Python language reference topics that ``help()`` prints
   (``pydoc_data.topics``), one document per topic, sorted by name;
@@ -275,7 +275,7 @@ def build(args) -> dict:
     t0 = time.monotonic()
     doc_tokens, names, total = [], [], 0
     for name, text in documents:
-        if total >= args.max_tokens:
+        if args.max_tokens and total >= args.max_tokens:
             break
         tokens = np.asarray(tok.encode(text, allowed_special=set(),
                                        disallowed_special=()), dtype=np.int32)
@@ -331,8 +331,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                   "traces", "qwen-text.npz"))
     ap.add_argument("--source", action="append", choices=SOURCES,
                     help=f"text sources in order (repeatable; default: {', '.join(SOURCES)})")
-    ap.add_argument("--max-tokens", type=int, default=300_000,
-                    help="stop after the document that reaches this many tokens")
+    ap.add_argument("--max-tokens", type=int, default=0,
+                    help="stop after the document that reaches this many tokens "
+                         "(default 0: every document)")
     ap.add_argument("--min-doc-tokens", type=int, default=16,
                     help="leave out documents shorter than this")
     ap.add_argument("--check", action="store_true",
