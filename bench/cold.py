@@ -124,11 +124,11 @@ def proc_counters(pid: int) -> dict[str, int]:
 # ------------------------------------------------------------ memory holder
 HOLDER = textwrap.dedent("""
     import ctypes, mmap, sys
+    import numpy as np
     ctypes.CDLL(None).prctl(1, 15)  # PR_SET_PDEATHSIG: SIGTERM when the bench dies
     size = int(sys.argv[1])
     m = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    for off in range(0, size, mmap.PAGESIZE):
-        m[off] = 1
+    np.frombuffer(m, dtype=np.uint8)[::mmap.PAGESIZE] = 1  # touch every page
     print("held", flush=True)
     sys.stdin.read()  # until the bench closes the pipe
 """)
@@ -384,11 +384,19 @@ def run_phase(name: str, phase: str, batches: np.ndarray, args, model: str, spec
         contender.close()
 
 
-def ceiling(paths: list[str], seconds: float) -> dict:
+def native_module():
+    """``pleserver._native``, or None when this checkout has not built it."""
     try:
         from pleserver import _native
-    except ImportError as exc:
-        return {"error": f"pleserver._native is not built ({exc}): run "
+    except ImportError:
+        return None
+    return _native
+
+
+def ceiling(paths: list[str], seconds: float) -> dict:
+    _native = native_module()
+    if _native is None:
+        return {"error": "pleserver._native is not built: run "
                          "`python setup.py build_ext --inplace`"}
     out = {}
     for qd in PROBE_DEPTHS:
@@ -410,11 +418,16 @@ def table_bytes(args) -> tuple[int, int]:
 def run(args, workdir: str) -> dict:
     trace = load_trace(args.trace)
     flags = server_flags()
-    contenders = args.contenders or [c for c in CONTENDERS
-                                     if c in ("mmap", "seed") or "--io" in flags]
-    if "--io" not in flags and set(contenders) - {"mmap", "seed"}:
-        raise SystemExit("this checkout's `pleserver serve` has no --io: only mmap and "
-                         "seed can run")
+    native = native_module()
+    contenders = args.contenders or [c for c in CONTENDERS if c in ("mmap", "seed")
+                                     or ("--io" in flags and native is not None)]
+    if set(contenders) - {"mmap", "seed"}:
+        if "--io" not in flags:
+            raise SystemExit("this checkout's `pleserver serve` has no --io: only mmap "
+                             "and seed can run")
+        if native is None:
+            raise SystemExit("pleserver._native is not built: run `python setup.py "
+                             "build_ext --inplace` (or choose --contenders mmap,seed)")
     result = {"command": "python bench/cold.py " + " ".join(sys.argv[1:]),
               "machine": machine(), "source": source(), "loadavg_start": loadavg(),
               "cpu_busy_before": cpu_busy(),
@@ -539,7 +552,7 @@ def report(result: dict, stream=sys.stdout) -> None:
             f"QD {qd} {v['reads_per_s']:,.0f}" for qd, v in ceil.items()))
     w()
     w(f"{'phase':<8} {'contender':<9} {'':<5} {'p50 ms':>9} {'p99 ms':>9} {'mean ms':>9} "
-      f"{'misses/s':>10} {'% QD128':>7} {'hit rate':>8} {'disk 4K/s':>10} {'others':>6}")
+      f"{'misses/s':>10} {'% QD128':>7} {'hit rate':>9} {'disk 4K/s':>10} {'others':>6}")
     qd128 = ceil.get("128", {}).get("reads_per_s") if "error" not in ceil else None
     for phase, entries in result["phases"].items():
         for name, r in entries.items():
@@ -547,9 +560,10 @@ def report(result: dict, stream=sys.stdout) -> None:
                 s = r[when]
                 lat = s["latency"]
                 pct = f"{100 * s['misses_per_s'] / qd128:.0f}" if qd128 else "-"
-                hit = "-" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f} %"
+                hit = "-" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f} %" + (
+                    "*" if s["misses_from"] == "major faults" else "")
                 w(f"{phase:<8} {name:<9} {when:<5} {lat['p50_ms']:>9.3f} {lat['p99_ms']:>9.3f} "
-                  f"{lat['mean_ms']:>9.3f} {s['misses_per_s']:>10,.0f} {pct:>7} {hit:>8} "
+                  f"{lat['mean_ms']:>9.3f} {s['misses_per_s']:>10,.0f} {pct:>7} {hit:>9} "
                   f"{s['disk_reads_per_s']:>10,.0f} {s['others_cpu']:>6.0%}")
     w()
     w(f"{'phase':<8} {'contender':<9} {'RSS GiB':>8} {'peak':>6} {'anon':>6} "
@@ -560,6 +574,8 @@ def report(result: dict, stream=sys.stdout) -> None:
               f"{_gib(r['rss_anon_bytes']):>6} {_gib(r['cached_growth_bytes']):>15}"
               + ("  (bench process)" if r["process"] != "server" else ""))
     w()
+    w("* mmap and seed: misses are major page faults; readahead (the seed's memmaps do not "
+      "ask for random access) reads more than the faults: see disk 4K/s")
     w("ratios: " + "; ".join(f"{name}: " + ", ".join(f"{k} {v}" for k, v in o.items())
                              for name, o in result["ratios"].items() if o))
     others = [s["others_cpu"] for e in result["phases"].values() for r in e.values()
