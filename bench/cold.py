@@ -333,7 +333,10 @@ def measured(contender: Contender, batches: np.ndarray, check=None) -> dict:
     wall = time.monotonic() - t0
     others = meter.stop()
     c1, s1, m1 = proc_counters(contender.pid), contender.stats(), meminfo()
-    io0, io1 = table_io(s0), table_io(s1)
+    # the row cache's counters count misses in direct and buffered modes; in mmap
+    # mode (and in the seed) a miss is a major page fault
+    cached_modes = contender.name in ("direct", "buffered")
+    io0, io1 = (table_io(s0), table_io(s1)) if cached_modes else ({}, {})
     ids = int(batches.size)
     out = {"latency": latency(samples), "wall_s": wall, "ids": ids, "others_cpu": others,
            "majflt": c1["majflt"] - c0["majflt"],
@@ -393,15 +396,40 @@ def native_module():
     return _native
 
 
-def ceiling(paths: list[str], seconds: float) -> dict:
-    _native = native_module()
-    if _native is None:
+PROBE = textwrap.dedent("""
+    import json, sys
+    from pleserver import _native
+    paths, qd, seconds, kind = json.loads(sys.argv[1])
+    r = _native.probe_random_reads(paths, block=4096, queue_depth=qd, seconds=seconds,
+                                   direct=True, kind=kind)
+    print(json.dumps(r))
+""")
+
+
+def ceiling(paths: list[str], seconds: float, kind: str) -> dict:
+    """The probe at each queue depth, each in a child process with a time limit,
+    so that a probe that never returns (it runs with the GIL released, where no
+    signal handler runs) cannot wedge the benchmark."""
+    if native_module() is None:
         return {"error": "pleserver._native is not built: run "
                          "`python setup.py build_ext --inplace`"}
     out = {}
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for qd in PROBE_DEPTHS:
-        r = _native.probe_random_reads(paths, block=PAGE, queue_depth=qd, seconds=seconds,
-                                       direct=True)
+        argv = [sys.executable, "-c", PROBE, json.dumps([paths, qd, seconds, kind])]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=env,
+                                  timeout=seconds + 60, preexec_fn=_die_with_parent)
+        except subprocess.TimeoutExpired:
+            out[str(qd)] = {"error": f"the probe did not return within {seconds + 60:.0f} s"}
+            say(f"  QD {qd:>3}: {out[str(qd)]['error']}")
+            continue
+        if done.returncode != 0:
+            out[str(qd)] = {"error": done.stderr.strip().splitlines()[-1:] or
+                            [f"exit {done.returncode}"]}
+            say(f"  QD {qd:>3}: probe failed: {out[str(qd)]['error']}")
+            continue
+        r = json.loads(done.stdout)
         out[str(qd)] = {"reads_per_s": r["reads_per_s"], "kind": r.get("kind")}
         say(f"  QD {qd:>3}: {r['reads_per_s']:,.0f} reads/s ({r.get('kind')})")
     return out
@@ -465,7 +493,7 @@ def run(args, workdir: str) -> dict:
         paths = sorted(spec.files)
 
         say("disk ceiling (4 KiB O_DIRECT random reads) ...")
-        result["ceiling"] = ceiling(paths, args.probe_seconds)
+        result["ceiling"] = ceiling(paths, args.probe_seconds, args.probe_kind)
 
         decode = trace.decode_steps(SEQUENCES, rows=rows)[:args.decode_steps]
         prefill = trace.prefill_chunks(PREFILL_TOKENS, rows=rows)[:args.prefill_chunks]
@@ -510,9 +538,13 @@ def _reference(spec):
     return check
 
 
+def ceiling_rate(result: dict, qd: str) -> float | None:
+    return ((result.get("ceiling") or {}).get(qd) or {}).get("reads_per_s")
+
+
 def ratios(result: dict) -> dict:
     out = {}
-    qd128 = (result.get("ceiling") or {}).get("128", {}).get("reads_per_s")
+    qd128 = ceiling_rate(result, "128")
     for phase, entries in result["phases"].items():
         base = entries.get("mmap", {}).get("cold", {}).get("latency", {}).get("mean_ms")
         for name, r in entries.items():
@@ -549,11 +581,12 @@ def report(result: dict, stream=sys.stdout) -> None:
         w(f"disk ceiling: {ceil['error']}")
     else:
         w("disk ceiling, 4 KiB O_DIRECT random reads/s: " + ", ".join(
-            f"QD {qd} {v['reads_per_s']:,.0f}" for qd, v in ceil.items()))
+            f"QD {qd} " + (f"{v['reads_per_s']:,.0f} ({v['kind']})" if "reads_per_s" in v
+                           else f"failed: {v['error']}") for qd, v in ceil.items()))
     w()
     w(f"{'phase':<8} {'contender':<9} {'':<5} {'p50 ms':>9} {'p99 ms':>9} {'mean ms':>9} "
       f"{'misses/s':>10} {'% QD128':>7} {'hit rate':>9} {'disk 4K/s':>10} {'others':>6}")
-    qd128 = ceil.get("128", {}).get("reads_per_s") if "error" not in ceil else None
+    qd128 = ceiling_rate(result, "128")
     for phase, entries in result["phases"].items():
         for name, r in entries.items():
             for when in ("cold", "warm"):
@@ -611,7 +644,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra argument for every `pleserver serve` (repeatable)")
     ap.add_argument("--seed-workers", type=int, default=32)
-    ap.add_argument("--probe-seconds", type=float, default=2.0)
+    ap.add_argument("--probe-seconds", type=float, default=2.0,
+                    help="seconds per queue depth of the disk probe (default 2)")
+    ap.add_argument("--probe-kind", default="auto", choices=("auto", "io_uring", "threads"),
+                    help="the probe's read engine (default auto: io_uring, else threads)")
     ap.add_argument("--drop-caches", action="store_true",
                     help="also write 1 to /proc/sys/vm/drop_caches before each start (root)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
