@@ -600,12 +600,19 @@ def report(result: dict, stream=sys.stdout) -> None:
                   f"{s['disk_reads_per_s']:>10,.0f} {s['others_cpu']:>6.0%}")
     w()
     w(f"{'phase':<8} {'contender':<9} {'RSS GiB':>8} {'peak':>6} {'anon':>6} "
-      f"{'page cache +GiB':>15}  (after cold + warm)")
+      f"{'page cache +GiB':>15}  (after cold + warm)  row cache, miss engine")
     for phase, entries in result["phases"].items():
         for name, r in entries.items():
+            plane = r.get("dataplane") or {}
+            cache, engine = plane.get("cache") or {}, plane.get("engine") or {}
+            where = "  (bench process)" if r["process"] != "server" else ""
+            if cache:
+                where += (f"  {_gib(cache.get('budget_bytes'))} GiB {cache.get('policy', '')}, "
+                          f"{engine.get('kind')} QD {engine.get('queue_depth')}"
+                          + (f" ({engine['fallback_reason']})"
+                             if engine.get("fallback_reason") else ""))
             w(f"{phase:<8} {name:<9} {_gib(r['rss_bytes']):>8} {_gib(r['rss_peak_bytes']):>6} "
-              f"{_gib(r['rss_anon_bytes']):>6} {_gib(r['cached_growth_bytes']):>15}"
-              + ("  (bench process)" if r["process"] != "server" else ""))
+              f"{_gib(r['rss_anon_bytes']):>6} {_gib(r['cached_growth_bytes']):>15}{where}")
     w()
     w("* mmap and seed: misses are major page faults; readahead (the seed's memmaps do not "
       "ask for random access) reads more than the faults: see disk 4K/s")
