@@ -21,7 +21,7 @@ rows × 160 B ≈ 47.7 GiB at Qwen3.8-Flash-Next geometry). Hit rates are given
 over the whole replay (cold start) and over its second half (warm); an
 infinite cache bounds both (every first access is a miss).
 
-    python bench/cache_sim.py --trace bench/traces/qwen-text.npz --json sim.json
+    python bench/cache_sim.py --trace bench/traces/qwen-text.npz --check --json sim.json
 
 The simulators are compiled with numba (the ``bench`` extra); a full run of
 8 budgets takes about a minute.
@@ -268,6 +268,130 @@ def sim_s3fifo(keys, nkeys, capacity):
 SIMULATORS = {"SIEVE": sim_sieve, "CLOCK": sim_clock, "S3-FIFO": sim_s3fifo, "LRU": sim_lru}
 
 
+# ------------------------------------------------- plain Python references
+def ref_lru(keys, capacity):
+    from collections import OrderedDict
+
+    cache, hits = OrderedDict(), []
+    for k in keys:
+        if k in cache:
+            cache.move_to_end(k)
+            hits.append(1)
+        else:
+            hits.append(0)
+            if len(cache) == capacity:
+                cache.popitem(last=False)
+            cache[k] = True
+    return hits
+
+
+def ref_clock(keys, capacity):
+    slots, ref, where, hand, used, hits = [None] * capacity, [0] * capacity, {}, 0, 0, []
+    for k in keys:
+        if k in where:
+            ref[where[k]] = 1
+            hits.append(1)
+            continue
+        hits.append(0)
+        if used < capacity:
+            s, used = used, used + 1
+        else:
+            while ref[hand]:
+                ref[hand], hand = 0, (hand + 1) % capacity
+            s = hand
+            del where[slots[s]]
+            hand = (hand + 1) % capacity
+        slots[s], ref[s], where[k] = k, 0, s
+    return hits
+
+
+def ref_sieve(keys, capacity):
+    queue, visited, hand, hits = [], {}, None, []  # queue: oldest first
+    for k in keys:
+        if k in visited:
+            visited[k] = 1
+            hits.append(1)
+            continue
+        hits.append(0)
+        if len(queue) == capacity:
+            i = 0 if hand is None else hand
+            while visited[queue[i]]:
+                visited[queue[i]] = 0
+                i = (i + 1) % len(queue)
+            del visited[queue[i]]
+            queue.pop(i)
+            hand = i if i < len(queue) else None
+        queue.append(k)
+        visited[k] = 0
+    return hits
+
+
+def ref_s3fifo(keys, capacity):
+    from collections import deque
+
+    small_cap = max(1, capacity // 10)
+    main_cap = max(1, capacity - small_cap)
+    small, main, ghost_at, freq, where, hits, ghosts = deque(), deque(), {}, {}, {}, [], 0
+
+    def evict_main():
+        while True:
+            u = main.popleft()
+            if freq[u] > 0:
+                freq[u] -= 1
+                main.append(u)
+            else:
+                del where[u]
+                return
+
+    for k in keys:
+        if k in where:
+            hits.append(1)
+            freq[k] = min(freq[k] + 1, 3)
+            continue
+        hits.append(0)
+        while len(small) + len(main) >= capacity:
+            if len(small) >= small_cap or not main:
+                t = small.popleft()
+                if freq[t] >= 1:
+                    while len(main) >= main_cap:
+                        evict_main()
+                    freq[t], where[t] = 0, 2
+                    main.append(t)
+                else:
+                    del where[t]
+                    ghost_at[t], ghosts = ghosts, ghosts + 1
+            else:
+                evict_main()
+        freq[k] = 0
+        if k in ghost_at and ghost_at[k] >= ghosts - main_cap:
+            del ghost_at[k]
+            where[k] = 2
+            if len(main) >= main_cap:
+                evict_main()
+            main.append(k)
+        else:
+            where[k] = 1
+            small.append(k)
+    return hits
+
+
+REFERENCES = {"SIEVE": ref_sieve, "CLOCK": ref_clock, "S3-FIFO": ref_s3fifo, "LRU": ref_lru}
+
+
+def self_check() -> None:
+    """Every simulator gives the same hit sequence as its plain reference, on a
+    Zipf stream, at several capacities."""
+    keys = (np.random.default_rng(1).zipf(1.2, 100_000) % 5000).astype(np.int64)
+    for capacity in (1, 7, 100, 1000):
+        for name, sim in SIMULATORS.items():
+            got = sim(keys, 5000, capacity)
+            want = np.asarray(REFERENCES[name](keys.tolist(), capacity), dtype=np.uint8)
+            if not np.array_equal(got, want):
+                raise SystemExit(f"{name} at capacity {capacity} differs from its reference "
+                                 f"(first at access {int(np.flatnonzero(got != want)[0])})")
+    print("check: the four simulators equal their references", file=sys.stderr)
+
+
 # ----------------------------------------------------------------- workloads
 def dense(keys: np.ndarray) -> tuple[np.ndarray, int]:
     uniq, inverse = np.unique(keys, return_inverse=True)
@@ -371,6 +495,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--row-overhead", type=int, default=0,
                     help="bytes of index per cached row, charged to the row cache")
     ap.add_argument("--accesses", type=int, default=0, help="replay only the first N")
+    ap.add_argument("--check", action="store_true",
+                    help="first compare every simulator with a plain Python reference")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     args.budgets = [float(x) for x in args.budgets.split(",") if x]
@@ -383,6 +509,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.check:
+        self_check()
     result = simulate(args)
     result["command"] = "python bench/cache_sim.py " + " ".join(sys.argv[1:])
     report(result, args.policies)
