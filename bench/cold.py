@@ -261,7 +261,7 @@ class Contender:
     """One contender's lookup function and the process whose counters count."""
 
     def __init__(self, name: str, args, model: str, spec, workdir: str, flags: set[str],
-                 capacity: int) -> None:
+                 capacity: int, state_dir: str | None = None) -> None:
         self.name = name
         self.server = None
         self.client = None
@@ -281,8 +281,9 @@ class Contender:
                     extra += ["--queue-depth", str(args.queue_depth)]
                 if args.read_engine:
                     extra += ["--read-engine", args.read_engine]
-        if "--state-dir" in flags:  # a directory that does not exist: no hot set kept
-            extra += ["--state-dir", os.path.join(workdir, f"state-{time.monotonic_ns()}")]
+        if "--state-dir" in flags:  # by default one that does not exist: no hot set kept
+            extra += ["--state-dir", state_dir or os.path.join(
+                workdir, f"state-{time.monotonic_ns()}")]
         extra += ["--max-capacity", str(capacity)]
         self.server = Server(name, model, workdir, extra)
         self.server.wait_ready()
@@ -390,6 +391,68 @@ def run_phase(name: str, batches: np.ndarray, args, model: str, spec,
         return result
     finally:
         contender.close()
+
+
+def wait_refill(contender: Contender, timeout: float = 900.0) -> dict:
+    """Until the server's hot-set refill has ended: its stats snapshot."""
+    t0 = time.monotonic()
+    while True:
+        hot = contender.stats().get("hotset") or {}
+        if hot.get("state") not in ("pending", "refilling"):
+            return hot
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"{contender.name}: hot-set refill not over after "
+                               f"{timeout:.0f} s: {hot}")
+        time.sleep(0.05)
+
+
+def run_restart(name: str, steps: np.ndarray, args, model: str, spec, paths: list[str],
+                workdir: str, flags: set[str]) -> dict:
+    """Hot-set persistence. The first half of ``steps`` fills the cache; the
+    second half is timed on a server that kept running, on one restarted with
+    the hot set it saved at stop, and on one restarted without (all from cold
+    files)."""
+    half = steps.shape[0] // 2
+    fill, after = steps[:half], steps[half:2 * half]
+    capacity = steps.shape[1]
+    state = os.path.join(workdir, f"hotset-{name}")
+    os.makedirs(state)
+    out = {"fill_steps": int(half), "timed_steps": int(after.shape[0])}
+
+    def contender(state_dir=None) -> Contender:
+        return Contender(name, args, model, spec, workdir, flags, capacity, state_dir)
+
+    evict(paths, args.drop_caches)
+    c = contender()
+    try:
+        run_pass(c, fill)
+        out["continued"] = measured(c, after)
+    finally:
+        c.close()
+    evict(paths, args.drop_caches)
+    c = contender(state)
+    try:
+        run_pass(c, fill)
+    finally:
+        c.close()  # the server saves its hot set as it stops
+    evict(paths, args.drop_caches)
+    t0 = time.monotonic()
+    c = contender(state)
+    try:
+        out["hotset"] = wait_refill(c)
+        out["start_to_refilled_s"] = time.monotonic() - t0
+        out["with_hotset"] = measured(c, after)
+    finally:
+        c.close()
+    evict(paths, args.drop_caches)
+    t0 = time.monotonic()
+    c = contender()
+    try:
+        out["start_to_ready_s"] = time.monotonic() - t0
+        out["without_hotset"] = measured(c, after)
+    finally:
+        c.close()
+    return out
 
 
 def native_module():
@@ -517,6 +580,13 @@ def run(args, workdir: str) -> dict:
                 c, w = r["cold"], r["warm"]
                 say(f"  cold mean {c['latency']['mean_ms']:.2f} ms, misses {c['misses']:,} "
                     f"({c['misses_per_s']:,.0f}/s), warm mean {w['latency']['mean_ms']:.3f} ms")
+        restart_steps = trace.decode_steps(SEQUENCES, rows=rows)[:2 * args.restart_steps]
+        for name in [m for m in args.restart_modes if m in contenders]:
+            if "--state-dir" not in flags:
+                break
+            say(f"restart with and without the hot set: {name} ...")
+            result.setdefault("restart", {})[name] = run_restart(
+                name, restart_steps, args, model, spec, paths, workdir, flags)
     finally:
         if holder is not None:
             holder.stop()
@@ -619,6 +689,20 @@ def report(result: dict, stream=sys.stdout) -> None:
             w(f"{phase:<8} {name:<9} {_gib(r['rss_bytes']):>8} {_gib(r['rss_peak_bytes']):>6} "
               f"{_gib(r['rss_anon_bytes']):>6} {_gib(r['cached_growth_bytes']):>15}{where}")
     w()
+    for name, r in (result.get("restart") or {}).items():
+        hot = r["hotset"]
+        w(f"restart, {name}: {r['fill_steps']} decode steps fill the cache, the next "
+          f"{r['timed_steps']} are timed; hot-set refill {hot.get('state')}, "
+          f"{hot.get('done_rows', 0):,} rows in {hot.get('refill_seconds') or 0:.2f} s, "
+          f"ready and refilled {r['start_to_refilled_s']:.2f} s after the start "
+          f"(without: ready after {r['start_to_ready_s']:.2f} s)")
+        for label, key in (("kept running", "continued"), ("restarted, hot set", "with_hotset"),
+                           ("restarted, none", "without_hotset")):
+            s, lat = r[key], r[key]["latency"]
+            hit = "-" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f} %"
+            w(f"  {label:<19} hit rate {hit:>7}  mean {lat['mean_ms']:8.3f} ms  "
+              f"p99 {lat['p99_ms']:8.3f} ms  pass {s['wall_s']:7.2f} s")
+        w()
     w("* mmap and seed: misses are major page faults; readahead (the seed's memmaps do not "
       "ask for random access) reads more than the faults: see disk 4K/s")
     w("ratios: " + "; ".join(f"{name}: " + ", ".join(f"{k} {v}" for k, v in o.items())
@@ -649,6 +733,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="decode steps of 32 sequences × 16 ids (default 1000)")
     ap.add_argument("--prefill-chunks", type=int, default=16,
                     help="prefill chunks of 2048 tokens × 16 ids (default 16)")
+    ap.add_argument("--restart-modes", type=lambda s: [m for m in s.split(",") if m],
+                    default=["direct"],
+                    help="modes whose hot-set persistence is measured (default direct; "
+                         "'' for none)")
+    ap.add_argument("--restart-steps", type=int, default=500,
+                    help="decode steps that fill the cache before the restart, and as "
+                         "many timed after it (default 500)")
     ap.add_argument("--cache-size", help="--cache-size for the direct/buffered servers "
                                          "(default: the server's own)")
     ap.add_argument("--queue-depth", type=int, help="--queue-depth for the miss engine")
