@@ -219,17 +219,17 @@ class Server:
 
     def wait_ready(self, timeout: float = 600.0) -> dict:
         deadline = time.monotonic() + timeout
+        last: Exception | None = None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server {self.label} exited with "
                                    f"{self.proc.returncode}:\n{self.log_tail()}")
             try:
-                return PleClient.query_stats(self.socket, timeout=2.0)
-            except ServerUnavailable:
+                return PleClient.query_stats(self.socket, timeout=5.0)
+            except (ServerUnavailable, PleError) as exc:  # not listening, or still busy
+                last = exc                                 # starting (a loaded machine)
                 time.sleep(0.05)
-            except PleError as exc:
-                raise RuntimeError(f"server {self.label}: {exc}\n{self.log_tail()}") from None
-        raise RuntimeError(f"server {self.label} not ready after {timeout:.0f} s:\n"
+        raise RuntimeError(f"server {self.label} not ready after {timeout:.0f} s ({last}):\n"
                            f"{self.log_tail()}")
 
     def stop(self) -> None:
