@@ -248,7 +248,7 @@ def latency(samples_s: list[float]) -> dict:
     a = np.asarray(samples_s) * 1e3
     return {"n": int(a.size), "p50_ms": float(np.percentile(a, 50)),
             "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean()),
-            "total_s": float(a.sum() / 1e3)}
+            "max_ms": float(a.max()), "first_ms": float(a[0]), "total_s": float(a.sum() / 1e3)}
 
 
 def table_io(stats: dict) -> dict:
@@ -659,7 +659,8 @@ def report(result: dict, stream=sys.stdout) -> None:
             f"QD {qd} " + (f"{v['reads_per_s']:,.0f} ({v['kind']})" if "reads_per_s" in v
                            else f"failed: {v['error']}") for qd, v in ceil.items()))
     w()
-    w(f"{'phase':<8} {'contender':<9} {'':<5} {'p50 ms':>9} {'p99 ms':>9} {'mean ms':>9} "
+    w(f"{'phase':<8} {'contender':<9} {'':<5} {'first ms':>9} {'p50 ms':>9} {'p99 ms':>9} "
+      f"{'mean ms':>9} "
       f"{'misses/s':>10} {'% QD128':>7} {'hit rate':>9} {'disk 4K/s':>10} {'others':>6}")
     qd128 = ceiling_rate(result, "128")
     for phase, entries in result["phases"].items():
@@ -670,7 +671,8 @@ def report(result: dict, stream=sys.stdout) -> None:
                 pct = f"{100 * s['misses_per_s'] / qd128:.0f}" if qd128 else "-"
                 hit = "-" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f} %" + (
                     "*" if s["misses_from"] == "major faults" else "")
-                w(f"{phase:<8} {name:<9} {when:<5} {lat['p50_ms']:>9.3f} {lat['p99_ms']:>9.3f} "
+                w(f"{phase:<8} {name:<9} {when:<5} {lat.get('first_ms', float('nan')):>9.3f} "
+                  f"{lat['p50_ms']:>9.3f} {lat['p99_ms']:>9.3f} "
                   f"{lat['mean_ms']:>9.3f} {s['misses_per_s']:>10,.0f} {pct:>7} {hit:>9} "
                   f"{s['disk_reads_per_s']:>10,.0f} {s['others_cpu']:>6.0%}")
     w()
