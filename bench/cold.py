@@ -24,9 +24,14 @@ One run, in this order:
    decode steps of 32 sequences × 16 ids, or ``--prefill-chunks`` prefill chunks
    of 2 048 tokens × 16 ids, sent by a ``PleClient`` to a real ``pleserver
    serve``. Each is timed cold, then once more untimed (warm-up) and timed
-   again (warm).
+   again (warm);
+5. the **hot set** (``--restart-modes``, default direct): ``--restart-steps``
+   decode steps fill the cache, and the next as many are timed on the server
+   that kept running, on one restarted with the hot set it saved, and on one
+   restarted without it.
 
-Reported per contender and phase: step latency p50 / p99 / mean, misses per
+Reported per contender and phase: step latency (first request, p50 / p99 /
+mean), misses per
 second (server stats; for mmap and the seed, the major page faults) against
 the ceiling's QD-128 rate, hit rate, the 4 KiB reads that reached the disk
 (``/proc/PID/io``), the daemon's RSS, the page cache's growth (``Cached`` in
