@@ -31,9 +31,8 @@ One run, in this order:
    restarted without it.
 
 Reported per contender and phase: step latency (first request, p50 / p99 /
-mean), misses per
-second (server stats; for mmap and the seed, the major page faults) against
-the ceiling's QD-128 rate, hit rate, the 4 KiB reads that reached the disk
+mean), misses per second (server stats; for mmap and the seed, the major page
+faults) against the ceiling's QD-128 rate, hit rate, the 4 KiB reads that reached the disk
 (``/proc/PID/io``), the daemon's RSS, the page cache's growth (``Cached`` in
 ``/proc/meminfo``) and the CPU that other processes used meanwhile; and the
 ratios: cold decode / prefill speed-up over mmap mode, misses at % of the
