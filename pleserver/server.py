@@ -35,7 +35,7 @@ from pleclient.checkpoint import discover_tables
 from pleserver import __version__
 from pleserver.config import ServerConfig
 from pleserver.serving import Channel, ServingLoop
-from pleserver.stats import TableStats
+from pleserver.stats import TableStats, format_progress
 from pleserver.systemd import Notifier, watchdog_interval
 from pleserver.table import Prewarm, open_tables
 
@@ -84,6 +84,7 @@ class Server:
         self.loop: ServingLoop | None = None
         self.prewarm: Prewarm | None = None
         self.metrics = None
+        self._serving_status = ""
 
     # ------------------------------------------------------------- lifecycle
     def run(self) -> int:
@@ -132,10 +133,6 @@ class Server:
                                 heartbeat=self.notifier.watchdog if interval else None,
                                 heartbeat_every_s=min(interval or 1.0, 1.0))
         self.loop.start()
-        if cfg.prewarm == "full":
-            self.prewarm = Prewarm(self.tables, cfg.prewarm_budget, cfg.prewarm_reserve)
-            self.prewarm.on_progress = self._report_prewarm
-            self.prewarm.start()
         for signum, handler in ((signal.SIGTERM, self.handle_sigterm),
                                 (signal.SIGINT, self.handle_sigint),
                                 (signal.SIGHUP, self.handle_sighup)):
@@ -143,9 +140,15 @@ class Server:
         self._wake_w.setblocking(False)
         signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        status = f"serving {len(self.tables)} tables on {cfg.socket}"
-        log.info("ple-server %s ready: %s", __version__, status)
-        self.notifier.ready(status)
+        self._serving_status = f"serving {len(self.tables)} tables on {cfg.socket}"
+        log.info("ple-server %s ready: %s", __version__, self._serving_status)
+        self.notifier.ready(self._serving_status)
+        # After READY=1, as documented: a unit ordered after ple-server starts
+        # at once, while the tables are read into the page cache.
+        if cfg.prewarm == "full":
+            self.prewarm = Prewarm(self.tables, cfg.prewarm_budget, cfg.prewarm_reserve)
+            self.prewarm.on_progress = self._report_prewarm
+            self.prewarm.start()
 
     def _listen(self) -> None:
         path = self.config.socket
@@ -466,9 +469,10 @@ class Server:
                 "tables": tables}
 
     def _report_prewarm(self, prewarm: Prewarm) -> None:
-        self.notifier.status(f"prewarm {prewarm.state}: {100 * prewarm.fraction:.1f}% "
-                             f"({prewarm.done_bytes / 2**30:.2f} of "
-                             f"{prewarm.target / 2**30:.2f} GiB)")
+        # STATUS= replaces the whole line: keep what is served in front.
+        self.notifier.status(f"{self._serving_status}; prewarm {prewarm.state}: "
+                             + format_progress(prewarm.done_bytes, prewarm.target,
+                                               prewarm.fraction))
 
 
 def _groups_of(pid: int, gid: int) -> set[int]:

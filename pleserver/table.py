@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pleclient.checkpoint import TableSpec
+from pleserver.stats import format_bytes, format_progress
 
 log = logging.getLogger(__name__)
 
@@ -288,8 +289,8 @@ class Prewarm:
         started = time.monotonic()
         last_report = 0.0
         buf = bytearray(PREWARM_BLOCK)
-        log.info("prewarm: reading %.2f GiB of %.2f GiB into the page cache",
-                 self.target / 2**30, self.total / 2**30)
+        log.info("prewarm: reading %s of %s into the page cache",
+                 format_bytes(self.target), format_bytes(self.total))
         try:
             for table in self.tables:
                 complete = True
@@ -317,8 +318,8 @@ class Prewarm:
                         now = time.monotonic()
                         if now - last_report >= 2.0:
                             last_report = now
-                            log.info("prewarm: %.1f%% (%.2f / %.2f GiB)", 100 * self.fraction,
-                                     self.done_bytes / 2**30, self.target / 2**30)
+                            log.info("prewarm: %s", format_progress(
+                                self.done_bytes, self.target, self.fraction))
                             if self.on_progress:
                                 self.on_progress(self)
                     complete = complete and pos >= end
@@ -330,7 +331,7 @@ class Prewarm:
         finally:
             if self.on_progress:
                 self.on_progress(self)
-            log.info("prewarm %s: %.2f GiB in %.1f s", self.state, self.done_bytes / 2**30,
+            log.info("prewarm %s: %s in %.1f s", self.state, format_bytes(self.done_bytes),
                      time.monotonic() - started)
 
 

@@ -195,15 +195,24 @@ def test_ready_is_sent_once_lookups_are_answered(start_server, checkpoint, notif
     assert notify.fields("READY=1") == ["READY=1"]  # once
 
 
-def test_status_reports_prewarm_progress(start_server, checkpoint, notify):
+def test_status_reports_prewarm_progress_after_ready(start_server, checkpoint, notify):
     server = start_server(checkpoint, "--prewarm", "full", "--prewarm-budget", "4M",
                           env=notify.env(), wait=False)
     notify.wait_for("READY=1", server.proc)
-    final = notify.wait_for("STATUS=prewarm budget", server.proc)
-    statuses = notify.fields("STATUS=prewarm")
-    running = [s for s in statuses if s.startswith("STATUS=prewarm running: ")]
-    assert running and all("%" in s and "GiB" in s for s in running), statuses
-    assert any(f.startswith("STATUS=prewarm budget: 100.0%") for f in final), final
+    final = notify.wait_for("STATUS=serving 2 tables on " + server.socket + "; prewarm budget",
+                            server.proc)
+    statuses = [fields for _, fields in notify.messages]
+    ready_at = next(i for i, fields in enumerate(statuses) if "READY=1" in fields)
+    prewarm_at = [i for i, fields in enumerate(statuses) if any("; prewarm " in f for f in fields)]
+    # The prewarm starts after READY=1, and the status line keeps what is served.
+    assert prewarm_at and min(prewarm_at) > ready_at, statuses
+    lines = [f for f in notify.fields("STATUS=") if "; prewarm " in f]
+    assert all(f.startswith(f"STATUS=serving 2 tables on {server.socket}; prewarm ")
+               for f in lines), lines
+    # 4 MiB reads as MiB, never as "0.00 GiB".
+    assert "STATUS=serving 2 tables on " + server.socket + \
+        "; prewarm budget: 100.0% (4.00 MiB of 4.00 MiB)" in final, final
+    assert not any("0.00 GiB" in f for f in lines), lines
 
 
 def test_watchdog_pings_arrive_at_the_configured_interval(start_server, checkpoint, notify):
