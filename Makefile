@@ -1,6 +1,8 @@
 # The two commands of the README, and the environment they share.
 #   make demo   generate a small demo checkpoint, serve it, drive it, print stats
 #   make test   the whole test suite (what CI runs)
+#   make test-systemd   the service under a real systemd: a Debian booted with
+#               systemd-nspawn, set up as deploy/README.md says (root; CI runs it)
 # The virtual environment lives outside the checkout, keyed by the dependency
 # spec, so a second run reuses it and a changed pyproject.toml builds a new one.
 PYTHON ?= python3
@@ -9,7 +11,7 @@ SPEC_HASH := $(shell $(PYTHON) -c 'import tomllib,json,hashlib;p=tomllib.load(op
 VENV ?= $(CACHE_DIR)/venv-$(SPEC_HASH)
 PY := $(VENV)/bin/python
 
-.PHONY: demo test venv venv-core
+.PHONY: demo test test-systemd venv venv-core
 
 $(VENV)/.core:
 	$(PYTHON) -m venv $(VENV)
@@ -31,3 +33,7 @@ demo: $(VENV)/.core
 test: $(VENV)/.full
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-systemd: $(VENV)/.core
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pytest -m real_systemd tests/test_ops_real_systemd.py $(PYTEST_ARGS)

@@ -35,7 +35,7 @@ from pleclient.checkpoint import discover_tables
 from pleserver import __version__
 from pleserver.config import ServerConfig
 from pleserver.serving import Channel, ServingLoop
-from pleserver.stats import TableStats, format_progress
+from pleserver.stats import TableStats, format_bytes, format_progress
 from pleserver.systemd import Notifier, watchdog_interval
 from pleserver.table import Prewarm, open_tables
 
@@ -116,9 +116,9 @@ class Server:
         self.table_stats = [TableStats(t.spec.name, t.spec.layer) for t in self.tables]
         for t in self.tables:
             s = t.spec
-            log.info("table %s: layer %d, %d rows × %d %s (%d B/row), %d shards, %.2f GiB, "
+            log.info("table %s: layer %d, %d rows × %d %s (%d B/row), %d shards, %s, "
                      "fingerprint %s", s.name, s.layer, s.rows, s.cols, s.dtype, s.row_bytes,
-                     s.parts, s.nbytes / 2**30, s.fingerprint)
+                     s.parts, format_bytes(s.nbytes), s.fingerprint)
         if cfg.metrics_address:  # before the socket: a bad address fails the start cleanly
             from pleserver.metrics import MetricsEndpoint, MetricsError
             self.metrics = MetricsEndpoint(cfg.metrics_address, self.snapshot)
