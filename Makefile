@@ -3,6 +3,7 @@
 #   make test   the whole test suite (what CI runs)
 #   make test-systemd   the service under a real systemd: a Debian booted with
 #               systemd-nspawn, set up as deploy/README.md says (root; CI runs it)
+#   make native-sanitize   the native module's tests under ASan and UBSan
 # The virtual environment lives outside the checkout, keyed by the dependency
 # spec, so a second run reuses it and a changed pyproject.toml builds a new one.
 PYTHON ?= python3
@@ -11,7 +12,7 @@ SPEC_HASH := $(shell $(PYTHON) -c 'import tomllib,json,hashlib;p=tomllib.load(op
 VENV ?= $(CACHE_DIR)/venv-$(SPEC_HASH)
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-systemd venv venv-core
+.PHONY: demo test test-systemd venv venv-core native-sanitize
 
 $(VENV)/.core:
 	$(PYTHON) -m venv $(VENV)
@@ -37,3 +38,20 @@ test: $(VENV)/.full
 test-systemd: $(VENV)/.core
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m pytest -m real_systemd tests/test_ops_real_systemd.py $(PYTEST_ARGS)
+
+# The native extension built with AddressSanitizer and UBSan in a copy of the
+# tree (so the normal in-place build is left alone), then its tests run there.
+# libasan is preloaded because the interpreter itself is not instrumented;
+# leak detection is off because CPython keeps memory until exit by design.
+SANITIZE_DIR ?= build-sanitize
+SANITIZE_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+native-sanitize: $(VENV)/.core
+	rm -rf $(SANITIZE_DIR)
+	mkdir -p $(SANITIZE_DIR)
+	cp -r setup.py pyproject.toml MANIFEST.in README.md pleserver pleclient tests $(SANITIZE_DIR)/
+	rm -f $(SANITIZE_DIR)/pleserver/_native*.so
+	cd $(SANITIZE_DIR) && CFLAGS="$(SANITIZE_FLAGS)" LDFLAGS="$(SANITIZE_FLAGS)" \
+		$(PY) setup.py -q build_ext --inplace
+	cd $(SANITIZE_DIR) && LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
+		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+		PYTHONPATH="$$PWD" $(PY) -m pytest -p no:cacheprovider -q $(PYTEST_ARGS) tests/test_native_*.py

@@ -21,7 +21,10 @@ Values:
 - users and groups: names or numbers; names are resolved with the host's
   user database when the config is loaded;
 - ``socket_mode``: an integer (TOML ``0o666``) or an octal string (``"0666"``);
-- optional settings (``prewarm_budget``, ``watchdog_s``, ``metrics_address``):
+- switches (``cache_hugepages``, ``cache_mlock``): TOML ``true``/``false``, or
+  ``true``/``false``/``yes``/``no``/``on``/``off``/``1``/``0`` as strings;
+- optional settings (``prewarm_budget``, ``cache_size``, ``watchdog_s``,
+  ``metrics_address``):
   leave the key out for none; ``"none"`` also means none (on the command line,
   to drop a value the file sets).
 
@@ -47,6 +50,8 @@ DEFAULT_CONFIG_PATH = "/etc/ple-server/config.toml"
 CONFIG_ENV = "PLE_SERVER_CONFIG"  # names the file when --config does not
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 PREWARM_MODES = ("none", "full")
+IO_MODES = ("auto", "direct", "buffered", "mmap")
+READ_ENGINES = ("auto", "io_uring", "threads")
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes, NUL included
 
 
@@ -104,15 +109,48 @@ class ServerConfig:
     prewarm_reserve: int = _setting(
         4 << 30, "size", "Stop prewarming when MemAvailable falls under this many bytes.",
         minimum=0)
-    gather_workers: int = _setting(
-        4, "int", "Threads for large gathers (page faults overlap across threads).",
+    io: str = _setting(
+        "auto", "choice", "How rows are read: 'direct' (row cache, misses read with "
+        "O_DIRECT), 'buffered' (row cache, misses read through the page cache), 'mmap' "
+        "(the files mapped; for tables that fit in memory), or 'auto': mmap when the "
+        "tables fit in cache_size, direct otherwise.", choices=IO_MODES)
+    cache_size: int | None = _setting(
+        None, "size", "Bytes of the row cache (direct and buffered modes; auto compares "
+        "the tables against it). None: a quarter of the memory available at start "
+        "(MemAvailable, or the cgroup's room when smaller) less prewarm_reserve, at most "
+        "what the tables need.", minimum=64 << 10, optional=True)
+    cache_hugepages: bool = _setting(
+        True, "bool", "Back the row cache with huge pages where the kernel has them "
+        "(fewer TLB misses on random rows).")
+    cache_mlock: bool = _setting(
+        False, "bool", "Lock the row cache in memory (needs LimitMEMLOCK= above "
+        "cache_size).")
+    queue_depth: int = _setting(
+        128, "int", "Disk reads in flight at most (the miss engine's queue depth).",
         minimum=1)
+    read_engine: str = _setting(
+        "auto", "choice", "Miss engine: 'io_uring', 'threads' (a pool of pread threads), "
+        "or 'auto': io_uring, else threads when the kernel or a seccomp profile refuses "
+        "it.", choices=READ_ENGINES)
+    read_threads: int = _setting(
+        16, "int", "pread threads of the 'threads' miss engine.", minimum=1)
+    state_dir: str = _setting(
+        "/var/lib/ple-server", "path", "Where the hot set (the cached row ids) is saved; "
+        "the unit's StateDirectory=. Not created: when it is missing, the hot set is not "
+        "saved.", metavar="DIR")
+    hotset_save_interval: float = _setting(
+        600.0, "float", "Seconds between saves of the hot set (0: only at stop).",
+        minimum=0)
+    gather_workers: int = _setting(
+        4, "int", "Threads that answer the requests the serving loop hands off (those "
+        "with cache misses, and large ones); also how many native threads split one "
+        "large request.", minimum=1)
     parallel_min_rows: int = _setting(
-        16384, "int", "Requests of at least this many rows are split over the gather "
-        "threads.", minimum=1)
+        16384, "int", "Requests of at least this many rows are handed off and split over "
+        "gather_workers native threads.", minimum=1)
     dedup_min_rows: int = _setting(
-        4096, "int", "Requests of at least this many rows on a table not fully "
-        "prewarmed are deduplicated and read in ascending row order.", minimum=1)
+        4096, "int", "mmap mode: requests of at least this many rows on a table not "
+        "fully prewarmed are deduplicated and read in ascending row order.", minimum=1)
     spin_us: int = _setting(
         2000, "int", "How long (µs) the serving loop spins after the last request "
         "before it blocks.", minimum=0)
@@ -336,6 +374,18 @@ def _choice(s: Setting, value: Any) -> str:
     raise _Invalid(f"must be one of {', '.join(s.choices)}; got {value!r}")
 
 
+def _bool(s: Setting, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("true", "yes", "on", "1"):
+            return True
+        if word in ("false", "no", "off", "0"):
+            return False
+    raise _Invalid(f"must be true or false, got {value!r}")
+
+
 def _path(s: Setting, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise _Invalid(f"must be a non-empty path string, got {value!r}")
@@ -409,8 +459,8 @@ def _address(s: Setting, value: Any) -> str:
                    f"\"0.0.0.0:9478\"), got {value!r}")
 
 
-_PARSERS = {"int": _int, "size": _size, "float": _float, "choice": _choice, "path": _path,
-            "socket": _socket, "mode": _mode, "uids": _uids, "gids": _gids,
+_PARSERS = {"int": _int, "size": _size, "float": _float, "bool": _bool, "choice": _choice,
+            "path": _path, "socket": _socket, "mode": _mode, "uids": _uids, "gids": _gids,
             "address": _address}
 
 

@@ -17,6 +17,21 @@ table label is the tensor name prefix, the layer its PLE layer number):
 - ``ple_table_info{dtype,rows,cols,row_bytes,fingerprint}`` (always 1),
   ``ple_table_size_bytes``, ``ple_table_resident_ratio`` (page-cache residency,
   0–1, refreshed at most every 2 s; absent while unknown);
+- ``ple_cache_hits_total``, ``ple_cache_misses_total`` — rows found in and
+  missing from the row cache; ``ple_cache_hit_ratio`` (0–1, absent before the
+  first lookup), ``ple_cache_misses_per_second`` (over the last 10 s);
+  ``ple_disk_reads_total``, ``ple_disk_read_bytes_total``,
+  ``ple_disk_read_errors_total``, ``ple_disk_read_latency_seconds{quantile}``
+  (0.5 and 0.99, from the miss engine's histogram); ``ple_table_io_mode{io}``
+  (1 for the table's mode) — per table;
+- ``ple_io_mode{io}`` (1 for the mode in use), ``ple_io_info{io,reason}``;
+  ``ple_cache_capacity_rows``, ``ple_cache_used_rows``, ``ple_cache_budget_bytes``,
+  ``ple_cache_occupancy_ratio``, ``ple_cache_evictions_total``;
+  ``ple_read_engine_info{kind,fallback_reason}``, ``ple_read_queue_depth`` — the
+  row cache and the miss engine (zeros and kind ``none`` in mmap mode);
+- ``ple_hotset_target_rows``, ``ple_hotset_done_rows``,
+  ``ple_hotset_progress_ratio``, ``ple_hotset_state{state}`` — the refill of the
+  cache from the saved hot set; ``ple_hotset_saved_rows`` (at the last save);
 - ``ple_clients``, ``ple_channels`` — connected sessions, open channels;
 - ``ple_prewarm_done_bytes``, ``ple_prewarm_target_bytes``,
   ``ple_prewarm_progress_ratio``, ``ple_prewarm_state{state}`` (1 for the current
@@ -44,6 +59,9 @@ log = logging.getLogger(__name__)
 
 TABLE_LABELS = ["layer", "table"]
 PREWARM_STATES = ("none", "pending", "running", "done", "budget", "memory", "stopped", "failed")
+HOTSET_STATES = ("off", "pending", "refilling", "done", "budget", "none", "ignored", "stopped",
+                 "failed")
+IO_MODES = ("direct", "buffered", "mmap")
 BUCKET_STEP = 3  # export every third stats bucket: 4 per decade
 
 
@@ -73,7 +91,10 @@ class SnapshotCollector(Collector):
         yield GaugeMetricFamily("ple_channels", "Open shared-memory channels.",
                                 value=snap["channels"])
         yield from _prewarm(snap.get("prewarm"))
+        yield from _dataplane(snap.get("dataplane"))
+        yield from _hotset(snap.get("hotset"))
         yield from _tables(snap["tables"])
+        yield from _table_io(snap["tables"])
 
 
 def _prewarm(pw: dict | None) -> Iterator[Metric]:
@@ -89,6 +110,99 @@ def _prewarm(pw: dict | None) -> Iterator[Metric]:
     for name in PREWARM_STATES:
         state.add_metric([name], 1 if pw["state"] == name else 0)
     yield state
+
+
+def _dataplane(plane: dict | None) -> Iterator[Metric]:
+    if not plane:
+        return
+    mode = GaugeMetricFamily("ple_io_mode", "1 for the io mode in use.", labels=["io"])
+    for name in IO_MODES:
+        mode.add_metric([name], 1 if plane["io"] == name else 0)
+    yield mode
+    why = GaugeMetricFamily("ple_io_info", "The io mode and why it was chosen (always 1).",
+                            labels=["io", "reason"])
+    why.add_metric([plane["io"], plane["io_reason"]], 1)
+    yield why
+    # Present in every mode (zeros, kind "none" without a row cache), so
+    # dashboards and alerts need no per-mode queries.
+    cache = plane.get("cache") or {"capacity_rows": 0, "used_rows": 0, "budget_bytes": 0,
+                                   "occupancy": 0.0, "evictions": 0}
+    engine = plane.get("engine") or {"kind": "none", "fallback_reason": None,
+                                     "queue_depth": 0}
+    yield GaugeMetricFamily("ple_cache_capacity_rows", "Rows the row cache can hold.",
+                            value=cache["capacity_rows"])
+    yield GaugeMetricFamily("ple_cache_used_rows", "Rows in the row cache.",
+                            value=cache["used_rows"])
+    yield GaugeMetricFamily("ple_cache_budget_bytes", "The row cache's budget (cache_size).",
+                            value=cache["budget_bytes"])
+    yield GaugeMetricFamily("ple_cache_occupancy_ratio", "Used over capacity, 0 to 1.",
+                            value=cache["occupancy"])
+    yield CounterMetricFamily("ple_cache_evictions", "Rows evicted from the row cache.",
+                              value=cache["evictions"])
+    info = GaugeMetricFamily("ple_read_engine_info", "The miss engine in use, and why "
+                             "io_uring is not, if it is not (always 1).",
+                             labels=["kind", "fallback_reason"])
+    info.add_metric([engine["kind"], engine.get("fallback_reason") or ""], 1)
+    yield info
+    yield GaugeMetricFamily("ple_read_queue_depth", "Disk reads in flight at most.",
+                            value=engine["queue_depth"])
+
+
+def _hotset(hs: dict | None) -> Iterator[Metric]:
+    hs = hs or {"state": "off", "target_rows": 0, "done_rows": 0, "fraction": 0.0,
+                "saved_rows": None}
+    yield GaugeMetricFamily("ple_hotset_target_rows", "Rows the hot-set refill means to "
+                            "read into the cache.", value=hs["target_rows"])
+    yield GaugeMetricFamily("ple_hotset_done_rows", "Rows the hot-set refill has read.",
+                            value=hs["done_rows"])
+    yield GaugeMetricFamily("ple_hotset_progress_ratio", "Hot-set refill progress, 0 to 1.",
+                            value=hs["fraction"])
+    state = GaugeMetricFamily("ple_hotset_state", "1 for the hot set's current state.",
+                              labels=["state"])
+    for name in HOTSET_STATES:
+        state.add_metric([name], 1 if hs["state"] == name else 0)
+    yield state
+    yield GaugeMetricFamily("ple_hotset_saved_rows", "Rows in the hot set at its last "
+                            "save (0 before the first).", value=hs.get("saved_rows") or 0)
+
+
+def _table_io(tables: list[dict]) -> Iterator[Metric]:
+    hits = CounterMetricFamily("ple_cache_hits", "Rows found in the row cache.",
+                               labels=TABLE_LABELS)
+    misses = CounterMetricFamily("ple_cache_misses", "Rows missing from the row cache "
+                                 "(read from disk).", labels=TABLE_LABELS)
+    ratio = GaugeMetricFamily("ple_cache_hit_ratio", "Hits over lookups, 0 to 1.",
+                              labels=TABLE_LABELS)
+    rate = GaugeMetricFamily("ple_cache_misses_per_second", "Misses per second over the "
+                             "last 10 s.", labels=TABLE_LABELS)
+    reads = CounterMetricFamily("ple_disk_reads", "Disk reads of the miss engine.",
+                                labels=TABLE_LABELS)
+    read_bytes = CounterMetricFamily("ple_disk_read_bytes", "Bytes read from disk.",
+                                     labels=TABLE_LABELS)
+    read_errors = CounterMetricFamily("ple_disk_read_errors", "Failed or short disk reads.",
+                                      labels=TABLE_LABELS)
+    latency = GaugeMetricFamily("ple_disk_read_latency_seconds", "Disk read latency "
+                                "quantiles.", labels=[*TABLE_LABELS, "quantile"])
+    mode = GaugeMetricFamily("ple_table_io_mode", "1 for the table's io mode.",
+                             labels=[*TABLE_LABELS, "io"])
+    for t in tables:
+        io = t.get("io")
+        if not io:
+            continue
+        labels = [str(t["layer"]), t["name"]]
+        hits.add_metric(labels, io["hits"])
+        misses.add_metric(labels, io["misses"])
+        if io["hit_rate"] is not None:
+            ratio.add_metric(labels, io["hit_rate"])
+        rate.add_metric(labels, io["misses_per_s"])
+        reads.add_metric(labels, io["reads"])
+        read_bytes.add_metric(labels, io["read_bytes"])
+        read_errors.add_metric(labels, io["read_errors"])
+        latency.add_metric([*labels, "0.5"], io["read_p50_s"])
+        latency.add_metric([*labels, "0.99"], io["read_p99_s"])
+        for name in IO_MODES:
+            mode.add_metric([*labels, name], 1 if t.get("io_mode") == name else 0)
+    yield from (hits, misses, ratio, rate, reads, read_bytes, read_errors, latency, mode)
 
 
 def _tables(tables: list[dict]) -> Iterator[Metric]:

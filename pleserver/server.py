@@ -4,7 +4,8 @@ Everything about the process's life is here, in ``Server``: start (tables,
 stale-name cleanup, socket, serving loop, prewarm, readiness), one
 ``handle_<signal>`` method per signal, the control loop (a selector over the
 listening socket, the sessions and a signal wake-up pipe), and stop. The data
-plane lives in ``pleserver.serving``; tables in ``pleserver.table``.
+plane lives in ``pleserver.serving``; its parts (files, row cache, miss engine,
+tables) in ``pleserver.dataplane``; the hot set in ``pleserver.hotset``.
 
 Access model (see docs/SECURITY.md):
 - who may connect: the peer's SO_PEERCRED uid/gids against ``allow_uids`` /
@@ -34,10 +35,12 @@ from pleclient.channel import ChannelMap
 from pleclient.checkpoint import discover_tables
 from pleserver import __version__
 from pleserver.config import ServerConfig
+from pleserver.dataplane import DataPlane, PlaneOptions
+from pleserver.hotset import HotSet
+from pleserver.prewarm import Prewarm
 from pleserver.serving import Channel, ServingLoop
-from pleserver.stats import TableStats, format_bytes, format_progress
+from pleserver.stats import RateMeter, TableStats, format_bytes, format_progress, io_snapshot
 from pleserver.systemd import Notifier, watchdog_interval
-from pleserver.table import Prewarm, open_tables
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +83,11 @@ class Server:
         self._listener: socket.socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._residency: tuple[float, list[float | None]] = (0.0, [])
-        self.tables, self._files, self._pool = [], {}, None
+        self.tables = []
+        self.plane: DataPlane | None = None
         self.loop: ServingLoop | None = None
         self.prewarm: Prewarm | None = None
+        self.hotset: HotSet | None = None
         self.metrics = None
         self._serving_status = ""
 
@@ -111,9 +116,10 @@ class Server:
         if not specs:
             raise StartupError("no model directory given: pass --model DIR (or `model` in "
                                "the config file)")
-        self.tables, self._files, self._pool = open_tables(
-            specs, cfg.gather_workers, cfg.parallel_min_rows, cfg.dedup_min_rows)
+        self.plane = DataPlane.open(specs, PlaneOptions.from_config(cfg))
+        self.tables = self.plane.tables
         self.table_stats = [TableStats(t.spec.name, t.spec.layer) for t in self.tables]
+        self._miss_rates = [RateMeter() for _ in self.tables]
         for t in self.tables:
             s = t.spec
             log.info("table %s: layer %d, %d rows × %d %s (%d B/row), %d shards, %s, "
@@ -131,7 +137,8 @@ class Server:
         interval = cfg.watchdog_s or watchdog_interval()
         self.loop = ServingLoop(self.tables, self.table_stats, cfg.spin_us * 1e-6,
                                 heartbeat=self.notifier.watchdog if interval else None,
-                                heartbeat_every_s=min(interval or 1.0, 1.0))
+                                heartbeat_every_s=min(interval or 1.0, 1.0),
+                                workers=cfg.gather_workers)
         self.loop.start()
         for signum, handler in ((signal.SIGTERM, self.handle_sigterm),
                                 (signal.SIGINT, self.handle_sigint),
@@ -144,11 +151,23 @@ class Server:
         log.info("ple-server %s ready: %s", __version__, self._serving_status)
         self.notifier.ready(self._serving_status)
         # After READY=1, as documented: a unit ordered after ple-server starts
-        # at once, while the tables are read into the page cache.
-        if cfg.prewarm == "full":
+        # at once, while the tables are read into the page cache (or the row
+        # cache is refilled from the hot set).
+        if cfg.prewarm == "full" and self.plane.mode != "mmap":
+            log.info("prewarm = full applies to io = mmap; with io = %s the row cache is "
+                     "refilled from the saved hot set instead", self.plane.mode)
+        elif cfg.prewarm == "full":
             self.prewarm = Prewarm(self.tables, cfg.prewarm_budget, cfg.prewarm_reserve)
             self.prewarm.on_progress = self._report_prewarm
             self.prewarm.start()
+        if self.plane.cache is not None:
+            if os.path.isdir(cfg.state_dir):
+                self.hotset = HotSet(cfg.state_dir, self.tables, self.plane.cache,
+                                     cfg.hotset_save_interval, self._report_hotset)
+                self.hotset.start()
+            else:
+                log.info("state_dir %s does not exist: the hot set is neither saved nor "
+                         "restored (the unit's StateDirectory= creates it)", cfg.state_dir)
 
     def _listen(self) -> None:
         path = self.config.socket
@@ -229,13 +248,13 @@ class Server:
     def close_resources(self) -> None:
         if self.prewarm is not None:
             self.prewarm.stop()
+        if self.hotset is not None:
+            self.hotset.stop()  # saves the hot set (the cache is still open)
         if self.metrics is not None:
             self.metrics.stop()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-        for f in self._files.values():
-            f.close()
-        self._files = {}
+        if self.plane is not None:
+            self.plane.close()
+            self.plane = None
 
     # ---------------------------------------------------------- control loop
     def control_loop(self) -> None:
@@ -450,22 +469,30 @@ class Server:
             fractions: list[float | None] = []
             for t in self.tables:
                 try:
-                    fractions.append(t.resident_bytes() / t.spec.nbytes if t.spec.nbytes else 1.0)
+                    resident = t.resident_bytes()
                 except OSError:
-                    fractions.append(None)
+                    resident = None
+                fractions.append(None if resident is None else
+                                 resident / t.spec.nbytes if t.spec.nbytes else 1.0)
             self._residency = (now, fractions)
         tables = []
-        for t, st, resident in zip(self.tables, self.table_stats, self._residency[1]):
+        for t, st, resident, rate in zip(self.tables, self.table_stats, self._residency[1],
+                                         self._miss_rates):
             snap = st.snapshot()
+            source = t.source.stats()
             snap.update(dtype=t.spec.dtype, rows_total=t.spec.rows, cols=t.spec.cols,
                         row_bytes=t.row_bytes, table_bytes=t.spec.nbytes,
-                        fingerprint=t.spec.fingerprint, resident_fraction=resident)
+                        fingerprint=t.spec.fingerprint, resident_fraction=resident,
+                        io_mode=t.mode,
+                        io=io_snapshot(source, rate.rate(source.get("misses", 0), now)))
             tables.append(snap)
         return {"pid": os.getpid(), "version": __version__, "model": self.config.model,
                 "socket": self.config.socket, "uptime_s": now - self.started,
                 "clients": len(self.sessions),
                 "channels": self.loop.channel_count if self.loop else 0,
                 "prewarm": self.prewarm.snapshot() if self.prewarm else None,
+                "dataplane": self.plane.snapshot() if self.plane else None,
+                "hotset": self.hotset.snapshot() if self.hotset else None,
                 "tables": tables}
 
     def _report_prewarm(self, prewarm: Prewarm) -> None:
@@ -473,6 +500,13 @@ class Server:
         self.notifier.status(f"{self._serving_status}; prewarm {prewarm.state}: "
                              + format_progress(prewarm.done_bytes, prewarm.target,
                                                prewarm.fraction))
+
+    def _report_hotset(self, hotset: HotSet) -> None:
+        if hotset.state in ("none", "ignored"):
+            return
+        self.notifier.status(f"{self._serving_status}; hot set refill {hotset.state}: "
+                             f"{100 * hotset.fraction:.1f}% ({hotset.done_rows} of "
+                             f"{hotset.target_rows} rows)")
 
 
 def _groups_of(pid: int, gid: int) -> set[int]:

@@ -7,9 +7,12 @@ Threads, and why:
 - **one waiter thread per channel**, parked while the loop spins; while the
   loop sleeps each waiter blocks on its channel's ``submit`` semaphore (no CPU)
   and hands every token it takes to the loop, then wakes it;
-- **gather workers** (the tables' pool) for requests of ``parallel_min_rows``
-  or more: the loop hands them off and keeps serving other channels; the last
-  chunk to finish completes the slot.
+- **gather workers** (``workers`` threads): the loop answers inline what needs
+  no disk read (every row in the row cache, or mmap mode) and hands off a
+  request with cache misses, or of ``parallel_min_rows`` rows or more; the
+  worker gathers with the GIL released (disk reads, native threads for large
+  requests) and completes the slot, so one request's reads never hold up other
+  channels.
 
 Every request: acquire one ``submit`` token (pairs with the client's post),
 copy count and ids out of shared memory, validate the copies, gather, write
@@ -22,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+import queue
 
 import numpy as np
 
@@ -29,12 +33,15 @@ from pleclient import protocol as p
 from pleclient.channel import ChannelMap, SlotView
 from pleserver.peer_semaphore import PeerSemaphore
 from pleserver.stats import TableStats
-from pleserver.table import Table
+from pleserver.table import Table, nat
 
 log = logging.getLogger(__name__)
 
 WAITER_SLICE_S = 0.25
 """A parked or blocked waiter re-checks whether it is still needed this often."""
+READ_ERROR_LOG_S = 10.0
+"""Failed reads are logged at most once per this many seconds (each request
+that meets one gets its own error text, and stats count them all)."""
 
 
 class Channel:
@@ -70,7 +77,7 @@ class Channel:
 class ServingLoop:
     def __init__(self, tables: list[Table], stats: list[TableStats], spin_s: float,
                  heartbeat: Callable[[], None] | None = None,
-                 heartbeat_every_s: float = 1.0) -> None:
+                 heartbeat_every_s: float = 1.0, workers: int = 4) -> None:
         self.tables = tables
         self.stats = stats
         self.spin_s = spin_s
@@ -85,6 +92,12 @@ class ServingLoop:
         self._draining = False
         self._inflight = 0  # handed-off requests not yet completed
         self._inflight_lock = threading.Lock()
+        self._read_error_logged = -READ_ERROR_LOG_S
+        # Started with the loop, all of them: a server's thread count does not
+        # change with its load.
+        self._handed: queue.SimpleQueue = queue.SimpleQueue()
+        self.workers = [threading.Thread(target=self._worker, name=f"gather-{i}", daemon=True)
+                        for i in range(max(1, workers))]
         self.thread = threading.Thread(target=self._run, name="serving", daemon=True)
         self.last_tick = time.monotonic()
 
@@ -113,6 +126,8 @@ class ServingLoop:
         return len(self.channels)
 
     def start(self) -> None:
+        for worker in self.workers:
+            worker.start()
         self.thread.start()
 
     def stop(self, drain_s: float = 5.0) -> None:
@@ -126,6 +141,10 @@ class ServingLoop:
         self._sleeping.set()
         self._wakeup.set()
         self.thread.join()
+        for _ in self.workers:
+            self._handed.put(None)
+        for worker in self.workers:
+            worker.join()
         for ch in self.channels:
             self.remove(ch)
         self._reap(force=True)
@@ -220,21 +239,38 @@ class ServingLoop:
                            f"{table.spec.name} ({table.rows} rows: valid ids 0..{table.rows - 1})")
                 return
         out = slot.rows_view(count, table.row_bytes)
-        if count >= table.parallel_min_rows and table.pool is not None:
-            self._hand_off(ch, slot, table, stats, ids, out, count, started, submitted_ns)
-            return
-        self._answer(ch, slot, table, stats, ids, out, count, started, submitted_ns)
+        if count < table.parallel_min_rows:
+            try:
+                answered = table.gather_inline(ids, out)
+            except Exception as exc:
+                self._gather_failed(ch, slot, stats, exc)
+                return
+            if answered:
+                self._complete(ch, slot, table, stats, count, started, submitted_ns)
+                return
+        self._hand_off(ch, slot, table, stats, ids, out, count, started, submitted_ns)
 
     def _answer(self, ch, slot, table, stats, ids, out, count, started, submitted_ns) -> None:
         """Gather into the slot and complete it, or fail it: never raises."""
         try:
             table.gather(ids, out)
         except Exception as exc:
-            log.exception("gather failed for session %d", ch.session_id)
-            self._fail(ch, slot, p.ErrorCode.INTERNAL, stats, "internal",
-                       f"internal error while gathering: {exc}")
+            self._gather_failed(ch, slot, stats, exc)
             return
         self._complete(ch, slot, table, stats, count, started, submitted_ns)
+
+    def _gather_failed(self, ch, slot, stats, exc: Exception) -> None:
+        if isinstance(exc, nat.ReadError):  # the disk or the file: the server is fine
+            now = time.monotonic()
+            if now - self._read_error_logged >= READ_ERROR_LOG_S:  # not one line a request
+                self._read_error_logged = now
+                log.error("session %d (%s): a read failed: %s", ch.session_id, ch.peer, exc)
+            self._fail(ch, slot, p.ErrorCode.INTERNAL, stats, "read_error",
+                       f"reading rows failed: {exc}")
+            return
+        log.exception("gather failed for session %d", ch.session_id)
+        self._fail(ch, slot, p.ErrorCode.INTERNAL, stats, "internal",
+                   f"internal error while gathering: {exc}")
 
     def _hand_off(self, ch, slot, table, stats, ids, out, count, started, submitted_ns) -> None:
         ch.busy.add(slot.index)
@@ -252,10 +288,11 @@ class ServingLoop:
                 if ch.closing:
                     self._wakeup.set()
 
-        # A dedicated thread per large request: the table's pool is used *inside*
-        # gather for the chunks, and submitting the coordinator to that same
-        # pool could deadlock it.
-        threading.Thread(target=run, name="large-gather", daemon=True).start()
+        self._handed.put(run)
+
+    def _worker(self) -> None:
+        while (work := self._handed.get()) is not None:
+            work()
 
     def _complete(self, ch, slot, table, stats, count, started, submitted_ns) -> None:
         done = time.monotonic_ns()

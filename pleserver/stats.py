@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 # Bucket upper bounds in seconds: 12 per decade from 1 µs to 100 s.
 BUCKETS_S: tuple[float, ...] = tuple(10 ** (-6 + i / 12) for i in range(0, 8 * 12 + 1))
-ERROR_KINDS = ("bad_table", "bad_count", "id_out_of_range", "internal")
+ERROR_KINDS = ("bad_table", "bad_count", "id_out_of_range", "read_error", "internal")
+RATE_WINDOW_S = 10.0
 
 
 class Histogram:
@@ -48,6 +51,38 @@ class Histogram:
         return {"count": self.total, "sum_s": self.sum_s, "max_s": self.max_s,
                 "p50_s": self.quantile(0.5), "p99_s": self.quantile(0.99),
                 "buckets": list(self.counts)}
+
+
+class RateMeter:
+    """Events per second of a cumulative counter, over the last ``RATE_WINDOW_S``
+    seconds (or since the previous reading, when that is longer ago)."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+
+    def rate(self, count: int, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            samples = self._samples
+            samples.append((now, count))
+            while len(samples) > 2 and now - samples[1][0] >= RATE_WINDOW_S:
+                samples.popleft()
+            t0, c0 = samples[0]
+            return (count - c0) / (now - t0) if now > t0 else 0.0
+
+
+def io_snapshot(source: dict, misses_per_s: float) -> dict:
+    """A table's row-cache and disk numbers, from its native source's stats."""
+    hits, misses = source.get("hits", 0), source.get("misses", 0)
+    return {"hits": hits, "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else None,
+            "misses_per_s": misses_per_s, "reads": source.get("reads", 0),
+            "read_bytes": source.get("read_bytes", 0),
+            "read_errors": source.get("read_errors", 0),
+            "read_p50_s": source.get("read_ns_p50", 0) * 1e-9,
+            "read_p99_s": source.get("read_ns_p99", 0) * 1e-9,
+            "evictions": source.get("evictions")}
 
 
 @dataclass
@@ -109,6 +144,28 @@ def format_human(stats: dict) -> str:
     lines = [f"ple-server pid {stats['pid']}  up {stats['uptime_s']:.0f} s  "
              f"clients {stats['clients']}  channels {stats['channels']}  "
              f"model {stats['model']}"]
+    plane = stats.get("dataplane") or {}
+    if plane:
+        lines.append(f"io {plane['io']} ({plane['io_reason']})")
+    cache, engine = plane.get("cache"), plane.get("engine")
+    if cache:
+        lines.append(f"row cache {cache['used_rows']} / {cache['capacity_rows']} rows "
+                     f"({100 * cache['occupancy']:.1f} %), {cache['budget_bytes'] / 2**30:.2f} "
+                     f"GiB, evictions {cache['evictions']}, policy {cache.get('policy', '?')}, "
+                     f"huge pages {'yes' if cache.get('hugepages') else 'no'}, "
+                     f"mlock {'yes' if cache.get('mlocked') else 'no'}")
+    if engine:
+        lines.append(f"miss engine {engine['kind']}, queue depth {engine['queue_depth']}"
+                     + (f" (io_uring not used: {engine['fallback_reason']})"
+                        if engine.get("fallback_reason") else ""))
+    hs = stats.get("hotset") or {}
+    if hs:
+        lines.append(f"hot set {hs['state']}: {hs['done_rows']} / {hs['target_rows']} rows "
+                     f"({100 * hs['fraction']:.1f} %)"
+                     + (f" in {hs['refill_seconds']:.1f} s" if hs.get("refill_seconds")
+                        is not None else "")
+                     + (f", last save {hs['saved_rows']} rows" if hs.get("saved_rows")
+                        is not None else ""))
     pw = stats.get("prewarm") or {}
     if pw:
         lines.append(f"prewarm {pw['state']}: "
@@ -124,4 +181,16 @@ def format_human(stats: dict) -> str:
             f"{st['max_s'] * 1e6:>9.1f} "
             f"{'' if resident is None else f'{100 * resident:.1f} %':>9}  "
             f"{t['dtype']} {t['rows_total']}×{t['cols']}")
+    io_tables = [t for t in stats["tables"] if t.get("io")]
+    if io_tables and cache:
+        lines.append(f"{'layer':>5} {'hit rate':>9} {'misses/s':>10} {'reads':>12} "
+                     f"{'read GiB':>9} {'read p50 µs':>12} {'read p99 µs':>12} "
+                     f"{'read errors':>12}")
+        for t in io_tables:
+            io = t["io"]
+            rate = "" if io["hit_rate"] is None else f"{100 * io['hit_rate']:.2f} %"
+            lines.append(f"{t['layer']:>5} {rate:>9} {io['misses_per_s']:>10.0f} "
+                         f"{io['reads']:>12} {io['read_bytes'] / 2**30:>9.3f} "
+                         f"{io['read_p50_s'] * 1e6:>12.1f} {io['read_p99_s'] * 1e6:>12.1f} "
+                         f"{io['read_errors']:>12}")
     return "\n".join(lines)

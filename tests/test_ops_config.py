@@ -233,7 +233,8 @@ def test_config_check_prints_the_effective_config_with_sources(write):
     assert result.returncode == 0, result.stderr
     lines = {line.split(" = ")[0]: line for line in result.stdout.splitlines()
              if " = " in line and not line.startswith("#")}
-    assert set(lines) | {"prewarm_budget", "watchdog_s", "metrics_address"} >= set(SETTINGS)
+    assert set(lines) | {"prewarm_budget", "cache_size", "watchdog_s",
+                         "metrics_address"} >= set(SETTINGS)
     assert re.fullmatch(rf"max_clients = 3 +# {re.escape(str(path))}", lines["max_clients"])
     assert re.fullmatch(r"prewarm_budget = 1073741824 +# .*", lines["prewarm_budget"])
     assert re.fullmatch(r"allow_uids = \[0\] +# .*", lines["allow_uids"])

@@ -92,7 +92,8 @@ def test_template_is_the_unit_with_per_instance_config_socket_and_state():
     assert {k: v for k, v in single.items() if k not in per_instance} == \
         {k: v for k, v in template.items() if k not in per_instance}
     assert template["ExecStart"] == [f"{UNIT_EXEC} serve --config /etc/ple-server/%i.toml "
-                                     "--socket /run/ple-server/%i.sock"]
+                                     "--socket /run/ple-server/%i.sock "
+                                     "--state-dir /var/lib/ple-server/%i"]
     assert template["StateDirectory"] == ["ple-server/%i"]
     assert template["RuntimeDirectory"] == ["ple-server"]  # shared: every socket in one place
 

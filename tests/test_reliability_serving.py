@@ -18,18 +18,19 @@ import pytest
 from pleclient import protocol as p
 from pleclient.channel import ChannelMap
 from pleclient.checkpoint import discover_tables
+from pleserver.dataplane import DataPlane
 from pleserver.serving import Channel, ServingLoop
 from pleserver.stats import TableStats
-from pleserver.table import open_tables
 
-BIG = 16384  # at least parallel_min_rows: gathered on a thread of its own
+BIG = 16384  # at least parallel_min_rows: handed off to a gather worker
 
 
 class Kit:
     """A serving loop over the checkpoint's tables, and channels on it."""
 
     def __init__(self, checkpoint, heartbeat_s: float = 1.0) -> None:
-        self.tables, self.files, self.pool = open_tables(discover_tables(str(checkpoint)))
+        self.plane = DataPlane.open(discover_tables(str(checkpoint)))
+        self.tables = self.plane.tables
         self.stats = [TableStats(t.spec.name, t.spec.layer) for t in self.tables]
         self.loop = ServingLoop(self.tables, self.stats, spin_s=0.002,
                                 heartbeat_every_s=heartbeat_s)
@@ -55,9 +56,7 @@ class Kit:
             client.close()
         for fd in self.fds:
             os.close(fd)
-        self.pool.shutdown()
-        for f in self.files.values():
-            f.close()
+        self.plane.close()
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ FROM python:3.11-slim AS build
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
-COPY pyproject.toml README.md /src/pleserver/
+COPY pyproject.toml setup.py MANIFEST.in README.md /src/pleserver/
 COPY pleclient /src/pleserver/pleclient
 COPY pleserver /src/pleserver/pleserver
 RUN python -m venv /opt/ple-server \

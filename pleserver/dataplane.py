@@ -1,0 +1,164 @@
+"""The data plane's parts, opened for one io mode: files, row cache, miss
+engine and tables, and the numbers they report.
+
+Modes (``io``; ``pleserver.budget`` picks one for ``auto`` and says why):
+
+- ``direct``: one ``RowCache`` (the budget, anonymous memory reserved up front)
+  and one ``ReadEngine`` (io_uring, else a pool of pread threads) shared by all
+  tables; misses are read with ``O_DIRECT``, so the page cache does not grow
+  from our reads and the daemon's memory stays within its budget. A file
+  system that refuses ``O_DIRECT`` (EINVAL at open) makes it ``buffered``,
+  said once in the log and in stats;
+- ``buffered``: the same, with misses read through the page cache;
+- ``mmap``: the files mapped; for tables that fit in memory (``prewarm``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from dataclasses import dataclass
+
+from pleclient.checkpoint import TableSpec
+from pleserver.budget import Budget, plan
+from pleserver.config import ServerConfig
+from pleserver.table import CheckpointFile, MappedFile, Table, nat
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlaneOptions:
+    """The settings the data plane uses (``ServerConfig`` keys of the same names)."""
+
+    io: str = "mmap"
+    cache_size: int | None = None
+    prewarm_reserve: int = 4 << 30
+    cache_hugepages: bool = True
+    cache_mlock: bool = False
+    queue_depth: int = 128
+    read_engine: str = "auto"
+    read_threads: int = 16
+    gather_workers: int = 4
+    parallel_min_rows: int = 16384
+    dedup_min_rows: int = 4096
+
+    @classmethod
+    def from_config(cls, cfg: ServerConfig) -> "PlaneOptions":
+        return cls(**{name: getattr(cfg, name) for name in cls.__dataclass_fields__})
+
+
+class DataPlane:
+    """Opened by ``open``; ``close`` releases everything (tables first)."""
+
+    def __init__(self, tables: list[Table], files: dict[str, CheckpointFile], mode: str,
+                 mode_reason: str, budget: Budget, cache: "nat.RowCache | None",
+                 engine: "nat.ReadEngine | None", queue_depth: int = 0) -> None:
+        self.tables = tables
+        self.files = files
+        self.mode = mode
+        self.mode_reason = mode_reason
+        self.budget = budget
+        self.cache = cache
+        self.engine = engine
+        self.queue_depth = queue_depth if engine is not None else 0
+
+    @classmethod
+    def open(cls, specs: list[TableSpec], options: PlaneOptions | None = None) -> "DataPlane":
+        o = options or PlaneOptions()
+        budget = plan(specs, o.io, o.cache_size, o.prewarm_reserve)
+        mode, reason = budget.io, budget.io_reason
+        paths = list(dict.fromkeys(p for s in specs for p in s.files))
+        files: dict[str, CheckpointFile] = {}
+        cache = engine = None
+        try:
+            if mode == "direct":
+                refused = _open_files(paths, CheckpointFile, files, direct=True)
+                if refused:
+                    mode = "buffered"
+                    reason += (f"; O_DIRECT refused by the file system of {refused} "
+                               "(EINVAL), so misses are read through the page cache")
+                    log.warning("io = direct: the file system of %s refuses O_DIRECT "
+                                "(EINVAL); reading misses through the page cache instead "
+                                "(io = buffered)", refused)
+            if mode == "buffered" and not files:
+                _open_files(paths, CheckpointFile, files, direct=False)
+            if mode == "mmap":
+                _open_files(paths, MappedFile, files, direct=False)
+            else:
+                slot_bytes = max(s.row_bytes for s in specs)
+                cache = nat.RowCache(budget.cache_bytes, slot_bytes,
+                                     hugepages=o.cache_hugepages, mlock=o.cache_mlock)
+                engine = nat.ReadEngine(queue_depth=o.queue_depth, kind=o.read_engine,
+                                        threads=o.read_threads)
+            tables = [Table(spec, key, files, mode, cache, engine, o.gather_workers,
+                            o.parallel_min_rows, o.dedup_min_rows)
+                      for key, spec in enumerate(specs)]
+        except BaseException:
+            for f in files.values():
+                f.close()
+            if cache is not None:
+                cache.close()
+            if engine is not None:
+                engine.close()
+            raise
+        plane = cls(tables, files, mode, reason, budget, cache, engine, o.queue_depth)
+        plane.log_choice()
+        return plane
+
+    def log_choice(self) -> None:
+        log.info("io = %s (%s)", self.mode, self.mode_reason)
+        if self.cache is None:
+            return
+        c = self.cache.stats()
+        log.info("row cache: %.2f GiB, %d rows (%s); huge pages %s, mlock %s, eviction %s",
+                 self.budget.cache_bytes / 2**30, self.cache.capacity_rows,
+                 self.budget.cache_reason, "yes" if c.get("hugepages") else "no",
+                 "yes" if c.get("mlocked") else "no", c.get("policy", "?"))
+        if self.engine.fallback_reason:
+            log.warning("miss engine: %s, queue depth %d (io_uring not used: %s)",
+                        self.engine.kind, self.queue_depth, self.engine.fallback_reason)
+        else:
+            log.info("miss engine: %s, queue depth %d", self.engine.kind, self.queue_depth)
+
+    def snapshot(self) -> dict:
+        """The data plane's part of ``Server.snapshot()``."""
+        out: dict = {"io": self.mode, "io_reason": self.mode_reason, "cache": None,
+                     "engine": None}
+        if self.cache is not None:
+            c = dict(self.cache.stats())
+            c.update(budget_bytes=self.budget.cache_bytes, budget_reason=self.budget.cache_reason,
+                     occupancy=(c["used_rows"] / c["capacity_rows"]
+                                if c.get("capacity_rows") else 0.0))
+            out["cache"] = c
+            out["engine"] = {"kind": self.engine.kind,
+                             "fallback_reason": self.engine.fallback_reason,
+                             "queue_depth": self.queue_depth}
+        return out
+
+    def close(self) -> None:
+        self.tables = []
+        for f in self.files.values():
+            f.close()
+        self.files = {}
+        if self.engine is not None:
+            self.engine.close()
+        if self.cache is not None:
+            self.cache.close()
+
+
+def _open_files(paths: list[str], kind: type[CheckpointFile], files: dict[str, CheckpointFile],
+                direct: bool) -> str | None:
+    """Open every path into ``files``. With ``direct``, a file system that refuses
+    O_DIRECT closes what was opened and returns the refused path."""
+    for path in paths:
+        try:
+            files[path] = kind.open(path, direct=direct)
+        except OSError as exc:
+            if direct and exc.errno == errno.EINVAL:
+                for f in files.values():
+                    f.close()
+                files.clear()
+                return path
+            raise
+    return None

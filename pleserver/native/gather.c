@@ -1,0 +1,779 @@
+/* Row lookup for one table (see gather.h).
+ *
+ * gather, per range of ids (one range per native thread):
+ *   1. each id is checked and located; a cache hit is copied into `out`;
+ *      without an engine a miss is copied from the file mapping;
+ *   2. the misses are sorted by (file, offset) and read in rounds of up to
+ *      ROUND_BLOCKS distinct 4 KiB blocks (a row straddling two blocks
+ *      needs both). Each block is registered in the table's in-flight set:
+ *      a block another request is reading already is waited for and copied
+ *      from that request's buffer, never read twice; adjacent blocks of our
+ *      own are read with one request (up to COALESCE_BLOCKS);
+ *   3. every row is checked against the bytes its read returned (an error
+ *      or a short read fails the request with file, offset and errno), then
+ *      copied into `out` and into the cache.
+ *
+ * In-flight set: buckets of entries, each entry owned by the request that
+ * reads the block and living in that request's memory. One mutex guards
+ * the buckets and every entry's fields; one condition variable is broadcast
+ * when an entry is done or loses its last waiter. The block bytes are
+ * written before the owner marks the entry done under the mutex, and read
+ * by waiters after they saw it done under the mutex: the mutex orders them.
+ * A request (a) registers, (b) reads its own blocks, (c) publishes them,
+ * (d) waits for other requests' blocks, copies, drops its references, and
+ * (e) waits until nobody copies from its blocks before freeing them. Step
+ * (d) waits only on steps (c) of others, which wait on nothing: no cycle. */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "gather.h"
+#include "pool.h"
+
+#define ROUND_BLOCKS 4096u        /* distinct blocks per round: 16 MiB of buffer */
+#define COALESCE_BLOCKS 32u       /* adjacent blocks read as one request: 128 KiB */
+#define INFLIGHT_BUCKETS 1024u
+#define SPLIT_MIN_ROWS 1024u      /* the fewest rows worth a thread of their own */
+#define FILL_CHUNK_ROWS 4096u
+#define HIST_BUCKETS 256u         /* latency: 4 buckets per power of two of ns */
+#define BLOCK_BITS 40             /* key of a block: fd << 40 | block number */
+#define FD_MAX ((1 << 23) - 1)
+#define OFFSET_MAX (1ULL << 52)   /* block numbers < 2^40 */
+
+typedef struct inflight {
+    uint64_t key;               /* fd << 40 | block number */
+    struct inflight *next;      /* bucket chain */
+    const unsigned char *data;  /* the block: read by waiters once done */
+    int32_t valid;              /* bytes of data read, or -errno */
+    int done;
+    unsigned refs;              /* requests still copying from data */
+} inflight;
+
+typedef struct src_shard {
+    int fd;
+    uint64_t file_offset, rows;
+    char *path;
+    const unsigned char *map;
+} src_shard;
+
+struct ple_source {
+    _Atomic unsigned refs;
+    uint32_t table_key, row_bytes;
+    uint64_t shard_size, rows;
+    unsigned nshards;
+    src_shard *shards;
+    ple_cache *cache;
+    ple_engine *engine;
+    pthread_mutex_t inflight_lock;
+    pthread_cond_t inflight_changed;
+    inflight *buckets[INFLIGHT_BUCKETS];
+    /* Statistics: relaxed counters (see common.h). */
+    _Atomic uint64_t hits, misses, reads, read_bytes, read_errors, evictions;
+    _Atomic uint64_t read_ns[HIST_BUCKETS];
+};
+
+/* What one range of a request counted; added to the shared counters once. */
+typedef struct tally {
+    uint64_t hits, misses, inserted, evictions, read_errors;
+} tally;
+
+enum { COUNT_LOOKUPS = 1 };  /* gather counts hits and misses; fill does not */
+
+typedef struct miss {
+    uint64_t sort_key;  /* fd << 40 | first block */
+    uint64_t offset;    /* of the row in its file */
+    uint32_t pos;       /* in the request */
+    uint32_t shard;
+    uint32_t block;     /* index of its first block in the round */
+} miss;
+
+/* ------------------------------------------------------------- helpers */
+
+static int locate(const ple_source *src, int64_t id, uint32_t *shard, uint64_t *row,
+                  ple_error *err)
+{
+    if (id >= 0 && (uint64_t)id < src->rows) {
+        uint64_t s = (uint64_t)id / src->shard_size;
+        uint64_t r = (uint64_t)id - s * src->shard_size;
+        if (s < src->nshards && r < src->shards[s].rows) {
+            *shard = (uint32_t)s;
+            *row = r;
+            return 0;
+        }
+    }
+    ple_error_set(err, PLE_ERR_VALUE, 0, "row id %lld is not in the table (rows 0..%llu)",
+                  (long long)id, (unsigned long long)src->rows - 1);
+    return -1;
+}
+
+static unsigned histogram_bucket(uint64_t ns)
+{
+    if (ns < 4)
+        return (unsigned)ns;
+    unsigned e = 63u - (unsigned)__builtin_clzll(ns);
+    unsigned b = e * 4 + (unsigned)((ns >> (e - 2)) & 3);
+    return b < HIST_BUCKETS ? b : HIST_BUCKETS - 1;
+}
+
+static uint64_t histogram_value(unsigned b)  /* upper edge of bucket b */
+{
+    if (b < 4)
+        return b;
+    unsigned e = b / 4;
+    return ((4ULL + b % 4 + 1) << (e - 2)) - 1;
+}
+
+static uint64_t histogram_quantile(const uint64_t *h, uint64_t total, double q)
+{
+    if (total == 0)
+        return 0;
+    uint64_t want = (uint64_t)(q * (double)total), seen = 0;
+    for (unsigned b = 0; b < HIST_BUCKETS; b++) {
+        seen += h[b];
+        if (seen > want)
+            return histogram_value(b);
+    }
+    return histogram_value(HIST_BUCKETS - 1);
+}
+
+static int cmp_miss(const void *a, const void *b)
+{
+    const miss *x = a, *y = b;
+    if (x->sort_key != y->sort_key)
+        return x->sort_key < y->sort_key ? -1 : 1;
+    return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+static void store_row(ple_source *src, uint64_t row_key, const unsigned char *row,
+                      tally *t)
+{
+    switch (ple_cache_put(src->cache, row_key, row, src->row_bytes)) {
+    case PLE_PUT_EVICTED:
+        t->evictions++;
+        /* fall through */
+    case PLE_PUT_NEW:
+        t->inserted++;
+        break;
+    default:
+        break;
+    }
+}
+
+static uint64_t row_key(const ple_source *src, uint32_t shard, uint64_t row)
+{
+    return (uint64_t)src->table_key << 40 | (shard * src->shard_size + row);
+}
+
+/* --------------------------------------------------- the in-flight set */
+
+static inflight **bucket_of(ple_source *src, uint64_t key)
+{
+    return &src->buckets[(key * 0x9E3779B97F4A7C15ULL) >> 54];  /* top 10 bits */
+}
+
+/* Under the lock: take a block to read (1) or find who reads it (0). */
+static int claim_block(ple_source *src, uint64_t key, inflight *mine, unsigned char *data,
+                       inflight **use)
+{
+    inflight **head = bucket_of(src, key);
+    for (inflight *e = *head; e; e = e->next) {
+        if (e->key == key) {
+            e->refs++;
+            *use = e;
+            return 0;
+        }
+    }
+    *mine = (inflight){.key = key, .next = *head, .data = data};
+    *head = mine;
+    *use = mine;
+    return 1;
+}
+
+static void unlink_block(ple_source *src, inflight *e)
+{
+    inflight **p = bucket_of(src, e->key);
+    while (*p != e)
+        p = &(*p)->next;
+    *p = e->next;
+}
+
+/* ------------------------------------------------------ reading misses */
+
+typedef struct round_mem {
+    uint64_t keys[ROUND_BLOCKS];
+    inflight own[ROUND_BLOCKS];
+    inflight *use[ROUND_BLOCKS];
+    unsigned char owned[ROUND_BLOCKS];
+    ple_read reads[ROUND_BLOCKS];
+    uint32_t first_block[ROUND_BLOCKS];  /* of each read */
+    unsigned char *buf;                  /* ROUND_BLOCKS blocks, 4 KiB-aligned */
+} round_mem;
+
+/* Copy one row out of the round's blocks; 0, or -1 with err set. */
+static int copy_row(ple_source *src, const round_mem *rm, const miss *m, unsigned char *dst,
+                    ple_error *err)
+{
+    uint32_t rb = src->row_bytes, done = 0, j = m->block;
+    while (done < rb) {
+        const inflight *e = rm->use[j++];
+        uint32_t in_block = (uint32_t)((m->offset + done) % PLE_BLOCK);
+        uint32_t take = rb - done < PLE_BLOCK - in_block ? rb - done : PLE_BLOCK - in_block;
+        uint64_t block_offset = (e->key & ((1ULL << BLOCK_BITS) - 1)) * PLE_BLOCK;
+        const char *path = src->shards[m->shard].path;
+        if (e->valid < 0) {
+            ple_error_set(err, PLE_ERR_READ, -e->valid,
+                          "reading the %u-byte block at offset %llu of %s: %s", PLE_BLOCK,
+                          (unsigned long long)block_offset, path, strerror(-e->valid));
+            return -1;
+        }
+        if (in_block + take > (uint32_t)e->valid) {
+            ple_error_set(err, PLE_ERR_READ, EIO,
+                          "short read at offset %llu of %s: %d of %u bytes, the file ends "
+                          "before row offset %llu (truncated?): %s",
+                          (unsigned long long)block_offset, path, e->valid, PLE_BLOCK,
+                          (unsigned long long)m->offset, strerror(EIO));
+            return -1;
+        }
+        memcpy(dst + done, e->data + in_block, take);
+        done += take;
+    }
+    return 0;
+}
+
+/* Plan a round from m[start..]: the distinct blocks in order and each miss's
+ * first block; returns the end of the round's misses. */
+static size_t plan_round(const ple_source *src, miss *m, size_t start, size_t n,
+                         round_mem *rm, size_t *nblocks)
+{
+    size_t nb = 0, i = start;
+    for (; i < n; i++) {
+        uint64_t first = m[i].sort_key;
+        uint64_t last = first + (m[i].offset % PLE_BLOCK + src->row_bytes - 1) / PLE_BLOCK;
+        uint64_t have = nb ? rm->keys[nb - 1] : 0;
+        size_t add = nb && have >= first ? (size_t)(last > have ? last - have : 0)
+                                         : (size_t)(last - first + 1);
+        if (nb + add > ROUND_BLOCKS)
+            break;
+        /* Sorted by offset: this row's blocks up to `have` are the last ones
+         * appended, in order. */
+        m[i].block = (uint32_t)(nb && have >= first ? nb - 1 - (have - first) : nb);
+        for (uint64_t k = last - add + 1; k <= last && add; k++)
+            rm->keys[nb++] = k;
+    }
+    *nblocks = nb;
+    return i;
+}
+
+static void record_read(ple_source *src, const ple_read *rd)
+{
+    ple_count(&src->reads, 1);
+    ple_count(&src->read_bytes, rd->res > 0 ? (uint64_t)rd->res : 0);
+    ple_count(&src->read_ns[histogram_bucket(rd->ns)], 1);
+}
+
+static int read_round(ple_source *src, miss *m, size_t start, size_t end, size_t nb,
+                      round_mem *rm, unsigned char *out, tally *t, ple_error *err)
+{
+    /* (a) register */
+    pthread_mutex_lock(&src->inflight_lock);
+    for (size_t j = 0; j < nb; j++)
+        rm->owned[j] = (unsigned char)claim_block(src, rm->keys[j], &rm->own[j],
+                                                  rm->buf + j * PLE_BLOCK, &rm->use[j]);
+    pthread_mutex_unlock(&src->inflight_lock);
+
+    /* (b) read our blocks, adjacent ones together */
+    size_t nr = 0;
+    for (size_t j = 0; j < nb;) {
+        if (!rm->owned[j]) {
+            j++;
+            continue;
+        }
+        size_t len = 1;
+        while (j + len < nb && len < COALESCE_BLOCKS && rm->owned[j + len]
+               && rm->keys[j + len] == rm->keys[j + len - 1] + 1)
+            len++;
+        rm->reads[nr] = (ple_read){
+            .fd = (int)(rm->keys[j] >> BLOCK_BITS),
+            .offset = (rm->keys[j] & ((1ULL << BLOCK_BITS) - 1)) * PLE_BLOCK,
+            .buf = rm->buf + j * PLE_BLOCK,
+            .len = (uint32_t)(len * PLE_BLOCK),
+        };
+        rm->first_block[nr++] = (uint32_t)j;
+        j += len;
+    }
+    ple_engine_run(src->engine, rm->reads, nr);
+
+    /* (c) publish */
+    pthread_mutex_lock(&src->inflight_lock);
+    for (size_t r = 0; r < nr; r++) {
+        const ple_read *rd = &rm->reads[r];
+        record_read(src, rd);
+        for (uint32_t q = 0; q < rd->len / PLE_BLOCK; q++) {
+            inflight *e = &rm->own[rm->first_block[r] + q];
+            int64_t left = (int64_t)rd->res - (int64_t)q * PLE_BLOCK;
+            e->valid = rd->res < 0 ? rd->res
+                     : (int32_t)(left < 0 ? 0 : left > PLE_BLOCK ? PLE_BLOCK : left);
+            e->done = 1;
+        }
+    }
+    if (nr)
+        pthread_cond_broadcast(&src->inflight_changed);
+    /* (d) wait for the blocks other requests read */
+    for (size_t j = 0; j < nb; j++)
+        while (!rm->use[j]->done)
+            pthread_cond_wait(&src->inflight_changed, &src->inflight_lock);
+    pthread_mutex_unlock(&src->inflight_lock);
+
+    int rc = 0;
+    for (size_t i = start; i < end; i++) {
+        unsigned char *dst = out + (size_t)m[i].pos * src->row_bytes;
+        if (copy_row(src, rm, &m[i], dst, err) != 0) {
+            t->read_errors++;
+            rc = -1;
+            continue;
+        }
+        if (src->cache) {
+            uint64_t row = (m[i].offset - src->shards[m[i].shard].file_offset) / src->row_bytes;
+            store_row(src, row_key(src, m[i].shard, row), dst, t);
+        }
+    }
+
+    /* (d) drop our references, (e) wait for our waiters, leave the set */
+    pthread_mutex_lock(&src->inflight_lock);
+    int released = 0;
+    for (size_t j = 0; j < nb; j++)
+        if (!rm->owned[j] && --rm->use[j]->refs == 0)
+            released = 1;
+    if (released)
+        pthread_cond_broadcast(&src->inflight_changed);
+    for (size_t j = 0; j < nb; j++) {
+        if (!rm->owned[j])
+            continue;
+        while (rm->own[j].refs)
+            pthread_cond_wait(&src->inflight_changed, &src->inflight_lock);
+        unlink_block(src, &rm->own[j]);
+    }
+    pthread_mutex_unlock(&src->inflight_lock);
+    return rc;
+}
+
+static int read_misses(ple_source *src, miss *m, size_t n, unsigned char *out, tally *t,
+                       ple_error *err)
+{
+    qsort(m, n, sizeof *m, cmp_miss);
+    round_mem *rm = malloc(sizeof *rm);
+    size_t blocks_max = n * ((src->row_bytes + PLE_BLOCK - 1) / PLE_BLOCK + 1);
+    if (blocks_max > ROUND_BLOCKS)
+        blocks_max = ROUND_BLOCKS;
+    if (!rm || posix_memalign((void **)&rm->buf, PLE_BLOCK, blocks_max * PLE_BLOCK) != 0) {
+        free(rm);
+        ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory for read buffers");
+        return -1;
+    }
+    int rc = 0;
+    for (size_t start = 0; start < n;) {
+        size_t nb, end = plan_round(src, m, start, n, rm, &nb);
+        if (read_round(src, m, start, end, nb, rm, out, t, err) != 0)
+            rc = -1;
+        start = end;
+    }
+    free(rm->buf);
+    free(rm);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- gather */
+
+/* Ids are looked up in batches: every id of a batch is located, its index
+ * entry prefetched, then its slot (or mapped row) prefetched, before the
+ * first locked lookup, so the memory latencies of a batch overlap instead of
+ * adding up (a mutex's atomic instruction would otherwise serialize them). */
+#define LOOKUP_BATCH 16u
+
+typedef struct located {
+    uint32_t shard;
+    uint64_t row;
+    ple_cache_probe probe;
+} located;
+
+static int locate_batch(ple_source *src, const int64_t *ids, size_t count, located *loc,
+                        ple_error *err)
+{
+    for (size_t k = 0; k < count; k++) {
+        /* Each id is read once: the caller's array may change under us. */
+        if (locate(src, ids[k], &loc[k].shard, &loc[k].row, err) != 0)
+            return -1;
+        uint64_t key = row_key(src, loc[k].shard, loc[k].row);
+        if (src->cache) {
+            ple_cache_prepare(src->cache, key, &loc[k].probe);
+        } else {
+            const src_shard *sh = &src->shards[loc[k].shard];
+            loc[k].probe.key = key;
+            __builtin_prefetch(sh->map + sh->file_offset + loc[k].row * src->row_bytes);
+        }
+    }
+    if (src->cache)
+        for (size_t k = 0; k < count; k++)
+            ple_cache_prefetch_row(src->cache, &loc[k].probe);
+    return 0;
+}
+
+/* One range of a request, in the calling thread. */
+static int gather_range(ple_source *src, const int64_t *ids, size_t n, unsigned char *out,
+                        tally *t, ple_error *err)
+{
+    uint32_t rb = src->row_bytes;
+    miss *m = NULL;
+    size_t nm = 0;
+    if (src->engine && !(m = malloc(n * sizeof *m))) {
+        ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory for %zu misses", n);
+        return -1;
+    }
+    int rc = 0;
+    located loc[LOOKUP_BATCH];
+    for (size_t base = 0; base < n; base += LOOKUP_BATCH) {
+        size_t count = n - base < LOOKUP_BATCH ? n - base : LOOKUP_BATCH;
+        if (locate_batch(src, ids + base, count, loc, err) != 0) {
+            rc = -1;
+            break;
+        }
+        for (size_t k = 0; k < count; k++) {
+            size_t i = base + k;
+            unsigned char *dst = out + i * rb;
+            if (src->cache && ple_cache_get_prepared(src->cache, &loc[k].probe, dst, rb)) {
+                t->hits++;
+                continue;
+            }
+            t->misses++;
+            const src_shard *sh = &src->shards[loc[k].shard];
+            uint64_t offset = sh->file_offset + loc[k].row * rb;
+            if (src->engine) {
+                m[nm++] = (miss){.sort_key = (uint64_t)sh->fd << BLOCK_BITS
+                                             | offset / PLE_BLOCK,
+                                 .offset = offset, .pos = (uint32_t)i, .shard = loc[k].shard};
+            } else {
+                memcpy(dst, sh->map + offset, rb);
+                if (src->cache)
+                    store_row(src, loc[k].probe.key, dst, t);
+            }
+        }
+    }
+    if (rc == 0 && nm)
+        rc = read_misses(src, m, nm, out, t, err);
+    free(m);
+    return rc;
+}
+
+static void add_tally(ple_source *src, const tally *t, int flags)
+{
+    if (flags & COUNT_LOOKUPS) {
+        ple_count(&src->hits, t->hits);
+        ple_count(&src->misses, t->misses);
+        if (src->cache)
+            ple_cache_count(src->cache, t->hits, t->misses);
+    }
+    ple_count(&src->evictions, t->evictions);
+    ple_count(&src->read_errors, t->read_errors);
+}
+
+/* The pool that splits large requests, shared by every table; it grows to
+ * the most threads asked for and lives as long as the process. */
+static pthread_mutex_t split_pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static ple_pool *split_pool;
+
+static ple_pool *get_split_pool(unsigned workers)
+{
+    pthread_mutex_lock(&split_pool_lock);
+    if (!split_pool)
+        split_pool = ple_pool_open(0);
+    if (split_pool)
+        ple_pool_grow(split_pool, workers);
+    ple_pool *pool = split_pool;
+    pthread_mutex_unlock(&split_pool_lock);
+    return pool;
+}
+
+typedef struct split {
+    ple_source *src;
+    const int64_t *ids;
+    unsigned char *out;
+    size_t n, per_task;
+    tally *tallies;
+    ple_error *errors;
+    int *rcs;
+} split;
+
+static void split_task(void *ctx, size_t k)
+{
+    split *sp = ctx;
+    size_t a = k * sp->per_task, b = a + sp->per_task < sp->n ? a + sp->per_task : sp->n;
+    sp->rcs[k] = gather_range(sp->src, sp->ids + a, b - a, sp->out + a * sp->src->row_bytes,
+                              &sp->tallies[k], &sp->errors[k]);
+}
+
+/* A request: split over the pool when large, counted once at the end; the
+ * counts are also added to *counted. */
+static int gather(ple_source *src, const int64_t *ids, size_t n, unsigned char *out,
+                  unsigned threads, int flags, tally *counted, ple_error *err)
+{
+    tally t = {0};
+    size_t tasks = threads > 1 ? n / SPLIT_MIN_ROWS : 1;
+    if (tasks > threads)
+        tasks = threads;
+    ple_pool *pool = tasks > 1 ? get_split_pool(threads - 1) : NULL;
+    int rc = 0;
+    if (!pool) {
+        rc = gather_range(src, ids, n, out, &t, err);
+    } else {
+        split sp = {.src = src, .ids = ids, .out = out, .n = n,
+                    .per_task = (n + tasks - 1) / tasks};
+        sp.tallies = calloc(tasks, sizeof *sp.tallies);
+        sp.errors = calloc(tasks, sizeof *sp.errors);
+        sp.rcs = calloc(tasks, sizeof *sp.rcs);
+        if (!sp.tallies || !sp.errors || !sp.rcs) {
+            ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory to split %zu rows", n);
+            rc = -1;
+        } else {
+            ple_pool_run(pool, split_task, &sp, tasks);
+            for (size_t k = 0; k < tasks; k++) {
+                t.hits += sp.tallies[k].hits;
+                t.misses += sp.tallies[k].misses;
+                t.inserted += sp.tallies[k].inserted;
+                t.evictions += sp.tallies[k].evictions;
+                t.read_errors += sp.tallies[k].read_errors;
+                if (sp.rcs[k] != 0 && rc == 0) {
+                    *err = sp.errors[k];
+                    rc = -1;
+                }
+            }
+        }
+        free(sp.tallies);
+        free(sp.errors);
+        free(sp.rcs);
+    }
+    add_tally(src, &t, flags);
+    counted->inserted += t.inserted;
+    return rc;
+}
+
+int ple_source_gather(ple_source *src, const int64_t *ids, size_t n, unsigned char *out,
+                      unsigned threads, ple_error *err)
+{
+    tally t = {0};
+    return gather(src, ids, n, out, threads, COUNT_LOOKUPS, &t, err);
+}
+
+int64_t ple_source_gather_hits(ple_source *src, const int64_t *ids, size_t n,
+                               unsigned char *out, ple_error *err)
+{
+    if (!src->cache)
+        return (int64_t)n;
+    located loc[LOOKUP_BATCH];
+    for (size_t base = 0; base < n; base += LOOKUP_BATCH) {
+        size_t count = n - base < LOOKUP_BATCH ? n - base : LOOKUP_BATCH;
+        if (locate_batch(src, ids + base, count, loc, err) != 0)
+            return -1;
+        for (size_t k = 0; k < count; k++) {
+            if (ple_cache_get_prepared(src->cache, &loc[k].probe,
+                                       out + (base + k) * src->row_bytes, src->row_bytes))
+                continue;
+            /* The caller gathers the request instead; its ids are still all
+             * checked, so a bad id is reported here as it would be there. */
+            uint32_t shard;
+            uint64_t row;
+            for (size_t j = base + count; j < n; j++)
+                if (locate(src, ids[j], &shard, &row, err) != 0)
+                    return -1;
+            return (int64_t)(n - base - k);
+        }
+    }
+    /* Counted only when served: a request handed on to gather counts there. */
+    tally t = {.hits = n};
+    add_tally(src, &t, COUNT_LOOKUPS);
+    return 0;
+}
+
+int64_t ple_source_fill(ple_source *src, const int64_t *ids, size_t n, ple_error *err)
+{
+    if (!src->cache) {
+        ple_error_set(err, PLE_ERR_VALUE, 0, "fill needs a row cache (this table has none)");
+        return -1;
+    }
+    size_t chunk = n < FILL_CHUNK_ROWS ? n : FILL_CHUNK_ROWS;
+    unsigned char *scratch = malloc(chunk * src->row_bytes + 1);
+    if (!scratch) {
+        ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory to fill the cache");
+        return -1;
+    }
+    tally t = {0};
+    int rc = 0;
+    for (size_t a = 0; a < n && rc == 0; a += chunk) {
+        size_t len = n - a < chunk ? n - a : chunk;
+        rc = gather(src, ids + a, len, scratch, 1, 0, &t, err);
+    }
+    free(scratch);
+    return rc == 0 ? (int64_t)t.inserted : -1;
+}
+
+/* ----------------------------------------------------------- lifecycle */
+
+static int check_shard(const ple_shard_spec *sp, unsigned i, uint32_t row_bytes,
+                       uint64_t shard_size, int have_engine, int direct, ple_error *err)
+{
+    const char *path = sp->path ? sp->path : "?";
+    if (sp->rows > shard_size || sp->file_offset > OFFSET_MAX
+        || sp->rows * row_bytes > OFFSET_MAX - sp->file_offset) {
+        ple_error_set(err, PLE_ERR_VALUE, 0, "shard %u of %s: %llu rows at offset %llu do not "
+                      "fit the table (shard_size %llu) or a file", i, path,
+                      (unsigned long long)sp->rows, (unsigned long long)sp->file_offset,
+                      (unsigned long long)shard_size);
+        return -1;
+    }
+    if (sp->rows == 0)
+        return 0;
+    if (!have_engine) {
+        if (!sp->map) {
+            ple_error_set(err, PLE_ERR_VALUE, 0, "shard %u of %s: no engine and no mapping to "
+                          "read its rows from", i, path);
+            return -1;
+        }
+        return 0;
+    }
+    struct stat st;
+    if (sp->fd < 0 || fstat(sp->fd, &st) != 0) {
+        ple_error_set(err, PLE_ERR_VALUE, 0, "shard %u of %s: fd %d is not an open file", i,
+                      path, sp->fd);
+        return -1;
+    }
+    if ((uint64_t)st.st_size < sp->file_offset + sp->rows * row_bytes) {
+        ple_error_set(err, PLE_ERR_VALUE, 0, "shard %u of %s: rows end at byte %llu but the "
+                      "file has %lld bytes", i, path,
+                      (unsigned long long)(sp->file_offset + sp->rows * row_bytes),
+                      (long long)st.st_size);
+        return -1;
+    }
+    int fl = fcntl(sp->fd, F_GETFL);
+    if (direct && (fl < 0 || !(fl & O_DIRECT))) {
+        ple_error_set(err, PLE_ERR_VALUE, 0, "shard %u of %s: direct=True but fd %d was not "
+                      "opened with O_DIRECT", i, path, sp->fd);
+        return -1;
+    }
+    return 0;
+}
+
+ple_source *ple_source_open(uint32_t table_key, uint32_t row_bytes, uint64_t shard_size,
+                            const ple_shard_spec *shards, unsigned nshards,
+                            ple_cache *cache, ple_engine *engine, int direct,
+                            ple_error *err)
+{
+    if (table_key > PLE_TABLE_KEY_MAX || row_bytes == 0 || row_bytes > PLE_ROW_BYTES_MAX
+        || shard_size == 0 || nshards == 0 || shard_size > (1ULL << 40) / nshards) {
+        ple_error_set(err, PLE_ERR_VALUE, 0, "bad table layout: table_key %u (max %u), "
+                      "row_bytes %u (1..%u), shard_size %llu x %u shards (at most 2^40 rows)",
+                      table_key, PLE_TABLE_KEY_MAX, row_bytes, PLE_ROW_BYTES_MAX,
+                      (unsigned long long)shard_size, nshards);
+        return NULL;
+    }
+    if (cache && row_bytes > ple_cache_slot_bytes(cache)) {
+        ple_error_set(err, PLE_ERR_VALUE, 0, "rows of %u bytes do not fit the cache's %u-byte "
+                      "slots", row_bytes, ple_cache_slot_bytes(cache));
+        return NULL;
+    }
+    for (unsigned i = 0; i < nshards; i++)
+        if (check_shard(&shards[i], i, row_bytes, shard_size, engine != NULL, direct, err))
+            return NULL;
+    ple_source *src = calloc(1, sizeof *src);
+    if (!src || !(src->shards = calloc(nshards, sizeof *src->shards))) {
+        free(src);
+        ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "out of memory");
+        return NULL;
+    }
+    atomic_init(&src->refs, 1);
+    src->table_key = table_key;
+    src->row_bytes = row_bytes;
+    src->shard_size = shard_size;
+    src->nshards = nshards;
+    pthread_mutex_init(&src->inflight_lock, NULL);
+    pthread_cond_init(&src->inflight_changed, NULL);
+    for (unsigned i = 0; i < nshards; i++)
+        src->shards[i].fd = -1;
+    for (unsigned i = 0; i < nshards; i++) {
+        src_shard *sh = &src->shards[i];
+        sh->file_offset = shards[i].file_offset;
+        sh->rows = shards[i].rows;
+        sh->map = shards[i].map;
+        if (shards[i].rows && i * shard_size + shards[i].rows > src->rows)
+            src->rows = i * shard_size + shards[i].rows;
+        sh->path = strdup(shards[i].path ? shards[i].path : "?");
+        /* Our own fd: the caller closing or reusing its number cannot make a
+         * read land in another file. */
+        if (engine && shards[i].rows)
+            sh->fd = fcntl(shards[i].fd, F_DUPFD_CLOEXEC, 0);
+        if (!sh->path || (engine && shards[i].rows && (sh->fd < 0 || sh->fd > FD_MAX))) {
+            int code = !sh->path ? ENOMEM : sh->fd < 0 ? errno : EMFILE;
+            ple_error_set(err, PLE_ERR_OS, code, "cannot duplicate fd %d of shard %u: %s",
+                          shards[i].fd, i, strerror(code));
+            ple_source_unref(src);
+            return NULL;
+        }
+    }
+    if (cache) {
+        ple_cache_ref(cache);
+        src->cache = cache;
+    }
+    if (engine) {
+        ple_engine_ref(engine);
+        src->engine = engine;
+    }
+    return src;
+}
+
+uint64_t ple_source_rows(const ple_source *src)
+{
+    return src->rows;
+}
+
+void ple_source_get_stats(ple_source *src, ple_source_stats *st)
+{
+    uint64_t h[HIST_BUCKETS], total = 0;
+    for (unsigned b = 0; b < HIST_BUCKETS; b++)
+        total += h[b] = ple_counted(&src->read_ns[b]);
+    st->hits = ple_counted(&src->hits);
+    st->misses = ple_counted(&src->misses);
+    st->reads = ple_counted(&src->reads);
+    st->read_bytes = ple_counted(&src->read_bytes);
+    st->read_errors = ple_counted(&src->read_errors);
+    st->evictions = ple_counted(&src->evictions);
+    st->read_ns_p50 = histogram_quantile(h, total, 0.50);
+    st->read_ns_p99 = histogram_quantile(h, total, 0.99);
+}
+
+void ple_source_ref(ple_source *src)
+{
+    /* Relaxed: the caller holds a reference already. */
+    atomic_fetch_add_explicit(&src->refs, 1, memory_order_relaxed);
+}
+
+void ple_source_unref(ple_source *src)
+{
+    /* Acq_rel: every user's last accesses happen before the frees below. */
+    if (atomic_fetch_sub_explicit(&src->refs, 1, memory_order_acq_rel) != 1)
+        return;
+    for (unsigned i = 0; i < src->nshards; i++) {
+        if (src->shards[i].fd >= 0)
+            close(src->shards[i].fd);
+        free(src->shards[i].path);
+    }
+    free(src->shards);
+    if (src->cache)
+        ple_cache_unref(src->cache);
+    if (src->engine)
+        ple_engine_unref(src->engine);
+    pthread_cond_destroy(&src->inflight_changed);
+    pthread_mutex_destroy(&src->inflight_lock);
+    free(src);
+}

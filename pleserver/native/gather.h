@@ -1,0 +1,55 @@
+/* Row lookup for one table: cache hits, misses read by the miss engine (or
+ * copied from the file mappings), large requests split over native threads.
+ *
+ * A table is `nshards` shards of `shard_size` rows (the last may be short):
+ * id → shard = id / shard_size, row = id % shard_size, file offset =
+ * shard.file_offset + row * row_bytes. */
+#ifndef PLE_GATHER_H
+#define PLE_GATHER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common.h"
+#include "reads.h"
+#include "rowcache.h"
+
+#define PLE_TABLE_KEY_MAX ((1u << 24) - 1)
+#define PLE_ROW_BYTES_MAX (1u << 20)
+
+typedef struct ple_shard_spec {
+    int fd;                     /* -1 when the table has no engine */
+    uint64_t file_offset;       /* of the shard's row 0 */
+    uint64_t rows;
+    const char *path;           /* for error messages */
+    const unsigned char *map;   /* the file's mapping (file offset 0), or NULL */
+} ple_shard_spec;
+
+typedef struct ple_source_stats {
+    uint64_t hits, misses, reads, read_bytes, read_errors, evictions;
+    uint64_t read_ns_p50, read_ns_p99;
+} ple_source_stats;
+
+typedef struct ple_source ple_source;
+
+/* Checks the layout (sizes, overflow, files long enough) and takes its own
+ * duplicates of the fds and references to the cache and engine. */
+ple_source *ple_source_open(uint32_t table_key, uint32_t row_bytes, uint64_t shard_size,
+                            const ple_shard_spec *shards, unsigned nshards,
+                            ple_cache *cache, ple_engine *engine, int direct,
+                            ple_error *err);
+uint64_t ple_source_rows(const ple_source *src);
+/* Rows of ids into out ([n, row_bytes]); 0, or -1 with err set. Every id is
+ * checked against the table here, where it is used. */
+int ple_source_gather(ple_source *src, const int64_t *ids, size_t n, unsigned char *out,
+                      unsigned threads, ple_error *err);
+/* Cache hits only: the number of ids not served, or -1 with err set. */
+int64_t ple_source_gather_hits(ple_source *src, const int64_t *ids, size_t n,
+                               unsigned char *out, ple_error *err);
+/* Read the rows of ids into the cache: rows inserted, or -1 with err set. */
+int64_t ple_source_fill(ple_source *src, const int64_t *ids, size_t n, ple_error *err);
+void ple_source_get_stats(ple_source *src, ple_source_stats *st);
+void ple_source_ref(ple_source *src);
+void ple_source_unref(ple_source *src);
+
+#endif

@@ -1,0 +1,141 @@
+"""The row cache and the miss engine under pressure: eviction under a tiny
+budget with several client processes, the pread-thread engine forced by
+``read_engine = threads``, and a read that fails because a checkpoint file
+was truncated under a direct-mode server."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pleclient import RequestError
+from pleclient.checkpoint import INDEX_FILE
+from pleserver.synthetic import read_reference, shard_bytes, write_checkpoint, \
+    write_safetensors
+from tests.conftest import SMALL_TABLES
+from tests.harness import REPO, child_env, child_report, python_child, wait_until
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cache")
+    write_checkpoint(str(path), SMALL_TABLES, files=2)
+    return path
+
+
+PRESSURE_CLIENT = """
+model, socket, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rng = np.random.default_rng(seed)
+bad = requests = 0
+with PleClient.connect(socket, capacity=2048) as client:
+    refs = {t.layer: read_reference(model, t.name) for t in client.tables}
+    for step in range(40):
+        for t in client.tables:
+            hot = rng.integers(0, 20, 32)  # a few rows every process keeps asking for
+            ids = np.concatenate([hot, rng.integers(0, t.rows, 224)])
+            requests += 1
+            bad += not np.array_equal(client.lookup(t.layer, ids), refs[t.layer][ids])
+print(json.dumps({"requests": requests, "bad": bad}))
+"""
+
+
+def run_clients(code: str, *args: str, count: int) -> list[dict]:
+    children = [python_child(code, *args, str(seed)) for seed in range(count)]
+    reports = []
+    for child in children:
+        out, err = child.communicate(timeout=180)
+        reports.append(child_report(subprocess.CompletedProcess(child.args, child.returncode,
+                                                                out, err)))
+    return reports
+
+
+def test_a_tiny_cache_evicts_and_stays_exact_under_parallel_clients(start_server, model,
+                                                                     tmp_path):
+    server = start_server(model, "--io", "direct", "--cache-size", "256K",
+                          "--state-dir", str(tmp_path))
+    reports = run_clients(PRESSURE_CLIENT, str(model), server.socket, count=4)
+    assert all(r["requests"] == 80 and r["bad"] == 0 for r in reports), reports
+    with server.client() as client:
+        stats = client.stats()
+    cache = stats["dataplane"]["cache"]
+    slot = max(t["row_bytes"] for t in stats["tables"])
+    assert 0 < cache["capacity_rows"] <= (256 << 10) // slot  # (the index takes its share)
+    assert cache["evictions"] > 0 and cache["used_rows"] <= cache["capacity_rows"], cache
+    for t in stats["tables"]:
+        io = t["io"]
+        assert io["misses"] > 0 and io["hits"] > 0 and io["reads"] > 0, io
+        assert io["read_bytes"] >= io["reads"] * 4096 and io["read_errors"] == 0, io
+        assert 0 < io["hit_rate"] < 1 and t["error_count"] == 0
+
+
+def test_the_thread_engine_serves_when_chosen_and_says_so(start_server, model, tmp_path):
+    server = start_server(model, "--io", "direct", "--read-engine", "threads",
+                          "--read-threads", "3", "--state-dir", str(tmp_path))
+    rng = np.random.default_rng(3)
+    with server.client() as client:
+        for t in client.tables:
+            ids = rng.integers(0, t.rows, 2000)
+            assert np.array_equal(client.lookup(t.layer, ids),
+                                  read_reference(str(model), t.name)[ids])
+        stats = client.stats()
+    assert stats["dataplane"]["engine"]["kind"] == "threads", stats["dataplane"]
+    assert all(t["io"]["reads"] > 0 for t in stats["tables"])
+    assert "miss engine: threads" in server.log()
+    human = subprocess.run([sys.executable, "-m", "pleserver.cli", "stats", "--socket",
+                            server.socket], capture_output=True, text=True, cwd=REPO,
+                           env=child_env(), timeout=30)
+    assert "miss engine threads" in human.stdout, human.stdout + human.stderr
+
+
+def one_table_per_file(model_dir: str, tables) -> list[str]:
+    """A checkpoint whose tables each live in a file of their own; the paths."""
+    os.makedirs(model_dir)
+    weight_map, paths = {}, []
+    for n, table in enumerate(tables):
+        filename = f"model-{n + 1:05d}-of-{len(tables):05d}.safetensors"
+        tensors = [(f"{table.name}.shard_{i}.weight", table.dtype, (rows, table.cols),
+                    shard_bytes(table, i).tobytes()) for i, rows in enumerate(table.shard_rows())]
+        if table.dtype.startswith("F8"):
+            tensors.append((f"{table.name}.weight_scale", "F32", (), struct.pack("<f", 0.0125)))
+        paths.append(os.path.join(model_dir, filename))
+        write_safetensors(paths[-1], tensors)
+        weight_map.update({name: filename for name, *_ in tensors})
+    with open(os.path.join(model_dir, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return paths
+
+
+def test_a_file_truncated_under_a_direct_server_fails_its_reads_not_the_server(
+        start_server, tmp_path):
+    model = str(tmp_path / "model")
+    fp8_file, bf16_file = one_table_per_file(model, SMALL_TABLES)
+    server = start_server(model, "--io", "direct", "--state-dir", str(tmp_path))
+    fp8, bf16 = SMALL_TABLES
+    refs = {t.layer: read_reference(model, t.name) for t in SMALL_TABLES}
+    with server.client() as client:
+        cached = np.arange(0, 100)
+        assert np.array_equal(client.lookup(bf16.layer, cached), refs[bf16.layer][cached])
+        os.truncate(bf16_file, os.path.getsize(bf16_file) // 2)
+        past_the_end = np.arange(bf16.rows - 500, bf16.rows)
+        with pytest.raises(RequestError) as failed:
+            client.lookup(bf16.layer, past_the_end)
+        text = str(failed.value)
+        assert bf16_file in text, text
+        assert "short read" in text or "changed on disk" in text, text  # the read, or the check
+        # The other table, in the other file, is served as before; so is this session.
+        ids = np.random.default_rng(5).integers(0, fp8.rows, 3000)
+        assert np.array_equal(client.lookup(fp8.layer, ids), refs[fp8.layer][ids])
+        assert wait_until(lambda: "changed on disk" in server.log())
+        with pytest.raises(RequestError, match="changed on disk"):
+            client.lookup(bf16.layer, cached)  # even rows in the cache: the file changed
+        assert np.array_equal(client.lookup(fp8.layer, ids), refs[fp8.layer][ids])
+        stats = client.stats()
+    assert server.proc.poll() is None
+    errors = stats["tables"][1]["errors"]
+    assert errors["read_error"] + errors["internal"] == 2, errors

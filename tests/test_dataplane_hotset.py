@@ -1,0 +1,118 @@
+"""The hot set: saved at stop, refilled first after a restart (stats show it),
+and never trusted when corrupt, truncated or saved for another checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from pleserver.synthetic import read_reference, write_checkpoint
+from tests.conftest import SMALL_TABLES
+from tests.harness import wait_until
+
+HOT_IDS = np.arange(0, 5000, 7)
+
+
+@pytest.fixture
+def model(tmp_path):
+    return write_checkpoint(str(tmp_path / "model"), SMALL_TABLES, files=2)
+
+
+@pytest.fixture
+def state_dir(tmp_path):
+    path = tmp_path / "state"
+    path.mkdir()
+    return path
+
+
+def direct(start_server, model, state_dir, *extra):
+    return start_server(model, "--io", "direct", "--state-dir", str(state_dir), *extra)
+
+
+def refill_over(client) -> dict:
+    assert wait_until(lambda: client.stats()["hotset"]["state"] not in ("pending", "refilling"),
+                      timeout=30)
+    return client.stats()
+
+
+def warm_and_stop(start_server, model, state_dir) -> None:
+    server = direct(start_server, model, state_dir)
+    with server.client() as client:
+        for t in client.tables:
+            client.lookup(t.layer, HOT_IDS)
+    assert server.stop() == 0
+    assert "hot set: saved" in server.log() or (state_dir / "hotset.bin").exists()
+
+
+def test_the_hot_set_is_saved_at_stop_and_refilled_after_a_restart(start_server, model,
+                                                                   state_dir):
+    warm_and_stop(start_server, model, state_dir)
+    assert (state_dir / "hotset.bin").exists()
+    assert not [n for n in os.listdir(state_dir) if n != "hotset.bin"]  # no temp file left
+    server = direct(start_server, model, state_dir)
+    with server.client() as client:
+        stats = refill_over(client)
+        hs = stats["hotset"]
+        rows = HOT_IDS.size * len(SMALL_TABLES)
+        assert hs["state"] == "done" and hs["target_rows"] == hs["done_rows"] == rows, hs
+        assert stats["dataplane"]["cache"]["used_rows"] == rows
+        before = {t["layer"]: t["io"] for t in stats["tables"]}
+        for t in client.tables:  # every hot row is a hit now, and exact
+            assert np.array_equal(client.lookup(t.layer, HOT_IDS),
+                                  read_reference(model, t.name)[HOT_IDS])
+        after = {t["layer"]: t["io"] for t in client.stats()["tables"]}
+    for layer in before:
+        assert after[layer]["misses"] == before[layer]["misses"], (before, after)
+        assert after[layer]["hits"] >= before[layer]["hits"] + HOT_IDS.size
+    assert "hot set: refilling the row cache" in server.log()
+
+
+def test_a_hot_set_larger_than_the_cache_refills_only_what_fits(start_server, model,
+                                                                state_dir):
+    warm_and_stop(start_server, model, state_dir)
+    server = direct(start_server, model, state_dir, "--cache-size", "64K")
+    with server.client() as client:
+        stats = refill_over(client)
+    hs, cache = stats["hotset"], stats["dataplane"]["cache"]
+    assert hs["state"] == "budget" and hs["target_rows"] == cache["capacity_rows"], (hs, cache)
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "garbage", "empty"])
+def test_a_corrupt_hot_set_file_is_ignored_with_a_warning(start_server, model, state_dir,
+                                                          damage):
+    warm_and_stop(start_server, model, state_dir)
+    path = state_dir / "hotset.bin"
+    data = bytearray(path.read_bytes())
+    if damage == "flipped byte":
+        data[len(data) // 2] ^= 0x40
+    elif damage == "truncated":
+        data = data[:len(data) - 100]
+    elif damage == "garbage":
+        data = bytearray(os.urandom(len(data)))
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    server = direct(start_server, model, state_dir)
+    with server.client() as client:
+        stats = refill_over(client)
+        assert stats["hotset"]["state"] == "ignored" and stats["hotset"]["done_rows"] == 0
+        assert stats["dataplane"]["cache"]["used_rows"] == 0
+        t = client.tables[0]
+        assert np.array_equal(client.lookup(t.layer, HOT_IDS),
+                              read_reference(model, t.name)[HOT_IDS])
+    log = server.log()
+    assert f"WARNING pleserver.hotset: hot set: ignoring {path}" in log, log[-3000:]
+
+
+def test_a_hot_set_of_another_checkpoint_is_ignored_with_a_warning(start_server, model,
+                                                                   state_dir, tmp_path):
+    other = write_checkpoint(str(tmp_path / "other"), SMALL_TABLES, files=2, seed=1)
+    warm_and_stop(start_server, other, state_dir)
+    server = direct(start_server, model, state_dir)
+    with server.client() as client:
+        stats = refill_over(client)
+    assert stats["hotset"]["state"] == "ignored"
+    assert stats["dataplane"]["cache"]["used_rows"] == 0
+    assert "saved for another checkpoint" in server.log()

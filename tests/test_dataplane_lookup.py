@@ -1,0 +1,129 @@
+"""Rows through the native data plane, in every io mode, bit for bit: FP8 and
+BF16 tables with partial last shards over several files, ids whose row
+straddles a 4 KiB block, duplicates, large requests split over native threads,
+and the same ids asked for by several client processes at once."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+
+from pleclient.checkpoint import discover_tables
+from pleserver.synthetic import read_reference, write_checkpoint
+from tests.conftest import SMALL_TABLES
+from tests.harness import child_report, python_child
+
+BLOCK = 4096
+MODES = ("direct", "buffered", "mmap")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """Three files: shards of both tables in each, at offsets that are not
+    multiples of the row size (the first file starts with another tensor)."""
+    path = tmp_path_factory.mktemp("dataplane")
+    write_checkpoint(str(path), SMALL_TABLES, files=3)
+    return path
+
+
+def straddling_ids(model, layer: int) -> np.ndarray:
+    """Ids whose row crosses a 4 KiB boundary of its file."""
+    spec = next(t for t in discover_tables(str(model)) if t.layer == layer)
+    ids = []
+    for shard in spec.shards:
+        start = shard.offset + np.arange(shard.rows, dtype=np.int64) * spec.row_bytes
+        crossing = np.flatnonzero(start // BLOCK != (start + spec.row_bytes - 1) // BLOCK)
+        ids.extend((shard.index * spec.shard_size + crossing[:20]).tolist())
+    return np.array(ids, dtype=np.int64)
+
+
+def expect_mode(client, io: str) -> None:
+    plane = client.stats()["dataplane"]
+    assert plane["io"] == io, plane
+
+
+@pytest.mark.parametrize("io", MODES)
+def test_rows_are_bit_exact_in_every_mode(start_server, model, tmp_path, io):
+    server = start_server(model, "--io", io, "--state-dir", str(tmp_path),
+                          "--parallel-min-rows", "4096")
+    rng = np.random.default_rng(9)
+    with server.client(capacity=20_000, depth=2) as client:
+        expect_mode(client, io)
+        for t in client.tables:
+            ref = read_reference(str(model), t.name)
+            last_shard = np.arange((t.parts - 1) * t.shard_size, t.rows)  # the partial one
+            cases = {
+                "one": np.array([t.rows - 1]),
+                "random": rng.integers(0, t.rows, 300),
+                "straddling": straddling_ids(model, t.layer),
+                "partial last shard": last_shard,
+                "duplicates": np.repeat(rng.integers(0, t.rows, 50), 7),
+                "large, split over threads": rng.integers(0, t.rows, 12_000),
+            }
+            for name, ids in cases.items():
+                for attempt in ("cold", "warm"):  # misses first, then cache hits
+                    got = client.lookup(t.layer, ids)
+                    assert np.array_equal(got, ref[ids]), (io, t.dtype, name, attempt)
+
+
+CONCURRENT_CLIENT = """
+model, socket, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+refs = {}
+bad = requests = 0
+with PleClient.connect(socket, capacity=4096) as client:
+    for t in client.tables:
+        refs[t.layer] = read_reference(model, t.name)
+    shared = np.random.default_rng(1234)  # the same ids in every process
+    own = np.random.default_rng(seed)
+    for step in range(60):
+        for t in client.tables:
+            ids = np.concatenate([shared.integers(0, t.rows, 64), own.integers(0, t.rows, 64)])
+            requests += 1
+            bad += not np.array_equal(client.lookup(t.layer, ids), refs[t.layer][ids])
+print(json.dumps({"requests": requests, "bad": bad}))
+"""
+
+
+@pytest.mark.parametrize("io", ["direct", "mmap"])
+def test_ids_repeated_across_concurrent_clients_are_bit_exact(start_server, model, tmp_path,
+                                                              io):
+    server = start_server(model, "--io", io, "--state-dir", str(tmp_path))
+    children = [python_child(CONCURRENT_CLIENT, str(model), server.socket, str(seed))
+                for seed in range(4)]
+    reports = []
+    for child in children:
+        out, err = child.communicate(timeout=120)
+        reports.append(child_report(subprocess.CompletedProcess(child.args, child.returncode,
+                                                                out, err)))
+    assert all(r["requests"] == 120 and r["bad"] == 0 for r in reports), reports
+    with server.client() as client:
+        stats = client.stats()
+    assert all(t["error_count"] == 0 for t in stats["tables"]), stats["tables"]
+    if io == "direct":  # the shared ids were read once and then served from the cache
+        assert all(t["io"]["hits"] > 0 and t["io"]["reads"] > 0 for t in stats["tables"])
+
+
+def test_auto_serves_tables_that_fit_from_the_page_cache(start_server, model, tmp_path):
+    server = start_server(model, "--state-dir", str(tmp_path))
+    with server.client() as client:
+        plane = client.stats()["dataplane"]
+    assert plane["io"] == "mmap" and plane["io_reason"].startswith("auto: the tables")
+    assert plane["cache"] is None
+    assert "io = mmap (auto: the tables" in server.log()
+
+
+def test_auto_reads_tables_larger_than_the_cache_directly(start_server, model, tmp_path):
+    server = start_server(model, "--state-dir", str(tmp_path), "--cache-size", "1M")
+    with server.client() as client:
+        plane = client.stats()["dataplane"]
+        t = client.tables[0]
+        ids = np.arange(0, t.rows, 97)
+        assert np.array_equal(client.lookup(t.layer, ids),
+                              read_reference(str(model), t.name)[ids])
+    assert plane["io"] == "direct" and "exceed" in plane["io_reason"], plane
+    assert plane["cache"]["budget_bytes"] == 1 << 20
+    assert plane["cache"]["budget_reason"] == "cache_size setting"
+    log = server.log()
+    assert "io = direct (auto: the tables" in log and "row cache: " in log

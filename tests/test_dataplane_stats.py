@@ -1,0 +1,71 @@
+"""The data plane's numbers — mode, row cache, miss engine, per-table hit rate,
+misses, disk reads and their latency, hot set — the same in the STATS
+message, `pleserver stats` (text and --json) and the Prometheus endpoint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from tests.harness import REPO, child_env
+from tests.test_ops_metrics import Scrape, metrics_url
+
+
+def pleserver_stats(socket: str, *flags: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "pleserver.cli", "stats", "--socket",
+                             socket, *flags], capture_output=True, text=True, cwd=REPO,
+                            env=child_env(), timeout=30)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_data_plane_numbers_agree_in_stats_cli_and_metrics(start_server, checkpoint,
+                                                           tmp_path):
+    server = start_server(checkpoint, "--io", "direct", "--state-dir", str(tmp_path),
+                          "--metrics-address", "127.0.0.1:0")
+    ids = np.arange(0, 3000, 3)
+    with server.client() as client:
+        for t in client.tables:
+            client.lookup(t.layer, ids)  # misses: read from disk
+            client.lookup(t.layer, ids)  # hits
+        stats = client.stats()
+    as_json = json.loads(pleserver_stats(server.socket, "--json"))
+    scrape = Scrape(metrics_url(server))
+    text = pleserver_stats(server.socket)
+
+    plane = stats["dataplane"]
+    assert plane["io"] == "direct" and plane["io_reason"] == "io setting"
+    assert as_json["dataplane"]["io"] == "direct"
+    assert scrape.value("ple_io_mode", io="direct") == 1
+    assert scrape.value("ple_io_mode", io="mmap") == 0
+    engine = plane["engine"]
+    assert engine["kind"] in ("io_uring", "threads") and engine["queue_depth"] == 128
+    assert scrape.value("ple_read_engine_info", kind=engine["kind"],
+                        fallback_reason=engine["fallback_reason"] or "") == 1
+    assert scrape.value("ple_cache_capacity_rows") == plane["cache"]["capacity_rows"] > 0
+    assert scrape.value("ple_cache_budget_bytes") == plane["cache"]["budget_bytes"]
+    assert scrape.value("ple_hotset_state", state="none") == 1  # nothing saved before
+
+    for t in stats["tables"]:
+        io = t["io"]
+        assert t["io_mode"] == "direct"
+        assert io["misses"] >= 1000 and io["hits"] >= 1000, io  # (distinct ids: 1000)
+        assert io["reads"] > 0 and io["read_bytes"] >= 4096 * io["reads"] // 2
+        assert 0 < io["read_p50_s"] <= io["read_p99_s"] < 10, io
+        layer = t["layer"]
+        assert scrape.table("ple_cache_misses_total", layer) >= io["misses"]
+        assert scrape.table("ple_cache_hits_total", layer) >= io["hits"]
+        assert scrape.table("ple_disk_reads_total", layer) >= io["reads"]
+        assert scrape.table("ple_disk_read_errors_total", layer) == 0
+        assert 0 < scrape.table("ple_cache_hit_ratio", layer) < 1
+        assert scrape.table("ple_disk_read_latency_seconds", layer, quantile="0.99") > 0
+        assert scrape.table("ple_table_io_mode", layer, io="direct") == 1
+        assert as_json["tables"][stats["tables"].index(t)]["io"]["misses"] >= io["misses"]
+
+    assert "io direct (io setting)" in text
+    assert f"miss engine {engine['kind']}, queue depth 128" in text
+    assert "row cache " in text and "hit rate" in text and "read p99 µs" in text
+    assert "hot set none" in text

@@ -1,0 +1,199 @@
+"""The native data plane under bad input and failing files: arguments checked
+at the door (TypeError/ValueError, never a crash), read errors reported with
+file, offset and errno, and the disk probe."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from pleclient.checkpoint import discover_tables
+from pleserver import _native as nat
+from pleserver.synthetic import SyntheticTable, write_checkpoint
+from tests.test_native_gather import Opened, file_rows, opened, specs  # noqa: F401 (fixtures)
+
+
+@pytest.fixture
+def own_copy(tmp_path):
+    """A checkpoint of its own (one file) that a test may truncate."""
+    write_checkpoint(str(tmp_path), (SyntheticTable(layer=2, rows=5000, cols=160,
+                                                    dtype="BF16", parts=2),), files=1)
+    return discover_tables(str(tmp_path), fingerprint=False)[0]
+
+
+@pytest.mark.parametrize("kind", ["auto", "threads"])
+def test_truncated_file_gives_read_error_naming_file_and_offset(own_copy, kind):
+    spec = own_copy
+    expected = file_rows(spec)
+    engine = nat.ReadEngine(queue_depth=8, kind=kind, threads=2)
+    o = Opened(spec, "direct", engine=engine)
+    try:
+        path = spec.files[0]
+        keep = spec.shards[1].offset + 100 * spec.row_bytes  # shard 1 keeps 100 rows
+        os.truncate(path, keep)
+        lost = np.array([spec.shard_size + 2000, 3, spec.shard_size + 2001], dtype=np.int64)
+        with pytest.raises(nat.ReadError) as caught:
+            o.gather(lost)
+        exc = caught.value
+        assert isinstance(exc, OSError) and exc.errno == errno.EIO
+        assert path in str(exc) and "offset" in str(exc) and "short read" in str(exc)
+        assert o.source.stats()["read_errors"] >= 1
+        # Nothing wrong was cached; what is still on disk keeps being served.
+        out = np.empty((lost.size, spec.row_bytes), np.uint8)
+        assert o.source.gather_hits(lost, out) > 0
+        ok = np.array([3, 4, spec.shard_size + 5, spec.shard_size + 99], dtype=np.int64)
+        np.testing.assert_array_equal(o.gather(ok), expected[ok])
+    finally:
+        o.close()
+
+
+@pytest.mark.parametrize("kind", ["auto", "threads"])
+def test_read_error_from_the_kernel_carries_its_errno(tmp_path, kind):
+    """An fd that every read refuses (a directory: EISDIR) gives ReadError
+    with that errno, and the engine keeps working for other tables."""
+    fd = os.open(tmp_path, os.O_RDONLY)
+    cache = nat.RowCache(1 << 20, 160)
+    engine = nat.ReadEngine(queue_depth=4, kind=kind, threads=2)
+    try:
+        assert os.fstat(fd).st_size >= 10 * 160
+        src = nat.TableSource(5, 160, 10, [(fd, 0, 10, str(tmp_path), 0)], cache, engine,
+                              False)
+        with pytest.raises(nat.ReadError) as caught:
+            src.gather(np.array([4], dtype=np.int64), np.empty((1, 160), np.uint8))
+        assert caught.value.errno == errno.EISDIR
+        assert str(tmp_path) in str(caught.value) and "offset 0" in str(caught.value)
+        assert src.stats()["read_errors"] == 1
+        src.close()
+        data = tmp_path / "rows"
+        data.write_bytes(bytes(range(160)) * 10)
+        with open(data, "rb") as f:
+            src = nat.TableSource(6, 160, 10, [(f.fileno(), 0, 10, str(data), 0)], cache,
+                                  engine, False)
+        out = np.empty((2, 160), np.uint8)
+        src.gather(np.array([9, 0], dtype=np.int64), out)
+        assert (out == np.arange(160, dtype=np.uint8)).all()
+        src.close()
+    finally:
+        os.close(fd)
+        cache.close()
+        engine.close()
+
+
+@pytest.fixture
+def fp8(specs, opened):
+    return opened(specs["F8_E4M3"], "direct")
+
+
+def test_ids_of_the_wrong_type_raise_type_error(fp8):
+    out = np.empty((4, 160), np.uint8)
+    for ids in (np.arange(4, dtype=np.int32), np.arange(4, dtype=np.float64),
+                np.arange(8, dtype=np.int64)[::2], np.arange(4, dtype=np.int64).reshape(2, 2),
+                [0, 1, 2, 3], "abcd"):
+        with pytest.raises(TypeError):
+            fp8.source.gather(ids, out)
+
+
+def test_out_of_the_wrong_shape_or_kind_raises(fp8):
+    ids = np.arange(4, dtype=np.int64)
+    with pytest.raises(ValueError, match="need"):
+        fp8.source.gather(ids, np.empty((3, 160), np.uint8))
+    with pytest.raises(ValueError, match="need"):
+        fp8.source.gather(ids, np.empty((4, 159), np.uint8))
+    with pytest.raises(TypeError):
+        fp8.source.gather(ids, np.empty((4, 80), np.uint16))
+    with pytest.raises(TypeError):
+        fp8.source.gather(ids, np.empty((4, 320), np.uint8)[:, ::2])
+    readonly = np.empty((4, 160), np.uint8)
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        fp8.source.gather(ids, readonly)
+    with pytest.raises(ValueError, match="read-only"):
+        fp8.source.gather_hits(ids, bytes(640))
+    with pytest.raises(ValueError, match="threads"):
+        fp8.source.gather(ids, np.empty((4, 160), np.uint8), 0)
+
+
+@pytest.mark.parametrize("bad", [-1, 20_011, 2**62, -2**63])
+def test_ids_out_of_range_raise_value_error(fp8, bad):
+    ids = np.array([0, 1, bad], dtype=np.int64)
+    out = np.empty((3, 160), np.uint8)
+    for call in (lambda: fp8.source.gather(ids, out), lambda: fp8.source.gather_hits(ids, out),
+                 lambda: fp8.source.fill(ids), lambda: fp8.source.gather(ids, out, 4)):
+        with pytest.raises(ValueError, match="not in the table"):
+            call()
+    big = np.full(10_000, bad, dtype=np.int64)
+    with pytest.raises(ValueError, match="not in the table"):
+        fp8.source.gather(big, np.empty((10_000, 160), np.uint8), 4)
+
+
+def test_bad_constructor_arguments_raise(specs, tmp_path):
+    spec = specs["F8_E4M3"]
+    with pytest.raises(ValueError):
+        nat.ReadEngine(kind="spdk")
+    with pytest.raises(ValueError):
+        nat.ReadEngine(queue_depth=0)
+    with pytest.raises(ValueError, match="rows"):
+        nat.RowCache(100, 160)
+    with pytest.raises(ValueError):
+        nat.RowCache(1 << 20, 0)
+    cache = nat.RowCache(1 << 20, 160)
+    engine = nat.ReadEngine(queue_depth=4)
+    fd = os.open(spec.files[0], os.O_RDONLY)
+    try:
+        good = [(fd, s.offset, s.rows, s.path, 0) for s in spec.shards]
+        with pytest.raises(ValueError, match="O_DIRECT"):
+            nat.TableSource(1, 160, spec.shard_size, good, cache, engine, True)
+        with pytest.raises(ValueError, match="slots"):
+            nat.TableSource(1, 320, spec.shard_size, good, cache, engine, False)
+        with pytest.raises(ValueError, match="mapping"):
+            nat.TableSource(1, 160, spec.shard_size, good, None, None, False)
+        with pytest.raises(ValueError, match="table_key"):
+            nat.TableSource(1 << 24, 160, spec.shard_size, good, cache, engine, False)
+        with pytest.raises(TypeError):
+            nat.TableSource(1, 160, spec.shard_size, [(fd, 0, 1)], cache, engine, False)
+        with pytest.raises(TypeError):
+            nat.TableSource(1, 160, spec.shard_size, good, engine, cache, False)
+        too_long = [(fd, s.offset, spec.shard_size + 1, s.path, 0) for s in spec.shards]
+        with pytest.raises(ValueError):
+            nat.TableSource(1, 160, spec.shard_size, too_long, cache, engine, False)
+        past_end = [(fd, 1 << 40, 10, spec.files[0], 0)]
+        with pytest.raises(ValueError, match="file has"):
+            nat.TableSource(1, 160, 10, past_end, cache, engine, False)
+    finally:
+        os.close(fd)
+        cache.close()
+        engine.close()
+    with pytest.raises(ValueError, match="closed"):
+        cache.stats()
+
+
+def test_probe_reports_the_disk_rate(specs):
+    paths = specs["F8_E4M3"].files
+    for kind in ("auto", "threads"):
+        r = nat.probe_random_reads(paths, block=4096, queue_depth=4, seconds=0.2, kind=kind)
+        assert r["reads"] > 0 and r["reads_per_s"] > 0
+        assert 0.2 <= r["seconds"] < 10
+        assert r["kind"] in ("io_uring", "threads") and r["queue_depth"] == 4
+        assert r["block"] == 4096
+    assert nat.probe_random_reads(paths, seconds=0.1, direct=False)["reads"] > 0
+
+
+def test_probe_rejects_bad_arguments(specs, tmp_path):
+    paths = specs["F8_E4M3"].files
+    with pytest.raises(ValueError):
+        nat.probe_random_reads(paths, block=1000)
+    with pytest.raises(ValueError):
+        nat.probe_random_reads(paths, block=512, direct=True)
+    with pytest.raises(ValueError):
+        nat.probe_random_reads(paths, seconds=0)
+    with pytest.raises(ValueError):
+        nat.probe_random_reads([])
+    with pytest.raises(FileNotFoundError):
+        nat.probe_random_reads([str(tmp_path / "missing")], seconds=0.1)
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="block"):
+        nat.probe_random_reads([str(empty)], seconds=0.1)

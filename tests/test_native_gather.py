@@ -1,0 +1,286 @@
+"""The native data plane's lookups (``pleserver._native``): rows bit-exact in
+every mode, straddling pages, duplicates, concurrent callers, eviction under a
+tiny budget, the pread fallback, large requests split over native threads.
+
+Expected rows are read from the checkpoint files with plain Python I/O."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from pleclient.checkpoint import TableSpec, discover_tables
+from pleserver import _native as nat
+from pleserver.synthetic import SyntheticTable, write_checkpoint
+
+# FP8 rows of 160 bytes and BF16 rows of 320 bytes; partial last shards; shards
+# over two files, behind a small tensor, so rows sit at odd offsets.
+TABLES = (
+    SyntheticTable(layer=1, rows=20_011, cols=160, dtype="F8_E4M3", parts=8, scale=0.0125),
+    SyntheticTable(layer=3, rows=10_007, cols=160, dtype="BF16", parts=4),
+)
+MODES = ("direct", "buffered", "mmap")
+
+
+@pytest.fixture(scope="module")
+def specs(tmp_path_factory) -> dict[str, TableSpec]:
+    model = tmp_path_factory.mktemp("native-ckpt")
+    write_checkpoint(str(model), TABLES, files=2)
+    return {s.dtype: s for s in discover_tables(str(model), fingerprint=False)}
+
+
+def file_rows(spec: TableSpec) -> np.ndarray:
+    """The whole table as uint8 [rows, row_bytes], read with plain file I/O."""
+    parts = []
+    for shard in spec.shards:
+        with open(shard.path, "rb") as f:
+            f.seek(shard.offset)
+            data = f.read(shard.rows * spec.row_bytes)
+        parts.append(np.frombuffer(data, np.uint8).reshape(shard.rows, spec.row_bytes))
+    return np.concatenate(parts)
+
+
+class Opened:
+    """A TableSource over a table in one mode, with what it needs kept alive."""
+
+    def __init__(self, spec: TableSpec, mode: str, key: int = 1,
+                 cache: "nat.RowCache | None" = None, engine: "nat.ReadEngine | None" = None,
+                 cache_bytes: int = 64 << 20) -> None:
+        self.maps: list[mmap.mmap] = []
+        self.views: list[np.ndarray] = []
+        if mode != "mmap":
+            self.cache = cache or nat.RowCache(cache_bytes, spec.row_bytes)
+            self.engine = engine or nat.ReadEngine(queue_depth=64)
+        else:
+            self.cache = self.engine = None
+        flags = os.O_RDONLY | (os.O_DIRECT if mode == "direct" else 0)
+        fds = {p: os.open(p, flags) for p in spec.files}
+        try:
+            addresses = {p: 0 for p in spec.files}
+            if mode == "mmap":
+                for p, fd in fds.items():
+                    mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                    view = np.frombuffer(mm, np.uint8)
+                    self.maps.append(mm)
+                    self.views.append(view)
+                    addresses[p] = view.ctypes.data
+            shards = [(fds[s.path], s.offset, s.rows, s.path, addresses[s.path])
+                      for s in spec.shards]
+            self.source = nat.TableSource(key, spec.row_bytes, spec.shard_size, shards,
+                                          self.cache, self.engine, mode == "direct")
+        finally:
+            for fd in fds.values():  # the source keeps duplicates of its own
+                os.close(fd)
+
+    def gather(self, ids, threads: int = 1) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        out = np.empty((ids.size, self.source.row_bytes), np.uint8)
+        self.source.gather(ids, out, threads)
+        return out
+
+    def close(self) -> None:
+        self.source.close()
+        for obj in (self.cache, self.engine):
+            if obj is not None:
+                obj.close()
+        self.views.clear()
+        for mm in self.maps:
+            mm.close()
+
+
+@pytest.fixture
+def opened():
+    made: list[Opened] = []
+
+    def make(*args, **kwargs) -> Opened:
+        made.append(Opened(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for o in made:
+        o.close()
+
+
+def straddling_ids(spec: TableSpec, count: int) -> np.ndarray:
+    """Ids whose row crosses a 4 KiB boundary of its file."""
+    found = []
+    for shard in spec.shards:
+        first = shard.index * spec.shard_size
+        for r in range(shard.rows):
+            start = shard.offset + r * spec.row_bytes
+            if start // 4096 != (start + spec.row_bytes - 1) // 4096:
+                found.append(first + r)
+                if len(found) == count:
+                    return np.array(found, dtype=np.int64)
+    return np.array(found, dtype=np.int64)
+
+
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "BF16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_are_bit_exact_cold_and_warm(specs, opened, mode, dtype):
+    spec = specs[dtype]
+    expected = file_rows(spec)
+    rng = np.random.default_rng(7)
+    edges = [0, spec.rows - 1] + [s.index * spec.shard_size for s in spec.shards] + [
+        s.index * spec.shard_size + s.rows - 1 for s in spec.shards]
+    ids = np.concatenate([edges, rng.integers(0, spec.rows, 3000)]).astype(np.int64)
+    o = opened(spec, mode)
+    cold = o.gather(ids)
+    warm = o.gather(ids)
+    np.testing.assert_array_equal(cold, expected[ids])
+    np.testing.assert_array_equal(warm, expected[ids])
+    if mode != "mmap":
+        stats = o.source.stats()
+        assert stats["hits"] + stats["misses"] == 2 * ids.size
+        assert stats["hits"] >= ids.size  # the second pass is all hits
+        assert stats["reads"] > 0 and stats["read_bytes"] >= 4096 * stats["reads"] // 2
+
+
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "BF16"])
+def test_rows_straddling_two_pages_are_exact(specs, opened, dtype):
+    spec = specs[dtype]
+    ids = straddling_ids(spec, 200)
+    assert ids.size == 200
+    o = opened(spec, "direct")
+    np.testing.assert_array_equal(o.gather(ids), file_rows(spec)[ids])
+
+
+def test_duplicate_ids_are_read_once_and_all_answered(specs, opened):
+    spec = specs["F8_E4M3"]
+    base = np.array([5, 6, 7, 4000, 4001, 19_999], dtype=np.int64)
+    ids = np.concatenate([base, base[::-1], base, [5, 5, 5]])
+    o = opened(spec, "direct")
+    np.testing.assert_array_equal(o.gather(ids), file_rows(spec)[ids])
+    stats = o.cache.stats()
+    assert stats["used_rows"] == stats["inserts"] == np.unique(base).size
+    # 5, 6, 7 share a block, 4000 and 4001 too: fewer reads than distinct rows.
+    assert o.source.stats()["reads"] <= 4
+
+
+def test_concurrent_callers_get_exact_rows(specs, opened):
+    spec = specs["BF16"]
+    expected = file_rows(spec)
+    o = opened(spec, "direct", cache_bytes=2 << 20)  # small: misses keep coming
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(30):
+                # Overlapping hot ranges: the same blocks are in flight for several callers.
+                ids = rng.integers(0, 3000, 257).astype(np.int64)
+                np.testing.assert_array_equal(o.gather(ids), expected[ids])
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    stats = o.source.stats()
+    assert stats["hits"] + stats["misses"] == 6 * 30 * 257
+
+
+def test_eviction_under_a_tiny_budget_keeps_rows_exact(specs, opened):
+    spec = specs["F8_E4M3"]
+    expected = file_rows(spec)
+    o = opened(spec, "direct", cache_bytes=200 * (spec.row_bytes + 40))
+    capacity = o.cache.capacity_rows
+    assert 0 < capacity <= 200
+    rng = np.random.default_rng(3)
+    requested = 0
+    for _ in range(20):
+        ids = rng.integers(0, spec.rows, 300).astype(np.int64)
+        np.testing.assert_array_equal(o.gather(ids), expected[ids])
+        requested += ids.size
+    c = o.cache.stats()
+    assert c["hits"] + c["misses"] == requested
+    assert c["used_rows"] == capacity
+    assert c["inserts"] - c["evictions"] == c["used_rows"]
+    assert c["evictions"] > 0 and o.source.stats()["evictions"] == c["evictions"]
+    keys = o.cache.keys()
+    assert keys.dtype == np.uint64 and keys.size == capacity
+    assert np.all(keys >> np.uint64(40) == 1)
+    # What the cache holds is still right: served from the cache, exact.
+    held = (keys & np.uint64((1 << 40) - 1)).astype(np.int64)
+    out = np.empty((held.size, spec.row_bytes), np.uint8)
+    assert o.source.gather_hits(held, out) == 0
+    np.testing.assert_array_equal(out, expected[held])
+
+
+def test_threads_fallback_forced_by_kind(specs, opened):
+    spec = specs["BF16"]
+    engine = nat.ReadEngine(queue_depth=16, kind="threads", threads=4)
+    assert engine.kind == "threads" and "threads" in engine.fallback_reason
+    o = opened(spec, "direct", engine=engine)
+    ids = np.concatenate([straddling_ids(spec, 50), np.arange(9000, 9100)]).astype(np.int64)
+    np.testing.assert_array_equal(o.gather(ids), file_rows(spec)[ids])
+    assert o.source.stats()["reads"] > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_large_request_split_over_native_threads_is_exact(specs, opened, mode):
+    spec = specs["F8_E4M3"]
+    ids = np.random.default_rng(11).integers(0, spec.rows, 50_000).astype(np.int64)
+    o = opened(spec, mode)
+    expected = file_rows(spec)[ids]
+    np.testing.assert_array_equal(o.gather(ids, threads=4), expected)
+    np.testing.assert_array_equal(o.gather(ids, threads=3), expected)
+
+
+def test_gather_hits_answers_only_from_the_cache(specs, opened):
+    spec = specs["F8_E4M3"]
+    o = opened(spec, "direct")
+    ids = np.array([10, 20, 30, 40], dtype=np.int64)
+    out = np.zeros((4, spec.row_bytes), np.uint8)
+    assert o.source.gather_hits(ids, out) > 0
+    assert o.source.stats()["reads"] == 0  # no I/O
+    assert o.source.stats()["hits"] + o.source.stats()["misses"] == 0
+    o.gather(ids[:3])
+    assert o.source.gather_hits(ids, out) == 1  # id 40 is still a miss
+    o.gather(ids[3:])
+    assert o.source.gather_hits(ids, out) == 0
+    np.testing.assert_array_equal(out, file_rows(spec)[ids])
+
+
+def test_fill_reads_rows_into_the_cache_only(specs, opened):
+    spec = specs["BF16"]
+    o = opened(spec, "buffered")
+    ids = np.array([1, 2, 3, 3, 5000, 10_006], dtype=np.int64)
+    assert o.source.fill(ids) == 5
+    assert o.source.fill(ids) == 0  # all there already
+    keys = np.sort(o.cache.keys())
+    np.testing.assert_array_equal(keys, (np.uint64(1) << np.uint64(40)) + np.unique(ids)
+                                  .astype(np.uint64))
+    out = np.empty((ids.size, spec.row_bytes), np.uint8)
+    assert o.source.gather_hits(ids, out) == 0
+    np.testing.assert_array_equal(out, file_rows(spec)[ids])
+
+
+def test_two_tables_share_one_cache_and_engine(specs, opened):
+    cache = nat.RowCache(8 << 20, 320)
+    engine = nat.ReadEngine(queue_depth=32)
+    fp8 = opened(specs["F8_E4M3"], "direct", key=1, cache=cache, engine=engine)
+    bf16 = opened(specs["BF16"], "direct", key=3, cache=cache, engine=engine)
+    ids = np.arange(0, 10_000, 37, dtype=np.int64)
+    for o, spec in ((fp8, specs["F8_E4M3"]), (bf16, specs["BF16"])):
+        np.testing.assert_array_equal(o.gather(ids), file_rows(spec)[ids])
+    tables = set((cache.keys() >> np.uint64(40)).tolist())
+    assert tables == {1, 3}
+
+
+def test_closing_the_cache_and_engine_while_a_table_uses_them_is_safe(specs, opened):
+    spec = specs["F8_E4M3"]
+    o = opened(spec, "direct")
+    o.cache.close()
+    o.engine.close()
+    ids = np.arange(100, 200, dtype=np.int64)
+    np.testing.assert_array_equal(o.gather(ids), file_rows(spec)[ids])
+    with pytest.raises(ValueError, match="closed"):
+        o.cache.stats()
