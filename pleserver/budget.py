@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 
 from pleclient.checkpoint import TableSpec
+from pleserver.stats import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,12 @@ class Budget:
 
 def memory_view() -> MemoryView:
     mem_available = _meminfo("MemAvailable")
-    view = MemoryView(mem_available, f"MemAvailable {mem_available / 2**30:.1f} GiB")
+    view = MemoryView(mem_available, f"MemAvailable {format_bytes(mem_available)}")
     room = _cgroup_room()
     if room is not None and room[0] < view.available:
         limit, used = room[1], room[2]
-        view = MemoryView(room[0], f"cgroup limit {limit / 2**30:.1f} GiB, "
-                                   f"{used / 2**30:.1f} GiB used")
+        view = MemoryView(room[0], f"cgroup limit {format_bytes(limit)}, "
+                                   f"{format_bytes(used)} used")
     return view
 
 
@@ -80,7 +81,7 @@ def plan(specs: list[TableSpec], io: str, cache_size: int | None, reserve: int,
         share = int(max(0, memory.available - reserve) * CACHE_SHARE)
         cache_bytes = max(MIN_CACHE_BYTES, share)
         cache_reason = (f"default: {CACHE_SHARE:.0%} of the memory available at start "
-                        f"({memory.source}) less the {reserve / 2**30:.1f} GiB reserve "
+                        f"({memory.source}) less the {format_bytes(reserve)} reserve "
                         "(prewarm_reserve)")
         if cache_bytes > needed:
             cache_bytes = needed
@@ -90,12 +91,12 @@ def plan(specs: list[TableSpec], io: str, cache_size: int | None, reserve: int,
         chosen = io
     elif tables_bytes <= cache_bytes:
         chosen = "mmap"
-        io_reason = (f"auto: the tables ({tables_bytes / 2**30:.2f} GiB) fit in the "
-                     f"{cache_bytes / 2**30:.2f} GiB budget, so the page cache serves them")
+        io_reason = (f"auto: the tables ({format_bytes(tables_bytes)}) fit in the "
+                     f"{format_bytes(cache_bytes)} budget, so the page cache serves them")
     else:
         chosen = "direct"
-        io_reason = (f"auto: the tables ({tables_bytes / 2**30:.2f} GiB) exceed the "
-                     f"{cache_bytes / 2**30:.2f} GiB budget, so a row cache of that size "
+        io_reason = (f"auto: the tables ({format_bytes(tables_bytes)}) exceed the "
+                     f"{format_bytes(cache_bytes)} budget, so a row cache of that size "
                      "serves them and misses are read with O_DIRECT")
     return Budget(cache_bytes, cache_reason, chosen, io_reason)
 
