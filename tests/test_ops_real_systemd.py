@@ -82,7 +82,8 @@ def test_the_readme_sections_hold_the_whole_install():
     """Cheap and always run: the extraction finds every step it must run."""
     commands = readme_commands()
     for step in ("pip install .", "systemd-sysusers", "systemd-tmpfiles --create",
-                 "pleserver inspect", "/etc/ple-server/config.toml", "config check",
+                 "pleserver inspect", "pleserver doctor --model", "/etc/ple-server/config.toml",
+                 "config check",
                  "systemctl enable --now ple-server\n", "pleserver stats",
                  "ple-server@.service", "enable --now ple-server@flash-next "
                  "ple-server@qwen4-exp"):
@@ -319,6 +320,7 @@ def test_readme_install_gives_a_ready_service_with_its_status(installed):
     state = machine.show("ple-server")
     assert state["ActiveState"] == "active" and state["SubState"] == "running", state
     assert "installed" in output and "ple_server_info{" in output, output[-3000:]
+    assert "doctor: OK" in output and "Recommended settings" in output, output[-3000:]
     # The status line keeps what is served while and after the prewarm.
     done = machine.wait_for("ple-server", lambda s: "prewarm done" in s["StatusText"],
                             "finished prewarm", 60)
