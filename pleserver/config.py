@@ -474,6 +474,10 @@ def _check_together(cfg: ServerConfig, sources: dict[str, str]) -> list[str]:
     if cfg.max_depth > p.MAX_DEPTH:
         problems.append(f"{_where(sources['max_depth'], 'max_depth')}: at most "
                         f"{p.MAX_DEPTH} (the protocol's limit), got {cfg.max_depth}")
+    for name, most in (("queue_depth", 4096), ("read_threads", 256), ("gather_workers", 256)):
+        if getattr(cfg, name) > most:  # the native data plane's limits
+            problems.append(f"{_where(sources[name], name)}: at most {most}, got "
+                            f"{getattr(cfg, name)}")
     for default, limit in (("default_capacity", "max_capacity"),
                            ("default_depth", "max_depth")):
         if getattr(cfg, default) <= getattr(cfg, limit):

@@ -111,8 +111,8 @@ class DataPlane:
         if self.cache is None:
             return
         c = self.cache.stats()
-        log.info("row cache: %.2f GiB, %d rows (%s); huge pages %s, mlock %s, eviction %s",
-                 self.budget.cache_bytes / 2**30, self.cache.capacity_rows,
+        log.info("row cache: %.1f MiB, %d rows (%s); huge pages %s, mlock %s, eviction %s",
+                 self.budget.cache_bytes / 2**20, self.cache.capacity_rows,
                  self.budget.cache_reason, "yes" if c.get("hugepages") else "no",
                  "yes" if c.get("mlocked") else "no", c.get("policy", "?"))
         if self.engine.fallback_reason:
@@ -137,6 +137,8 @@ class DataPlane:
         return out
 
     def close(self) -> None:
+        for table in self.tables:
+            table.source.close()  # before the files: mmap-mode sources read the mappings
         self.tables = []
         for f in self.files.values():
             f.close()

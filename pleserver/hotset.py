@@ -145,7 +145,7 @@ class HotSet:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self.state in ("refilling", "stopped", "pending", "failed"):
+        if self.state in ("refilling", "stopped", "pending"):
             log.info("hot set: not saved at stop (the refill did not finish; %s keeps "
                      "the previous set)", self.path)
             return

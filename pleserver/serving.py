@@ -291,8 +291,14 @@ class ServingLoop:
         self._handed.put(run)
 
     def _worker(self) -> None:
-        while (work := self._handed.get()) is not None:
+        while True:
+            work = self._handed.get()
+            if work is None:
+                return
             work()
+            # The request's views of its channel die here, not when the next
+            # request comes: a held view would keep a closed channel mapped.
+            del work
 
     def _complete(self, ch, slot, table, stats, count, started, submitted_ns) -> None:
         done = time.monotonic_ns()

@@ -150,8 +150,8 @@ def format_human(stats: dict) -> str:
     cache, engine = plane.get("cache"), plane.get("engine")
     if cache:
         lines.append(f"row cache {cache['used_rows']} / {cache['capacity_rows']} rows "
-                     f"({100 * cache['occupancy']:.1f} %), {cache['budget_bytes'] / 2**30:.2f} "
-                     f"GiB, evictions {cache['evictions']}, policy {cache.get('policy', '?')}, "
+                     f"({100 * cache['occupancy']:.1f} %), {cache['budget_bytes'] / 2**20:.1f} "
+                     f"MiB, evictions {cache['evictions']}, policy {cache.get('policy', '?')}, "
                      f"huge pages {'yes' if cache.get('hugepages') else 'no'}, "
                      f"mlock {'yes' if cache.get('mlocked') else 'no'}")
     if engine:
@@ -160,8 +160,10 @@ def format_human(stats: dict) -> str:
                         if engine.get("fallback_reason") else ""))
     hs = stats.get("hotset") or {}
     if hs:
-        lines.append(f"hot set {hs['state']}: {hs['done_rows']} / {hs['target_rows']} rows "
-                     f"({100 * hs['fraction']:.1f} %)"
+        refill = (f"{hs['done_rows']} / {hs['target_rows']} rows ({100 * hs['fraction']:.1f} %)"
+                  if hs["state"] not in ("none", "ignored") else
+                  "no saved file" if hs["state"] == "none" else "saved file not trusted")
+        lines.append(f"hot set {hs['state']}: {refill}, {hs['file']}"
                      + (f" in {hs['refill_seconds']:.1f} s" if hs.get("refill_seconds")
                         is not None else "")
                      + (f", last save {hs['saved_rows']} rows" if hs.get("saved_rows")

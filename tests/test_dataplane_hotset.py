@@ -11,6 +11,7 @@ import pytest
 from pleserver.synthetic import read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
 from tests.harness import wait_until
+from tests.test_ops_systemd import NotifySocket
 
 HOT_IDS = np.arange(0, 5000, 7)
 
@@ -116,3 +117,17 @@ def test_a_hot_set_of_another_checkpoint_is_ignored_with_a_warning(start_server,
     assert stats["hotset"]["state"] == "ignored"
     assert stats["dataplane"]["cache"]["used_rows"] == 0
     assert "saved for another checkpoint" in server.log()
+
+
+def test_the_refill_progress_reaches_systemd_status(start_server, model, state_dir):
+    warm_and_stop(start_server, model, state_dir)
+    notify = NotifySocket()
+    try:
+        server = start_server(model, "--io", "direct", "--state-dir", str(state_dir),
+                              env=notify.env(), wait=False)
+        notify.wait_for("READY=1", server.proc)
+        final = notify.wait_for("STATUS=hot set refill done", server.proc)
+    finally:
+        notify.close()
+    rows = HOT_IDS.size * len(SMALL_TABLES)
+    assert f"STATUS=hot set refill done: 100.0% ({rows} of {rows} rows)" in final, final

@@ -68,4 +68,4 @@ def test_data_plane_numbers_agree_in_stats_cli_and_metrics(start_server, checkpo
     assert "io direct (io setting)" in text
     assert f"miss engine {engine['kind']}, queue depth 128" in text
     assert "row cache " in text and "hit rate" in text and "read p99 µs" in text
-    assert "hot set none" in text
+    assert "hot set none: no saved file" in text

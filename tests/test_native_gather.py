@@ -284,3 +284,35 @@ def test_closing_the_cache_and_engine_while_a_table_uses_them_is_safe(specs, ope
     np.testing.assert_array_equal(o.gather(ids), file_rows(spec)[ids])
     with pytest.raises(ValueError, match="closed"):
         o.cache.stats()
+
+
+@pytest.mark.parametrize("kind", ["auto", "threads"])
+def test_request_read_in_several_rounds_is_exact(tmp_path, kind):
+    """More distinct blocks than one round holds (4 096): rounds run two at a
+    time and share the blocks at their boundaries."""
+    rows, row_bytes, offset = 150_000, 320, 1234
+    data = np.random.default_rng(5).integers(0, 256, offset + rows * row_bytes, np.uint8)
+    path = tmp_path / "rows.bin"
+    data.tofile(path)
+    table = data[offset:].reshape(rows, row_bytes)
+    cache = nat.RowCache(2 << 20, row_bytes)  # far smaller than the request: evictions too
+    engine = nat.ReadEngine(queue_depth=32, kind=kind, threads=4)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        src = nat.TableSource(0, row_bytes, 40_000, [
+            (fd, offset + i * 40_000 * row_bytes, min(40_000, rows - i * 40_000), str(path), 0)
+            for i in range(4)], cache, engine, True)
+    finally:
+        os.close(fd)
+    try:
+        ids = np.random.default_rng(6).integers(0, rows, 30_000).astype(np.int64)
+        ids[::7] = ids[3::7]  # duplicates across the request
+        for threads in (1, 3):
+            out = np.empty((ids.size, row_bytes), np.uint8)
+            src.gather(ids, out, threads)
+            np.testing.assert_array_equal(out, table[ids])
+        assert src.stats()["reads"] > 4096
+    finally:
+        src.close()
+        cache.close()
+        engine.close()

@@ -35,6 +35,7 @@
 #include "pool.h"
 
 #define ROUND_BLOCKS 4096u        /* distinct blocks per round: 16 MiB of buffer */
+#define ROUNDS_AT_ONCE 2u         /* rounds of one request in flight together */
 #define COALESCE_BLOCKS 32u       /* adjacent blocks read as one request: 128 KiB */
 #define INFLIGHT_BUCKETS 1024u
 #define SPLIT_MIN_ROWS 1024u      /* the fewest rows worth a thread of their own */
@@ -361,28 +362,101 @@ static int read_round(ple_source *src, miss *m, size_t start, size_t end, size_t
     return rc;
 }
 
+static round_mem *round_mem_new(size_t blocks)
+{
+    round_mem *rm = malloc(sizeof *rm);
+    if (rm && posix_memalign((void **)&rm->buf, PLE_BLOCK, blocks * PLE_BLOCK + 1) != 0) {
+        free(rm);
+        rm = NULL;
+    }
+    return rm;
+}
+
+static void round_mem_free(round_mem *rm)
+{
+    free(rm->buf);
+    free(rm);
+}
+
+/* The rounds of one request, ROUNDS_AT_ONCE at a time: one round's reads
+ * are in flight while another's last reads drain and its rows are copied. */
+typedef struct rounds {
+    ple_source *src;
+    miss *m;
+    const size_t *bounds;  /* round r: misses [bounds[r], bounds[r + 1]) */
+    size_t nrounds, blocks;
+    _Atomic size_t next;   /* relaxed: only hands out round numbers */
+    unsigned char *out;
+    tally tallies[ROUNDS_AT_ONCE];
+    ple_error errors[ROUNDS_AT_ONCE];
+    int rcs[ROUNDS_AT_ONCE];
+} rounds;
+
+static void rounds_task(void *ctx, size_t k)
+{
+    rounds *rs = ctx;
+    round_mem *rm = round_mem_new(rs->blocks);
+    if (!rm) {  /* the other task, if any, takes the rounds */
+        ple_error_set(&rs->errors[k], PLE_ERR_NOMEM, ENOMEM, "no memory for read buffers");
+        rs->rcs[k] = -1;
+        return;
+    }
+    for (;;) {
+        size_t r = atomic_fetch_add_explicit(&rs->next, 1, memory_order_relaxed);
+        if (r >= rs->nrounds)
+            break;
+        size_t nb;
+        plan_round(rs->src, rs->m, rs->bounds[r], rs->bounds[r + 1], rm, &nb);
+        if (read_round(rs->src, rs->m, rs->bounds[r], rs->bounds[r + 1], nb, rm, rs->out,
+                       &rs->tallies[k], &rs->errors[k]) != 0)
+            rs->rcs[k] = -1;
+    }
+    round_mem_free(rm);
+}
+
+static ple_pool *get_split_pool(unsigned workers);
+
 static int read_misses(ple_source *src, miss *m, size_t n, unsigned char *out, tally *t,
                        ple_error *err)
 {
     qsort(m, n, sizeof *m, cmp_miss);
-    round_mem *rm = malloc(sizeof *rm);
-    size_t blocks_max = n * ((src->row_bytes + PLE_BLOCK - 1) / PLE_BLOCK + 1);
-    if (blocks_max > ROUND_BLOCKS)
-        blocks_max = ROUND_BLOCKS;
-    if (!rm || posix_memalign((void **)&rm->buf, PLE_BLOCK, blocks_max * PLE_BLOCK) != 0) {
-        free(rm);
-        ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory for read buffers");
+    rounds rs = {.src = src, .m = m, .out = out};
+    rs.blocks = n * ((src->row_bytes + PLE_BLOCK - 1) / PLE_BLOCK + 1);
+    if (rs.blocks > ROUND_BLOCKS)
+        rs.blocks = ROUND_BLOCKS;
+    size_t *bounds = malloc((n + 1) * sizeof *bounds);
+    round_mem *plan = round_mem_new(0);
+    if (!bounds || !plan) {
+        free(bounds);
+        if (plan)
+            round_mem_free(plan);
+        ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory for %zu misses", n);
         return -1;
     }
-    int rc = 0;
-    for (size_t start = 0; start < n;) {
-        size_t nb, end = plan_round(src, m, start, n, rm, &nb);
-        if (read_round(src, m, start, end, nb, rm, out, t, err) != 0)
-            rc = -1;
-        start = end;
+    bounds[0] = 0;
+    for (size_t start = 0; start < n; start = bounds[rs.nrounds]) {
+        size_t nb;
+        bounds[++rs.nrounds] = plan_round(src, m, start, n, plan, &nb);
     }
-    free(rm->buf);
-    free(rm);
+    round_mem_free(plan);
+    rs.bounds = bounds;
+    size_t tasks = rs.nrounds < ROUNDS_AT_ONCE ? rs.nrounds : ROUNDS_AT_ONCE;
+    ple_pool *pool = tasks > 1 ? get_split_pool(tasks - 1) : NULL;
+    if (pool)
+        ple_pool_run(pool, rounds_task, &rs, tasks);
+    else
+        rounds_task(&rs, 0);
+    free(bounds);
+    int rc = 0;
+    for (size_t k = 0; k < ROUNDS_AT_ONCE; k++) {
+        t->inserted += rs.tallies[k].inserted;
+        t->evictions += rs.tallies[k].evictions;
+        t->read_errors += rs.tallies[k].read_errors;
+        if (rs.rcs[k] != 0 && rc == 0) {
+            *err = rs.errors[k];
+            rc = -1;
+        }
+    }
     return rc;
 }
 
