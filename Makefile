@@ -1,6 +1,8 @@
 # The two commands of the README, and the environment they share.
 #   make demo   generate a small demo checkpoint, serve it, drive it, print stats
 #   make test   the whole test suite (what CI runs)
+#   make test-systemd   the service under a real systemd: a Debian booted with
+#               systemd-nspawn, set up as deploy/README.md says (root; CI runs it)
 #   make native-sanitize   the native module's tests under ASan and UBSan
 # The virtual environment lives outside the checkout, keyed by the dependency
 # spec, so a second run reuses it and a changed pyproject.toml builds a new one.
@@ -10,7 +12,7 @@ SPEC_HASH := $(shell $(PYTHON) -c 'import tomllib,json,hashlib;p=tomllib.load(op
 VENV ?= $(CACHE_DIR)/venv-$(SPEC_HASH)
 PY := $(VENV)/bin/python
 
-.PHONY: demo test venv venv-core native-sanitize
+.PHONY: demo test test-systemd venv venv-core native-sanitize
 
 $(VENV)/.core:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +34,10 @@ demo: $(VENV)/.core
 test: $(VENV)/.full
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-systemd: $(VENV)/.core
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pytest -m real_systemd tests/test_ops_real_systemd.py $(PYTEST_ARGS)
 
 # The native extension built with AddressSanitizer and UBSan in a copy of the
 # tree (so the normal in-place build is left alone), then its tests run there.

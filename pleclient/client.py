@@ -169,6 +169,22 @@ class PleClient:
             p.send_message(sock, {"type": p.MessageType.BYE.value})
             return reply["stats"]
 
+    @classmethod
+    def query_tables(cls, socket_path: str | None = None, timeout: float = 5.0
+                     ) -> list[TableInfo]:
+        """The tables a server serves (its hello answer), without opening a
+        channel: cheap enough to ask every server of a host."""
+        path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
+        with _connect_socket(path, timeout) as sock:
+            _send_hello(sock, "tables")
+            welcome = _expect(sock, p.MessageType.WELCOME, path)
+            p.send_message(sock, {"type": p.MessageType.BYE.value})
+        try:
+            return [TableInfo.from_wire(t) for t in welcome["tables"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolMismatch(f"ple-server at {path} sent an unusable table list: "
+                                   f"{exc}") from None
+
     def _open_channel(self, capacity: int | None, depth: int | None) -> None:
         request = {"type": p.MessageType.OPEN_CHANNEL.value}
         if capacity is not None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from pleclient.checkpoint import TableSpec
 from pleserver.memory import MemoryRoom, memory_room
+from pleserver.stats import format_bytes
 
 CACHE_SHARE = 0.25
 """Share of the room (less the reserve) the default row cache takes."""
@@ -70,7 +71,7 @@ def plan(specs: list[TableSpec], io: str, cache_size: int | None, reserve: int,
         share = int(max(0, memory.available - reserve) * CACHE_SHARE)
         cache_bytes = max(MIN_CACHE_BYTES, share)
         cache_reason = (f"default: {CACHE_SHARE:.0%} of the memory available at start "
-                        f"({memory.describe()}) less the {reserve / 2**30:.1f} GiB reserve "
+                        f"({memory.describe()}) less the {format_bytes(reserve)} reserve "
                         "(prewarm_reserve)")
         if cache_bytes > needed:
             cache_bytes = needed
@@ -80,12 +81,12 @@ def plan(specs: list[TableSpec], io: str, cache_size: int | None, reserve: int,
         chosen = io
     elif tables_bytes <= cache_bytes:
         chosen = "mmap"
-        io_reason = (f"auto: the tables ({tables_bytes / 2**30:.2f} GiB) fit in the "
-                     f"{cache_bytes / 2**30:.2f} GiB budget, so the page cache serves them")
+        io_reason = (f"auto: the tables ({format_bytes(tables_bytes)}) fit in the "
+                     f"{format_bytes(cache_bytes)} budget, so the page cache serves them")
     else:
         chosen = "direct"
-        io_reason = (f"auto: the tables ({tables_bytes / 2**30:.2f} GiB) exceed the "
-                     f"{cache_bytes / 2**30:.2f} GiB budget, so a row cache of that size "
+        io_reason = (f"auto: the tables ({format_bytes(tables_bytes)}) exceed the "
+                     f"{format_bytes(cache_bytes)} budget, so a row cache of that size "
                      "serves them and misses are read with O_DIRECT")
     return Budget(cache_bytes, cache_reason, chosen, io_reason)
 

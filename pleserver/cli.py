@@ -1,4 +1,4 @@
-"""The ``pleserver`` command: serve, config check, inspect, stats, demo."""
+"""The ``pleserver`` command: serve, config check, inspect, doctor, stats, demo."""
 
 from __future__ import annotations
 
@@ -125,12 +125,39 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                           "tables": [dict(t.info(), shards=len(t.shards), bytes=t.nbytes,
                                           files=t.files) for t in tables]}, indent=1))
         return 0
-    print(f"{'layer':>5} {'rows':>12} {'cols':>5} {'dtype':>8} {'row B':>6} {'shards':>6} "
-          f"{'GiB':>8}  fingerprint  name")
-    for t in tables:
-        print(f"{t.layer:>5} {t.rows:>12} {t.cols:>5} {t.dtype:>8} {t.row_bytes:>6} "
-              f"{t.parts:>6} {t.nbytes / 2**30:>8.3f}  {t.fingerprint[:11]}  {t.name}")
+    print(tables_text(tables))
     return 0
+
+
+def tables_text(tables) -> str:
+    """The ``pleserver inspect`` table of a checkpoint's PLE tables."""
+    lines = [f"{'layer':>5} {'rows':>12} {'cols':>5} {'dtype':>8} {'row B':>6} {'shards':>6} "
+             f"{'GiB':>8}  fingerprint  name"]
+    for t in tables:
+        lines.append(f"{t.layer:>5} {t.rows:>12} {t.cols:>5} {t.dtype:>8} {t.row_bytes:>6} "
+                     f"{t.parts:>6} {t.nbytes / 2**30:>8.3f}  {t.fingerprint[:11]}  {t.name}")
+    return "\n".join(lines)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from pleserver import doctor
+    from pleserver.config import (CONFIG_ENV, DEFAULT_CONFIG_PATH, ConfigError, ServerConfig,
+                                  load_config)
+
+    # The host's config, when there is one: the advice starts from its settings.
+    path = args.config or os.environ.get(CONFIG_ENV) or None
+    try:
+        config = load_config(path, {"model": args.model} if args.model else {}).config
+    except ConfigError as exc:
+        if [p for p in exc.problems if not p.startswith("model: required")]:
+            return print_problems(args.json, {"file": path or DEFAULT_CONFIG_PATH}, exc)
+        config = ServerConfig()  # no model anywhere: the host checks only
+    report = doctor.run(config.model or None, config, args.probe_seconds)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        print(doctor.format_report(report, tables_text(report.tables)))
+    return 0 if report.ok else 1
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -209,6 +236,23 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("model")
     inspect.add_argument("--json", action="store_true")
     inspect.set_defaults(func=cmd_inspect)
+
+    doctor = sub.add_parser(
+        "doctor", help="check this host for ple-server and recommend settings",
+        description="Check io_uring, O_DIRECT on the model's file system, memlock, "
+        "transparent huge pages, memory against the planned row cache, the disk's "
+        "random-read rate (a probe at queue depths 1, 64 and 128) and the checkpoint's "
+        "tables; then recommend io, cache_size, read_engine and queue_depth, each with "
+        "its reason. Exit status 1 when the checkpoint cannot be served.")
+    doctor.add_argument("--model", metavar="DIR", help="the checkpoint (default: the "
+                        "config's model)")
+    doctor.add_argument("--config", metavar="PATH", help=f"the config the advice starts "
+                        f"from (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH} when it "
+                        "exists, else the defaults)")
+    doctor.add_argument("--probe-seconds", type=float, default=2.0, metavar="S",
+                        help="how long the disk probe reads at each queue depth (default 2)")
+    doctor.add_argument("--json", action="store_true")
+    doctor.set_defaults(func=cmd_doctor)
 
     stats = sub.add_parser("stats", help="show a running server's statistics")
     stats.add_argument("--socket", default=None, help=f"default: ${p.SOCKET_ENV} or "

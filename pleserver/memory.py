@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from pleserver.stats import format_bytes
+
 UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2⁶³ − 1
 CGROUP_ROOT = "/sys/fs/cgroup"
 UNKNOWN = 1 << 62
@@ -45,10 +47,10 @@ class MemoryRoom:
     def describe(self) -> str:
         parts = []
         if self.cgroup_limit is not None:
-            parts.append(f"cgroup limit {self.cgroup_limit / 2**20:.0f} MiB with "
-                         f"{(self.cgroup_used or 0) / 2**20:.0f} MiB in use")
+            parts.append(f"cgroup limit {format_bytes(self.cgroup_limit)} with "
+                         f"{format_bytes(self.cgroup_used or 0)} in use")
         if self.mem_available is not None:
-            parts.append(f"MemAvailable {self.mem_available / 2**20:.0f} MiB")
+            parts.append(f"MemAvailable {format_bytes(self.mem_available)}")
         return ", ".join(parts) or "no memory figures readable"
 
 

@@ -17,6 +17,7 @@ import threading
 import time
 
 from pleserver.memory import mem_available
+from pleserver.stats import format_bytes, format_progress
 from pleserver.table import MappedFile, Table
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,8 @@ class Prewarm:
         started = time.monotonic()
         last_report = 0.0
         buf = bytearray(PREWARM_BLOCK)
-        log.info("prewarm: reading %.2f GiB of %.2f GiB into the page cache",
-                 self.target / 2**30, self.total / 2**30)
+        log.info("prewarm: reading %s of %s into the page cache",
+                 format_bytes(self.target), format_bytes(self.total))
         try:
             for table in self.tables:
                 complete = True
@@ -98,8 +99,8 @@ class Prewarm:
                         now = time.monotonic()
                         if now - last_report >= 2.0:
                             last_report = now
-                            log.info("prewarm: %.1f%% (%.2f / %.2f GiB)", 100 * self.fraction,
-                                     self.done_bytes / 2**30, self.target / 2**30)
+                            log.info("prewarm: %s", format_progress(
+                                self.done_bytes, self.target, self.fraction))
                             if self.on_progress:
                                 self.on_progress(self)
                     complete = complete and pos >= end
@@ -111,7 +112,7 @@ class Prewarm:
         finally:
             if self.on_progress:
                 self.on_progress(self)
-            log.info("prewarm %s: %.2f GiB in %.1f s", self.state, self.done_bytes / 2**30,
+            log.info("prewarm %s: %s in %.1f s", self.state, format_bytes(self.done_bytes),
                      time.monotonic() - started)
 
 

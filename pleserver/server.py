@@ -49,7 +49,7 @@ from pleserver.memory import memory_room
 from pleserver.prewarm import Prewarm
 from pleserver.segments import Reservation, Reserver
 from pleserver.serving import Channel, ServingLoop
-from pleserver.stats import RateMeter, TableStats, io_snapshot
+from pleserver.stats import RateMeter, TableStats, format_bytes, format_progress, io_snapshot
 from pleserver.systemd import Notifier, watchdog_interval
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,7 @@ class Server:
         self.reserver = Reserver(self._wake)
         self._dropped: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
         self._peer_log = RateLimitedLog(log)
+        self._serving_status = ""
 
     # ------------------------------------------------------------- lifecycle
     def run(self) -> int:
@@ -155,9 +156,9 @@ class Server:
         self._miss_rates = [RateMeter() for _ in self.tables]
         for t in self.tables:
             s = t.spec
-            log.info("table %s: layer %d, %d rows × %d %s (%d B/row), %d shards, %.2f GiB, "
+            log.info("table %s: layer %d, %d rows × %d %s (%d B/row), %d shards, %s, "
                      "fingerprint %s", s.name, s.layer, s.rows, s.cols, s.dtype, s.row_bytes,
-                     s.parts, s.nbytes / 2**30, s.fingerprint)
+                     s.parts, format_bytes(s.nbytes), s.fingerprint)
         if cfg.metrics_address:  # before the socket: a bad address fails the start cleanly
             from pleserver.metrics import MetricsEndpoint, MetricsError
             self.metrics = MetricsEndpoint(cfg.metrics_address, self.snapshot)
@@ -180,6 +181,19 @@ class Server:
             raise StartupError(f"cannot start the serving threads ({exc}): the service is "
                                "at its task limit (TasksMax=, ulimit -u); raise it") from None
         self._listen()
+        for signum, handler in ((signal.SIGTERM, self.handle_sigterm),
+                                (signal.SIGINT, self.handle_sigint),
+                                (signal.SIGHUP, self.handle_sighup)):
+            signal.signal(signum, handler)
+        self._wake_w.setblocking(False)
+        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._serving_status = f"serving {len(self.tables)} tables on {cfg.socket}"
+        log.info("ple-server %s ready: %s", __version__, self._serving_status)
+        self.notifier.ready(self._serving_status)
+        # After READY=1, as documented: a unit ordered after ple-server starts
+        # at once, while the tables are read into the page cache (or the row
+        # cache is refilled from the hot set).
         if cfg.prewarm == "full" and self.plane.mode != "mmap":
             log.info("prewarm = full applies to io = mmap; with io = %s the row cache is "
                      "refilled from the saved hot set instead", self.plane.mode)
@@ -195,16 +209,6 @@ class Server:
             else:
                 log.info("state_dir %s does not exist: the hot set is neither saved nor "
                          "restored (the unit's StateDirectory= creates it)", cfg.state_dir)
-        for signum, handler in ((signal.SIGTERM, self.handle_sigterm),
-                                (signal.SIGINT, self.handle_sigint),
-                                (signal.SIGHUP, self.handle_sighup)):
-            signal.signal(signum, handler)
-        self._wake_w.setblocking(False)
-        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        status = f"serving {len(self.tables)} tables on {cfg.socket}"
-        log.info("ple-server %s ready: %s", __version__, status)
-        self.notifier.ready(status)
 
     def _set_budget(self) -> None:
         cfg = self.config
@@ -678,15 +682,17 @@ class Server:
                 "tables": tables}
 
     def _report_prewarm(self, prewarm: Prewarm) -> None:
-        self.notifier.status(f"prewarm {prewarm.state}: {100 * prewarm.fraction:.1f}% "
-                             f"({prewarm.done_bytes / 2**30:.2f} of "
-                             f"{prewarm.target / 2**30:.2f} GiB)")
+        # STATUS= replaces the whole line: keep what is served in front.
+        self.notifier.status(f"{self._serving_status}; prewarm {prewarm.state}: "
+                             + format_progress(prewarm.done_bytes, prewarm.target,
+                                               prewarm.fraction))
 
     def _report_hotset(self, hotset: HotSet) -> None:
         if hotset.state in ("none", "ignored"):
             return
-        self.notifier.status(f"hot set refill {hotset.state}: {100 * hotset.fraction:.1f}% "
-                             f"({hotset.done_rows} of {hotset.target_rows} rows)")
+        self.notifier.status(f"{self._serving_status}; hot set refill {hotset.state}: "
+                             f"{100 * hotset.fraction:.1f}% ({hotset.done_rows} of "
+                             f"{hotset.target_rows} rows)")
 
 
 def _groups_of(pid: int, gid: int) -> set[int]:

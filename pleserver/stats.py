@@ -121,6 +121,24 @@ class TableStats:
                     "queue_time": self.queue_time.snapshot()}
 
 
+def format_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps at least 1 before the point:
+    ``812 B``, ``4.00 MiB``, ``29.17 GiB`` (a small table's prewarm does not
+    read "0.00 GiB")."""
+    unit = "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024:
+            break
+        n /= 1024
+        unit = bigger
+    return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
+
+
+def format_progress(done: int, target: int, fraction: float) -> str:
+    """``41.5% (12.10 GiB of 29.17 GiB)``: prewarm progress in one unit each."""
+    return f"{100 * fraction:.1f}% ({format_bytes(done)} of {format_bytes(target)})"
+
+
 def format_human(stats: dict) -> str:
     """The ``pleserver stats`` text view of a snapshot."""
     lines = [f"ple-server pid {stats['pid']}  up {stats['uptime_s']:.0f} s  "
@@ -152,8 +170,8 @@ def format_human(stats: dict) -> str:
                         is not None else ""))
     pw = stats.get("prewarm") or {}
     if pw:
-        lines.append(f"prewarm {pw['state']}: {pw['done_bytes'] / 2**30:.2f} / "
-                     f"{pw['target_bytes'] / 2**30:.2f} GiB ({100 * pw['fraction']:.1f} %)")
+        lines.append(f"prewarm {pw['state']}: "
+                     + format_progress(pw["done_bytes"], pw["target_bytes"], pw["fraction"]))
     lines.append(f"{'layer':>5} {'requests':>10} {'rows':>12} {'GiB':>8} {'errors':>7} "
                  f"{'p50 µs':>8} {'p99 µs':>8} {'max µs':>9} {'resident':>9}  dtype")
     for t in stats["tables"]:

@@ -16,7 +16,7 @@ def test_the_default_cache_is_a_share_of_available_memory_less_the_reserve():
                   memory=MemoryRoom(None, None, 24 * GIB))
     assert budget.cache_bytes == int(20 * GIB * CACHE_SHARE)
     assert budget.cache_reason == ("default: 25% of the memory available at start "
-                                   "(MemAvailable 24576 MiB) less the 4.0 GiB reserve "
+                                   "(MemAvailable 24.00 GiB) less the 4.00 GiB reserve "
                                    "(prewarm_reserve)")
     assert budget.io == "direct" and "exceed" in budget.io_reason
 

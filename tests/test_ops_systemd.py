@@ -18,6 +18,7 @@ from pleclient import PleClient
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "systemd"
 UNIT = DEPLOY / "ple-server.service"
+TEMPLATE = DEPLOY / "ple-server@.service"
 UNIT_EXEC = "/opt/ple-server/bin/pleserver"
 
 
@@ -41,10 +42,10 @@ def require_tool(name: str) -> str:
 
 
 # ---------------------------------------------------------------- unit files
-def unit_settings() -> dict[str, list[str]]:
+def unit_settings(unit: Path = UNIT) -> dict[str, list[str]]:
     """Every ``Key=value`` of the unit (comments dropped), values in order."""
     settings: dict[str, list[str]] = {}
-    for line in UNIT.read_text().splitlines():
+    for line in unit.read_text().splitlines():
         line = line.strip()
         if line and not line.startswith(("#", ";", "[")):
             key, _, value = line.partition("=")
@@ -52,19 +53,23 @@ def unit_settings() -> dict[str, list[str]]:
     return settings
 
 
-def test_unit_file_passes_systemd_analyze_verify(tmp_path):
+@pytest.mark.parametrize("source,name", [(UNIT, "ple-server.service"),
+                                         (TEMPLATE, "ple-server@flash-next.service")])
+def test_unit_file_passes_systemd_analyze_verify(tmp_path, source, name):
     analyze = require_tool("systemd-analyze")
     # verify also checks that ExecStart's program exists: stand one in for the
     # installed /opt/ple-server/bin/pleserver; the rest of the unit is verbatim.
     program = tmp_path / "pleserver"
     program.write_text("#!/bin/sh\nexit 0\n")
     program.chmod(0o755)
-    text = UNIT.read_text()
+    text = source.read_text()
     assert text.count(UNIT_EXEC) == 1
-    unit = tmp_path / "ple-server.service"
-    unit.write_text(text.replace(UNIT_EXEC, str(program)))
-    result = subprocess.run([analyze, "verify", "--man=no", str(unit)],
-                            capture_output=True, text=True, timeout=60)
+    (tmp_path / source.name).write_text(text.replace(UNIT_EXEC, str(program)))
+    # A template is verified through an instance of it.
+    result = subprocess.run([analyze, "verify", "--man=no", str(tmp_path / source.name)
+                             if source is UNIT else f"{tmp_path}/{name}"],
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "SYSTEMD_UNIT_PATH": f"{tmp_path}:"})
     ours = [line for line in result.stderr.splitlines() if "ple-server" in line]
     assert result.returncode == 0 and not ours, result.stderr
 
@@ -79,6 +84,26 @@ def test_unit_is_notify_type_with_watchdog_restart_and_directories():
     assert s["StateDirectory"] == ["ple-server"]
     assert s["LimitMEMLOCK"] == ["infinity"]
     assert s["ExecStart"][0].startswith(f"{UNIT_EXEC} serve --config /etc/ple-server/")
+
+
+def test_template_is_the_unit_with_per_instance_config_socket_and_state():
+    single, template = unit_settings(), unit_settings(TEMPLATE)
+    per_instance = {"Description", "ExecStart", "StateDirectory", "SyslogIdentifier"}
+    assert {k: v for k, v in single.items() if k not in per_instance} == \
+        {k: v for k, v in template.items() if k not in per_instance}
+    assert template["ExecStart"] == [f"{UNIT_EXEC} serve --config /etc/ple-server/%i.toml "
+                                     "--socket /run/ple-server/%i.sock "
+                                     "--state-dir /var/lib/ple-server/%i"]
+    assert template["StateDirectory"] == ["ple-server/%i"]
+    assert template["RuntimeDirectory"] == ["ple-server"]  # shared: every socket in one place
+
+
+def test_manual_restarts_leave_room_before_the_start_limit():
+    s = unit_settings()
+    # A crash loop (a start every RestartSec + ≈1 s) hits the limit within the
+    # interval; an operator restarting by hand does not, 10 times a minute.
+    burst, interval = int(s["StartLimitBurst"][0]), int(s["StartLimitIntervalSec"][0])
+    assert burst * (int(s["RestartSec"][0]) + 1) < interval and burst / interval * 60 >= 10
 
 
 def test_unit_keeps_dev_shm_and_proc_visible():
@@ -195,15 +220,24 @@ def test_ready_is_sent_once_lookups_are_answered(start_server, checkpoint, notif
     assert notify.fields("READY=1") == ["READY=1"]  # once
 
 
-def test_status_reports_prewarm_progress(start_server, checkpoint, notify):
+def test_status_reports_prewarm_progress_after_ready(start_server, checkpoint, notify):
     server = start_server(checkpoint, "--prewarm", "full", "--prewarm-budget", "4M",
                           env=notify.env(), wait=False)
     notify.wait_for("READY=1", server.proc)
-    final = notify.wait_for("STATUS=prewarm budget", server.proc)
-    statuses = notify.fields("STATUS=prewarm")
-    running = [s for s in statuses if s.startswith("STATUS=prewarm running: ")]
-    assert running and all("%" in s and "GiB" in s for s in running), statuses
-    assert any(f.startswith("STATUS=prewarm budget: 100.0%") for f in final), final
+    final = notify.wait_for("STATUS=serving 2 tables on " + server.socket + "; prewarm budget",
+                            server.proc)
+    statuses = [fields for _, fields in notify.messages]
+    ready_at = next(i for i, fields in enumerate(statuses) if "READY=1" in fields)
+    prewarm_at = [i for i, fields in enumerate(statuses) if any("; prewarm " in f for f in fields)]
+    # The prewarm starts after READY=1, and the status line keeps what is served.
+    assert prewarm_at and min(prewarm_at) > ready_at, statuses
+    lines = [f for f in notify.fields("STATUS=") if "; prewarm " in f]
+    assert all(f.startswith(f"STATUS=serving 2 tables on {server.socket}; prewarm ")
+               for f in lines), lines
+    # 4 MiB reads as MiB, never as "0.00 GiB".
+    assert "STATUS=serving 2 tables on " + server.socket + \
+        "; prewarm budget: 100.0% (4.00 MiB of 4.00 MiB)" in final, final
+    assert not any("0.00 GiB" in f for f in lines), lines
 
 
 def test_watchdog_pings_arrive_at_the_configured_interval(start_server, checkpoint, notify):

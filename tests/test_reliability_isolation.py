@@ -109,7 +109,7 @@ def test_channels_past_the_memory_budget_are_refused_not_oom_killed(launch, chec
         cgroup_write(cgroup, "memory.max", "memory.limit_in_bytes", str(400 << 20))
         server = launch(checkpoint, "--max-clients", "32", prefix=in_cgroup(cgroup))
         assert re.search(r"channel memory budget: \d+ MiB, 3/4 of the room at start "
-                         r"\(cgroup limit 400 MiB", server.log()), server.log()
+                         r"\(cgroup limit 400.00 MiB", server.log()), server.log()
         clients, refusal = [], None
         try:
             for _ in range(16):  # 16 × 43 MiB: far over the limit

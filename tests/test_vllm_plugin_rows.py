@@ -55,7 +55,8 @@ def test_settings_defaults_follow_the_service(monkeypatch):
             monkeypatch.delenv(name)
     s = settings.ShmSettings.from_env()
     assert (s.socket, s.depth, s.capacity, s.prefetch, s.allow_dummy) == (
-        "/run/ple-server/ple.sock", 4, None, True, False)
+        None, 4, None, True, False)
+    assert s.socket_dir == "/run/ple-server"
     monkeypatch.setenv("PLE_SERVER_SOCKET", "/tmp/a.sock")
     assert settings.ShmSettings.from_env().socket == "/tmp/a.sock"
     monkeypatch.setenv("VLLM_PLE_SHM_SOCKET", "/tmp/b.sock")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import logging
 import os
 import time
@@ -43,7 +44,7 @@ from pleclient import (LookupTimeout, PleClient, PleError, ProtocolMismatch, Req
                        ServerGone, ServerUnavailable, TableInfo, Ticket)
 from pleclient.checkpoint import TableSpec
 from pleclient.torch import DeviceCopy, PinnedSegment, copy_rows
-from pleclient.vllm_plugin import identity
+from pleclient.vllm_plugin import discovery, identity
 from pleclient.vllm_plugin.errors import PleBackendError
 from pleclient.vllm_plugin.settings import (ENV_ALLOW_DUMMY, ENV_BACKEND, ENV_SOCKET,
                                             ShmSettings)
@@ -148,6 +149,9 @@ class RowService:
         model_dir = identity.checkpoint_dir(self.settings.checkpoint)
         spec = identity.select(identity.checkpoint_tables(model_dir),
                                expected.table_suffix, model_dir)
+        if self.settings.socket is None:  # several servers per host: ask them
+            self.settings = dataclasses.replace(self.settings, socket=discovery.find_socket(
+                model_dir, self.settings.socket_dir, self.settings.connect_timeout))
         client = self._client or self._connect_at_startup(fmt)
         info = identity.select(client.tables, expected.table_suffix,
                                f"ple-server at {client.socket_path}")

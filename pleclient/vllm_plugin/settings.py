@@ -6,8 +6,13 @@ Every knob, its default and why:
                                    ``shm``: PLE rows come from a ple-server. Any other
                                    value stops vLLM with an error.
 ``VLLM_PLE_SHM_SOCKET``            the server's control socket. Default:
-                                   ``$PLE_SERVER_SOCKET``, else the service's
-                                   ``/run/ple-server/ple.sock``.
+                                   ``$PLE_SERVER_SOCKET``, else the one socket in
+                                   ``VLLM_PLE_SHM_SOCKET_DIR`` whose server serves
+                                   the checkpoint vLLM loads (``discovery``).
+``VLLM_PLE_SHM_SOCKET_DIR``        where the servers of this host listen
+                                   (default ``/run/ple-server``: ple-server.service's
+                                   ``ple.sock`` and every ple-server@NAME's
+                                   ``NAME.sock``).
 ``VLLM_PLE_SHM_CONNECT_TIMEOUT=10``  seconds to connect and open the channel.
 ``VLLM_PLE_SHM_LOOKUP_TIMEOUT=30``   seconds one request may take before the server
                                    counts as hung (then the reconnect policy runs).
@@ -43,6 +48,8 @@ BACKEND_SHM = "shm"
 BACKENDS = (BACKEND_VLLM, BACKEND_SHM)
 
 ENV_SOCKET = "VLLM_PLE_SHM_SOCKET"
+ENV_SOCKET_DIR = "VLLM_PLE_SHM_SOCKET_DIR"
+DEFAULT_SOCKET_DIR = os.path.dirname(protocol.DEFAULT_SOCKET)
 ENV_CONNECT_TIMEOUT = "VLLM_PLE_SHM_CONNECT_TIMEOUT"
 ENV_LOOKUP_TIMEOUT = "VLLM_PLE_SHM_LOOKUP_TIMEOUT"
 ENV_RECONNECT = "VLLM_PLE_SHM_RECONNECT_S"
@@ -74,7 +81,7 @@ def backend() -> str:
 
 @dataclass(frozen=True)
 class ShmSettings:
-    socket: str
+    socket: str | None  # None: found in socket_dir by the checkpoint (discovery)
     connect_timeout: float = 10.0
     lookup_timeout: float = 30.0
     reconnect_window: float = 30.0
@@ -83,11 +90,11 @@ class ShmSettings:
     prefetch: bool = True
     checkpoint: str | None = None
     allow_dummy: bool = False
+    socket_dir: str = DEFAULT_SOCKET_DIR
 
     @classmethod
     def from_env(cls) -> "ShmSettings":
-        socket = (os.environ.get(ENV_SOCKET) or os.environ.get(protocol.SOCKET_ENV)
-                  or protocol.DEFAULT_SOCKET)
+        socket = os.environ.get(ENV_SOCKET) or os.environ.get(protocol.SOCKET_ENV) or None
         depth = _int(ENV_DEPTH, protocol.DEFAULT_DEPTH)
         if not MIN_DEPTH <= depth <= protocol.MAX_DEPTH:
             raise SettingsError(f"{ENV_DEPTH}={depth}: the channel depth must lie in "
@@ -106,6 +113,7 @@ class ShmSettings:
             prefetch=_bool(ENV_PREFETCH, True),
             checkpoint=os.environ.get(ENV_CHECKPOINT) or None,
             allow_dummy=_bool(ENV_ALLOW_DUMMY, False),
+            socket_dir=os.environ.get(ENV_SOCKET_DIR) or DEFAULT_SOCKET_DIR,
         )
 
 
