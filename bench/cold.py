@@ -46,7 +46,6 @@ Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -64,7 +63,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lookup import OthersMeter, cpu_busy, loadavg, machine, source  # noqa: E402
+from lookup import (OthersMeter, cpu_busy, die_with_parent, loadavg, machine,  # noqa: E402
+                    source, stop_process)
 from pleclient import PleClient, PleError, ServerUnavailable  # noqa: E402
 from pleclient.checkpoint import discover_tables  # noqa: E402
 from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
@@ -79,7 +79,6 @@ PAGE = 4096
 SEQUENCES = 32
 PREFILL_TOKENS = 2048
 POSIX_FADV_DONTNEED = 4
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def say(*parts) -> None:
@@ -181,10 +180,6 @@ def evict(paths: list[str], drop_caches: bool) -> None:
 
 
 # ------------------------------------------------------------------- server
-def _die_with_parent() -> None:
-    _libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no server outlives the bench
-
-
 def server_flags() -> set[str]:
     """The flags this checkout's ``pleserver serve`` knows."""
     out = subprocess.run([sys.executable, "-m", "pleserver.cli", "serve", "--help"],
@@ -208,7 +203,7 @@ class Server:
         env = {**os.environ, "PLE_SERVER_CONFIG": os.devnull,
                "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=REPO, env=env, preexec_fn=_die_with_parent)
+                                     cwd=REPO, env=env, preexec_fn=die_with_parent)
 
     @property
     def pid(self) -> int:
@@ -237,13 +232,7 @@ class Server:
                            f"{self.log_tail()}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 60)
         self._log.close()
 
 
@@ -491,7 +480,7 @@ def ceiling(paths: list[str], seconds: float, kind: str) -> dict:
         argv = [sys.executable, "-c", PROBE, json.dumps([paths, qd, seconds, kind])]
         try:
             done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=env,
-                                  timeout=seconds + 60, preexec_fn=_die_with_parent)
+                                  timeout=seconds + 60, preexec_fn=die_with_parent)
         except subprocess.TimeoutExpired:
             out[str(qd)] = {"error": f"the probe did not return within {seconds + 60:.0f} s"}
             say(f"  QD {qd:>3}: {out[str(qd)]['error']}")

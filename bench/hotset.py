@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import time
 
 import numpy as np
 
+from lookup import stop_process
 from pleclient import PleClient, PleError
 from pleserver.config import parse_size
 from pleserver.synthetic import SyntheticTable, write_checkpoint
@@ -81,13 +81,7 @@ class Server:
         raise RuntimeError("ple-server not ready after 60 s")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 60)
 
 
 def steps(rows: int, count: int, exponent: float, seed: int = 7) -> list[np.ndarray]:

@@ -271,8 +271,20 @@ class Floor:
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """``preexec_fn`` of every process a bench starts."""
     _libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no server outlives the bench
+
+
+def stop_process(proc: subprocess.Popen, wait_s: float) -> None:
+    """SIGTERM ``proc`` and reap it; SIGKILL it if it takes longer than ``wait_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class Server:
@@ -288,7 +300,7 @@ class Server:
                      *(["--gather-workers", str(workers)] if workers else []), *extra]
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=REPO, env=env, preexec_fn=_die_with_parent)
+                                     cwd=REPO, env=env, preexec_fn=die_with_parent)
         self.client: PleClient | None = None
         self.info = None  # the table's TableInfo, once connected
 
@@ -331,13 +343,7 @@ class Server:
             except Exception:
                 pass
             self.client = None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 20)
         self._log.close()
 
 
