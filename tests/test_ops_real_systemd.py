@@ -343,26 +343,27 @@ def test_an_allowed_uid_gets_rows_and_another_is_refused(installed):
         refused.stderr[-2000:]
 
 
+def signal_and_wait_for_restart(machine, signame: str, why: str, timeout: float) -> None:
+    """Send SIG``signame`` to the server; wait until systemd has restarted it, once."""
+    before = machine.show("ple-server")
+    machine.run(f"kill -{signame} {before['MainPID']}")
+    after = machine.wait_for(
+        "ple-server", lambda s: s["ActiveState"] == "active" and s["MainPID"] not in
+        ("0", before["MainPID"]), why, timeout)
+    assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1, after
+
+
 @real_systemd
 def test_sigkill_restarts_the_server(installed):
     machine, _, _ = installed
-    before = machine.show("ple-server")
-    machine.run(f"kill -KILL {before['MainPID']}")
-    after = machine.wait_for(
-        "ple-server", lambda s: s["ActiveState"] == "active" and s["MainPID"] not in
-        ("0", before["MainPID"]), "restart after SIGKILL", 30)
-    assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1, after
+    signal_and_wait_for_restart(machine, "KILL", "restart after SIGKILL", 30)
 
 
 @real_systemd
 def test_a_wedged_server_is_killed_by_the_watchdog_and_restarted(installed):
     machine, _, _ = installed
-    before = machine.show("ple-server")
-    machine.run(f"kill -STOP {before['MainPID']}")
-    after = machine.wait_for(
-        "ple-server", lambda s: s["ActiveState"] == "active" and s["MainPID"] not in
-        ("0", before["MainPID"]), "restart after the watchdog timeout (WatchdogSec=30)", 75)
-    assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1, after
+    signal_and_wait_for_restart(machine, "STOP",
+                                "restart after the watchdog timeout (WatchdogSec=30)", 75)
     assert "Watchdog timeout" in machine.run("journalctl -u ple-server --no-pager").stdout
 
 
