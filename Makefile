@@ -50,6 +50,9 @@ native-sanitize: $(VENV)/.core
 	mkdir -p $(SANITIZE_DIR)
 	cp -r setup.py pyproject.toml MANIFEST.in README.md pleserver pleclient tests $(SANITIZE_DIR)/
 	rm -f $(SANITIZE_DIR)/pleserver/_native*.so
+	# setup.py runs in the venv here, not in pip's isolated build environment,
+	# so the venv needs the build requirements (a fresh venv's setuptools is older).
+	$(PY) -m pip install -q $$($(PY) -c 'import tomllib;print(" ".join(tomllib.load(open("pyproject.toml","rb"))["build-system"]["requires"]))')
 	cd $(SANITIZE_DIR) && CFLAGS="$(SANITIZE_FLAGS)" LDFLAGS="$(SANITIZE_FLAGS)" \
 		$(PY) setup.py -q build_ext --inplace
 	cd $(SANITIZE_DIR) && LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
