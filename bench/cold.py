@@ -504,6 +504,20 @@ def table_bytes(args) -> tuple[int, int]:
     return size, left
 
 
+def read_ahead_kb(path: str) -> int | None:
+    """The read-ahead of the block device under ``path`` (what a page fault on
+    a mapping without MADV_RANDOM reads around the faulting page)."""
+    st = os.stat(path)
+    base = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    for queue in (f"{base}/queue/read_ahead_kb", f"{base}/../queue/read_ahead_kb"):
+        try:
+            with open(queue) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def run(args, workdir: str) -> dict:
     trace = load_trace(args.trace)
     flags = server_flags()
@@ -522,7 +536,8 @@ def run(args, workdir: str) -> dict:
               "cpu_busy_before": cpu_busy(),
               "trace": {"path": os.path.basename(args.trace), "sha256": trace.sha256,
                         "tokens": int(len(trace.ids)), "rows": trace.rows},
-              "contenders": contenders, "phases": {}}
+              "contenders": contenders, "read_ahead_kb": read_ahead_kb(workdir),
+              "phases": {}}
     holder = None
     try:
         if args.hold_gib:
@@ -567,8 +582,11 @@ def run(args, workdir: str) -> dict:
                 continue
             for name in contenders:
                 say(f"{phase}: {name} ...")
-                r = run_phase(name, batches, args, model, spec, paths, workdir, flags,
+                mine = batches[:args.seed_batches] if name == "seed" and args.seed_batches \
+                    else batches
+                r = run_phase(name, mine, args, model, spec, paths, workdir, flags,
                               reference)
+                r["batches"] = int(mine.shape[0])
                 result["phases"].setdefault(phase, {})[name] = r
                 c, w = r["cold"], r["warm"]
                 say(f"  cold mean {c['latency']['mean_ms']:.2f} ms, misses {c['misses']:,} "
@@ -742,6 +760,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra argument for every `pleserver serve` (repeatable)")
     ap.add_argument("--seed-workers", type=int, default=32)
+    ap.add_argument("--seed-batches", type=int, default=0,
+                    help="time the seed on only the first N decode steps and prefill chunks "
+                         "(0: all). Its memmaps take the device's read-ahead on every fault "
+                         "(read_ahead_kb: 8 MiB on some virtual disks), which can make a "
+                         "full pass take hours; per-batch figures stay comparable")
     ap.add_argument("--probe-seconds", type=float, default=2.0,
                     help="seconds per queue depth of the disk probe (default 2)")
     ap.add_argument("--probe-kind", default="auto", choices=("auto", "io_uring", "threads"),
