@@ -345,3 +345,47 @@ def test_request_read_in_several_rounds_is_exact(tmp_path, kind):
         src.close()
         cache.close()
         engine.close()
+
+
+def test_a_split_request_whose_ranges_read_in_rounds_never_deadlocks(tmp_path):
+    """A large request split over the pool's threads, each range with more
+    distinct blocks than one round holds: every range reads its misses through
+    the same pool (nested jobs). A caller once waited for its nested job to
+    reach the head of the queue, behind the split job that could not finish
+    without it, and the server hung on the first cold prefill."""
+    rows, row_bytes = 400_000, 160
+    data = np.random.default_rng(8).integers(0, 256, rows * row_bytes, np.uint8)
+    path = tmp_path / "rows.bin"
+    data.tofile(path)
+    table = data.reshape(rows, row_bytes)
+    cache = nat.RowCache(2 << 20, row_bytes)  # every pass misses again
+    engine = nat.ReadEngine(queue_depth=32, kind="auto", threads=4)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        src = nat.TableSource(0, row_bytes, rows, [(fd, 0, rows, str(path), 0)], cache,
+                              engine, True)
+    finally:
+        os.close(fd)
+    try:
+        rng = np.random.default_rng(9)
+        failures: list[BaseException] = []
+
+        def passes() -> None:
+            try:
+                for _ in range(8):
+                    ids = rng.integers(0, rows, 50_000).astype(np.int64)
+                    out = np.empty((ids.size, row_bytes), np.uint8)
+                    src.gather(ids, out, 4)
+                    np.testing.assert_array_equal(out, table[ids])
+            except BaseException as exc:  # reported below, from the test's thread
+                failures.append(exc)
+
+        worker = threading.Thread(target=passes, daemon=True)
+        worker.start()
+        worker.join(120)
+        assert not worker.is_alive(), "a split gather with nested read rounds hung"
+        assert not failures, failures
+    finally:
+        src.close()
+        cache.close()
+        engine.close()

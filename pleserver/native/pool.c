@@ -28,18 +28,33 @@ struct ple_pool {
     pthread_t threads[PLE_POOL_MAX_WORKERS];
 };
 
+/* Under the lock: take the next task of `job` (which has one left); a job
+ * whose every task is handed out leaves the queue, wherever it stands. */
+static void take_from(ple_pool *pool, ple_job *job, size_t *index)
+{
+    *index = job->next++;
+    if (job->next < job->n)
+        return;
+    ple_job *prev = NULL;
+    for (ple_job *j = pool->head; j; prev = j, j = j->link) {
+        if (j != job)
+            continue;
+        if (prev)
+            prev->link = job->link;
+        else
+            pool->head = job->link;
+        if (pool->tail == job)
+            pool->tail = prev;
+        return;
+    }
+}
+
 /* Under the lock: the next task of the oldest job, or NULL. */
 static ple_job *take_task(ple_pool *pool, size_t *index)
 {
     ple_job *job = pool->head;
-    if (!job)
-        return NULL;
-    *index = job->next++;
-    if (job->next == job->n) {  /* every task handed out: leave the queue */
-        pool->head = job->link;
-        if (!pool->head)
-            pool->tail = NULL;
-    }
+    if (job)
+        take_from(pool, job, index);
     return job;
 }
 
@@ -121,15 +136,15 @@ void ple_pool_run(ple_pool *pool, ple_task_fn fn, void *ctx, size_t n)
     pool->tail = &job;
     if (n > 1)
         pthread_cond_broadcast(&pool->work);
-    /* Help with our own job while it has tasks left (not with others': a
-     * caller's latency should not depend on other callers' jobs). */
-    while (job.next < job.n && pool->head) {
+    /* Run our own job's tasks while it has any left, wherever it stands in
+     * the queue (not others': a caller's latency should not depend on other
+     * callers' jobs). Never wait for our job to reach the head: a caller may
+     * itself be a worker running a task of an earlier job (a split gather
+     * whose ranges read their misses through this pool), and the earlier
+     * job cannot finish before ours does. */
+    while (job.next < job.n) {
         size_t index;
-        if (pool->head != &job) {
-            pthread_cond_wait(&pool->done, &pool->lock);
-            continue;
-        }
-        take_task(pool, &index);
+        take_from(pool, &job, &index);
         pthread_mutex_unlock(&pool->lock);
         fn(ctx, index);
         pthread_mutex_lock(&pool->lock);

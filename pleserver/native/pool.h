@@ -16,8 +16,10 @@ typedef struct ple_pool ple_pool;
 ple_pool *ple_pool_open(unsigned workers);
 /* Start more workers, up to `workers` in all; returns the count running. */
 unsigned ple_pool_grow(ple_pool *pool, unsigned workers);
-/* Run the n tasks and return when all have finished. Thread-safe: jobs of
- * concurrent callers are served in FIFO order. */
+/* Run the n tasks and return when all have finished. Thread-safe: workers
+ * serve the jobs of concurrent callers in FIFO order, and each caller runs
+ * its own job's tasks too, so a task may itself call ple_pool_run on the
+ * same pool (nested jobs always finish, if need be on their callers alone). */
 void ple_pool_run(ple_pool *pool, ple_task_fn fn, void *ctx, size_t n);
 /* Stop and join the workers (no job may be running), free the pool. */
 void ple_pool_close(ple_pool *pool);
