@@ -52,10 +52,6 @@ class Prewarm:
         if self._thread is not None:
             self._thread.join()
 
-    def wait(self, timeout: float | None = None) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-
     @property
     def fraction(self) -> float:
         return self.done_bytes / self.target if self.target else 1.0
