@@ -46,7 +46,7 @@ from pleserver.dataplane import DataPlane, PlaneOptions
 from pleserver.hotset import HotSet
 from pleserver.lograte import RateLimitedLog
 from pleserver.memory import memory_room
-from pleserver.prewarm import Prewarm
+from pleserver.prewarm import Prewarm, resident_bytes
 from pleserver.segments import Reservation, Reserver
 from pleserver.serving import Channel, ServingLoop
 from pleserver.stats import RateMeter, TableStats, format_bytes, format_progress, io_snapshot
@@ -655,7 +655,7 @@ class Server:
             fractions: list[float | None] = []
             for t in self.tables:
                 try:
-                    resident = t.resident_bytes()
+                    resident = resident_bytes(t)
                 except OSError:
                     resident = None
                 fractions.append(None if resident is None else
