@@ -222,6 +222,13 @@ class PleClient:
         return self._require_channel().layout.depth
 
     @property
+    def free_slots(self) -> int:
+        """Slots no unreleased ticket holds: how many ``submit`` calls can
+        follow before a ticket must be released."""
+        self._require_channel()
+        return sum(owner != "ticket" for owner in self._slot_owner)
+
+    @property
     def segment_buffer(self) -> memoryview:
         """The whole channel segment (page-aligned rows areas), e.g. for
         ``cudaHostRegister``; valid until ``close``."""
