@@ -55,6 +55,8 @@ class StartupError(RuntimeError):
 
 
 class Server:
+    """The process, from start to stop (the module docstring lists the steps)."""
+
     def __init__(self, config: ServerConfig, notifier: Notifier | None = None) -> None:
         self.config = config
         self.notifier = notifier or Notifier()
