@@ -83,7 +83,6 @@ class TableSpec:
     shard_size: int
     shards: list[ShardSpec]
     scale: float | None = None
-    scale_dtype: str | None = None
     fingerprint: str = ""
     files: list[str] = field(default_factory=list)
 
@@ -272,8 +271,7 @@ def _build_table(name: str, entries: dict[int, TensorEntry],
                    for i in range(parts)]
     return TableSpec(name=name, layer=layer, dtype=dtype, cols=widths[0], rows=rows,
                      parts=parts, shard_size=shard_size, shards=shard_specs,
-                     scale=scale_value, scale_dtype=scale.dtype if scale else None,
-                     files=sorted({e.path for e in entries.values()})), []
+                     scale=scale_value, files=sorted({e.path for e in entries.values()})), []
 
 
 def read_scale(entry: TensorEntry) -> tuple[float | None, str | None]:
