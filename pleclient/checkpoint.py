@@ -38,7 +38,6 @@ ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4,
 TABLE_DTYPES = {"F8_E4M3": True, "F8_E5M2": True, "BF16": False}
 """Supported row dtypes, and whether each needs a ``weight_scale``."""
 SCALE_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": None}
-FINGERPRINT_SAMPLES = 3  # rows sampled per shard: first, middle, last
 
 
 class CheckpointError(ValueError):
@@ -84,7 +83,6 @@ class TableSpec:
     shard_size: int
     shards: list[ShardSpec]
     scale: float | None = None
-    scale_dtype: str | None = None
     fingerprint: str = ""
     files: list[str] = field(default_factory=list)
 
@@ -273,8 +271,7 @@ def _build_table(name: str, entries: dict[int, TensorEntry],
                    for i in range(parts)]
     return TableSpec(name=name, layer=layer, dtype=dtype, cols=widths[0], rows=rows,
                      parts=parts, shard_size=shard_size, shards=shard_specs,
-                     scale=scale_value, scale_dtype=scale.dtype if scale else None,
-                     files=sorted({e.path for e in entries.values()})), []
+                     scale=scale_value, files=sorted({e.path for e in entries.values()})), []
 
 
 def read_scale(entry: TensorEntry) -> tuple[float | None, str | None]:
@@ -310,16 +307,3 @@ def table_fingerprint(table: TableSpec) -> str:
                 f.seek(shard.offset + r * row_bytes)
                 h.update(f.read(row_bytes))
     return h.hexdigest()[:32]
-
-
-def find_table(tables: list[TableSpec], key: str | int) -> TableSpec:
-    """A table by name or layer index; a clear error when absent or ambiguous."""
-    if isinstance(key, str):
-        matches = [t for t in tables if t.name == key]
-    else:
-        matches = [t for t in tables if t.layer == key]
-    if len(matches) != 1:
-        known = ", ".join(f"{t.name} (layer {t.layer})" for t in tables)
-        what = "several tables" if matches else "no table"
-        raise KeyError(f"{what} for {key!r}; tables: {known}")
-    return matches[0]

@@ -136,6 +136,9 @@ class PleClient:
         self._sequence = 0
         self._lock = threading.Lock()
         self._gone: str | None = None
+        # One reader for the session: a frame the server sends unasked
+        # (SHUTDOWN, ERROR) may arrive over several liveness checks.
+        self._reader = p.FrameReader()
         self._pid = os.getpid()
 
     # --------------------------------------------------------------- connect
@@ -217,6 +220,13 @@ class PleClient:
     @property
     def depth(self) -> int:
         return self._require_channel().layout.depth
+
+    @property
+    def free_slots(self) -> int:
+        """Slots no unreleased ticket holds: how many ``submit`` calls can
+        follow before a ticket must be released."""
+        self._require_channel()
+        return sum(owner != "ticket" for owner in self._slot_owner)
 
     @property
     def segment_buffer(self) -> memoryview:
@@ -394,8 +404,7 @@ class PleClient:
             self._gone = (f"ple-server at {self.socket_path} {why} (stopped, restarted "
                           "or crashed); reconnect with PleClient.connect()")
         else:
-            reader = p.FrameReader()
-            for msg in reader.feed(data):
+            for msg in self._reader.feed(data):
                 if msg["type"] == p.MessageType.SHUTDOWN.value:
                     self._gone = (f"ple-server at {self.socket_path} is shutting down "
                                   f"({msg.get('reason', 'no reason given')}); reconnect "

@@ -18,16 +18,6 @@ log = logging.getLogger("pleserver")
 EX_CONFIG = 78  # sysexits.h: configuration error (the unit does not restart on it)
 
 
-def parse_size(text: str) -> int:
-    """``8G``, ``512M``, ``1.5T``, ``4096`` → bytes (binary units), for argparse."""
-    from pleserver.config import parse_size as parse
-
-    try:
-        return parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 class _JournalFormatter(logging.Formatter):
     """No timestamp (journald adds its own) and a ``<N>`` syslog priority prefix
     on every line, which journald turns into the entry's priority."""

@@ -322,6 +322,33 @@ def parse_size(text: str | int) -> int:
     return int(number * units[unit])
 
 
+def parse_host_port(text: str) -> tuple[str, int]:
+    """``"127.0.0.1:9478"``, ``"[::1]:9478"``, ``"localhost:0"`` → (host, port).
+
+    An IPv6 address goes in brackets: unbracketed, ``::1:9478`` could be the
+    address ``::1:9478`` with no port. Raises ``ValueError`` saying what is wrong."""
+    how = "write it like 127.0.0.1:9478, [::1]:9478 or localhost:9478"
+    if not isinstance(text, str):
+        raise ValueError(f"must be \"host:port\" ({how}), got {text!r}")
+    host, sep, port = text.strip().rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
+        host = host[1:-1]
+    if not sep or not port or text.strip().endswith("]"):
+        why = "no port"
+    elif not host:
+        why = "no host"
+    elif not bracketed and ("[" in host or "]" in host):
+        why = "unbalanced brackets around the host"
+    elif not bracketed and ":" in host:
+        why = f"an IPv6 address goes in brackets: [{host}]:{port}"
+    elif not (port.isascii() and port.isdigit() and int(port) <= 65535):
+        why = f"the port {port!r} is not a number from 0 to 65535"
+    else:
+        return host, int(port)
+    raise ValueError(f"{text!r} is not \"host:port\" ({why}); {how}")
+
+
 # ------------------------------------------------------------------- parsing
 class _Invalid(ValueError):
     pass
@@ -470,12 +497,11 @@ def _gids(s: Setting, value: Any) -> list[int]:
 
 
 def _address(s: Setting, value: Any) -> str:
-    if isinstance(value, str):
-        host, sep, port = value.strip().rpartition(":")
-        if sep and host and port.isdigit() and int(port) <= 65535:
-            return value.strip()
-    raise _Invalid(f"must be \"host:port\" (e.g. \"127.0.0.1:9478\", \"[::1]:9478\", "
-                   f"\"0.0.0.0:9478\"), got {value!r}")
+    try:
+        parse_host_port(value)
+    except ValueError as exc:
+        raise _Invalid(str(exc)) from None
+    return value.strip()
 
 
 _PARSERS = {"int": _int, "size": _size, "float": _float, "bool": _bool, "choice": _choice,

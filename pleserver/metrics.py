@@ -53,6 +53,7 @@ from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFami
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from pleserver.config import parse_host_port
 from pleserver.stats import BUCKETS_S, ERROR_KINDS
 
 log = logging.getLogger(__name__)
@@ -254,16 +255,6 @@ def _buckets(hist: dict) -> list[tuple[str, float]]:
     return out
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """``"127.0.0.1:9478"``, ``"[::1]:9478"``, ``"0.0.0.0:0"`` → (host, port)."""
-    host, sep, port = address.strip().rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise MetricsError(f"metrics address {address!r} is not host:port (e.g. "
-                           "127.0.0.1:9478); fix metrics_address")
-    return host, int(port)
-
-
 class MetricsEndpoint:
     """HTTP endpoint for Prometheus on a daemon thread; ``start()`` binds (and
     raises ``MetricsError`` when it cannot), ``stop()`` closes it."""
@@ -282,7 +273,10 @@ class MetricsEndpoint:
         return self._httpd.server_address[1] if self._httpd is not None else None
 
     def start(self) -> None:
-        host, port = parse_address(self.address)
+        try:
+            host, port = parse_host_port(self.address)
+        except ValueError as exc:
+            raise MetricsError(f"metrics_address: {exc}") from None
         try:
             self._httpd, self._thread = start_http_server(port, host, registry=self.registry)
         except OSError as exc:

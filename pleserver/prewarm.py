@@ -1,20 +1,28 @@
-"""Prewarm (mmap mode): read the tables into the page cache once, in a thread.
+"""Mapped tables in the page cache (mmap mode): prewarm, and residency.
 
-Budgeted because on unified-memory machines (DGX Spark, GX10) the page cache
-competes with the GPU's memory: the prewarm also stops when MemAvailable falls
+Prewarm reads the tables into the page cache once, in a thread, within a
+byte budget, because on unified-memory machines (DGX Spark, GX10) the page
+cache competes with the GPU's memory; it also stops when MemAvailable falls
 under a reserve. After each block, ``MADV_POPULATE_READ`` maps the pages into
 the server's page tables, so the first lookup of a row does not pay a minor
 fault either. (In direct and buffered modes the row cache is refilled from the
 saved hot set instead: ``pleserver.hotset``.)
+
+Residency (``resident_bytes``) is ``mincore`` over a table's shard ranges in
+its mappings: what ``pleserver stats`` and the metrics show as resident.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import mmap
 import os
 import threading
 import time
+
+import numpy as np
 
 from pleserver.memory import mem_available
 from pleserver.stats import format_bytes, format_progress
@@ -24,6 +32,10 @@ log = logging.getLogger(__name__)
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux ≥ 5.14
 PREWARM_BLOCK = 8 << 20
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.mincore.restype = ctypes.c_int
 
 
 class Prewarm:
@@ -51,10 +63,6 @@ class Prewarm:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-
-    def wait(self, timeout: float | None = None) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     @property
     def fraction(self) -> float:
@@ -123,3 +131,23 @@ def _populate(mapped: MappedFile, offset: int, length: int) -> None:
         mapped.mm.madvise(MADV_POPULATE_READ, start, offset + length - start)
     except (OSError, ValueError):
         pass  # kernel without MADV_POPULATE_READ: the first touch faults instead
+
+
+def resident_bytes(table: Table) -> int | None:
+    """Bytes of ``table`` in the page cache (mincore over its shard ranges);
+    None when its files are not mapped (direct, buffered)."""
+    if table.mode != "mmap":
+        return None
+    page = mmap.PAGESIZE
+    total = 0
+    for f, offset, length in table.shard_ranges():
+        start = offset - offset % page
+        npages = -(-(offset + length - start) // page)
+        vec = np.zeros(npages, dtype=np.uint8)
+        if _libc.mincore(ctypes.c_void_p(f.address + start),
+                         ctypes.c_size_t(npages * page),
+                         ctypes.c_void_p(vec.ctypes.data)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mincore on {f.path}: {os.strerror(err)}")
+        total += int(np.count_nonzero(vec & 1)) * page
+    return min(total, table.spec.nbytes)

@@ -189,7 +189,6 @@ class ServingLoop:
         self.workers = [threading.Thread(target=self._worker, name=f"gather-{i}", daemon=True)
                         for i in range(max(1, workers))]
         self.thread = threading.Thread(target=self._run, name="serving", daemon=True)
-        self.last_tick = time.monotonic()
 
     # --------------------------------------------------------------- channels
     def add(self, channel: Channel) -> None:
@@ -270,7 +269,6 @@ class ServingLoop:
             if self._retired:
                 self._reap()
             if now >= next_beat:
-                self.last_tick = now
                 next_beat = now + self.heartbeat_every_s
                 if self.heartbeat:
                     self.heartbeat()

@@ -1,4 +1,4 @@
-"""A PLE table served from its safetensors files: open files, gather, residency.
+"""A PLE table served from its safetensors files: open (or map) them, gather rows.
 
 A table gathers through one native ``TableSource`` (``pleserver._native``),
 whatever the io mode (``pleserver.dataplane`` chooses it):
@@ -15,13 +15,12 @@ whatever the io mode (``pleserver.dataplane`` chooses it):
 Large requests (``parallel_min_rows`` or more) are split over native threads.
 A checkpoint file changed under the server is caught by ``check_files``: its
 tables then answer errors (``problem``), as reading a truncated mapping would
-raise SIGBUS and a rewritten file would give other rows.
+raise SIGBUS and a rewritten file would give other rows. What of a mapped
+table is in the page cache (prewarm, residency) is ``pleserver.prewarm``'s.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
@@ -41,10 +40,6 @@ log = logging.getLogger(__name__)
 
 KEY_ROW_BITS = 40
 """A row cache key is ``(table_key << 40) | row`` (the native module's layout)."""
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_libc.mincore.restype = ctypes.c_int
 
 
 class CheckpointFile:
@@ -229,28 +224,9 @@ class Table:
         number inserted."""
         return self.source.fill(ids)
 
-    # --------------------------------------------------------------- residency
+    # ------------------------------------------------------------------ shards
     def shard_ranges(self) -> list[tuple[CheckpointFile, int, int]]:
         """(file, start offset, length) of every non-empty shard."""
         by_path = {f.path: f for f in self._files}
         return [(by_path[s.path], s.offset, s.rows * self.row_bytes)
                 for s in self.spec.shards if s.rows]
-
-    def resident_bytes(self) -> int | None:
-        """Bytes of this table in the page cache (mincore over its shard
-        ranges); None when the files are not mapped (direct, buffered)."""
-        if self.mode != "mmap":
-            return None
-        page = mmap.PAGESIZE
-        total = 0
-        for f, offset, length in self.shard_ranges():
-            start = offset - offset % page
-            npages = -(-(offset + length - start) // page)
-            vec = np.zeros(npages, dtype=np.uint8)
-            if _libc.mincore(ctypes.c_void_p(f.address + start),
-                             ctypes.c_size_t(npages * page),
-                             ctypes.c_void_p(vec.ctypes.data)) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"mincore on {f.path}: {os.strerror(err)}")
-            total += int(np.count_nonzero(vec & 1)) * page
-        return min(total, self.spec.nbytes)

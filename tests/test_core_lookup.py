@@ -80,6 +80,20 @@ def test_several_tickets_in_flight_are_zero_copy_views(server, references):
             held = [client.submit(1, [1]) for _ in range(5)]  # noqa: F841
 
 
+def test_free_slots_counts_the_slots_no_unreleased_ticket_holds(server):
+    with server.client(depth=3) as client:
+        assert client.free_slots == 3
+        first, second = client.submit(1, [1]), client.submit(3, [2])
+        assert client.free_slots == 1
+        first.wait()
+        first.release()
+        second.release()  # maybe before its answer: the next submit waits for it if need be
+        assert client.free_slots == 3
+        with pytest.raises(RequestError):
+            client.submit(1, [client.table(1).rows]).wait()  # rejected: its slot is free
+        assert client.free_slots == 3
+
+
 def test_lookup_into_caller_buffer_and_by_name(server, references):
     with server.client() as client:
         t = client.table(1)

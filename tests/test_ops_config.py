@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pleclient import protocol as p
-from pleserver.config import SETTINGS, ConfigError, load_config
+from pleserver.config import SETTINGS, ConfigError, load_config, parse_host_port
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "config.toml"
 EX_CONFIG = 78
@@ -138,6 +138,7 @@ BAD_VALUES = [
     ("model = 3", "model", "non-empty path"),
     ('metrics_address = "localhost"', "metrics_address", "host:port"),
     ('metrics_address = "127.0.0.1:99999"', "metrics_address", "host:port"),
+    ('metrics_address = "::1:9478"', "metrics_address", "goes in brackets: [::1]:9478"),
     ('log_level = "LOUD"', "log_level", "one of DEBUG"),
     ("watchdog_s = 0", "watchdog_s", "at least 0.01"),
     ('watchdog_s = "nan"', "watchdog_s", "finite"),
@@ -154,6 +155,28 @@ def test_a_bad_value_is_an_error_naming_the_file_and_key(write, text, key, probl
         load_config(str(path))
     assert any(line.startswith(f"{path}: {key}: ") and problem in line
                for line in err.value.problems), err.value.problems
+
+
+ADDRESSES = [("127.0.0.1:9478", ("127.0.0.1", 9478)), ("[::1]:9400", ("::1", 9400)),
+             ("localhost:0", ("localhost", 0)),
+             (" ple.example.com:65535 ", ("ple.example.com", 65535))]
+
+
+@pytest.mark.parametrize("text,parsed", ADDRESSES, ids=[a[0] for a in ADDRESSES])
+def test_host_port_addresses_parse_to_host_and_port(text, parsed):
+    assert parse_host_port(text) == parsed
+
+
+BAD_ADDRESSES = [("localhost", "no port"), ("[::1]", "no port"), ("host:", "no port"),
+                 (":9400", "no host"), ("::1:9400", "goes in brackets: [::1]:9400"),
+                 ("[::1:9400", "unbalanced brackets"), ("host:65536", "port '65536'"),
+                 ("host:-1", "port '-1'"), ("host:http", "port 'http'")]
+
+
+@pytest.mark.parametrize("text,why", BAD_ADDRESSES, ids=[a[0] for a in BAD_ADDRESSES])
+def test_a_bad_host_port_address_is_an_error_saying_what_is_wrong(text, why):
+    with pytest.raises(ValueError, match=re.escape(why)):
+        parse_host_port(text)
 
 
 def test_an_unknown_key_is_an_error_suggesting_the_known_one(write):

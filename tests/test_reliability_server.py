@@ -1,20 +1,28 @@
 """Server faults: SIGKILL with requests in flight, restart on the same socket,
-SIGTERM with requests in flight."""
+SIGTERM with requests in flight, a SHUTDOWN that arrives in pieces."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
+import socket
+import struct
+import termios
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from pleclient import PleClient, ServerGone
+from pleclient import protocol as p
+from pleserver.segments import create_segment
 from pleserver.synthetic import read_reference
 from tests.conftest import SMALL_TABLES
-from tests.harness import launch, python_child, shm_entries  # noqa: F401 (fixture)
+from tests.harness import launch, python_child, shm_entries, wait_until  # noqa: F401 (fixture)
 
 TIMEOUT = 10.0  # the clients' timeout
 
@@ -178,3 +186,65 @@ def test_stats_on_a_departed_server_raises_server_gone(launch, checkpoint, sig):
     with pytest.raises(ServerGone):
         client.stats()
     client.close()
+
+
+# A server's side of one session, written by hand, so that its SHUTDOWN can be
+# sent in two pieces: the real server sends each frame in one piece.
+TABLE = {"name": "model.layers.1.ple.ple_embedding.ngram_embedding", "layer": 1,
+         "rows": 16, "cols": 160, "dtype": "F8_E4M3", "row_bytes": 160, "scale": 1.0,
+         "fingerprint": "0" * 32, "shard_size": 16, "parts": 1}
+
+
+def unread_bytes(sock: socket.socket) -> int:
+    """Bytes sent on ``sock`` that its peer has not read yet (SIOCOUTQ)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0]
+
+
+def shut_down_in_two_pieces(listener: socket.socket, go: threading.Event) -> None:
+    """Answer hello and open_channel (with a real channel segment); once ``go``
+    is set, send SHUTDOWN in two pieces, the second after the client has read
+    the first; then wait for the client to hang up."""
+    conn, _ = listener.accept()
+    with conn:
+        conn.settimeout(TIMEOUT)
+        p.recv_message(conn)  # hello
+        p.send_message(conn, {"type": p.MessageType.WELCOME.value,
+                              "version": p.PROTOCOL_VERSION, "server": "by hand",
+                              "instance": "pieces", "pid": os.getpid(), "tables": [TABLE]})
+        p.recv_message(conn)  # open_channel
+        layout = p.ChannelLayout(2, 16, TABLE["row_bytes"])
+        fd, segment = create_segment("pieces", layout)
+        try:
+            p.send_message(conn, {"type": p.MessageType.CHANNEL.value,
+                                  "layout": layout.to_wire()}, fds=[fd])
+            assert go.wait(TIMEOUT)
+            frame = p.encode_frame({"type": p.MessageType.SHUTDOWN.value,
+                                    "reason": "SIGTERM"})
+            conn.sendall(frame[:len(frame) // 2])
+            assert wait_until(lambda: unread_bytes(conn) == 0, TIMEOUT, 0.005)
+            conn.sendall(frame[len(frame) // 2:])
+            conn.recv(1)  # returns when the client closes
+        finally:
+            segment.close()
+            os.close(fd)
+
+
+def test_a_shutdown_read_in_two_pieces_is_still_a_shutdown(tmp_path):
+    path = str(tmp_path / "pieces.sock")
+    go = threading.Event()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, \
+            ThreadPoolExecutor(1) as pool:
+        listener.bind(path)
+        listener.listen(1)
+        listener.settimeout(TIMEOUT)
+        server = pool.submit(shut_down_in_two_pieces, listener, go)
+        client = PleClient.connect(path, timeout=TIMEOUT)
+        try:
+            ticket = client.submit(1, [0])  # never answered: the client waits, checking
+            go.set()                        # the control socket between two waits
+            with pytest.raises(ServerGone, match=r"shutting down \(SIGTERM\)"):
+                ticket.wait()
+        finally:
+            go.set()
+            client.close()
+        server.result(TIMEOUT)

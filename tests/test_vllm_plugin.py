@@ -13,8 +13,6 @@ from tests.vllm_helpers import run_scenario  # noqa: E402
 from tests.vllm_helpers.fixtures import (other_checkpoint, shm_env,  # noqa: E402,F401
                                          vllm_checkpoint, vllm_server)
 
-SHARD = "model.layers.{}.ple.ple_embedding.ngram_embedding.shard_{}.weight"
-
 
 # ------------------------------------------------------------------- the switch
 @pytest.mark.parametrize("value", [None, "vllm"], ids=["unset", "vllm"])

@@ -3,6 +3,8 @@ against a real ple-server over the core tests' checkpoint."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,7 @@ from pleclient.vllm_plugin.identity import Expected  # noqa: E402
 from pleclient.vllm_plugin.rows import RowService  # noqa: E402
 from pleserver.synthetic import read_reference  # noqa: E402
 from tests.conftest import SMALL_TABLES  # noqa: E402
+from tests.harness import launch  # noqa: E402,F401 (fixture)
 
 FP8, BF16 = SMALL_TABLES
 
@@ -166,6 +169,27 @@ def test_server_gone_with_no_reconnect_window_fails_at_once(server, service):
     server.stop()
     with pytest.raises(PleBackendError, match="systemctl start ple-server"):
         service.lookup(binding, torch.arange(5), typed(BF16, 5))
+
+
+def test_a_server_back_within_the_window_answers_the_lookup_that_waited(
+        launch, checkpoint, reference, caplog):
+    first = launch(checkpoint)
+    rows = RowService(settings.ShmSettings(socket=first.socket, checkpoint=str(checkpoint),
+                                           capacity=100, depth=2, reconnect_window=60))
+    try:
+        binding = rows.bind(expected(BF16))
+        first.stop()
+        ids = torch.arange(0, BF16.rows, 61)
+        out = typed(BF16, ids.numel())
+        with caplog.at_level("WARNING", logger="pleclient.vllm_plugin"), \
+                ThreadPoolExecutor(1) as pool:  # the next server starts while the lookup waits
+            second = pool.submit(launch, checkpoint, socket_path=first.socket)
+            rows.lookup(binding, ids, out)
+            second.result()
+        assert np.array_equal(as_bytes(out), reference[3][ids.numpy()])
+        assert f"reconnected to ple-server at {first.socket}" in caplog.text
+    finally:
+        rows.close()
 
 
 def test_missing_server_names_the_socket(tmp_path, checkpoint):

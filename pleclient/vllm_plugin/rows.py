@@ -18,11 +18,11 @@ Failure policy
 * No server at startup: ``bind`` fails at once, naming the socket and
   ``systemctl start ple-server``.
 * Server gone mid-run (``ServerGone``, ``ServerUnavailable``, ``LookupTimeout``):
-  reconnect with exponential backoff for ``VLLM_PLE_SHM_RECONNECT_S``, check the
-  new server's tables against the checkpoint again, resubmit every request not
-  yet copied, and carry on; past the window raise ``PleBackendError``. Rows are
-  never zeros or stale: a request is either answered by a verified server or
-  the forward step fails.
+  reconnect with exponential backoff for ``VLLM_PLE_SHM_RECONNECT_S``
+  (``reconnect.ReconnectPolicy``), check the new server's tables against the
+  checkpoint again, resubmit every request not yet copied, and carry on; past
+  the window raise ``PleBackendError``. Rows are never zeros or stale: a
+  request is either answered by a verified server or the forward step fails.
 * ``--load-format dummy`` with ``VLLM_PLE_SHM_ALLOW_DUMMY=1``: no server, zero
   rows, said once in the log.
 """
@@ -40,12 +40,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pleclient import (LookupTimeout, PleClient, PleError, ProtocolMismatch, RequestError,
-                       ServerGone, ServerUnavailable, TableInfo, Ticket)
+from pleclient import (PleClient, PleError, ProtocolMismatch, RequestError, ServerGone,
+                       TableInfo, Ticket)
 from pleclient.checkpoint import TableSpec
 from pleclient.torch import DeviceCopy, PinnedSegment, copy_rows
 from pleclient.vllm_plugin import discovery, identity
 from pleclient.vllm_plugin.errors import PleBackendError
+from pleclient.vllm_plugin.reconnect import TRANSIENT, ReconnectPolicy
 from pleclient.vllm_plugin.settings import (ENV_ALLOW_DUMMY, ENV_BACKEND, ENV_SOCKET,
                                             ShmSettings)
 
@@ -56,9 +57,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
     "BF16": torch.bfloat16,
 }
-_TRANSIENT = (ServerGone, ServerUnavailable, LookupTimeout)
-_BACKOFF_FIRST_S = 0.05
-_BACKOFF_MAX_S = 2.0
 
 
 @dataclass(eq=False)
@@ -106,7 +104,8 @@ class PendingLookup:
 
 
 class RowService:
-    """The worker's ple-server session, its pinned segment and reconnect policy."""
+    """The worker's ple-server session and its pinned segment; a lost server
+    is waited for as its ``ReconnectPolicy`` says."""
 
     _shared: "RowService | None" = None
 
@@ -125,7 +124,7 @@ class RowService:
         self._generation = 0
         self._pinned: PinnedSegment | None = None
         self._retiring: collections.deque[tuple[Ticket, DeviceCopy]] = collections.deque()
-        self._held = 0  # this session's tickets not yet released
+        self._reconnect_policy = ReconnectPolicy(settings.reconnect_window)
         self._bindings: list[TableBinding] = []
         self._dummy_warned = False
 
@@ -166,7 +165,7 @@ class RowService:
     def _connect_at_startup(self, fmt: str | None) -> PleClient:
         try:
             return self._connect()
-        except (ServerUnavailable, ServerGone, LookupTimeout) as exc:
+        except TRANSIENT as exc:
             hint = (f" (or, with --load-format dummy, set {ENV_ALLOW_DUMMY}=1 to run "
                     "without PLE rows)" if fmt == "dummy" else "")
             raise PleBackendError(
@@ -188,7 +187,6 @@ class RowService:
         client.timeout = s.lookup_timeout
         self._client = client
         self._generation += 1
-        self._held = 0
         return client
 
     # ---------------------------------------------------------------- lookups
@@ -209,7 +207,7 @@ class RowService:
         pending.chunks = [_Chunk(0, pending.count)]
         try:
             self._feed(pending, first=0, reserve=reserve)
-        except _TRANSIENT as exc:  # collect() reconnects and resubmits
+        except TRANSIENT as exc:  # collect() reconnects and resubmits
             log.warning("PLE backend shm: submit failed (%s); retrying at collect", exc)
         return pending
 
@@ -241,12 +239,11 @@ class RowService:
                     self._retiring.append((chunk.ticket, copy))
                     chunk.ticket = None
                     index += 1
-                except _TRANSIENT as exc:
+                except TRANSIENT as exc:
                     failed_since = failed_since or time.monotonic()
                     self._reconnect(exc, failed_since)
         except RequestError as exc:
-            self._held -= 1  # the client already freed the rejected request's slot
-            pending.chunks[index].ticket = None
+            pending.chunks[index].ticket = None  # the client freed the rejected request's slot
             self.discard(pending)
             raise PleBackendError(
                 f"ple-server rejected a lookup in {binding.info.name}: {exc}. The server "
@@ -270,7 +267,6 @@ class RowService:
             except PleError:
                 pass  # the session is gone or broken; the next use reconnects
             ticket.release()
-            self._held -= 1
 
     # --------------------------------------------------------------- plumbing
     def _feed(self, pending: PendingLookup, *, first: int, reserve: int) -> None:
@@ -290,16 +286,15 @@ class RowService:
             if chunk.ticket is not None and chunk.generation == self._generation:
                 continue
             if i != first:
-                if client.depth - self._held <= reserve:
+                if client.free_slots <= reserve:
                     self._retire(block=False)
-                if client.depth - self._held <= reserve:
+                if client.free_slots <= reserve:
                     return
-            elif client.depth - self._held == 0:
+            elif client.free_slots == 0:
                 self._retire(block=True)
             chunk.ticket = client.submit(pending.binding.info,
                                          pending.ids[chunk.start:chunk.end])
             chunk.generation = self._generation
-            self._held += 1
 
     def _retire(self, *, block: bool) -> None:
         """Release slots whose device copy has finished, oldest first; with
@@ -313,7 +308,6 @@ class RowService:
                 copy.wait()
             self._retiring.popleft()
             ticket.release()
-            self._held -= 1
             released += 1
         if block and not released:
             raise PleBackendError(
@@ -339,37 +333,19 @@ class RowService:
         if self._client is not None:
             self._client.close()
             self._client = None
-        self._held = 0
 
     def _reconnect(self, cause: Exception, failed_since: float) -> None:
-        """Reconnect within the window (counted from the first failure) or raise."""
+        """Reconnect within the window (counted from the first failure) and
+        verify the new server, or raise."""
         socket = self.settings.socket
-        window = self.settings.reconnect_window
         log.warning("PLE backend shm: lost ple-server at %s (%s); reconnecting for up "
-                    "to %.0f s", socket, cause, window)
+                    "to %.0f s", socket, cause, self._reconnect_policy.window_s)
         self._drop_session()
-        delay = _BACKOFF_FIRST_S
-        last: Exception = cause
-        while True:
-            try:
-                client = self._connect()
-            except (*_TRANSIENT, ProtocolMismatch) as exc:
-                last = exc
-            else:
-                self._verify_again(client)
-                log.warning("PLE backend shm: reconnected to ple-server at %s after %.1f s",
-                            socket, time.monotonic() - failed_since)
-                return
-            remaining = failed_since + window - time.monotonic()
-            if remaining <= 0:
-                raise PleBackendError(
-                    f"VLLM_PLE_BACKEND=shm: ple-server at {socket} went away ({cause}) "
-                    f"and did not come back within {window:.0f} s (last error: {last}). "
-                    "PLE rows cannot be served, so this step fails rather than use wrong "
-                    "rows. Restart it: `systemctl start ple-server`; raise "
-                    "VLLM_PLE_SHM_RECONNECT_S to wait longer.") from None
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, _BACKOFF_MAX_S)
+        client = self._reconnect_policy.reconnect(self._connect, socket=socket, cause=cause,
+                                                  failed_since=failed_since)
+        self._verify_again(client)
+        log.warning("PLE backend shm: reconnected to ple-server at %s after %.1f s",
+                    socket, time.monotonic() - failed_since)
 
     def _verify_again(self, client: PleClient) -> None:
         """A restarted server must still serve the checkpoint every layer loaded."""
