@@ -145,6 +145,10 @@ class PleClient:
         try:
             _send_hello(sock, name or f"pid{os.getpid()}")
             welcome = _expect(sock, p.MessageType.WELCOME, path)
+            if welcome.get("version") != p.PROTOCOL_VERSION:
+                raise ProtocolMismatch(
+                    f"ple-server at {path} speaks protocol {welcome.get('version')!r}, this "
+                    f"client speaks {p.PROTOCOL_VERSION}; install matching pleserver versions")
             client = cls(sock, path, welcome, timeout)
             client._open_channel(capacity, depth)
             return client

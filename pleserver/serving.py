@@ -285,8 +285,9 @@ class ServingLoop:
                 idle_since = now
                 continue
             if now - idle_since < self.spin_s and not self._draining:
-                if self._inflight:
-                    time.sleep(0)  # let gather workers take the GIL
+                # Spin, yielding the CPU (and the GIL) each pass: on a busy
+                # machine the client, or a gather worker, may need this core.
+                os.sched_yield()
                 continue
             # Idle: sleep (idle_since stays: a wake-up without work sleeps again
             # at once, it does not spin again).
@@ -300,6 +301,8 @@ class ServingLoop:
         if self._retired or self._stop.is_set():
             return
         channels = [c for c in self.channels if not c.closing]
+        # One call takes at most FUTEX_WAITV_MAX words, the loop's own among
+        # them: past 127 channels (max_clients) the loop polls instead.
         if self.idle_wait == "futex_waitv" and len(channels) < _sync.FUTEX_WAITV_MAX:
             # Announce, then wait on each counter at the value we last read: a
             # counter that moved since makes the call return at once, and a

@@ -11,7 +11,6 @@
 #include "futex.h"
 
 #include <errno.h>
-#include <limits.h>
 #include <linux/futex.h>
 #include <stdatomic.h>
 #include <sys/syscall.h>
