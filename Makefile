@@ -49,7 +49,7 @@ native-sanitize: $(VENV)/.core
 	rm -rf $(SANITIZE_DIR)
 	mkdir -p $(SANITIZE_DIR)
 	cp -r setup.py pyproject.toml MANIFEST.in README.md pleserver pleclient tests $(SANITIZE_DIR)/
-	rm -f $(SANITIZE_DIR)/pleserver/_native*.so
+	rm -f $(SANITIZE_DIR)/pleserver/_native*.so $(SANITIZE_DIR)/pleclient/_sync*.so
 	# setup.py runs in the venv here, not in pip's isolated build environment,
 	# so the venv needs the build requirements (a fresh venv's setuptools is older).
 	$(PY) -m pip install -q $$($(PY) -c 'import tomllib;print(" ".join(tomllib.load(open("pyproject.toml","rb"))["build-system"]["requires"]))')

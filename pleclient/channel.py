@@ -1,9 +1,13 @@
 """Typed views over one mapped channel segment (layout: ``pleclient.protocol``).
 
 Used by both sides: the server creates and formats the segment, the client maps
-the fd it received. Header words are ``memoryview`` casts (a Python int per
-read, no NumPy scalar), ids and rows are NumPy views, so neither side copies
-more than the protocol requires.
+the fd it received. Plain header words are ``memoryview`` casts (a Python int
+per read, no NumPy scalar), ids and rows are NumPy views, so neither side
+copies more than the protocol requires. The synchronization words (the submit
+counter, each slot's state and their sleepers) are read and written only
+through ``pleclient._sync``, and every slot transition has its one home here:
+``SlotView.submit`` / ``release`` (the client's), ``SlotView.complete`` /
+``fail`` (the server's), ``ChannelMap.publish_submit`` (the client's doorbell).
 """
 
 from __future__ import annotations
@@ -13,19 +17,35 @@ import mmap
 import numpy as np
 
 from pleclient import protocol as p
-from pleclient.semaphore import SharedSemaphore
+from pleclient.errors import ProtocolMismatch
+
+try:
+    from pleclient._sync import Words
+except ImportError as exc:  # a source checkout that was never built
+    raise ImportError(
+        f"pleclient's native module is not built ({exc}): install the package with "
+        "`pip install .` (or build in place with `python setup.py build_ext --inplace`)"
+    ) from None
+
+WORD = 4
+COUNTER_AT = p.CH_SUBMIT_COUNTER * WORD
+SERVER_SLEEPING_AT = p.CH_SERVER_SLEEPING * WORD
 
 
 class SlotView:
-    """One slot: header words, message area, ids and rows views."""
+    """One slot: header words, message area, ids and rows views, and the
+    slot's transitions."""
 
-    __slots__ = ("index", "words", "words64", "message", "ids", "rows", "done")
+    __slots__ = ("index", "words", "words64", "message", "ids", "rows", "_sync",
+                 "_state_at", "_waiters_at")
 
-    def __init__(self, buf: memoryview, address: int, layout: p.ChannelLayout,
+    def __init__(self, buf: memoryview, sync: Words, layout: p.ChannelLayout,
                  index: int) -> None:
         base = layout.slot_offset(index)
         self.index = index
-        self.done = SharedSemaphore(address + base + p.SLOT_DONE_SEM_OFFSET)
+        self._sync = sync
+        self._state_at = base + p.SL_STATE * WORD
+        self._waiters_at = base + p.SL_WAITERS * WORD
         self.words = buf[base: base + p.SLOT_HEADER_BYTES].cast("I")
         self.words64 = buf[base: base + p.SLOT_HEADER_BYTES].cast("Q")
         self.message = buf[base + p.SLOT_HEADER_BYTES: base + p.SLOT_PRELUDE_BYTES]
@@ -35,17 +55,61 @@ class SlotView:
         self.rows = np.frombuffer(buf, dtype=np.uint8,
                                   count=layout.capacity * layout.max_row_bytes, offset=rows_at)
 
+    @property
+    def state(self) -> int:
+        """The state word (acquire: what its writer wrote before is visible)."""
+        return self._sync.load(self._state_at)
+
+    # ------------------------------------------------------- the client's side
+    def submit(self, table: int, ids: np.ndarray, sequence: int, submit_ns: int) -> None:
+        """FREE → SUBMITTED: the request (``submit_ns``: CLOCK_MONOTONIC now),
+        then the state. The server sees it once ``ChannelMap.publish_submit``
+        moved the counter past ``sequence``."""
+        n = ids.shape[0]
+        self.ids[:n] = ids
+        words = self.words
+        words[p.SL_TABLE] = table
+        words[p.SL_COUNT] = n
+        words[p.SL_SEQUENCE] = sequence
+        words[p.SL_ERROR] = p.ErrorCode.OK
+        self.words64[p.SL_SUBMIT_NS // 2] = submit_ns
+        self._sync.store(self._state_at, p.SlotState.SUBMITTED)
+
+    def wait_answered(self, timeout: float, spin: float = 0.0) -> int:
+        """Wait until the state is no longer SUBMITTED: spin up to ``spin``
+        seconds, then sleep (at most ``timeout`` in all). The state, read with
+        acquire (the rows are then visible); SUBMITTED on timeout."""
+        return self._sync.wait_while(self._state_at, p.SlotState.SUBMITTED,
+                                     self._waiters_at, timeout, spin)
+
+    def release(self) -> None:
+        """DONE/ERROR → FREE: the client is done with the rows."""
+        self._sync.store(self._state_at, p.SlotState.FREE)
+
+    # ------------------------------------------------------- the server's side
+    def complete(self, server_ns: int) -> None:
+        """SUBMITTED → DONE, once the rows are in place: the result words,
+        then the state published (release: the rows before it)."""
+        self.words[p.SL_ERROR] = p.ErrorCode.OK
+        self.words64[p.SL_SERVER_NS // 2] = server_ns
+        self._sync.publish(self._state_at, p.SlotState.DONE, self._waiters_at)
+
+    def fail(self, code: int, text: str) -> None:
+        """SUBMITTED → ERROR: the text and code, then the state published."""
+        self.message[:] = p.encode_error_text(text)
+        self.words[p.SL_ERROR] = code
+        self._sync.publish(self._state_at, p.SlotState.ERROR, self._waiters_at)
+
+    # ------------------------------------------------------------------ views
     def rows_view(self, count: int, row_bytes: int) -> np.ndarray:
         """The first ``count`` rows of ``row_bytes`` each, packed, as a view."""
         return self.rows[: count * row_bytes].reshape(count, row_bytes)
 
-    def set_error_text(self, text: str) -> None:
-        self.message[:] = p.encode_error_text(text)
-
     def error_text(self) -> str:
         return p.decode_error_text(self.message)
 
-    def release(self) -> None:
+    def close(self) -> None:
+        """Drop this view's memoryviews (the mapping can then be closed)."""
         for view in (self.words, self.words64, self.message):
             view.release()
         self.ids = self.rows = None  # type: ignore[assignment]
@@ -59,15 +123,20 @@ class ChannelMap:
         self.mm = mmap.mmap(fd, layout.size, mmap.MAP_SHARED,
                             mmap.PROT_READ | mmap.PROT_WRITE)
         self.buf = memoryview(self.mm)
+        self.sync = Words(self.mm)
         self.header = self.buf[: p.CHANNEL_HEADER_BYTES].cast("I")
-        self._anchor = np.frombuffer(self.mm, dtype=np.uint8, count=1)  # for the address
-        address = self._anchor.ctypes.data
-        self.submit_sem = SharedSemaphore(address + p.CH_SUBMIT_SEM_OFFSET)
-        self.slots = [SlotView(self.buf, address, layout, i) for i in range(layout.depth)]
+        self.slots = [SlotView(self.buf, self.sync, layout, i) for i in range(layout.depth)]
         if format_header:
             self._format()
         elif self.header[p.CH_MAGIC] != p.CHANNEL_MAGIC:
-            raise ValueError("channel segment has no PLEC header: not a ple-server channel")
+            self.close()
+            raise ProtocolMismatch("channel segment has no PLEC header: not a ple-server channel")
+        elif self.header[p.CH_VERSION] != p.PROTOCOL_VERSION:
+            version = self.header[p.CH_VERSION]
+            self.close()
+            raise ProtocolMismatch(f"channel segment speaks protocol {version}, this client "
+                                   f"speaks {p.PROTOCOL_VERSION}; install matching pleserver "
+                                   "versions")
 
     def _format(self) -> None:
         h = self.header
@@ -80,23 +149,36 @@ class ChannelMap:
         h64[p.CH_SLOT_STRIDE // 2] = self.layout.slot_stride
         h64.release()
         h[p.CH_SUBMIT_COUNTER] = 0
-        self.submit_sem.initialize(0)
+        h[p.CH_SERVER_SLEEPING] = 0
         for slot in self.slots:
-            slot.done.initialize(0)
-        h[p.CH_MAGIC] = p.CHANNEL_MAGIC
+            slot.words[p.SL_STATE] = p.SlotState.FREE
+            slot.words[p.SL_WAITERS] = 0
+        self.sync.store(p.CH_MAGIC * WORD, p.CHANNEL_MAGIC)  # release: the header before it
 
+    # ------------------------------------------------------- the submit words
     @property
     def submit_counter(self) -> int:
-        return self.header[p.CH_SUBMIT_COUNTER]
+        """Submits so far (acquire: pairs with ``publish_submit``)."""
+        return self.sync.load(COUNTER_AT)
+
+    def publish_submit(self, counter: int) -> None:
+        """The client's doorbell: the counter moved to ``counter`` (release:
+        the submitted slots before it), waking the server if it sleeps."""
+        self.sync.publish(COUNTER_AT, counter, SERVER_SLEEPING_AT)
+
+    def set_server_sleeping(self, sleeping: bool) -> None:
+        """The server's announcement before it sleeps on the counter (then a
+        full fence: it re-reads the counter next), and its retraction after."""
+        self.sync.store_fenced(SERVER_SLEEPING_AT, int(sleeping))
 
     def close(self) -> bool:
         """Unmap; False when a view is still held elsewhere (unmapped by the GC)."""
         try:
             for slot in self.slots:
-                slot.release()
+                slot.close()
             self.slots = []
-            self._anchor = None
             self.header.release()
+            self.sync.release()
             self.buf.release()
             self.mm.close()
             return True

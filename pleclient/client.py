@@ -33,9 +33,10 @@ from pleclient.errors import (AccessDenied, LookupTimeout, PleError, ProtocolMis
 log = logging.getLogger(__name__)
 
 SPIN_SECONDS = 200e-6
-"""How long ``wait`` spins on the slot's state word before it blocks on the
-semaphore: a round trip through a sleeping semaphore costs ≈60 µs, a spin
-≈2 µs, and most requests are answered within this window."""
+"""How long ``wait`` spins on the slot's state word (yielding the CPU between
+loads) before it sleeps on the word's futex: a round trip through a sleeping
+futex costs tens of µs more than a spin, and most requests are answered within
+this window."""
 LIVENESS_SLICE = 0.05
 """While blocked, check the control socket this often, so a dead server is
 reported at once rather than at the end of the timeout."""
@@ -83,19 +84,13 @@ class Ticket:
             raise PleError(f"ticket already {self._state}")
         client = self._client
         timeout = client.timeout if timeout is None else timeout
-        words = self._slot.words
-        deadline = time.monotonic() + SPIN_SECONDS
-        while words[p.SL_STATE] == p.SlotState.SUBMITTED and time.monotonic() < deadline:
-            pass
-        # Acquire the slot's semaphore even when the state word already says
-        # DONE: the acquire pairs with the server's post and is what makes the
-        # rows visible on weakly ordered CPUs.
-        client._acquire_done(self._slot.index, timeout, self)
-        state = words[p.SL_STATE]
+        # The state is read with acquire: it pairs with the server's release
+        # of DONE and is what makes the rows visible on weakly ordered CPUs.
+        state = client._wait_answered(self._slot, timeout, self)
         if state == p.SlotState.DONE:
             self._state = "done"
             return self._slot.rows_view(self.count, self._table.row_bytes)
-        code, text = words[p.SL_ERROR], self._slot.error_text()
+        code, text = self._slot.words[p.SL_ERROR], self._slot.error_text()
         self._state = "released"
         client._free_slot(self._slot.index)
         if state == p.SlotState.ERROR:
@@ -153,6 +148,10 @@ class PleClient:
         try:
             _send_hello(sock, name or f"pid{os.getpid()}")
             welcome = _expect(sock, p.MessageType.WELCOME, path)
+            if welcome.get("version") != p.PROTOCOL_VERSION:
+                raise ProtocolMismatch(
+                    f"ple-server at {path} speaks protocol {welcome.get('version')!r}, this "
+                    f"client speaks {p.PROTOCOL_VERSION}; install matching pleserver versions")
             client = cls(sock, path, welcome, timeout)
             client._open_channel(capacity, depth)
             return client
@@ -262,17 +261,9 @@ class PleClient:
             raise ServerGone(self._gone)
         with self._lock:
             slot = channel.slots[self._take_slot()]
-            slot.ids[:n] = ids
-            words = slot.words
-            words[p.SL_TABLE] = self._index[info.name]
-            words[p.SL_COUNT] = n
-            words[p.SL_SEQUENCE] = self._sequence
-            words[p.SL_ERROR] = 0
-            slot.words64[p.SL_SUBMIT_NS // 2] = time.monotonic_ns()
-            words[p.SL_STATE] = p.SlotState.SUBMITTED
+            slot.submit(self._index[info.name], ids, self._sequence, time.monotonic_ns())
             self._sequence = (self._sequence + 1) & 0xFFFFFFFF
-            channel.header[p.CH_SUBMIT_COUNTER] = self._sequence
-            channel.submit_sem.post()
+            channel.publish_submit(self._sequence)
         return Ticket(self, slot, info, n)
 
     def lookup(self, table: str | int | TableInfo, ids, out: np.ndarray | None = None
@@ -342,9 +333,10 @@ class PleClient:
                 return i
         if "abandoned" in owners:  # answers on their way: wait for one, not fail
             index = owners.index("abandoned")
-            sem = self._channel.slots[index].done
+            slot = self._channel.slots[index]
             deadline = time.monotonic() + self.timeout
-            while not sem.acquire(max(0.0, min(LIVENESS_SLICE, deadline - time.monotonic()))):
+            while slot.wait_answered(max(0.0, min(LIVENESS_SLICE, deadline - time.monotonic()))
+                                     ) == p.SlotState.SUBMITTED:
                 self._check_alive()
                 if time.monotonic() >= deadline:
                     raise LookupTimeout(
@@ -358,23 +350,27 @@ class PleClient:
 
     def _reclaim(self, index: int) -> None:
         """An abandoned slot becomes free once the server's answer has arrived."""
-        if self._channel.slots[index].done.try_acquire():
+        if self._channel.slots[index].state != p.SlotState.SUBMITTED:
             self._free_slot(index)
 
     def _free_slot(self, index: int) -> None:
-        self._channel.slots[index].words[p.SL_STATE] = p.SlotState.FREE
+        self._channel.slots[index].release()
         self._slot_owner[index] = "free"
 
     def _abandon_slot(self, index: int) -> None:
         self._slot_owner[index] = "abandoned"
 
-    def _acquire_done(self, index: int, timeout: float, ticket: Ticket) -> None:
-        sem = self._channel.slots[index].done
+    def _wait_answered(self, slot: SlotView, timeout: float, ticket: Ticket) -> int:
+        """The slot's state once the server answered (spinning ``SPIN_SECONDS``
+        first), checking the control socket every ``LIVENESS_SLICE``."""
         deadline = time.monotonic() + timeout
+        spin = SPIN_SECONDS
         while True:
             remaining = deadline - time.monotonic()
-            if sem.acquire(max(0.0, min(LIVENESS_SLICE, remaining))):
-                return
+            state = slot.wait_answered(max(0.0, min(LIVENESS_SLICE, remaining)), spin)
+            if state != p.SlotState.SUBMITTED:
+                return state
+            spin = 0.0
             self._check_alive()
             if time.monotonic() >= deadline:
                 ticket.release()  # the slot comes back when the answer does

@@ -28,7 +28,7 @@ A shared-memory segment created by the server as a sealed memfd — it has no
 name at all, only the server and the session's peer (who receives its file
 descriptor) can map it, and its size is sealed, so a client cannot truncate it
 under the server's mapping (which would SIGBUS the daemon) — holding the
-session's semaphores and a ring of ``depth`` slots::
+channel's synchronization words and a ring of ``depth`` slots::
 
     offset 0          4096                              slot_stride
     ┌────────────────┬──────────────────────────────────┬─────────────────── …
@@ -47,40 +47,60 @@ from it), and every slot is a whole number of pages.
 Channel header (uint32 words unless noted):
   0  magic "PLEC" · 1 protocol version · 2 depth · 3 capacity ·
   4  max row bytes · 5 header bytes · 6-7 slot stride (uint64) ·
-  16 submit counter (client increments after every submit) ·
-  bytes 128-159: the ``submit`` semaphore (process-shared sem_t)
+  16 **submit counter**: the number of submits so far (mod 2³²), written by
+     the client; the futex word the server sleeps on ·
+  17 **server sleeping**: non-zero while the server may be asleep on the
+     submit counter, written by the server
 
 Slot header (uint32 words):
-  0 state · 1 table index · 2 row count · 3 error code ·
-  4 request sequence · 5 reserved · 6-7 server time in ns (uint64) ·
-  8-9 submit time, CLOCK_MONOTONIC ns (uint64, written by the client; the
-  clock is system-wide, so the server derives queue time from it) ·
-  bytes 64-95: the slot's ``done`` semaphore (process-shared sem_t)
+  0 **state** (``SlotState``): the futex word the client sleeps on ·
+  1 table index · 2 row count · 3 error code · 4 request sequence ·
+  5 **waiters**: how many of the client's threads sleep on ``state``, written
+  by the client · 6-7 server time in ns (uint64) · 8-9 submit time,
+  CLOCK_MONOTONIC ns (uint64, written by the client; the clock is system-wide,
+  so the server derives queue time from it)
 followed by the message area: a UTF-8 error text, NUL-padded.
+
+Synchronization words (protocol 2)
+----------------------------------
+Four words carry all the synchronization, as two eventcounts (a value, and a
+count of sleepers that tells the writer whether to make the wake-up call):
+submit counter + server sleeping, and each slot's state + waiters. Both sides
+operate on them through ``pleclient._sync`` (C11 atomics and raw ``futex``
+calls whose flags the caller chooses: shared, never private). No libc-internal
+layout is involved, and the server never trusts one of these words further
+than a number: its waits are bounded, a value out of range drops the channel,
+and it makes at most one wake-up call per answered request.
+
+The writer **publishes**: payload first, then a *release* store of the word,
+then a *seq_cst* fence, then it reads the sleepers word and wakes the futex if
+it is non-zero. The waiter spins on an *acquire* load for a while, then
+**registers** (increments the sleepers word or sets it, then a *seq_cst*
+fence), reads the word once more and sleeps in ``futex`` only if it is still
+unchanged. The two fences guarantee that at least one side sees the other's
+store (no lost wake-up); the release/acquire pair makes the payload visible
+with the word, on x86-64 and on weakly ordered CPUs such as aarch64 alike.
 
 Slot state machine
 ------------------
 1. FREE       → the client owns the slot: writes ids, table, count, sequence,
-   then sets SUBMITTED, increments the submit counter, posts ``submit``.
-2. SUBMITTED  → the server owns the slot. It acquires ``submit`` first (that
-   acquire pairs with the client's post and makes the ids visible on weakly
-   ordered CPUs such as aarch64), copies count and ids out, validates them,
-   gathers rows into the rows area, writes count/error, then sets DONE or
-   ERROR and posts the slot's ``done`` semaphore.
-3. DONE/ERROR → the client owns the slot again. It acquires ``done`` before it
-   reads rows (again the acquire that pairs with the server's post), uses the
-   rows, and sets FREE when it releases the ticket.
+   submit time, then the state SUBMITTED, then *publishes* the submit counter
+   (+1) — the release that makes all of it visible to the server.
+2. SUBMITTED  → the server owns the slot. It reads the submit counter with
+   *acquire* (pairs with that release), then only slots whose sequence is
+   below it; copies count and ids out, validates the copies, gathers rows
+   into the rows area, writes count/error/time, then *publishes* the state
+   DONE or ERROR (the release that makes the rows visible).
+3. DONE/ERROR → the client owns the slot again. It reads the state with
+   *acquire* (spinning, then sleeping on the futex), uses the rows, and stores
+   FREE when it releases the ticket.
 
-The one ordering rule: **write the payload, then the state word, then post;
-acquire, then read the payload.** The state word is the truth about *what*
-happened (and lets both sides spin on a cheap load while the peer is active);
-the semaphore post/acquire pair is what publishes the payload. Posting an
-uncontended POSIX semaphore is a user-space atomic (no system call when nobody
-sleeps on it), so both sides post on every transition and neither needs a
-"sleeping" flag to avoid system calls.
-
-The semaphores are unnamed (``sem_init`` with ``pshared``, see
-``pleclient.semaphore``): they live in the segment and die with it.
+A client follows the protocol only if it never has more than ``depth``
+submits unanswered, so the counter never runs more than ``depth`` ahead of
+what the server has seen: more is proof of a scribbled header, and the server
+drops the channel. The transitions themselves have one home:
+``pleclient.channel.SlotView`` (``submit``, ``complete``, ``fail``,
+``release``) and ``ChannelMap.publish_submit``.
 """
 
 from __future__ import annotations
@@ -95,7 +115,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: the channel's own synchronization words (1 used glibc semaphores)."""
 DEFAULT_SOCKET = "/run/ple-server/ple.sock"
 SOCKET_ENV = "PLE_SERVER_SOCKET"
 
@@ -119,11 +140,10 @@ ID_BYTES = 8  # ids are int64
 CH_MAGIC, CH_VERSION, CH_DEPTH, CH_CAPACITY, CH_MAX_ROW_BYTES, CH_HEADER_BYTES = range(6)
 CH_SLOT_STRIDE = 6  # uint64 over words 6-7
 CH_SUBMIT_COUNTER = 16
-CH_SUBMIT_SEM_OFFSET = 128  # byte offset of the submit semaphore
-SLOT_DONE_SEM_OFFSET = 64  # byte offset of a slot's done semaphore
+CH_SERVER_SLEEPING = 17
 
 # Slot header word indexes (uint32).
-SL_STATE, SL_TABLE, SL_COUNT, SL_ERROR, SL_SEQUENCE = range(5)
+SL_STATE, SL_TABLE, SL_COUNT, SL_ERROR, SL_SEQUENCE, SL_WAITERS = range(6)
 SL_SERVER_NS = 6  # uint64 over words 6-7
 SL_SUBMIT_NS = 8  # uint64 over words 8-9
 

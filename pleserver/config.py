@@ -46,6 +46,8 @@ from typing import Any
 
 from pleclient import protocol as p
 
+IDLE_WAITS = ("auto", "futex_waitv", "poll")
+
 DEFAULT_CONFIG_PATH = "/etc/ple-server/config.toml"
 CONFIG_ENV = "PLE_SERVER_CONFIG"  # names the file when --config does not
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -173,6 +175,10 @@ class ServerConfig:
     spin_us: int = _setting(
         2000, "int", "How long (µs) the serving loop spins after the last request "
         "before it blocks.", minimum=0)
+    idle_wait: str = _setting(
+        "auto", "choice", "How the idle serving loop waits for submits: futex_waitv "
+        "(sleeps on every channel at once; Linux 5.16+), poll (looks every 0.5 ms), or "
+        "auto (futex_waitv where the kernel has it).", choices=IDLE_WAITS)
     watchdog_s: float | None = _setting(
         None, "float", "Longest gap between systemd watchdog pings (none: half of the "
         "unit's WatchdogSec, from WATCHDOG_USEC); the serving loop pings at least once a "

@@ -38,7 +38,7 @@ from pleserver.hotset import HotSet
 from pleserver.memory import memory_room
 from pleserver.prewarm import Prewarm, resident_bytes
 from pleserver.segments import Reserver
-from pleserver.serving import Channel, ServingLoop
+from pleserver.serving import POLL_S, Channel, ServingLoop
 from pleserver.sessions import Sessions
 from pleserver.stats import RateMeter, TableStats, format_bytes, format_progress, io_snapshot
 from pleserver.systemd import Notifier, watchdog_interval
@@ -124,11 +124,19 @@ class Server:
                 raise StartupError(str(exc)) from None
         self._set_budget()
         interval = cfg.watchdog_s or watchdog_interval()
-        self.loop = ServingLoop(self.tables, self.table_stats, cfg.spin_us * 1e-6,
-                                heartbeat=self.notifier.watchdog if interval else None,
-                                heartbeat_every_s=min(interval or 1.0, 1.0),
-                                chunk_rows=cfg.chunk_rows, on_drop=self._on_channel_dropped,
-                                workers=cfg.gather_workers)
+        try:
+            self.loop = ServingLoop(self.tables, self.table_stats, cfg.spin_us * 1e-6,
+                                    heartbeat=self.notifier.watchdog if interval else None,
+                                    heartbeat_every_s=min(interval or 1.0, 1.0),
+                                    chunk_rows=cfg.chunk_rows, on_drop=self._on_channel_dropped,
+                                    workers=cfg.gather_workers, idle_wait=cfg.idle_wait)
+        except ValueError as exc:  # idle_wait = futex_waitv on a kernel without it
+            raise StartupError(str(exc)) from None
+        log.info("serving loop: spins %d µs after a request, then %s", cfg.spin_us,
+                 "sleeps on every channel at once (futex_waitv)"
+                 if self.loop.idle_wait == "futex_waitv" else
+                 f"polls the channels every {POLL_S * 1e3:.1f} ms (idle_wait = {cfg.idle_wait}"
+                 + (", no futex_waitv in this kernel)" if cfg.idle_wait == "auto" else ")"))
         try:
             self.loop.start()
             self.reserver.start()
@@ -353,6 +361,7 @@ class Server:
                 "socket": self.config.socket, "uptime_s": now - self.started,
                 "clients": len(self.sessions) if self.sessions is not None else 0,
                 "channels": self.loop.channel_count if self.loop else 0,
+                "idle_wait": self.loop.idle_wait if self.loop else None,
                 "prewarm": self.prewarm.snapshot() if self.prewarm else None,
                 "dataplane": self.plane.snapshot() if self.plane else None,
                 "hotset": self.hotset.snapshot() if self.hotset else None,

@@ -3,10 +3,10 @@
 Threads, and why:
 - **one serving loop** polls all channels' submit counters (one load each), so
   many clients never mean many spinning Python threads fighting for the GIL.
-  After ``spin`` seconds without work it blocks;
-- **one waiter thread per channel**, parked while the loop spins; while the
-  loop sleeps each waiter blocks on its channel's ``submit`` semaphore (no CPU)
-  and hands the tokens it takes to the loop, then wakes it;
+  After ``spin`` seconds without work it sleeps on all of them at once: one
+  ``futex_waitv`` call over every channel's submit counter and the loop's own
+  wake word (Linux ≥ 5.16). Where the kernel lacks that call, or
+  ``idle_wait = poll`` says so, it polls the counters every ``POLL_S`` instead;
 - **gather workers** (``workers`` threads): the loop answers inline what needs
   no disk read (rows in the row cache, or mmap mode) and hands off the rest of
   a request with a cache miss, and any request of ``parallel_min_rows`` rows or
@@ -14,9 +14,10 @@ Threads, and why:
   large requests) and completes the slot, so one request's reads never hold up
   other channels.
 
-Every request: acquire one ``submit`` token (pairs with the client's post),
-copy count and ids out of shared memory, validate the copies, gather, write
-the result words, set DONE or ERROR, post the slot's ``done`` semaphore.
+Every request: read the submit counter with acquire (pairs with the client's
+publish), copy count and ids out of shared memory, validate the copies, gather,
+and answer through the slot's ``complete`` or ``fail`` (the release of the
+state word; see ``pleclient.protocol``).
 
 Fairness is by rows, not by requests: a deficit round robin over the channels
 with work, one *turn* at a time. A turn serves at most ``chunk_rows`` rows of
@@ -29,17 +30,21 @@ the other channels have queued. A hand-off costs the channel's turn
 hand-offs in order.
 
 A client owns its segment and may write anything into it, so the loop bounds
-what one channel can cost it: per pass it takes at most ``depth`` tokens and
-reads each slot once. More pending submits than the channel has slots, or
-more tokens than submits, cannot come from a client that follows the protocol
-(each submit needs a free slot, and is posted once): such a channel is dropped and ``on_drop`` tells the
-control plane, which answers the client with an error and closes its session.
+what one channel can cost it: per pass it reads the counter once and each slot
+once, its sleep always has a deadline, and it makes at most one wake-up call
+per answered request. More pending submits than the channel has slots cannot
+come from a client that follows the protocol (each submit needs a free slot):
+such a channel is dropped and ``on_drop`` tells the control plane, which
+answers the client with an error and closes its session. A client that
+scribbles on the words it shares with the server (its ``server sleeping``
+word, its slots' ``waiters``) can only delay its own answers.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import os
 import queue
@@ -47,20 +52,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from pleclient import _sync
 from pleclient import protocol as p
-from pleclient.channel import ChannelMap, SlotView
-from pleserver.peer_semaphore import PeerSemaphore
+from pleclient.channel import COUNTER_AT, ChannelMap, SlotView
+from pleserver.config import IDLE_WAITS
 from pleserver.stats import TableStats
 from pleserver.table import Table, nat
 
 log = logging.getLogger(__name__)
 
-WAITER_SLICE_S = 0.25
-"""A parked or blocked waiter re-checks whether it is still needed this often."""
+POLL_S = 0.0005
+"""Without ``futex_waitv``, an idle loop looks at the submit counters this
+often (what a request arriving after an idle gap may wait, at most)."""
 DEFAULT_CHUNK_ROWS = 4096
 """Rows gathered in one turn: ≈ 0.2 ms of page-cache reads for 320-byte rows."""
 REQUEST_COST_ROWS = 256
@@ -94,11 +101,7 @@ class Channel:
         self.fd = fd
         self.on_destroy = on_destroy
         self.opened_ns = time.monotonic_ns()  # older submit times are not believed
-        # The client can write anything into these: see pleserver.peer_semaphore.
-        self.submit_sem = PeerSemaphore(mapping.submit_sem.address.value)
-        self.done_sems = [PeerSemaphore(s.done.address.value) for s in mapping.slots]
-        self.seen = 0  # submits whose token we hold (the counter starts at 0)
-        self.tokens = 0  # tokens taken by the waiter thread, not yet used
+        self.seen = 0  # the submit counter as the loop last read it (it starts at 0)
         self.queued: deque[Request] = deque()  # admitted, served by the loop's turns
         self.busy: set[int] = set()  # slots of the queued and handed-off requests
         self.handed = 0  # requests with a gather worker (guarded by the loop's lock)
@@ -106,16 +109,6 @@ class Channel:
         self.scheduled = False  # in the loop's fresh or old list
         self.closing = False
         self.free_pages = True  # on destroy: False while the client may still read rows
-        self.lock = threading.Lock()
-        self.waiter: threading.Thread | None = None
-        self.waiter_done = False  # the waiter no longer touches the segment
-
-    def take_token(self) -> bool:
-        with self.lock:
-            if self.tokens:
-                self.tokens -= 1
-                return True
-        return self.submit_sem.try_acquire()
 
     def destroy(self) -> None:
         """Unmap, free the pages (``free_pages``), close the fd. A client still
@@ -134,19 +127,23 @@ class Channel:
             self.on_destroy = None
 
 
+_NO_IDS = np.empty(0, dtype=np.int64)
+
+
 @dataclass(eq=False)
 class Request:
-    """One admitted request: validated copies of what the client wrote, and
-    how far its gather got (``done_rows``)."""
+    """One request, from the moment its slot is read: where it came from and,
+    once validated, private copies of what the client wrote and how far its
+    gather got (``done_rows``)."""
 
     channel: Channel
     slot: SlotView
-    table: Table
-    stats: TableStats
-    ids: np.ndarray  # private copy: the client may rewrite the slot meanwhile
-    out: np.ndarray  # view of the slot's rows area
     started_ns: int
     submitted_ns: int  # the client's word, checked before it is used
+    table: Table | None = None
+    stats: TableStats | None = None  # None until the table index is valid
+    ids: np.ndarray = field(default_factory=lambda: _NO_IDS)  # private copy: the client may rewrite the slot meanwhile
+    out: np.ndarray = field(default_factory=lambda: _NO_IDS)  # view of the slot's rows area
     done_rows: int = 0
 
     @property
@@ -163,7 +160,14 @@ class ServingLoop:
                  heartbeat: Callable[[], None] | None = None,
                  heartbeat_every_s: float = 1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS,
                  on_drop: Callable[[Channel, str], None] | None = None,
-                 workers: int = 4) -> None:
+                 workers: int = 4, idle_wait: str = "auto") -> None:
+        if idle_wait not in IDLE_WAITS:
+            raise ValueError(f"idle_wait must be one of {', '.join(IDLE_WAITS)}, "
+                             f"not {idle_wait!r}")
+        if idle_wait == "futex_waitv" and not _sync.HAVE_FUTEX_WAITV:
+            raise ValueError(f"idle_wait = futex_waitv, but this kernel ({os.uname().release}) "
+                             "has no futex_waitv system call (Linux 5.16 or later), or a "
+                             "seccomp filter refuses it: use idle_wait = auto or poll")
         self.tables = tables
         self.stats = stats
         self.spin_s = spin_s
@@ -176,8 +180,11 @@ class ServingLoop:
         self._retired: list[Channel] = []
         self._fresh: deque[Channel] = deque()  # became busy: served first, one turn
         self._old: deque[Channel] = deque()  # busy for longer: round robin
-        self._wakeup = threading.Event()
-        self._sleeping = threading.Event()  # set while the loop blocks: waiters then wait on sems
+        # Bumped (and its futex woken) to wake the sleeping loop: word 0 the
+        # count, word 1 unused by wake() (wait_while's waiters count).
+        self._wake_words = _sync.Words(bytearray(8))
+        self.idle_wait = idle_wait if idle_wait != "auto" else (
+            "futex_waitv" if _sync.HAVE_FUTEX_WAITV else "poll")
         self._stop = threading.Event()
         self._draining = False
         self._inflight = 0  # handed-off requests not yet answered
@@ -192,14 +199,10 @@ class ServingLoop:
 
     # --------------------------------------------------------------- channels
     def add(self, channel: Channel) -> None:
-        """Serve ``channel``. Raises RuntimeError (the channel untouched and not
-        served) when its waiter thread cannot start."""
-        channel.waiter = threading.Thread(target=self._waiter, args=(channel,),
-                                          name=f"waiter-{channel.session_id}", daemon=True)
-        channel.waiter.start()  # first: a channel without its waiter is never published
+        """Serve ``channel``."""
         with self._change:
             self.channels = [*self.channels, channel]
-        self._wakeup.set()
+        self.wake()
 
     def remove(self, channel: Channel, free_pages: bool = True) -> None:
         """Stop serving ``channel``; it is destroyed once nothing uses it. Its
@@ -209,11 +212,16 @@ class ServingLoop:
             return
         channel.free_pages = free_pages
         channel.closing = True
-        channel.submit_sem.wake()  # its waiter, if it sleeps there
         with self._change:
             self.channels = [c for c in self.channels if c is not channel]
             self._retired.append(channel)
-        self._wakeup.set()
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the loop if it sleeps (its wake word moves, so a loop about to
+        sleep does not sleep either)."""
+        self._wake_words.add(0, 1)
+        self._wake_words.wake(0)
 
     @property
     def channel_count(self) -> int:
@@ -236,12 +244,11 @@ class ServingLoop:
         """Serve what was already submitted (up to ``drain_s``), then stop."""
         self._draining = True
         deadline = time.monotonic() + drain_s
-        self._wakeup.set()
+        self.wake()
         while time.monotonic() < deadline and (self._inflight or self._pending_work()):
             time.sleep(0.005)
         self._stop.set()
-        self._sleeping.set()
-        self._wakeup.set()
+        self.wake()
         if self.thread.is_alive():
             self.thread.join()
         for worker in self.workers:
@@ -278,26 +285,50 @@ class ServingLoop:
                 idle_since = now
                 continue
             if now - idle_since < self.spin_s and not self._draining:
-                if self._inflight:
-                    time.sleep(0)  # let gather workers take the GIL
+                # Spin, yielding the CPU (and the GIL) each pass: on a busy
+                # machine the client, or a gather worker, may need this core.
+                os.sched_yield()
                 continue
-            # Idle: block. Waiters now watch the semaphores and wake us. (A
-            # counter that moved without a post — a broken client — must not
-            # keep the loop from sleeping: the post, when it comes, wakes us.)
-            self._wakeup.clear()
-            self._sleeping.set()
-            # A token a waiter took after our last pass woke us before clear():
-            # that wake-up is gone, the token is not.
-            if not any(c.tokens for c in self.channels if not c.closing):
-                self._wakeup.wait(self.heartbeat_every_s if not self._draining else 0.002)
-            self._sleeping.clear()
-            idle_since = time.monotonic()
+            # Idle: sleep (idle_since stays: a wake-up without work sleeps again
+            # at once, it does not spin again).
+            self._sleep(min(self.heartbeat_every_s, max(0.0, next_beat - now))
+                        if not self._draining else 0.002)
+
+    def _sleep(self, timeout: float) -> None:
+        """Sleep until a channel's submit counter moves, ``wake`` is called, or
+        ``timeout`` passes (in poll mode: ``POLL_S``)."""
+        wake_seen = self._wake_words.load(0)  # first: a wake() after this read ends the sleep
+        if self._retired or self._stop.is_set():
+            return
+        channels = [c for c in self.channels if not c.closing]
+        # One call takes at most FUTEX_WAITV_MAX words, the loop's own among
+        # them: past 127 channels (max_clients) the loop polls instead.
+        if self.idle_wait == "futex_waitv" and len(channels) < _sync.FUTEX_WAITV_MAX:
+            # Announce, then wait on each counter at the value we last read: a
+            # counter that moved since makes the call return at once, and a
+            # client that publishes after our announcement sees it and wakes us.
+            for c in channels:
+                c.map.set_server_sleeping(True)
+            try:
+                _sync.futex_waitv([(self._wake_words, 0, wake_seen)]
+                                  + [(c.map.sync, COUNTER_AT, c.seen) for c in channels],
+                                  timeout)
+            except OSError as exc:  # ENOSYS/EPERM: refused after all (seccomp)
+                log.warning("futex_waitv failed (%s): the serving loop polls its channels "
+                            "every %.1f ms from now on", errno.errorcode.get(exc.errno, exc),
+                            POLL_S * 1e3)
+                self.idle_wait = "poll"
+            finally:
+                for c in channels:
+                    c.map.set_server_sleeping(False)
+            return
+        self._wake_words.wait_while(0, wake_seen, 4, min(timeout, POLL_S))
 
     def _admit_all(self) -> bool:
         """Admit what every channel submitted since the last pass; True if any."""
         did = False
         for ch in self.channels:
-            if ch.closing or (ch.map.submit_counter == ch.seen and not ch.tokens):
+            if ch.closing or ch.map.submit_counter == ch.seen:
                 continue
             try:
                 did |= self._admit(ch)
@@ -310,33 +341,24 @@ class ServingLoop:
         return did
 
     def _admit(self, ch: Channel) -> bool:
-        """Take the tokens of ``ch``'s new submits (at most ``depth``), then read
-        each slot once: validate and queue the requests whose token we hold."""
-        # Tokens first: the client moves the counter before it posts, so a token
-        # taken by then is always counted in the counter read after it.
-        tokens = ch.tokens
-        pending = (ch.map.submit_counter - ch.seen) & U32
+        """Read ``ch``'s submit counter, then each slot once: validate and queue
+        the requests submitted since the last pass. True if the counter moved."""
+        # acquire: every slot submitted before the counter reached this value
+        # is visible from here on.
+        counter = ch.map.submit_counter
+        pending = (counter - ch.seen) & U32
+        if pending == 0:
+            return False
         if pending > ch.depth:
             raise HostileChannel(
                 f"its submit counter ran {pending} submits ahead of the server, over its "
                 f"{ch.depth} slots: the channel's words were overwritten")
-        if tokens > pending:
-            raise HostileChannel(
-                f"its submit semaphore was posted more often than it submitted "
-                f"({tokens} tokens for {pending} new submits)")
-        took = False
-        while pending and ch.take_token():
-            ch.seen = (ch.seen + 1) & U32
-            pending -= 1
-            took = True
-        if not took:
-            return False
+        ch.seen = counter
         for slot in ch.map.slots:
-            words = slot.words
-            if words[p.SL_STATE] != p.SlotState.SUBMITTED or slot.index in ch.busy:
+            if slot.state != p.SlotState.SUBMITTED or slot.index in ch.busy:
                 continue
-            # Only slots whose submit token we hold: their ids are visible.
-            if ((ch.seen - words[p.SL_SEQUENCE] - 1) & U32) >= 0x80000000:
+            # Only slots submitted before the counter we read: their ids are visible.
+            if ((counter - slot.words[p.SL_SEQUENCE] - 1) & U32) >= 0x80000000:
                 continue
             request = self._validate(ch, slot)
             if request is None:
@@ -350,24 +372,24 @@ class ServingLoop:
         return True
 
     def _validate(self, ch: Channel, slot: SlotView) -> Request | None:
-        """The request in ``slot`` as a ``Request``, or None once it was failed."""
-        started = time.monotonic_ns()
+        """The request in ``slot``, validated, or None once it was failed."""
         words = slot.words
+        r = Request(ch, slot, time.monotonic_ns(), slot.words64[p.SL_SUBMIT_NS // 2])
         table_index = words[p.SL_TABLE]
         count = words[p.SL_COUNT]  # copied once: the client may rewrite the slot
-        submitted_ns = slot.words64[p.SL_SUBMIT_NS // 2]
         if table_index >= len(self.tables):
-            self._fail(ch, slot, p.ErrorCode.BAD_TABLE, None, "bad_table",
+            self._fail(r, p.ErrorCode.BAD_TABLE, "bad_table",
                        f"table index {table_index} out of range: this server has "
                        f"{len(self.tables)} tables (indexes 0..{len(self.tables) - 1})")
             return None
-        table, stats = self.tables[table_index], self.stats[table_index]
+        table = r.table = self.tables[table_index]
+        r.stats = self.stats[table_index]
         if table.problem:  # its file changed on disk: reading it could SIGBUS us
-            self._fail(ch, slot, p.ErrorCode.INTERNAL, stats, "internal", table.problem)
+            self._fail(r, p.ErrorCode.INTERNAL, "internal", table.problem)
             return None
         capacity = ch.map.layout.capacity
         if count > capacity:
-            self._fail(ch, slot, p.ErrorCode.BAD_COUNT, stats, "bad_count",
+            self._fail(r, p.ErrorCode.BAD_COUNT, "bad_count",
                        f"row count {count} exceeds the channel capacity {capacity}")
             return None
         ids = slot.ids[:count].copy()
@@ -375,12 +397,13 @@ class ServingLoop:
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= table.rows:
                 bad = int(np.flatnonzero((ids < 0) | (ids >= table.rows))[0])
-                self._fail(ch, slot, p.ErrorCode.ID_OUT_OF_RANGE, stats, "id_out_of_range",
+                self._fail(r, p.ErrorCode.ID_OUT_OF_RANGE, "id_out_of_range",
                            f"id {int(ids[bad])} at position {bad} is out of range for "
                            f"{table.spec.name} ({table.rows} rows: valid ids 0..{table.rows - 1})")
                 return None
-        return Request(ch, slot, table, stats, ids, slot.rows_view(count, table.row_bytes),
-                       started, submitted_ns)
+        r.ids = ids
+        r.out = slot.rows_view(count, table.row_bytes)
+        return r
 
     # -------------------------------------------------------------- scheduling
     def _serve_turn(self) -> bool:
@@ -455,7 +478,7 @@ class ServingLoop:
                     self._inflight -= 1
                     r.channel.handed -= 1
                 if r.channel.closing:
-                    self._wakeup.set()  # the loop may now unmap the channel
+                    self.wake()  # the loop may now unmap the channel
             # The request's views of its channel die here, not when the next
             # request comes: a held view would keep a closed channel mapped.
             del r
@@ -479,38 +502,28 @@ class ServingLoop:
             if now - self._read_error_logged >= READ_ERROR_LOG_S:  # not one line a request
                 self._read_error_logged = now
                 log.error("session %d (%s): a read failed: %s", ch.session_id, ch.peer, exc)
-            self._fail(ch, r.slot, p.ErrorCode.INTERNAL, r.stats, "read_error",
-                       f"reading rows failed: {exc}")
+            self._fail(r, p.ErrorCode.INTERNAL, "read_error", f"reading rows failed: {exc}")
             return
         log.exception("gather failed for session %d", ch.session_id)
-        self._fail(ch, r.slot, p.ErrorCode.INTERNAL, r.stats, "internal",
-                   f"internal error while gathering: {exc}")
+        self._fail(r, p.ErrorCode.INTERNAL, "internal", f"internal error while gathering: {exc}")
 
     def _complete(self, r: Request) -> None:
         done = time.monotonic_ns()
-        ch, slot = r.channel, r.slot
-        words = slot.words
-        words[p.SL_ERROR] = p.ErrorCode.OK
-        slot.words64[p.SL_SERVER_NS // 2] = done - r.started_ns
-        words[p.SL_STATE] = p.SlotState.DONE
-        ch.busy.discard(slot.index)  # before the post: the client may reuse the slot at once
-        ch.done_sems[slot.index].post()
+        r.channel.busy.discard(r.slot.index)  # before the answer: the client may reuse the slot at once
+        r.slot.complete(done - r.started_ns)
         # A submit time from before the channel opened, or after the request was
         # admitted, is not a time this client could have had: not recorded.
-        believable = ch.opened_ns <= r.submitted_ns <= r.started_ns
+        believable = r.channel.opened_ns <= r.submitted_ns <= r.started_ns
         r.stats.record(r.count, r.table.row_bytes, (done - r.started_ns) * 1e-9,
                        (r.started_ns - r.submitted_ns) * 1e-9 if believable else -1)
 
-    def _fail(self, ch, slot, code, stats, kind, text) -> None:
-        slot.set_error_text(text)
-        words = slot.words
-        words[p.SL_ERROR] = code
-        words[p.SL_STATE] = p.SlotState.ERROR
-        ch.busy.discard(slot.index)  # (as in _complete)
-        ch.done_sems[slot.index].post()
-        if stats is not None:
-            stats.record_error(kind)
-        log.debug("session %d (%s): request rejected: %s", ch.session_id, ch.peer, text)
+    def _fail(self, r: Request, code: p.ErrorCode, kind: str, text: str) -> None:
+        r.channel.busy.discard(r.slot.index)  # (as in _complete)
+        r.slot.fail(code, text)
+        if r.stats is not None:
+            r.stats.record_error(kind)
+        log.debug("session %d (%s): request rejected: %s", r.channel.session_id, r.channel.peer,
+                  text)
 
     def _drop(self, ch: Channel, reason: str) -> None:
         """Stop serving a channel that broke the protocol; tell the control plane."""
@@ -520,34 +533,12 @@ class ServingLoop:
         else:
             log.warning("session %d (%s): channel dropped: %s", ch.session_id, ch.peer, reason)
 
-    # ----------------------------------------------------------------- waiters
-    def _waiter(self, ch: Channel) -> None:
-        while not ch.closing and not self._stop.is_set():
-            if not self._sleeping.wait(WAITER_SLICE_S):
-                continue
-            if ch.tokens > ch.depth:  # proof enough of a flood: the loop drops it
-                self._wakeup.set()
-                time.sleep(WAITER_SLICE_S)
-                continue
-            if not ch.submit_sem.acquire(WAITER_SLICE_S) or ch.closing:
-                continue
-            with ch.lock:
-                ch.tokens += 1
-            self._wakeup.set()
-        ch.waiter_done = True
-        self._wakeup.set()  # the loop may be asleep: it unmaps the channel now, not a beat later
-
     def _reap(self, force: bool = False) -> None:
         with self._change:
             retired, self._retired = self._retired, []
         keep = []
         for ch in retired:
-            waiter_alive = ch.waiter is not None and ch.waiter.is_alive() \
-                and not ch.waiter_done
-            if force and waiter_alive:
-                ch.waiter.join(timeout=2 * WAITER_SLICE_S + 1)
-                waiter_alive = ch.waiter.is_alive()
-            if waiter_alive or (ch.handed and not force):
+            if ch.handed and not force:
                 keep.append(ch)  # never block the loop: try again next pass
                 continue
             ch.queued.clear()

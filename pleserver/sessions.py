@@ -320,15 +320,12 @@ class Sessions:
         try:
             self.loop.add(channel)  # served (and logged) before the client has the fd
             client_fd = os.dup(job.fd)
-        except (RuntimeError, OSError) as exc:  # no thread or no descriptor left
-            if channel in self.loop.channels:
-                self.loop.remove(channel)
-            else:
-                channel.destroy()
+        except OSError as exc:  # no descriptor left (a channel needs no thread)
+            self.loop.remove(channel)
             return self._reject(s, p.ErrorCode.NO_RESOURCES,
                                 f"cannot serve a channel now ({exc}): the server is at its "
-                                "thread or descriptor limit (TasksMax=, LimitNOFILE=); "
-                                "close idle clients or raise the limit")
+                                "descriptor limit (LimitNOFILE=); close idle clients or "
+                                "raise the limit")
         s.channel = channel
         layout = job.layout
         log.info("session %d open: %s, channel depth %d × capacity %d (%.1f MiB)", s.id,

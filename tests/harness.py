@@ -69,8 +69,8 @@ def footprint(pid: int) -> Footprint:
 
 def settles_to(pid: int, baseline: Footprint, timeout: float = 10.0) -> Footprint:
     """Wait until ``pid`` holds no more fds, threads or segments than
-    ``baseline`` (waiter threads need up to a waiter slice to notice their
-    session closed); the last footprint seen."""
+    ``baseline`` (a closed session's channel is unmapped once no gather
+    worker holds it); the last footprint seen."""
     last = footprint(pid)
 
     def settled() -> bool:
@@ -254,7 +254,7 @@ if os.environ.get("PLE_TEST_AS"):
 """
 
 SERVER_MAIN = """\
-from pleserver import cli, config, server, serving, table, peer_semaphore, stats, systemd
+from pleserver import cli, config, server, serving, table, stats, systemd
 from pleclient import checkpoint
 """ + PRELUDE + """
 sys.exit(cli.main(sys.argv[1:]))

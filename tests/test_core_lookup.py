@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pleclient import PleClient, PleError, RequestError, ServerUnavailable
+from pleclient import protocol as p
 from pleserver.synthetic import read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
 
@@ -186,3 +187,25 @@ def test_every_gather_path_is_bit_exact(start_server, tmp_path_factory, files, p
                 if n == 5000:
                     ids[::2] = ids[0]  # many repeats: the deduplicating path
                 assert np.array_equal(client.lookup(t.layer, ids), ref[ids]), (t.name, n)
+
+
+@pytest.mark.parametrize("idle_wait", ["futex_waitv", "poll"])
+def test_requests_after_idle_gaps_are_served_by_either_idle_wait(start_server, checkpoint,
+                                                                 references, idle_wait):
+    """Each request comes after the loop has gone to sleep (its spin is 0):
+    woken through futex_waitv on the channel's counter, or found by polling."""
+    server = start_server(checkpoint, "--idle-wait", idle_wait, "--spin-us", "0")
+    with server.client() as client:
+        name = client.table(1).name
+        for i in range(20):
+            if idle_wait == "futex_waitv":  # the window: the loop asleep on this channel
+                channel = client._channel
+                deadline = time.monotonic() + 10
+                while channel.header[p.CH_SERVER_SLEEPING] != 1:
+                    assert time.monotonic() < deadline, "the loop never slept on the channel"
+                    time.sleep(0.0005)
+            ids = np.arange(i, i + 16)
+            assert np.array_equal(client.lookup(1, ids), references[name][ids])
+        assert client.stats()["idle_wait"] == idle_wait
+    assert ("sleeps on every channel at once" if idle_wait == "futex_waitv"
+            else "polls the channels every 0.5 ms") in server.log()

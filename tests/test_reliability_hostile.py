@@ -1,5 +1,5 @@
 """Hostile or broken clients: fuzzed control messages, a slot rewritten while
-the server works on it, semaphores scribbled on, a segment resized, requests
+the server works on it, synchronization words scribbled on, a segment resized, requests
 faster than the server serves. Each gets an error status or a closed session;
 the server never crashes, never reads out of bounds, and a well-behaved client
 beside them keeps getting bit-exact rows."""
@@ -172,10 +172,11 @@ def garbage_count(rng):
 def garbage_table(rng):
     return int(rng.choice([0, 1, 2, 3, 2**31, 2**32 - 1]))
 
-# The submitter keeps to the protocol's pacing — a slot is resubmitted once its
-# done token came, or 50 ms later (a rewritten state word may have hidden it
-# from the server), long after the server took its submit token — so the server
-# never sees more submits pending than slots; the rewriter never sets a slot
+# Hostile on purpose, so the words are written by hand, not through SlotView.
+# The submitter keeps to the protocol's pacing — a slot is resubmitted once it
+# is answered, or 50 ms later (a rewritten state word may have hidden it from
+# the server), long after the server read the counter — so the server never
+# sees more submits pending than slots; the rewriter never sets a slot
 # SUBMITTED nor moves the counter (a channel whose counter runs ahead is
 # dropped: tests/test_reliability_isolation.py).
 outstanding = [0.0] * depth
@@ -185,7 +186,7 @@ def submitter():
     while time.monotonic() < stop:
         now = time.monotonic()
         for i, s in enumerate(ch.slots):
-            if s.done.try_acquire() or now - outstanding[i] > 0.05:
+            if s.state in (p.SlotState.DONE, p.SlotState.ERROR) or now - outstanding[i] > 0.05:
                 outstanding[i] = 0.0
         free = [i for i in range(depth) if not outstanding[i]]
         if not free:
@@ -198,11 +199,10 @@ def submitter():
         w = slot.words
         w[p.SL_TABLE] = garbage_table(rng)
         w[p.SL_COUNT] = garbage_count(rng)
-        w[p.SL_SEQUENCE] = ch.header[p.CH_SUBMIT_COUNTER]
+        w[p.SL_SEQUENCE] = ch.submit_counter
         w[p.SL_STATE] = p.SlotState.SUBMITTED
         outstanding[index] = time.monotonic()
-        ch.header[p.CH_SUBMIT_COUNTER] = (ch.header[p.CH_SUBMIT_COUNTER] + 1) & 0xFFFFFFFF
-        ch.submit_sem.post()
+        ch.publish_submit((ch.submit_counter + 1) & 0xFFFFFFFF)
         counts["submits"] += 1
 
 def rewriter():
@@ -221,8 +221,10 @@ def rewriter():
             w[p.SL_SEQUENCE] = int(rng.integers(0, 2**32))
         elif what == 4:
             slot.ids[:] = garbage_ids(rng, cap)
-        else:  # the done semaphore's waiter count and futex flags
-            w[17 + int(rng.integers(2))] = int(rng.integers(0, 2**32))
+        elif rng.integers(2):  # the slot's sleepers: the server then wakes its state word
+            w[p.SL_WAITERS] = int(rng.choice([1, 2**31, 2**32 - 1]))
+        else:  # "the server sleeps": the client then wakes the counter's futex
+            ch.header[p.CH_SERVER_SLEEPING] = int(rng.integers(0, 2**32))
         counts["rewrites"] += 1
 
 threads = [threading.Thread(target=submitter), threading.Thread(target=rewriter)]
@@ -276,12 +278,11 @@ def test_raw_slot_words_out_of_range_get_an_error_status(served, table, count, i
         slot.ids[:len(ids)] = ids
         w = slot.words
         w[p.SL_TABLE], w[p.SL_COUNT] = table, count
-        w[p.SL_SEQUENCE] = ch.header[p.CH_SUBMIT_COUNTER]
+        w[p.SL_SEQUENCE] = ch.submit_counter
         w[p.SL_STATE] = p.SlotState.SUBMITTED
         client._slot_owner[0] = "ticket"
-        ch.header[p.CH_SUBMIT_COUNTER] += 1
-        client._sequence = ch.header[p.CH_SUBMIT_COUNTER]
-        ch.submit_sem.post()
+        client._sequence = (ch.submit_counter + 1) & 0xFFFFFFFF
+        ch.publish_submit(client._sequence)
         from pleclient.client import Ticket
         with pytest.raises(RequestError, match=text) as caught:
             Ticket(client, slot, client.table(1), 1).wait()
@@ -289,43 +290,67 @@ def test_raw_slot_words_out_of_range_get_an_error_status(served, table, count, i
         assert client.lookup(3, [7]).shape == (1, 320)  # the session goes on
 
 
-SEMAPHORE_ATTACK = """
+SYNC_WORD_ATTACK = """
+from pleclient.channel import COUNTER_AT
+from pleclient.errors import PleError
 path, attack = sys.argv[1], sys.argv[2]
-client = PleClient.connect(path, name="sem-" + attack, depth=2, capacity=64)
+client = PleClient.connect(path, name="words-" + attack, depth=2, capacity=64)
 ch = client._channel
 client.lookup(1, [1, 2, 3])
-if attack == "done-flags":  # a waiter registered, and futex flags the kernel rejects
-    for slot in ch.slots:
-        slot.words[17], slot.words[18] = 1, 0x40000
-    tickets = [client.submit(1, [4, 5]) for _ in ch.slots]  # the server posts them
-elif attack == "submit-flags":  # the server's waiter sleeps on this one
-    ch.header[34] = 0x40000
-elif attack == "submit-overflow":  # no room for another post, not even the server's
-    ch.header[32] = 0x7FFFFFFF
-elif attack == "done-overflow":
-    ch.slots[0].words[16] = 0x7FFFFFFF
-    ch.slots[0].words[p.SL_SEQUENCE] = ch.header[p.CH_SUBMIT_COUNTER]
-    ch.slots[0].words[p.SL_COUNT], ch.slots[0].words[p.SL_TABLE] = 1, 0
-    ch.slots[0].words[p.SL_STATE] = p.SlotState.SUBMITTED
-    ch.header[p.CH_SUBMIT_COUNTER] += 1
-    ch.submit_sem.post()
-time.sleep(1.5)  # past the serving loop's spin: its waiter sleeps on submit
-print("done", flush=True)
+# The window: the server asleep on this channel (it says so before it sleeps).
+deadline = time.monotonic() + 10
+while ch.header[p.CH_SERVER_SLEEPING] != 1:
+    assert time.monotonic() < deadline, "the server never slept on this channel"
+    time.sleep(0.001)
+try:
+    if attack == "waiters-max":  # every sleepers word at its maximum: wake calls, no storm
+        ch.header[p.CH_SERVER_SLEEPING] = 0xFFFFFFFF
+        for slot in ch.slots:
+            slot.words[p.SL_WAITERS] = 0xFFFFFFFF
+        for _ in range(200):
+            client.lookup(1, [4, 5])
+        print("served", flush=True)
+    elif attack == "wakes":  # futex wake-ups with no submit behind them
+        stop = time.monotonic() + 2.0
+        while time.monotonic() < stop:
+            ch.sync.wake(COUNTER_AT)
+        client.lookup(1, [4, 5])
+        print("served", flush=True)
+    elif attack == "counter-max":  # the counter at 2^32 - 1: ahead of all slots
+        ch.publish_submit(0xFFFFFFFF)
+        client._sock.setblocking(True)
+        client._sock.settimeout(10.0)
+        msg, _ = p.recv_message(client._sock)  # the server's answer, then the end
+        after, _ = p.recv_message(client._sock)
+        print("closed" if msg["type"] == "error" and after is None else msg, flush=True)
+    elif attack == "state-garbage":  # its own answered slot rewritten to no state at all
+        ticket = client.submit(1, [4, 5])
+        while ticket._slot.state == p.SlotState.SUBMITTED:
+            pass
+        ticket._slot.words[p.SL_STATE] = 0xFFFFFFFF
+        ticket.wait()
+        print("served", flush=True)
+except PleError as exc:
+    print(type(exc).__name__, flush=True)
 os._exit(0)
 """
 
 
-@pytest.mark.parametrize("attack", ["done-flags", "submit-flags", "submit-overflow",
-                                    "done-overflow"])
-def test_a_client_scribbling_on_its_semaphores_cannot_stop_the_server(
-        served, references, attack):
+@pytest.mark.parametrize("attack, outcome", [
+    ("waiters-max", "served"),  # only its own answers cost a wake call more
+    ("wakes", "served"),  # each costs the loop a pass over its counters
+    ("counter-max", "closed"),  # proof of a scribbled header: the session is closed
+    ("state-garbage", "ProtocolMismatch"),  # its own request, its own error
+])
+def test_a_client_scribbling_on_its_sync_words_cannot_stop_the_server(
+        served, references, attack, outcome):
     baseline = quiet_footprint(served.pid, segments=0)
     with Bystander(served, references):
-        attacker = python_child(SEMAPHORE_ATTACK, served.socket, attack)
+        attacker = python_child(SYNC_WORD_ATTACK, served.socket, attack)
         out, err = attacker.communicate(timeout=60)
         assert served.proc.poll() is None, \
             f"the server died ({served.proc.returncode}):\n{served.log()[-2000:]}"
-        assert out.strip() == "done", err
+        assert out.strip() == outcome, err
     assert no_growth(baseline, settles_to(served.pid, baseline))
 
 
@@ -362,6 +387,7 @@ def test_the_client_cannot_resize_its_segment_under_the_server(served, reference
 
 
 FLOOD = """
+from pleclient.channel import COUNTER_AT
 path, seconds, mode = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 client = PleClient.connect(path, name="flood-" + mode)
 ch = client._channel
@@ -370,25 +396,23 @@ for slot in ch.slots:
     slot.ids[:] = ids
 stop, submits = time.monotonic() + seconds, 0
 while time.monotonic() < stop:
-    if mode == "posts":  # wake-ups with no request behind them
-        ch.submit_sem.post()
+    if mode == "wakes":  # wake-ups with no request behind them
+        ch.sync.wake(COUNTER_AT)
         submits += 1
         continue
-    for slot in ch.slots:  # every slot, again and again, answered or not
+    for slot in ch.slots:  # every slot, again and again, answered or not (by hand: hostile)
         w = slot.words
         w[p.SL_TABLE], w[p.SL_COUNT] = 0, client.capacity
-        w[p.SL_SEQUENCE] = ch.header[p.CH_SUBMIT_COUNTER]
+        w[p.SL_SEQUENCE] = ch.submit_counter
         w[p.SL_STATE] = p.SlotState.SUBMITTED
-        ch.header[p.CH_SUBMIT_COUNTER] += 1
-        ch.submit_sem.post()
-        slot.done.try_acquire()
+        ch.publish_submit((ch.submit_counter + 1) & 0xFFFFFFFF)
         submits += 1
 print(json.dumps(submits), flush=True)
 os._exit(0)
 """
 
 
-@pytest.mark.parametrize("mode", ["requests", "posts"])
+@pytest.mark.parametrize("mode", ["requests", "wakes"])
 def test_requests_faster_than_the_server_serves_do_not_starve_others(
         served, references, mode):
     baseline = quiet_footprint(served.pid, segments=0)

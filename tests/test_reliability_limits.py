@@ -102,7 +102,7 @@ def test_no_room_for_a_channel_is_a_clear_error_and_leaves_nothing(launch, check
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
                     reason="needs root and unshare(1) for a private mount namespace")
 def test_a_tiny_dev_shm_does_not_matter(launch, checkpoint):
-    """Channels are memfds and their semaphores live inside them: a server whose
+    """Channels are memfds with their synchronization words inside: a server whose
     /dev/shm (in its own mount namespace) has room for nothing serves as usual."""
     serve = ("unshare", "--mount", "--propagation", "private", "sh", "-c",
              'mount -t tmpfs -o size=4k,nr_inodes=2 tmpfs /dev/shm && exec "$@"', "sh")

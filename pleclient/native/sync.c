@@ -1,0 +1,429 @@
+/* pleclient._sync: the channel's synchronization words (protocol v2).
+ *
+ * A Words object wraps a writable buffer (a mapped channel segment) and
+ * operates on the 32-bit words at byte offsets inside it: C11 atomics with
+ * the ordering written beside each one, and futex wait/wake with flags this
+ * code chooses (shared, never private: two processes map the words). Nothing
+ * here reads a layout owned by libc, and nothing aborts on what the peer
+ * wrote: a word is only ever a number.
+ *
+ * Every entry point checks its offsets at the door (4-byte aligned, inside
+ * the buffer) and releases the GIL around anything that can block.
+ *
+ * The protocol built on these words (which word, which side, which order) is
+ * written down in pleclient/protocol.py; this file only promises:
+ *   publish: every store before the call is visible to whoever reads the
+ *            word with acquire and sees the new value (release store), and
+ *            the store is ordered before the read of the waiters word
+ *            (seq_cst fence), so a sleeper that registered is always woken;
+ *   wait_while: returns with an acquire load of the word (what the peer
+ *            stored before publishing is visible), registers as a waiter with
+ *            a seq_cst read-modify-write and fence before its last check.
+ * On x86-64 the release and acquire operations are plain moves and the fences
+ * are MFENCE (or a locked instruction); on aarch64 they are STLR / LDAR and
+ * DMB ISH. The kernel's futex calls add full barriers of their own. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <limits.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "futex.h"
+
+/* Cross-process atomics need lock-free (hence address-free) 32-bit words. */
+_Static_assert(ATOMIC_INT_LOCK_FREE == 2, "32-bit atomics must be lock-free");
+_Static_assert(sizeof(atomic_uint) == sizeof(uint32_t), "atomic_uint must be 32 bits");
+
+#define MAX_TIMEOUT_S 86400.0
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int held;  /* view is valid */
+    int busy;  /* calls running with the GIL released (guarded by the GIL) */
+} Words;
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* The word at offset, after the door checks; NULL with an exception set. */
+static atomic_uint *word_at(Words *self, Py_ssize_t offset)
+{
+    if (!self->held) {
+        PyErr_SetString(PyExc_ValueError, "the words were released (the channel is closed)");
+        return NULL;
+    }
+    if (offset < 0 || offset % 4 != 0 || offset > self->view.len - 4) {
+        PyErr_Format(PyExc_ValueError, "word offset %zd is not a 4-byte-aligned offset "
+                     "inside the %zd-byte buffer", offset, self->view.len);
+        return NULL;
+    }
+    char *at = (char *)self->view.buf + offset;
+    if ((uintptr_t)at % _Alignof(atomic_uint) != 0) {
+        PyErr_SetString(PyExc_ValueError, "the buffer is not 4-byte aligned");
+        return NULL;
+    }
+    return (atomic_uint *)(void *)at;
+}
+
+static int to_timeout_ns(double seconds, const char *what, int64_t *out)
+{
+    if (!(seconds >= 0.0)) { /* NaN fails this too */
+        PyErr_Format(PyExc_ValueError, "%s must be a number of seconds ≥ 0", what);
+        return -1;
+    }
+    if (seconds > MAX_TIMEOUT_S)
+        seconds = MAX_TIMEOUT_S;
+    *out = (int64_t)(seconds * 1e9);
+    return 0;
+}
+
+/* ------------------------------------------------------------- Words type */
+
+static int Words_init(Words *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"buffer", NULL};
+    PyObject *obj;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:Words", kwlist, &obj))
+        return -1;
+    if (self->held) {
+        PyErr_SetString(PyExc_ValueError, "Words are initialized once");
+        return -1;
+    }
+    if (PyObject_GetBuffer(obj, &self->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
+        return -1;
+    self->held = 1;
+    return 0;
+}
+
+static void Words_dealloc(Words *self)
+{
+    if (self->held)
+        PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Words_release(Words *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->busy) {
+        PyErr_SetString(PyExc_BufferError, "the words are in use by a waiting thread");
+        return NULL;
+    }
+    if (self->held) {
+        self->held = 0;
+        PyBuffer_Release(&self->view);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Words_load(Words *self, PyObject *arg)
+{
+    Py_ssize_t offset = PyLong_AsSsize_t(arg);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    atomic_uint *w = word_at(self, offset);
+    if (!w)
+        return NULL;
+    /* acquire: what the peer stored before it published this value is
+     * visible after this load. */
+    return PyLong_FromUnsignedLong(atomic_load_explicit(w, memory_order_acquire));
+}
+
+static PyObject *Words_store(Words *self, PyObject *args)
+{
+    Py_ssize_t offset;
+    unsigned int value;
+    if (!PyArg_ParseTuple(args, "nI:store", &offset, &value))
+        return NULL;
+    atomic_uint *w = word_at(self, offset);
+    if (!w)
+        return NULL;
+    /* release: every store before this one is visible to an acquire load
+     * that sees this value. */
+    atomic_store_explicit(w, value, memory_order_release);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Words_store_fenced(Words *self, PyObject *args)
+{
+    Py_ssize_t offset;
+    unsigned int value;
+    if (!PyArg_ParseTuple(args, "nI:store_fenced", &offset, &value))
+        return NULL;
+    atomic_uint *w = word_at(self, offset);
+    if (!w)
+        return NULL;
+    /* A waiter announcing itself (Dekker's pattern): the store, then a
+     * seq_cst fence, so the caller's next load cannot be satisfied before
+     * the peer can see the store. The peer's publish has the mirror fence. */
+    atomic_store_explicit(w, value, memory_order_relaxed);
+    atomic_thread_fence(memory_order_seq_cst);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Words_publish(Words *self, PyObject *args)
+{
+    Py_ssize_t offset, waiters_offset;
+    unsigned int value;
+    if (!PyArg_ParseTuple(args, "nIn:publish", &offset, &value, &waiters_offset))
+        return NULL;
+    atomic_uint *w = word_at(self, offset);
+    atomic_uint *waiters = w ? word_at(self, waiters_offset) : NULL;
+    if (!waiters)
+        return NULL;
+    /* release: the payload (ids, rows, result words) before the word. */
+    atomic_store_explicit(w, value, memory_order_release);
+    /* seq_cst fence: the word before the read of the waiters count. Paired
+     * with the fence a waiter runs after registering, at least one side sees
+     * the other: the waiter sees the new value, or we see the waiter. */
+    atomic_thread_fence(memory_order_seq_cst);
+    if (atomic_load_explicit(waiters, memory_order_relaxed) == 0)
+        Py_RETURN_FALSE;
+    /* Whatever the waiters word says, one wake call per publish: a peer that
+     * scribbles on it costs us one system call per request, never a storm. */
+    ple_futex_wake((const uint32_t *)w, INT_MAX);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Words_wake(Words *self, PyObject *args)
+{
+    Py_ssize_t offset;
+    int n = INT_MAX;
+    if (!PyArg_ParseTuple(args, "n|i:wake", &offset, &n))
+        return NULL;
+    atomic_uint *w = word_at(self, offset);
+    if (!w)
+        return NULL;
+    if (n < 1) {
+        PyErr_Format(PyExc_ValueError, "wake needs n ≥ 1, not %d", n);
+        return NULL;
+    }
+    int rc = ple_futex_wake((const uint32_t *)w, n);
+    if (rc < 0) {
+        errno = -rc;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromLong(rc);
+}
+
+static PyObject *Words_add(Words *self, PyObject *args)
+{
+    Py_ssize_t offset;
+    int delta;
+    if (!PyArg_ParseTuple(args, "ni:add", &offset, &delta))
+        return NULL;
+    atomic_uint *w = word_at(self, offset);
+    if (!w)
+        return NULL;
+    /* acq_rel: a read-modify-write that both publishes and observes (used for
+     * the loop's own wake counter). Unsigned: wraps, never overflows. */
+    unsigned int old = atomic_fetch_add_explicit(w, (unsigned int)delta, memory_order_acq_rel);
+    return PyLong_FromUnsignedLong(old + (unsigned int)delta);
+}
+
+static PyObject *Words_wait_while(Words *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"offset", "value", "waiters_offset", "timeout", "spin", NULL};
+    Py_ssize_t offset, waiters_offset;
+    unsigned int value;
+    double timeout_s, spin_s = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "nInd|d:wait_while", kwlist, &offset, &value,
+                                     &waiters_offset, &timeout_s, &spin_s))
+        return NULL;
+    atomic_uint *w = word_at(self, offset);
+    atomic_uint *waiters = w ? word_at(self, waiters_offset) : NULL;
+    int64_t timeout_ns, spin_ns;
+    if (!waiters || to_timeout_ns(timeout_s, "timeout", &timeout_ns) != 0
+        || to_timeout_ns(spin_s, "spin", &spin_ns) != 0)
+        return NULL;
+    unsigned int seen;
+    int err = 0;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t start = now_ns();
+    int64_t spin_end = start + (spin_ns < timeout_ns ? spin_ns : timeout_ns);
+    int64_t deadline = start + timeout_ns;
+    /* Spin, yielding the CPU between loads: on a busy machine the peer may
+     * need this very core to answer. acquire: see the payload with the word. */
+    while ((seen = atomic_load_explicit(w, memory_order_acquire)) == value && now_ns() < spin_end)
+        sched_yield();
+    if (seen == value && timeout_ns > 0) {
+        /* Register (seq_cst RMW, then the fence that pairs with publish's),
+         * check once more, sleep. The count may be shared with other threads
+         * of this process waiting on the same word. */
+        atomic_fetch_add_explicit(waiters, 1, memory_order_seq_cst);
+        atomic_thread_fence(memory_order_seq_cst);
+        for (;;) {
+            seen = atomic_load_explicit(w, memory_order_acquire);
+            int64_t left = deadline - now_ns();
+            if (seen != value || left <= 0)
+                break;
+            int rc = ple_futex_wait((const uint32_t *)w, value, left);
+            if (rc != 0 && rc != -EAGAIN && rc != -ETIMEDOUT && rc != -EINTR) {
+                err = -rc;
+                break;
+            }
+        }
+        atomic_fetch_sub_explicit(waiters, 1, memory_order_seq_cst);
+        seen = atomic_load_explicit(w, memory_order_acquire);
+    }
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromUnsignedLong(seen);
+}
+
+static PyObject *Words_len(Words *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(self->held ? self->view.len : 0);
+}
+
+static PyMethodDef Words_methods[] = {
+    {"load", (PyCFunction)Words_load, METH_O,
+     "load(offset) -> int: the word, read with acquire ordering."},
+    {"store", (PyCFunction)Words_store, METH_VARARGS,
+     "store(offset, value): write the word with release ordering."},
+    {"store_fenced", (PyCFunction)Words_store_fenced, METH_VARARGS,
+     "store_fenced(offset, value): write the word, then a full (seq_cst) fence."},
+    {"publish", (PyCFunction)Words_publish, METH_VARARGS,
+     "publish(offset, value, waiters_offset) -> bool: release-store the word, fence, "
+     "and wake its sleepers if the waiters word is non-zero (True if it was)."},
+    {"wake", (PyCFunction)Words_wake, METH_VARARGS,
+     "wake(offset, n=all) -> int: wake up to n sleepers on the word."},
+    {"add", (PyCFunction)Words_add, METH_VARARGS,
+     "add(offset, delta) -> int: atomically add delta (mod 2**32); the new value."},
+    {"wait_while", (PyCFunction)(void (*)(void))Words_wait_while, METH_VARARGS | METH_KEYWORDS,
+     "wait_while(offset, value, waiters_offset, timeout, spin=0.0) -> int: wait until the "
+     "word differs from value (spinning up to spin seconds first, then sleeping on the "
+     "futex, counted in the waiters word); the word's value, still value on timeout. "
+     "Releases the GIL."},
+    {"release", (PyCFunction)Words_release, METH_NOARGS,
+     "release(): let go of the buffer; later calls raise ValueError."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Words_getset[] = {
+    {"nbytes", (getter)Words_len, NULL, "bytes of the buffer (0 once released)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject WordsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "pleclient._sync.Words",
+    .tp_doc = "Words(buffer): atomic 32-bit words and futexes inside a writable buffer.",
+    .tp_basicsize = sizeof(Words),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Words_init,
+    .tp_dealloc = (destructor)Words_dealloc,
+    .tp_methods = Words_methods,
+    .tp_getset = Words_getset,
+};
+
+/* ---------------------------------------------------------- futex_waitv */
+
+static PyObject *sync_futex_waitv(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *seq;
+    double timeout_s;
+    if (!PyArg_ParseTuple(args, "Od:futex_waitv", &seq, &timeout_s))
+        return NULL;
+    int64_t timeout_ns;
+    if (to_timeout_ns(timeout_s, "timeout", &timeout_ns) != 0)
+        return NULL;
+    PyObject *fast = PySequence_Fast(seq, "futex_waitv needs a sequence of "
+                                          "(Words, offset, expected) tuples");
+    if (!fast)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n < 1 || n > PLE_FUTEX_WAITV_MAX) {
+        Py_DECREF(fast);
+        return PyErr_Format(PyExc_ValueError, "futex_waitv takes 1 to %d words, not %zd",
+                            PLE_FUTEX_WAITV_MAX, n);
+    }
+    ple_futex_wait_entry entries[PLE_FUTEX_WAITV_MAX];
+    Words *owners[PLE_FUTEX_WAITV_MAX];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        PyObject *words;
+        Py_ssize_t offset;
+        unsigned int expected;
+        if (!PyTuple_Check(item)
+            || !PyArg_ParseTuple(item, "O!nI", &WordsType, &words, &offset, &expected)) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_TypeError, "futex_waitv entry %zd is not a "
+                             "(Words, offset, expected) tuple", i);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        atomic_uint *w = word_at((Words *)words, offset);
+        if (!w) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        entries[i].word = (const uint32_t *)w;
+        entries[i].expected = expected;
+        owners[i] = (Words *)words;
+    }
+    /* The sequence keeps every Words alive; busy keeps their buffers held. */
+    for (Py_ssize_t i = 0; i < n; i++)
+        owners[i]->busy++;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ple_futex_waitv(entries, (size_t)n, timeout_ns);
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        owners[i]->busy--;
+    Py_DECREF(fast);
+    if (rc >= 0)
+        return PyLong_FromLong(rc);
+    if (rc == -EAGAIN || rc == -ETIMEDOUT || rc == -EINTR)
+        return PyLong_FromLong(-1);
+    errno = -rc;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+static PyMethodDef sync_methods[] = {
+    {"futex_waitv", sync_futex_waitv, METH_VARARGS,
+     "futex_waitv(entries, timeout) -> int: sleep until one of the words, given as "
+     "(Words, offset, expected) tuples, differs from its expected value or is woken, at "
+     "most timeout seconds. The index woken, or -1 (timeout, a word already differed, or "
+     "a signal: check the words). OSError(ENOSYS) where the kernel lacks the call "
+     "(see HAVE_FUTEX_WAITV). Releases the GIL."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef sync_module = {
+    PyModuleDef_HEAD_INIT, "pleclient._sync",
+    "The channel's synchronization words: atomics and futexes (see pleclient.protocol).",
+    -1, sync_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__sync(void)
+{
+    if (PyType_Ready(&WordsType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&sync_module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&WordsType);
+    if (PyModule_AddObject(m, "Words", (PyObject *)&WordsType) < 0
+        || PyModule_AddIntConstant(m, "HAVE_FUTEX_WAITV", ple_futex_waitv_available()) < 0
+        || PyModule_AddIntConstant(m, "FUTEX_WAITV_MAX", PLE_FUTEX_WAITV_MAX) < 0) {
+        Py_DECREF(&WordsType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

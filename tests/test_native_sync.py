@@ -1,0 +1,173 @@
+"""The channel's synchronization words (``pleclient._sync``): publish and wait
+between real processes over a shared memfd, futex_waitv over many words, and
+arguments checked at the door (ValueError/TypeError, never a crash)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from pleclient import _sync
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VALUE, WAITERS = 0, 4  # byte offsets of an eventcount's two words
+
+
+@pytest.fixture
+def shared():
+    """A page of shared memory (a memfd) and Words over it; the fd for children."""
+    fd = os.memfd_create("ple.test.sync", 0)
+    os.ftruncate(fd, 4096)
+    mm = mmap.mmap(fd, 4096)
+    words = _sync.Words(mm)
+    yield fd, words
+    words.release()
+    mm.close()
+    os.close(fd)
+
+
+def child(code: str, fd: int) -> subprocess.Popen:
+    """A Python child that maps ``fd`` as ``words`` and runs ``code``."""
+    prelude = textwrap.dedent("""
+        import mmap, sys, time
+        from pleclient import _sync
+        mm = mmap.mmap(int(sys.argv[1]), 4096)
+        words = _sync.Words(mm)
+    """)
+    return subprocess.Popen([sys.executable, "-c", prelude + textwrap.dedent(code), str(fd)],
+                            cwd=REPO, pass_fds=(fd,), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_a_sleeper_in_another_process_is_woken_by_publish_and_sees_the_payload(shared):
+    fd, words = shared
+    sleeper = child("""
+        words.store(12, 1)  # "about to wait"
+        value = words.wait_while(0, 0, 4, 30.0)
+        print(value, words.load(8), flush=True)  # the payload, published before the word
+    """, fd)
+    deadline = time.monotonic() + 30
+    while words.load(12) != 1 or words.load(WAITERS) == 0:  # asleep: registered
+        assert time.monotonic() < deadline and sleeper.poll() is None, sleeper.stderr.read()
+        time.sleep(0.001)
+    words.store(8, 0xC0FFEE)
+    assert words.publish(VALUE, 7, WAITERS) is True  # a sleeper was registered: woken
+    out, err = sleeper.communicate(timeout=30)
+    assert out.split() == ["7", str(0xC0FFEE)], err
+    assert words.load(WAITERS) == 0  # deregistered
+
+
+def test_publish_without_a_sleeper_makes_no_wake_call(shared):
+    _, words = shared
+    assert words.publish(VALUE, 1, WAITERS) is False
+    assert words.load(VALUE) == 1
+
+
+def test_wait_while_returns_at_once_when_the_word_already_differs(shared):
+    _, words = shared
+    words.store(VALUE, 3)
+    started = time.monotonic()
+    assert words.wait_while(VALUE, 2, WAITERS, 10.0, 10.0) == 3
+    assert time.monotonic() - started < 1.0
+
+
+def test_wait_while_times_out_with_the_unchanged_value_and_deregisters(shared):
+    _, words = shared
+    started = time.monotonic()
+    assert words.wait_while(VALUE, 0, WAITERS, 0.05, 0.01) == 0
+    assert 0.05 <= time.monotonic() - started < 5.0
+    assert words.load(WAITERS) == 0
+
+
+def test_futex_waitv_wakes_on_whichever_word_moves(shared):
+    fd, words = shared
+    own = _sync.Words(bytearray(8))
+    entries = [(own, 0, 0)] + [(words, 4 * i, 0) for i in range(1, 64)]
+    for moved in (1, 40, 63):
+        mover = child(f"""
+            time.sleep(0.05)
+            words.store({4 * moved}, 1)
+            words.wake({4 * moved})
+        """, fd)
+        woken = _sync.futex_waitv(entries, 30.0)
+        assert mover.wait(30) == 0
+        assert woken == moved or (woken == -1 and words.load(4 * moved) == 1)
+        words.store(4 * moved, 0)
+
+
+def test_futex_waitv_returns_at_once_when_a_word_differs_and_times_out_otherwise(shared):
+    _, words = shared
+    words.store(8, 5)
+    assert _sync.futex_waitv([(words, 0, 0), (words, 8, 4)], 10.0) == -1  # 5 ≠ 4
+    started = time.monotonic()
+    assert _sync.futex_waitv([(words, 0, 0)], 0.05) == -1
+    assert time.monotonic() - started >= 0.05
+
+
+def test_futex_waitv_is_available_on_this_kernel():
+    """CI runs a kernel ≥ 5.16; the serving loop's fallback is tested in
+    tests/test_core_lookup.py with idle_wait = poll."""
+    release = tuple(int(x) for x in os.uname().release.split(".")[:2])
+    assert _sync.HAVE_FUTEX_WAITV == (release >= (5, 16))
+
+
+@pytest.mark.parametrize("offset", [-4, 2, 4094, 4096, 1 << 40])
+def test_offsets_outside_the_buffer_or_unaligned_are_refused(shared, offset):
+    _, words = shared
+    for call in (lambda: words.load(offset), lambda: words.store(offset, 1),
+                 lambda: words.publish(offset, 1, 0), lambda: words.publish(0, 1, offset),
+                 lambda: words.wait_while(offset, 0, 4, 0.0),
+                 lambda: words.wake(offset), lambda: words.add(offset, 1),
+                 lambda: _sync.futex_waitv([(words, offset, 0)], 0.0)):
+        with pytest.raises((ValueError, OverflowError)):
+            call()
+
+
+def test_bad_arguments_are_refused_at_the_door(shared):
+    _, words = shared
+    with pytest.raises(ValueError):
+        words.wait_while(0, 0, 4, -1.0)
+    with pytest.raises(ValueError):
+        words.wait_while(0, 0, 4, float("nan"))
+    with pytest.raises(ValueError):
+        words.wake(0, 0)
+    with pytest.raises(ValueError):
+        _sync.futex_waitv([], 0.0)
+    with pytest.raises(ValueError):
+        _sync.futex_waitv([(words, 0, 0)] * (_sync.FUTEX_WAITV_MAX + 1), 0.0)
+    with pytest.raises(TypeError):
+        _sync.futex_waitv([(b"not words", 0, 0)], 0.0)
+    with pytest.raises(BufferError):
+        _sync.Words(b"read-only")
+
+
+def test_released_words_refuse_every_call_and_a_waiting_thread_blocks_release(shared):
+    _, words = shared
+    mm = mmap.mmap(-1, 4096)
+    mine = _sync.Words(mm)
+    waiting = threading.Thread(target=mine.wait_while, args=(0, 0, 4, 0.5))
+    waiting.start()
+    deadline = time.monotonic() + 5
+    while mine.load(4) == 0 and time.monotonic() < deadline:  # registered: inside the wait
+        time.sleep(0.001)
+    with pytest.raises(BufferError):
+        mine.release()
+    waiting.join()
+    mine.release()
+    with pytest.raises(ValueError, match="released"):
+        mine.load(0)
+    mm.close()  # no export left
+
+
+def test_add_wraps_modulo_two_to_the_32(shared):
+    _, words = shared
+    words.store(0, 0xFFFFFFFF)
+    assert words.add(0, 1) == 0
+    assert words.add(0, -1) == 0xFFFFFFFF
