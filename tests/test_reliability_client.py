@@ -14,30 +14,10 @@ import numpy as np
 import pytest
 
 from pleclient import PleClient, PleError
-from pleserver.synthetic import read_reference
-from tests.conftest import SMALL_TABLES
-from tests.harness import (LaunchedServer, cpu_seconds, footprint, no_growth, python_child,
+from tests.harness import (cpu_seconds, footprint, no_growth, python_child,
                            quiet_footprint, settles_to, shm_entries, wait_until)
 
 BIG = 16384  # the default capacity; requests this large go to the gather threads
-
-
-@pytest.fixture(scope="module")
-def references(checkpoint):
-    return {t.layer: read_reference(str(checkpoint), t.name) for t in SMALL_TABLES}
-
-
-@pytest.fixture(scope="module")
-def served(checkpoint, tmp_path_factory):
-    """One server for the module, warmed up: its gather threads exist, so any
-    later growth of its thread count would be a leak."""
-    server = LaunchedServer(checkpoint, tmp_path_factory.mktemp("client-faults"))
-    with server.client() as client:
-        rng = np.random.default_rng(0)
-        for layer in (1, 3):
-            client.lookup(layer, rng.integers(0, client.table(layer).rows, 4 * BIG))
-    yield server
-    assert server.stop() == 0
 
 
 def check_rows(client: PleClient, references, rounds: int = 5, seed: int = 1) -> None:

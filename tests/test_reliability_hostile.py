@@ -12,33 +12,14 @@ import struct
 import time
 
 import msgpack
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pleclient import PleClient
 from pleclient import protocol as p
-from pleserver.synthetic import read_reference
-from tests.conftest import SMALL_TABLES
-from tests.harness import (Bystander, LaunchedServer, RawSession, no_growth, python_child,
-                           quiet_footprint, settles_to)
-
-
-@pytest.fixture(scope="module")
-def references(checkpoint):
-    return {t.layer: read_reference(str(checkpoint), t.name) for t in SMALL_TABLES}
-
-
-@pytest.fixture(scope="module")
-def served(checkpoint, tmp_path_factory):
-    server = LaunchedServer(checkpoint, tmp_path_factory.mktemp("hostile"))
-    with server.client() as client:  # warm: the gather threads exist
-        client.lookup(1, np.arange(4 * client.capacity) % 20_011)
-    yield server
-    assert server.proc.poll() is None, server.log()[-3000:]
-    assert server.stop() == 0
-    assert "Traceback" not in server.log(), server.log()[-3000:]
+from tests.harness import (Bystander, RawSession, no_growth, python_child, quiet_footprint,
+                           settles_to)
 
 
 def error_counts(server) -> dict[str, int]:

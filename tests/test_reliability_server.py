@@ -12,16 +12,9 @@ import numpy as np
 import pytest
 
 from pleclient import PleClient, ServerGone
-from pleserver.synthetic import read_reference
-from tests.conftest import SMALL_TABLES
-from tests.harness import launch, python_child, shm_entries  # noqa: F401 (fixture)
+from tests.harness import python_child, shm_entries
 
 TIMEOUT = 10.0  # the clients' timeout
-
-
-@pytest.fixture(scope="module")
-def references(checkpoint):
-    return {t.layer: read_reference(str(checkpoint), t.name) for t in SMALL_TABLES}
 
 
 LOOPER = """
@@ -62,8 +55,8 @@ def start_loopers(server, checkpoint, n: int) -> list:
 
 
 def test_server_killed_with_requests_in_flight_gives_every_client_server_gone(
-        launch, checkpoint, references):
-    server = launch(checkpoint)
+        start_server, checkpoint, references):
+    server = start_server(checkpoint)
     loopers = start_loopers(server, checkpoint, 3)
     client = server.client(timeout=TIMEOUT)
     ids = np.arange(client.capacity) % 10_007
@@ -128,15 +121,15 @@ print(json.dumps({"gone": gone, "verified_after": verified,
 
 
 def test_a_new_server_on_the_same_socket_is_picked_up_by_a_reconnecting_client(
-        launch, checkpoint, tmp_path):
-    first = launch(checkpoint)
+        start_server, checkpoint, tmp_path):
+    first = start_server(checkpoint)
     child = python_child(RECONNECTING, first.socket, str(checkpoint))
     assert child.stdout.readline().strip() == "ready"
     time.sleep(0.5)
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait()
     assert os.path.exists(first.socket)  # a stale socket file is left behind
-    second = launch(checkpoint, socket_path=first.socket)
+    second = start_server(checkpoint, socket_path=first.socket)
     assert "removing stale socket" in second.log()
     out, err = child.communicate(timeout=60)
     report = last_report(out, err)
@@ -144,8 +137,8 @@ def test_a_new_server_on_the_same_socket_is_picked_up_by_a_reconnecting_client(
     assert not shm_entries()
 
 
-def test_sigterm_with_requests_in_flight_completes_them(launch, checkpoint, references):
-    server = launch(checkpoint)
+def test_sigterm_with_requests_in_flight_completes_them(start_server, checkpoint, references):
+    server = start_server(checkpoint)
     loopers = start_loopers(server, checkpoint, 2)
     client = server.client(timeout=TIMEOUT)
     rng = np.random.default_rng(11)
@@ -169,8 +162,8 @@ def test_sigterm_with_requests_in_flight_completes_them(launch, checkpoint, refe
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_stats_on_a_departed_server_raises_server_gone(launch, checkpoint, sig):
-    server = launch(checkpoint)
+def test_stats_on_a_departed_server_raises_server_gone(start_server, checkpoint, sig):
+    server = start_server(checkpoint)
     client = server.client()
     client.lookup(1, [1])
     server.proc.send_signal(sig)
