@@ -130,6 +130,7 @@ class Bystander:
         self.lookups = 0
         self.worst_s = 0.0
         self.failure: BaseException | None = None
+        self._progress = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -144,9 +145,22 @@ class Bystander:
                 rows = self.client.lookup(layer, ids)
                 self.worst_s = max(self.worst_s, time.monotonic() - started)
                 assert np.array_equal(rows, ref[ids]), "a row differs from the checkpoint"
-                self.lookups += 1
-        except BaseException as exc:  # reported by stop()
-            self.failure = exc
+                with self._progress:
+                    self.lookups += 1
+                    self._progress.notify_all()
+        except BaseException as exc:  # reported by __exit__
+            with self._progress:
+                self.failure = exc
+                self._progress.notify_all()
+
+    def wait_for_lookups(self, count: int, timeout: float = 30.0) -> None:
+        """Until ``count`` lookups more than now were answered and checked: the
+        window in which the bystander is served beside whatever the test does."""
+        with self._progress:
+            target = self.lookups + count
+            assert self._progress.wait_for(
+                lambda: self.lookups >= target or self.failure is not None, timeout), \
+                f"the bystander made {self.lookups} of {target} lookups in {timeout} s"
 
     def __enter__(self) -> "Bystander":
         self._thread.start()

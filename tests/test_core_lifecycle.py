@@ -37,7 +37,7 @@ def test_client_killed_mid_session_frees_its_channel(server):
         c.lookup(3, list(range(100)))
         t = c.submit(3, list(range(2000)))  # in flight, never collected
         print("ready", flush=True)
-        time.sleep(60)
+        time.sleep(60)  # alive, its request in flight, until the test kills it
     """)
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "ready"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import time
 
 import msgpack
 import pytest
@@ -82,8 +81,8 @@ def test_fuzzed_control_messages_get_an_error_or_a_closed_session(served, greet,
 def test_after_fuzzing_the_server_holds_nothing_extra_and_serves(served, references):
     settled = settles_to(served.pid, quiet_footprint(served.pid, segments=0))
     assert settled.segments == 0
-    with Bystander(served, references):
-        time.sleep(0.5)
+    with Bystander(served, references) as bystander:
+        bystander.wait_for_lookups(20)
     assert "internal error" not in served.log()
 
 
@@ -123,8 +122,8 @@ def test_anything_before_hello_closes_the_session(served):
 def test_a_stalled_half_frame_does_not_hold_up_other_clients(served, references):
     with RawSession(served.socket) as raw:
         raw.send_bytes(struct.pack("<I", 1000) + b"\x81")  # 1 of 1000 bytes, then silence
-        with Bystander(served, references):
-            time.sleep(0.3)
+        with Bystander(served, references) as bystander:
+            bystander.wait_for_lookups(20)  # served while the half frame stalls
 
 
 # --------------------------------------------------------------- data plane

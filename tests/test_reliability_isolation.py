@@ -323,7 +323,7 @@ def test_half_frames_are_capped_before_hello_and_time_out_after(start_server, ch
                     raw.send_bytes(b"\0")
                 except (BrokenPipeError, ConnectionResetError):
                     open_.remove(raw)  # closed by the server
-            time.sleep(0.2)
+            time.sleep(0.2)  # the trickle's pace (what is tested), not a synchronization
         assert not open_, f"{len(open_)} trickling sessions still open after 10 s"
         texts = []
         for raw in trickled:

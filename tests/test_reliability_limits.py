@@ -5,10 +5,10 @@ that is not a socket. Each is a clear error and leaves no partial state."""
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import socket
-import time
 
 import numpy as np
 import pytest
@@ -61,8 +61,9 @@ def test_a_refusal_is_read_even_when_the_hello_finds_the_socket_closed(start_ser
     def connect_then_dawdle(path, timeout):
         sock = connect(path, timeout)
         # Speak only once the server has refused us and closed its end.
-        assert wait_until(lambda: "refused connection" in server.log())
-        time.sleep(0.2)
+        poll = select.poll()
+        poll.register(sock, select.POLLRDHUP)
+        assert poll.poll(10_000), "the server did not close the refused connection"
         return sock
 
     monkeypatch.setattr(client_module, "_connect_socket", connect_then_dawdle)

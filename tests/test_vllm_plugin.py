@@ -134,6 +134,7 @@ def test_server_killed_mid_run_reconnects_within_the_window_then_fails_clearly(
         env={"VLLM_PLE_BACKEND": "shm", "VLLM_PLE_SHM_SOCKET": socket,
              "VLLM_PLE_SHM_CHECKPOINT": str(vllm_checkpoint),
              "VLLM_PLE_SHM_RECONNECT_S": "60"})
+    assert result["asked_while_away"] == [True, True]  # both asked of a server away
     assert result["after_restart_equal"]
     assert result["prefetch_resubmitted_equal"]
     assert result["error"] is not None

@@ -431,19 +431,23 @@ def server_restarts(args: dict) -> dict:
             # 1. killed between steps, restarted 0.5 s later
             server.kill()
             restarter = server.restart_after(0.5)
+            asked_at = time.monotonic()
             second = m.run_forward(module, batch, prefetch=True)
             restarter.join()
             result["after_restart_equal"] = same_bits(first, second)
+            result["asked_while_away"] = [asked_at < server.started_at]
 
             # 2. killed while a prefetch is in flight, restarted
             module.start_prefetch(batch.input_ids, batch.query_start_loc, batch.ngram_context)
             server.kill()
             restarter = server.restart_after(0.3)
+            asked_at = time.monotonic()
             hidden = torch.zeros(batch.input_ids.shape[0], 8, dtype=torch.bfloat16)
             third = module(hidden, batch.input_ids, batch.query_start_loc,
                            batch.ngram_context)
             restarter.join()
             result["prefetch_resubmitted_equal"] = same_bits(first, third)
+            result["asked_while_away"].append(asked_at < server.started_at)
 
             # 3. killed for good (a short window from here on; the restarts above
             #    had the environment's, long enough for a slow server start)
