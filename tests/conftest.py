@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -56,16 +57,11 @@ def start_server():
     """Factory: ``start_server(model, *flags, wait=True, **server_launcher
     options)`` → a LaunchedServer, ready (it sent READY=1) unless ``wait`` is
     False; reaped and its files removed at teardown."""
-    servers: list[LaunchedServer] = []
+    with ExitStack() as servers:  # each closed, even when closing another fails
+        def start(model: Path, *extra: str, wait: bool = True, **options) -> LaunchedServer:
+            return servers.enter_context(server_launcher(model, *extra, **options).start(wait=wait))
 
-    def start(model: Path, *extra: str, wait: bool = True, **options) -> LaunchedServer:
-        server = server_launcher(model, *extra, **options).start(wait=wait)
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.close()
+        yield start
 
 
 @pytest.fixture
