@@ -63,10 +63,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lookup import (OthersMeter, cpu_busy, die_with_parent, loadavg, machine,  # noqa: E402
-                    source, stop_process)
-from pleclient import PleClient, PleError, ServerUnavailable  # noqa: E402
+from lookup import OthersMeter, cpu_busy, loadavg, machine, source  # noqa: E402
+from pleclient import PleClient  # noqa: E402
 from pleclient.checkpoint import discover_tables  # noqa: E402
+from pleserver.launcher import ServerLauncher, die_with_parent  # noqa: E402
 from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
 from seed_gather import SeedTable  # noqa: E402
 from text_trace import HEADS, load_trace  # noqa: E402
@@ -188,54 +188,6 @@ def server_flags() -> set[str]:
     return {word.rstrip(",") for word in out.split() if word.startswith("--")}
 
 
-class Server:
-    """A ``pleserver serve`` process on a private socket, reaped by ``stop``."""
-
-    def __init__(self, label: str, model: str, workdir: str, args: list[str]) -> None:
-        stamp = time.monotonic_ns()
-        self.label = label
-        self.socket = os.path.join(workdir, f"{label}-{stamp}.sock")
-        self.log_path = os.path.join(workdir, f"{label}-{stamp}.log")
-        self._log = open(self.log_path, "wb")
-        self.argv = [sys.executable, "-m", "pleserver.cli", "serve", "--model", model,
-                     "--socket", self.socket, "--prewarm", "none", "--log-level", "INFO",
-                     *args]
-        env = {**os.environ, "PLE_SERVER_CONFIG": os.devnull,
-               "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=REPO, env=env, preexec_fn=die_with_parent)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout: float = 600.0) -> dict:
-        deadline = time.monotonic() + timeout
-        last: Exception | None = None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server {self.label} exited with "
-                                   f"{self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                return PleClient.query_stats(self.socket, timeout=5.0)
-            except (ServerUnavailable, PleError) as exc:  # not listening, or still busy
-                last = exc                                 # starting (a loaded machine)
-                time.sleep(0.05)
-        raise RuntimeError(f"server {self.label} not ready after {timeout:.0f} s ({last}):\n"
-                           f"{self.log_tail()}")
-
-    def stop(self) -> None:
-        stop_process(self.proc, 60)
-        self._log.close()
-
-
 # ------------------------------------------------------------------- runs
 def latency(samples_s: list[float]) -> dict:
     a = np.asarray(samples_s) * 1e3
@@ -278,8 +230,10 @@ class Contender:
             extra += ["--state-dir", state_dir or os.path.join(
                 workdir, f"state-{time.monotonic_ns()}")]
         extra += ["--max-capacity", str(capacity)]
-        self.server = Server(name, model, workdir, extra)
-        self.server.wait_ready()
+        # A loaded machine may take long to open the tables: a generous wait.
+        self.server = ServerLauncher(model, "--prewarm", "none", *extra, log_level="INFO",
+                                     cwd=REPO, die_with_parent=True,
+                                     ready_timeout=600.0).start()
         self.client = PleClient.connect(self.server.socket, timeout=600.0, name="cold",
                                         capacity=capacity)
         self.info = self.client.table(0)
@@ -297,7 +251,8 @@ class Contender:
                 pass
             self.client = None
         if self.server is not None:
-            self.server.stop()
+            self.server.stop(timeout=60)  # a hot set to save
+            self.server.close()
         if self.seed is not None:
             self.seed.close()
             self.seed = None

@@ -154,7 +154,7 @@ def main(argv=None) -> int:
                                                 dtype="BF16", parts=16),
                                  SyntheticTable(layer=1, rows=100_000, cols=args.cols,
                                                 dtype="BF16", parts=2)], files=1)
-        server = Server("fairness", model, workdir, 0, 16383, args.server_arg)
+        server = Server("fairness", model, 0, 16383, args.server_arg)
         server.wait_ready()
         result = {"machine": machine(), "source": source(), "args": vars(args), "cases": []}
         print(f"{'submitters':>10} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} "

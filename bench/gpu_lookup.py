@@ -31,7 +31,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,9 +41,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pleclient import PleClient, PleError  # noqa: E402
+from pleclient import PleClient  # noqa: E402
 from pleclient.checkpoint import TableSpec, discover_tables  # noqa: E402
 from pleclient.torch import PinnedSegment, copy_rows  # noqa: E402
+from pleserver.launcher import ServerLauncher  # noqa: E402
 
 SIZES = (16, 4096, 131072)
 
@@ -66,23 +66,6 @@ def make_checkpoint(workdir: str, rows: int, cols: int, dtype: str, parts: int) 
     write_checkpoint(path, [SyntheticTable(layer=1, rows=rows, cols=cols, dtype=dtype,
                                            parts=parts)], files=max(1, parts // 8))
     return path
-
-
-def start_server(model: str, socket_path: str, log_path: str) -> subprocess.Popen:
-    log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "pleserver.cli", "serve", "--model", model,
-                             "--socket", socket_path], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"pleserver exited: {open(log_path).read()}")
-        try:
-            PleClient.query_stats(socket_path, timeout=1.0)
-            return proc
-        except PleError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("pleserver did not become ready")
 
 
 def read_table(table: TableSpec) -> np.ndarray:
@@ -276,8 +259,8 @@ def main() -> int:
     server = None
     socket_path = args.socket
     if socket_path is None:
-        socket_path = os.path.join(workdir, "ple.sock")
-        server = start_server(model, socket_path, os.path.join(workdir, "server.log"))
+        server = ServerLauncher(model, die_with_parent=True, ready_timeout=120.0).start()
+        socket_path = server.socket
     device = torch.device("cuda")
     try:
         reference = read_table(table)
@@ -306,8 +289,7 @@ def main() -> int:
                 plugin[0].close()
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(30)
+            server.close()
     print_table(results, table)
     if args.json:
         with open(args.json, "w") as f:

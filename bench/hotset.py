@@ -29,17 +29,18 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
-from lookup import stop_process
-from pleclient import PleClient, PleError
-from pleserver.config import parse_size
-from pleserver.synthetic import SyntheticTable, write_checkpoint
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pleclient import PleClient  # noqa: E402
+from pleserver.config import parse_size  # noqa: E402
+from pleserver.launcher import LaunchedServer, ServerLauncher  # noqa: E402
+from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
 
 STEP_IDS = 32 * 16
 
@@ -59,29 +60,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-class Server:
-    def __init__(self, model: str, state: str, socket_path: str, cache_size: str) -> None:
-        self.socket = socket_path
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pleserver.cli", "serve", "--model", model, "--socket",
-             socket_path, "--io", "direct", "--cache-size", cache_size, "--state-dir", state,
-             "--hotset-save-interval", "0", "--log-level", "WARNING"],
-            env={**os.environ, "PLE_SERVER_CONFIG": os.devnull})
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ple-server exited with {self.proc.returncode}")
-            try:
-                PleClient.query_stats(socket_path, timeout=1.0)
-                self.ready_at = time.monotonic()
-                return
-            except PleError:
-                time.sleep(0.02)
-        self.stop()
-        raise RuntimeError("ple-server not ready after 60 s")
-
-    def stop(self) -> None:
-        stop_process(self.proc, 60)
+def start_server(model: str, state: str, socket_path: str, cache_size: str) -> LaunchedServer:
+    """A ``--io direct`` server with a small row cache, ready; it saves its hot
+    set only at stop."""
+    return ServerLauncher(model, "--io", "direct", "--cache-size", cache_size, "--state-dir",
+                          state, "--hotset-save-interval", "0", socket_path=socket_path,
+                          log_level="WARNING", die_with_parent=True).start()
 
 
 def steps(rows: int, count: int, exponent: float, seed: int = 7) -> list[np.ndarray]:
@@ -94,7 +78,7 @@ def steps(rows: int, count: int, exponent: float, seed: int = 7) -> list[np.ndar
     return out
 
 
-def drive(server: Server, work: list[np.ndarray], window: int) -> list[tuple[float, float]]:
+def drive(server: LaunchedServer, work: list[np.ndarray], window: int) -> list[tuple[float, float]]:
     """(seconds since readiness, hit rate of the window) per window of steps."""
     curve = []
     with PleClient.connect(server.socket) as client:
@@ -123,7 +107,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     parse_size(args.cache_size)  # a bad size fails here, not in the server
     root = tempfile.mkdtemp(prefix="ple-hotset-", dir=args.dir)
-    servers: list[Server] = []
+    servers: list[LaunchedServer] = []
     try:
         model, state = os.path.join(root, "model"), os.path.join(root, "state")
         os.makedirs(state)
@@ -132,7 +116,7 @@ def main(argv=None) -> int:
         sock = os.path.join(root, "ple.sock")
         work = steps(args.rows, args.warm_steps + args.steps, args.zipf)
         drop_page_cache(model)
-        servers.append(Server(model, state, sock, args.cache_size))
+        servers.append(start_server(model, state, sock, args.cache_size))
         warm_curve = drive(servers[-1], work[:args.warm_steps], args.window)
         servers[-1].stop()
         warm_rate = warm_curve[-1][1]
@@ -146,7 +130,7 @@ def main(argv=None) -> int:
             elif os.path.exists(target):
                 os.unlink(target)
             drop_page_cache(model)
-            servers.append(Server(model, state, sock, args.cache_size))
+            servers.append(start_server(model, state, sock, args.cache_size))
             curve = drive(servers[-1], work[args.warm_steps:], args.window)
             with PleClient.connect(sock) as client:
                 hotset = client.stats()["hotset"]
@@ -180,7 +164,7 @@ def main(argv=None) -> int:
         return 0
     finally:
         for server in servers:
-            server.stop()
+            server.close()
         shutil.rmtree(root, ignore_errors=True)
 
 

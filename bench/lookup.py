@@ -35,7 +35,6 @@ per worker count. Everything is removed at the end, also on error or Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import gc
 import json
@@ -55,9 +54,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from pleclient import PleClient, PleError, ServerUnavailable  # noqa: E402
+from pleclient import PleClient  # noqa: E402
 from pleclient import protocol as p  # noqa: E402
 from pleclient.checkpoint import discover_tables  # noqa: E402
+from pleserver.launcher import ServerLauncher  # noqa: E402
 from pleserver.stats import BUCKETS_S  # noqa: E402
 from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
 from seed_gather import SeedTable  # noqa: E402
@@ -268,73 +268,33 @@ class Floor:
 
 
 # -------------------------------------------------------------------- server
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def die_with_parent() -> None:
-    """``preexec_fn`` of every process a bench starts."""
-    _libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no server outlives the bench
-
-
-def stop_process(proc: subprocess.Popen, wait_s: float) -> None:
-    """SIGTERM ``proc`` and reap it; SIGKILL it if it takes longer than ``wait_s``."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(wait_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 class Server:
-    def __init__(self, label: str, model: str, workdir: str, workers: int, capacity: int,
+    """A ``pleserver serve --prewarm full`` process (``pleserver.launcher``),
+    started at once and waited for by ``wait_ready``, so that several servers
+    prewarm while the floor warms its mapping."""
+
+    def __init__(self, label: str, model: str, workers: int, capacity: int,
                  extra: list[str]) -> None:
         self.label = label
-        self.socket = os.path.join(workdir, f"{label}.sock")
-        self.log_path = os.path.join(workdir, f"{label}.log")
-        self._log = open(self.log_path, "wb")
-        self.args = [sys.executable, "-m", "pleserver.cli", "serve", "--model", model,
-                     "--socket", self.socket, "--prewarm", "full",
-                     "--max-capacity", str(capacity), "--log-level", "WARNING",
-                     *(["--gather-workers", str(workers)] if workers else []), *extra]
-        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=REPO, env=env, preexec_fn=die_with_parent)
+        self.launched = ServerLauncher(
+            model, "--prewarm", "full", "--max-capacity", str(capacity),
+            *(["--gather-workers", str(workers)] if workers else []), *extra,
+            log_level="WARNING", cwd=REPO, die_with_parent=True).start(wait=False)
+        self.socket = self.launched.socket
+        self.proc = self.launched.proc
         self.client: PleClient | None = None
         self.info = None  # the table's TableInfo, once connected
 
     def log_tail(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-3000:].decode(errors="replace")
-        except OSError:
-            return ""
+        return self.launched.log_tail()
 
     def wait_ready(self, timeout: float = 300.0) -> dict:
-        """Until the control socket answers and the full prewarm is over."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server {self.label} exited with {self.proc.returncode}:\n"
-                                   f"{self.log_tail()}")
-            try:
-                stats = PleClient.query_stats(self.socket, timeout=2.0)
-            except ServerUnavailable:  # not listening yet
-                time.sleep(0.1)
-                continue
-            except PleError as exc:
-                raise RuntimeError(f"server {self.label} answers with an error: {exc}\n"
-                                   f"{self.log_tail()}") from None
-            state = (stats.get("prewarm") or {}).get("state")
-            if state not in ("pending", "running"):
-                if state != "done":
-                    print(f"warning: server {self.label}: prewarm ended '{state}'",
-                          file=sys.stderr)
-                return stats
-            time.sleep(0.2)
-        raise RuntimeError(f"server {self.label} not ready after {timeout:.0f} s:\n"
-                           f"{self.log_tail()}")
+        """Until the server is ready and its full prewarm is over: its stats."""
+        self.launched.wait_ready(timeout)
+        state = self.launched.wait_prewarm(timeout)
+        if state != "done":
+            print(f"warning: server {self.label}: prewarm ended '{state}'", file=sys.stderr)
+        return PleClient.query_stats(self.socket)
 
     def stop(self) -> None:
         if self.client is not None:
@@ -343,8 +303,7 @@ class Server:
             except Exception:
                 pass
             self.client = None
-        stop_process(self.proc, 20)
-        self._log.close()
+        self.launched.close()
 
 
 def hist_quantiles(before: dict, after: dict) -> dict:
@@ -447,8 +406,8 @@ def run(args, workdir: str, out_stream) -> dict:
                 for workers in args.gather_workers:
                     label = "pleserver" + (f"-{files}f" if len(args.files) > 1 else "") \
                         + (f"-{workers}w" if workers else "")
-                    servers.append(Server(label, models[files], workdir, workers,
-                                          max(args.sizes), args.server_arg))
+                    servers.append(Server(label, models[files], workers, max(args.sizes),
+                                          args.server_arg))
         t = time.monotonic()
         say("warming the page cache and the mappings ...")
         floor = Floor(spec)  # MADV_POPULATE_READ reads the one-file table once

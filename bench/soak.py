@@ -172,30 +172,17 @@ class Soak:
         self.failures: list[str] = []
         self.samples: list[dict] = []
         self.workers: list[subprocess.Popen] = []
-        self.server: subprocess.Popen | None = None
+        self.readers: list[threading.Thread] = []  # one per worker: its stdout, to its end
+        self.server = None  # a pleserver.launcher.LaunchedServer once started
 
     def start_server(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-            REPO, os.environ.get("PYTHONPATH")]))}
-        self._log = open(self.log_path, "wb")
-        self.server = subprocess.Popen(
-            [sys.executable, "-m", "pleserver.cli", "serve", "--model", self.model,
-             "--socket", self.socket, "--log-level", "INFO", *self.args.server_arg],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-        from pleclient import PleClient, PleError
+        from pleclient import PleClient
+        from pleserver.launcher import ServerLauncher
 
-        deadline = time.monotonic() + 60
-        while True:
-            if self.server.poll() is not None:
-                raise RuntimeError(f"ple-server exited with {self.server.returncode}; see "
-                                   f"{self.log_path}")
-            try:
-                PleClient.query_stats(self.socket, timeout=1.0)
-                break
-            except PleError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        # The log is the report's (in the work directory, kept with --keep).
+        self.server = ServerLauncher(self.model, *self.args.server_arg, socket_path=self.socket,
+                                     log_level="INFO", log_path=self.log_path, cwd=REPO,
+                                     die_with_parent=True).start()
         with PleClient.connect(self.socket) as client:  # warm-up: gather threads start
             for t in client.tables:
                 client.lookup(t.layer, [i % t.rows for i in range(4 * client.capacity)])
@@ -209,7 +196,9 @@ class Soak:
         self.workers.append(child)
         with self.lock:
             self.counts["workers"] += 1
-        threading.Thread(target=self._read, args=(child,), daemon=True).start()
+        reader = threading.Thread(target=self._read, args=(child,), daemon=True)
+        reader.start()
+        self.readers.append(reader)
 
     def _read(self, child: subprocess.Popen) -> None:
         for line in child.stdout:
@@ -237,8 +226,8 @@ class Soak:
             self.spawn(until)
         while time.monotonic() < until:
             now = time.monotonic()
-            if self.server.poll() is not None:
-                self.failures.append(f"ple-server exited with {self.server.returncode}")
+            if not self.server.running:
+                self.failures.append(f"ple-server exited with {self.server.proc.returncode}")
                 break
             for child in list(self.workers):
                 if child.poll() is not None:
@@ -266,8 +255,9 @@ class Soak:
             except subprocess.TimeoutExpired:
                 child.kill()
                 self.failures.append(f"worker {child.pid} did not stop")
-        time.sleep(0.2)  # the readers drain the last lines
-        if self.server.poll() is None:
+        for reader in self.readers:  # every worker's last lines counted
+            reader.join(10)
+        if self.server.running:
             final = quiet_footprint(pid)
             settle_deadline = time.monotonic() + 15
             while time.monotonic() < settle_deadline and any(
@@ -277,12 +267,10 @@ class Soak:
             from pleclient import PleClient
 
             stats = PleClient.query_stats(self.socket)
-            self.server.send_signal(signal.SIGTERM)
-            server_exit = self.server.wait(60)
+            server_exit = self.server.stop(timeout=60)
         else:
             final, stats, server_exit = footprint(os.getpid()), {"tables": []}, \
-                self.server.returncode
-        self._log.close()
+                self.server.proc.returncode
         return self.report(baseline, final, stats, server_exit, time.monotonic() - started)
 
     def report(self, baseline, final, stats, server_exit, elapsed) -> dict:
@@ -360,9 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             for child in soak.workers:
                 if child.poll() is None:
                     child.kill()
-            if soak.server is not None and soak.server.poll() is None:
-                soak.server.kill()
-                soak.server.wait()
+            if soak.server is not None:
+                soak.server.close()
         text = json.dumps(report, indent=1)
         print(text)
         if args.json:

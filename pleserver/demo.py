@@ -3,7 +3,8 @@
 Generates a small checkpoint (an FP8 table with its scale and a BF16 table,
 partial last shards) in the cache directory, starts a real ple-server process,
 drives it from several client processes that check every row against the
-files, prints the server's statistics and stops it with SIGTERM.
+files, prints the server's statistics and stops it with SIGTERM. The server
+is started by ``pleserver.launcher``: ready when it says so, always reaped.
 """
 
 from __future__ import annotations
@@ -11,16 +12,13 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 
 import numpy as np
 
 from pleclient import PleClient, PleError
 from pleclient.checkpoint import CheckpointError, discover_tables
+from pleserver.launcher import ServerLauncher
 from pleserver.synthetic import DEMO_TABLES, read_reference, write_checkpoint
 
 log = logging.getLogger(__name__)
@@ -67,37 +65,19 @@ def run_demo(cache_dir: str | None = None, seconds: float = 3.0, clients: int = 
              ) -> tuple[int, dict]:
     """Run the demo; returns (exit code, report)."""
     model = demo_checkpoint(cache_dir)
-    with tempfile.TemporaryDirectory(prefix="pleserver-demo-") as tmp:
-        socket_path = os.path.join(tmp, "ple.sock")
-        server = subprocess.Popen(
-            [sys.executable, "-m", "pleserver.cli", "serve", "--model", model,
-             "--socket", socket_path, "--prewarm", "full", "--log-level", "WARNING"],
-            env={**os.environ, "PLE_SERVER_CONFIG": os.devnull})  # not the host's service config
-        try:
-            _wait_ready(server, socket_path)
-            ctx = multiprocessing.get_context("spawn")
-            with ctx.Pool(clients) as pool:
-                results = pool.starmap(drive, [(socket_path, model, seconds, seed)
-                                               for seed in range(clients)])
-            stats = PleClient.query_stats(socket_path)
-        finally:
-            server.send_signal(signal.SIGTERM)
-            server_code = server.wait(30)
+    with ServerLauncher(model, "--prewarm", "full", log_level="WARNING").start() as server:
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(clients) as pool:
+            results = pool.starmap(drive, [(server.socket, model, seconds, seed)
+                                           for seed in range(clients)])
+        stats = PleClient.query_stats(server.socket)
+        server_code = server.stop(timeout=30)
+        if server_code != 0:
+            log.error("ple-server exited with %d; its log ends:\n%s", server_code,
+                      server.log_tail())
     totals = {k: sum(r[k] for r in results) for k in results[0]}
     ok = server_code == 0 and totals["mismatches"] == 0 and totals["errors"] == 0
     return (0 if ok else 1), {"model": model, "clients": clients, "seconds": seconds,
                               "server_exit_code": server_code, "ok": ok, **totals,
                               "stats": stats}
 
-
-def _wait_ready(server: subprocess.Popen, socket_path: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"ple-server exited with code {server.returncode}")
-        try:
-            PleClient.query_stats(socket_path, timeout=1.0)
-            return
-        except PleError:
-            time.sleep(0.05)
-    raise RuntimeError(f"ple-server did not answer on {socket_path} within {timeout} s")

@@ -1,18 +1,19 @@
-"""Shared fixtures: generated checkpoints, real ple-server processes, leak checks."""
+"""Every fixture of the tests: generated checkpoints, real ple-server processes
+(``pleserver.launcher``), leak checks. Tools that are not fixtures are in
+``tests/harness.py``."""
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
+from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from pleclient import PleClient, PleError
-from pleserver.synthetic import SyntheticTable, write_checkpoint
+from pleserver.launcher import LaunchedServer
+from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint
+from tests.harness import server_launcher, shm_entries
 
 SMALL_TABLES = (
     SyntheticTable(layer=1, rows=20_011, cols=160, dtype="F8_E4M3", parts=8, scale=0.0125),
@@ -20,16 +21,19 @@ SMALL_TABLES = (
 )
 
 
-def shm_names() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(("ple", "sem.ple"))}
+@pytest.fixture(autouse=True)
+def no_host_config(monkeypatch):
+    """Nothing a test runs reads this host's /etc/ple-server/config.toml (the
+    launcher sees to that for servers; this for every other command)."""
+    monkeypatch.setenv("PLE_SERVER_CONFIG", os.devnull)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_shm_names():
     """The whole suite leaves no shared-memory or semaphore names behind."""
-    before = shm_names()
+    before = shm_entries()
     yield
-    leaked = shm_names() - before
+    leaked = shm_entries() - before
     assert not leaked, f"tests leaked /dev/shm entries: {sorted(leaked)}"
 
 
@@ -42,74 +46,69 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-class ServerProcess:
-    """A real `pleserver serve` process on a private socket."""
-
-    def __init__(self, model: Path, workdir: Path, *extra: str, env: dict | None = None,
-                 wait: bool = True) -> None:
-        self.socket = str(workdir / f"ple-{os.getpid()}-{time.monotonic_ns()}.sock")
-        self.log_path = workdir / f"server-{time.monotonic_ns()}.log"
-        self.args = [sys.executable, "-m", "pleserver.cli", "serve", "--model", str(model),
-                     "--socket", self.socket, "--log-level", "DEBUG", *extra]
-        self._log = open(self.log_path, "wb")
-        # PLE_SERVER_CONFIG: never read a host's /etc/ple-server/config.toml.
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PLE_SERVER_CONFIG": os.devnull,
-                                          **(env or {})})
-        if wait:
-            self.wait_ready()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ple-server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                PleClient.query_stats(self.socket, timeout=1.0)
-                return
-            except PleError:
-                time.sleep(0.05)
-        raise RuntimeError(f"ple-server not ready after {timeout} s:\n{self.log()}")
-
-    def client(self, **kwargs) -> PleClient:
-        return PleClient.connect(self.socket, **kwargs)
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+@pytest.fixture(scope="session")
+def references(checkpoint) -> dict:
+    """``checkpoint``'s tables as read from its files, by layer: rows to compare with."""
+    return {t.layer: read_reference(str(checkpoint), t.name) for t in SMALL_TABLES}
 
 
 @pytest.fixture
-def start_server(tmp_path):
-    """Factory: start_server(model, *flags) → ServerProcess, stopped at teardown."""
-    servers: list[ServerProcess] = []
+def start_server():
+    """Factory: ``start_server(model, *flags, wait=True, **server_launcher
+    options)`` → a LaunchedServer, ready (it sent READY=1) unless ``wait`` is
+    False; reaped and its files removed at teardown."""
+    with ExitStack() as servers:  # each closed, even when closing another fails
+        def start(model: Path, *extra: str, wait: bool = True, **options) -> LaunchedServer:
+            return servers.enter_context(server_launcher(model, *extra, **options).start(wait=wait))
 
-    def start(model: Path, *extra: str, **kwargs) -> ServerProcess:
-        server = ServerProcess(model, tmp_path, *extra, **kwargs)
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.stop()
+        yield start
 
 
 @pytest.fixture
-def server(start_server, checkpoint) -> ServerProcess:
+def server(start_server, checkpoint) -> LaunchedServer:
     return start_server(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    """One server for a whole module, warmed up: its gather threads exist, so
+    any later growth of its thread count would be a leak. After the module it
+    must still run, stop cleanly and have logged no traceback."""
+    with server_launcher(checkpoint).start() as server:
+        with server.client() as client:
+            rng = np.random.default_rng(0)
+            for table in client.tables:
+                client.lookup(table.layer, rng.integers(0, table.rows, 4 * client.capacity))
+        yield server
+        assert server.running, server.log_tail()
+        assert server.stop() == 0, server.log_tail()
+        assert "Traceback" not in server.log(), server.log_tail()
+
+
+# ------------------------------------------------------------ vLLM plugin
+@pytest.fixture(scope="session")
+def vllm_checkpoint(tmp_path_factory) -> Path:
+    """FP8 table (layer 1) and BF16 table (layer 3) shaped like the tiny Qwen4Exp
+    config of ``tests.vllm_helpers.model``, over 3 files (one holds shards only)."""
+    from tests.vllm_helpers.model import write_test_checkpoint  # needs torch
+
+    path = tmp_path_factory.mktemp("vllm-ckpt")
+    write_test_checkpoint(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def vllm_other_checkpoint(tmp_path_factory) -> Path:
+    """Same geometry as ``vllm_checkpoint``, other rows: another fingerprint."""
+    from tests.vllm_helpers.model import write_test_checkpoint
+
+    path = tmp_path_factory.mktemp("vllm-ckpt-other")
+    write_test_checkpoint(str(path), seed=1)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_checkpoint):
+    """A ple-server serving ``vllm_checkpoint`` for a whole test module."""
+    with server_launcher(vllm_checkpoint).start() as server:
+        yield server

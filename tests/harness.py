@@ -1,4 +1,4 @@
-"""Tools for the reliability, security and soak tests.
+"""Tools for the tests; their fixtures are in ``tests/conftest.py``.
 
 - ``footprint(pid)``: what a process holds (fds, threads, RSS, channel segments
   mapped), to check that sessions leave nothing behind;
@@ -9,8 +9,11 @@
   another uid (it drops privileges itself after its imports — the equivalent of
   ``setpriv --reuid --regid --init-groups``, which also works when the
   interpreter lives where the other uid may not read);
-- ``LaunchedServer``: a ``pleserver serve`` process as another uid, under a
-  command prefix (``prlimit``, ``unshare``) or on a chosen socket path;
+- ``server_launcher``: how the tests start ``pleserver serve``
+  (``pleserver.launcher``): as another uid, under a command prefix
+  (``prlimit``, ``unshare``) or on a chosen socket path; ``shm_env``: a vLLM
+  worker's environment for a server;
+- ``wait_until``: poll a condition the tests cannot be told about;
 - ``other_users``: system users and a group for the access-control tests,
   created with ``useradd``/``groupadd`` and removed afterwards (root only).
 """
@@ -34,7 +37,7 @@ import numpy as np
 import pytest
 
 from pleclient import protocol as p
-from tests.conftest import ServerProcess
+from pleserver.launcher import LaunchedServer, ServerLauncher
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -127,6 +130,7 @@ class Bystander:
         self.lookups = 0
         self.worst_s = 0.0
         self.failure: BaseException | None = None
+        self._progress = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -141,9 +145,22 @@ class Bystander:
                 rows = self.client.lookup(layer, ids)
                 self.worst_s = max(self.worst_s, time.monotonic() - started)
                 assert np.array_equal(rows, ref[ids]), "a row differs from the checkpoint"
-                self.lookups += 1
-        except BaseException as exc:  # reported by stop()
-            self.failure = exc
+                with self._progress:
+                    self.lookups += 1
+                    self._progress.notify_all()
+        except BaseException as exc:  # reported by __exit__
+            with self._progress:
+                self.failure = exc
+                self._progress.notify_all()
+
+    def wait_for_lookups(self, count: int, timeout: float = 30.0) -> None:
+        """Until ``count`` lookups more than now were answered and checked: the
+        window in which the bystander is served beside whatever the test does."""
+        with self._progress:
+            target = self.lookups + count
+            assert self._progress.wait_for(
+                lambda: self.lookups >= target or self.failure is not None, timeout), \
+                f"the bystander made {self.lookups} of {target} lookups in {timeout} s"
 
     def __enter__(self) -> "Bystander":
         self._thread.start()
@@ -300,53 +317,23 @@ def child_report(result: subprocess.CompletedProcess) -> dict:
 
 
 # ------------------------------------------------------------------- servers
-class LaunchedServer(ServerProcess):
-    """``pleserver serve`` as another user, under a command prefix, or on a
-    socket path of the caller's choosing."""
-
-    def __init__(self, model: Path, workdir: Path, *extra: str, socket_path: str | None = None,
-                 user: OtherUser | None = None, prefix: tuple[str, ...] = (),
-                 env: dict | None = None, wait: bool = True) -> None:
-        self.socket = socket_path or str(workdir / f"ple-{os.getpid()}-{time.monotonic_ns()}.sock")
-        self.log_path = workdir / f"server-{time.monotonic_ns()}.log"
-        serve = ["serve", "--model", str(model), "--socket", self.socket,
-                 "--log-level", "DEBUG", *extra]
-        main = [sys.executable, "-c", SERVER_MAIN] if user else \
-            [sys.executable, "-m", "pleserver.cli"]
-        self.args = [*prefix, *main, *serve]
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=REPO, env=child_env(user, env))
-        if wait:
-            self.wait_ready()
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def exit_code(self, timeout: float = 30.0) -> int:
-        """Wait for the process to end on its own; its exit code."""
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            if not self._log.closed:
-                self._log.close()
+def server_launcher(model: Path, *extra: str, socket_path: str | None = None,
+                    user: OtherUser | None = None, prefix: tuple[str, ...] = (),
+                    env: dict | None = None) -> ServerLauncher:
+    """How the tests start ``pleserver serve``: DEBUG log, from the checkout;
+    as another ``user`` (``SERVER_MAIN`` drops to it after its imports), under
+    a command ``prefix`` (``prlimit``, ``unshare``) or on a ``socket_path`` of
+    the caller's choosing."""
+    return ServerLauncher(model, *extra, socket_path=socket_path, log_level="DEBUG",
+                          env={**(user.as_env() if user else {}), **(env or {})}, cwd=REPO,
+                          prefix=prefix,
+                          program=[sys.executable, "-c", SERVER_MAIN] if user else None)
 
 
-@pytest.fixture
-def launch(tmp_path):
-    """Factory: launch(model, *flags, **LaunchedServer kwargs), stopped at teardown."""
-    servers: list[LaunchedServer] = []
-
-    def start(model: Path, *extra: str, **kwargs) -> LaunchedServer:
-        server = LaunchedServer(model, tmp_path, *extra, **kwargs)
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.stop()
+def shm_env(server: LaunchedServer, checkpoint: Path, **extra: str) -> dict[str, str]:
+    """The environment of a vLLM worker using ``server``."""
+    return {"VLLM_PLE_BACKEND": "shm", "VLLM_PLE_SHM_SOCKET": server.socket,
+            "VLLM_PLE_SHM_CHECKPOINT": str(checkpoint), **extra}
 
 
 # ------------------------------------------------------------------ cgroups

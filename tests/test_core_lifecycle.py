@@ -8,27 +8,17 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 
 from pleclient import PleClient
-from tests.conftest import shm_names
+from tests.harness import shm_entries, wait_until
 
 
 def segment_mappings(pid: int) -> list[str]:
     """The server's mappings of channel segments (memfds named ple.<pid>.<session>)."""
     with open(f"/proc/{pid}/maps") as f:
         return [line for line in f if "/memfd:ple." in line]
-
-
-def wait_until(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_sigterm_stops_cleanly_and_removes_the_socket(server):
@@ -47,7 +37,7 @@ def test_client_killed_mid_session_frees_its_channel(server):
         c.lookup(3, list(range(100)))
         t = c.submit(3, list(range(2000)))  # in flight, never collected
         print("ready", flush=True)
-        time.sleep(60)
+        time.sleep(60)  # alive, its request in flight, until the test kills it
     """)
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "ready"
@@ -57,7 +47,7 @@ def test_client_killed_mid_session_frees_its_channel(server):
     child.wait()
     assert wait_until(lambda: PleClient.query_stats(server.socket)["channels"] == 0)
     assert wait_until(lambda: not segment_mappings(server.pid))
-    assert not shm_names()
+    assert not shm_entries()
     with server.client() as client:  # and the server keeps serving
         assert client.lookup(3, [5]).shape == (1, 320)
 
@@ -65,7 +55,7 @@ def test_client_killed_mid_session_frees_its_channel(server):
 def test_a_session_creates_no_name_another_process_could_open(server):
     with server.client() as client:
         client.lookup(1, [0])
-        assert not shm_names()
+        assert not shm_entries()
         assert len(segment_mappings(server.pid)) == 1
 
 

@@ -11,7 +11,6 @@ import pytest
 from pleserver.synthetic import read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
 from tests.harness import wait_until
-from tests.test_ops_systemd import NotifySocket
 
 HOT_IDS = np.arange(0, 5000, 7)
 
@@ -121,15 +120,9 @@ def test_a_hot_set_of_another_checkpoint_is_ignored_with_a_warning(start_server,
 
 def test_the_refill_progress_reaches_systemd_status(start_server, model, state_dir):
     warm_and_stop(start_server, model, state_dir)
-    notify = NotifySocket()
-    try:
-        server = start_server(model, "--io", "direct", "--state-dir", str(state_dir),
-                              env=notify.env(), wait=False)
-        notify.wait_for("READY=1", server.proc)
-        # The status line keeps what is served in front of the refill's progress.
-        serving = f"STATUS=serving {len(SMALL_TABLES)} tables on {server.socket}; "
-        final = notify.wait_for(serving + "hot set refill done", server.proc)
-    finally:
-        notify.close()
+    server = direct(start_server, model, state_dir)
+    # The status line keeps what is served in front of the refill's progress.
+    serving = f"STATUS=serving {len(SMALL_TABLES)} tables on {server.socket}; "
+    final = server.wait_for(serving + "hot set refill done")
     rows = HOT_IDS.size * len(SMALL_TABLES)
     assert f"{serving}hot set refill done: 100.0% ({rows} of {rows} rows)" in final, final

@@ -21,12 +21,6 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "config.toml"
 EX_CONFIG = 78
 
 
-@pytest.fixture(autouse=True)
-def no_host_config(monkeypatch):
-    """Servers started here never read this host's /etc/ple-server/config.toml."""
-    monkeypatch.setenv("PLE_SERVER_CONFIG", os.devnull)
-
-
 def pleserver(*args: str, env: dict[str, str] | None = None,
               timeout: float = 60.0) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pleserver.cli", *args], capture_output=True,

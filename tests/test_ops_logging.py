@@ -7,30 +7,23 @@ import os
 import re
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import numpy as np
-import pytest
 
 from pleclient import PleClient
+from pleserver.launcher import ServerLauncher
+from tests.harness import wait_until
 
 TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 
 
-@pytest.fixture(autouse=True)
-def no_host_config(monkeypatch):
-    """Servers started here never read this host's /etc/ple-server/config.toml."""
-    monkeypatch.setenv("PLE_SERVER_CONFIG", os.devnull)
-
-
 def wait_for_line(server, pattern: str, timeout: float = 10.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        match = re.search(pattern, server.log(), re.MULTILINE)
-        if match:
-            return match.group(0)
-        time.sleep(0.05)
-    raise AssertionError(f"no line matching {pattern!r} in:\n{server.log()}")
+    """The first line matching ``pattern`` in the server's log, once there is one."""
+    def search():
+        return re.search(pattern, server.log(), re.MULTILINE)
+    assert wait_until(search, timeout), f"no line matching {pattern!r} in:\n{server.log()}"
+    return search().group(0)
 
 
 def test_a_session_logs_one_line_when_it_opens_and_one_when_it_closes(start_server,
@@ -61,32 +54,24 @@ def test_requests_and_stats_queries_add_no_log_lines(start_server, checkpoint):
         assert len(server.log().splitlines()) == settled, server.log()
 
 
-def run_server(args: list[str], env: dict[str, str], log_path, journal: bool) -> str:
+def run_server(model, env: dict[str, str], log_path: Path, journal: bool,
+               ready: bool = True) -> str:
     """Run `pleserver serve` with stderr on ``log_path`` (announced as the
-    journal stream when ``journal``) until it is ready or exits; return its log."""
-    with open(log_path, "wb") as log:
-        if journal:
-            st = os.fstat(log.fileno())
-            env = {**env, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
-        proc = subprocess.Popen([sys.executable, "-m", "pleserver.cli", "serve", *args],
-                                stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **env})
-        try:
-            deadline = time.monotonic() + 30
-            while proc.poll() is None and time.monotonic() < deadline:
-                if b"ready: serving" in log_path.read_bytes():
-                    break
-                time.sleep(0.05)
-        finally:
-            proc.terminate()
-            proc.wait(30)
+    journal stream when ``journal``) until it is ready — or, unless ``ready``,
+    until it exits with status 2 — then stop it; its log."""
+    log_path.touch()
+    if journal:
+        st = os.stat(log_path)
+        env = {**env, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
+    with ServerLauncher(model, log_path=log_path, env=env).start(wait=ready) as server:
+        if not ready:
+            assert server.exit_code() == 2, server.log()
     return log_path.read_text()
 
 
 def test_on_the_journal_lines_carry_a_priority_and_no_timestamp(checkpoint, tmp_path):
-    text = run_server(["--model", str(checkpoint), "--socket", str(tmp_path / "s.sock"),
-                       "--config", os.devnull], {"INVOCATION_ID": "0" * 32},
-                      tmp_path / "journal.log", journal=True)
+    text = run_server(checkpoint, {"INVOCATION_ID": "0" * 32}, tmp_path / "journal.log",
+                      journal=True)
     lines = text.splitlines()
     assert any(re.match(r"<6>INFO pleserver\.server: ple-server .* ready: serving", line)
                for line in lines), text
@@ -94,17 +79,15 @@ def test_on_the_journal_lines_carry_a_priority_and_no_timestamp(checkpoint, tmp_
 
 
 def test_errors_reach_the_journal_with_error_priority(checkpoint, tmp_path):
-    text = run_server(["--model", str(tmp_path / "no-such-model"), "--socket",
-                       str(tmp_path / "s.sock"), "--config", os.devnull], {},
-                      tmp_path / "journal.log", journal=True)
+    text = run_server(tmp_path / "no-such-model", {}, tmp_path / "journal.log", journal=True,
+                      ready=False)
     assert re.search(r"^<3>ERROR pleserver: .*no-such-model", text, re.MULTILINE), text
 
 
 def test_off_the_journal_lines_carry_timestamps(checkpoint, tmp_path):
     # INVOCATION_ID alone (a systemd service whose stderr is not the journal)
     # keeps the timestamps: only $JOURNAL_STREAM matching stderr drops them.
-    text = run_server(["--model", str(checkpoint), "--socket", str(tmp_path / "s.sock"),
-                       "--config", os.devnull], {"INVOCATION_ID": "0" * 32},
-                      tmp_path / "plain.log", journal=False)
+    text = run_server(checkpoint, {"INVOCATION_ID": "0" * 32}, tmp_path / "plain.log",
+                      journal=False)
     assert "ready: serving" in text
     assert all(TIMESTAMP.match(line) for line in text.splitlines()), text

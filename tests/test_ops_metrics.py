@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import re
 import socket
-import time
 import urllib.request
 from pathlib import Path
 
@@ -15,14 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pleclient import PleClient, RequestError
 from pleserver.stats import BUCKETS_S
+from tests.harness import wait_until
 
 README = Path(__file__).resolve().parent.parent / "deploy" / "README.md"
-
-
-@pytest.fixture(autouse=True)
-def no_host_config(monkeypatch):
-    """Servers started here never read this host's /etc/ple-server/config.toml."""
-    monkeypatch.setenv("PLE_SERVER_CONFIG", os.devnull)
 
 
 def documented_series() -> set[str]:
@@ -103,9 +96,7 @@ def test_clients_fall_back_to_zero_after_the_client_leaves(metrics_server):
     url = metrics_url(metrics_server)
     with metrics_server.client():
         assert Scrape(url).value("ple_clients") == 1
-    deadline = time.monotonic() + 10
-    while Scrape(url).value("ple_channels") != 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert wait_until(lambda: Scrape(url).value("ple_channels") == 0)
     scrape = Scrape(url)
     assert scrape.value("ple_channels") == 0 and scrape.value("ple_clients") == 0
 
@@ -143,11 +134,9 @@ def test_latency_buckets_are_cumulative_in_seconds_up_to_the_count(metrics_serve
 
 def test_prewarm_progress_is_exported(start_server, checkpoint):
     server = start_server(checkpoint, "--metrics-address", "127.0.0.1:0", "--prewarm", "full")
-    url = metrics_url(server)
-    deadline = time.monotonic() + 30
-    while (scrape := Scrape(url)).value("ple_prewarm_state", state="done") != 1:
-        assert time.monotonic() < deadline, scrape.text
-        time.sleep(0.05)
+    assert server.wait_prewarm() == "done"
+    scrape = Scrape(metrics_url(server))
+    assert scrape.value("ple_prewarm_state", state="done") == 1, scrape.text
     assert scrape.value("ple_prewarm_progress_ratio") == 1
     assert scrape.value("ple_prewarm_done_bytes") == scrape.value("ple_prewarm_target_bytes") > 0
     assert scrape.table("ple_table_resident_ratio", 1) > 0

@@ -6,10 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -20,12 +17,6 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "systemd"
 UNIT = DEPLOY / "ple-server.service"
 TEMPLATE = DEPLOY / "ple-server@.service"
 UNIT_EXEC = "/opt/ple-server/bin/pleserver"
-
-
-@pytest.fixture(autouse=True)
-def no_host_config(monkeypatch):
-    """Servers started here never read this host's /etc/ple-server/config.toml."""
-    monkeypatch.setenv("PLE_SERVER_CONFIG", os.devnull)
 
 
 def require_tool(name: str) -> str:
@@ -148,90 +139,29 @@ def test_tmpfiles_snippet_creates_the_socket_directory(tmp_path):
 
 
 # ----------------------------------------------------------- notify protocol
-class NotifySocket:
-    """The datagram socket systemd would listen on; collects what it receives."""
-
-    def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="ple-notify-")  # short: sun_path ≤ 107 bytes
-        self.path = os.path.join(self.dir, "notify")
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.messages: list[tuple[float, list[str]]] = []  # (arrival, fields)
-
-    def env(self, **extra: str) -> dict[str, str]:
-        return {"NOTIFY_SOCKET": self.path, **extra}
-
-    def receive(self, timeout: float) -> list[str] | None:
-        self.sock.settimeout(timeout)
-        try:
-            data = self.sock.recv(65536)
-        except socket.timeout:
-            return None
-        fields = data.decode().split("\n")
-        self.messages.append((time.monotonic(), fields))
-        return fields
-
-    def wait_for(self, field: str, proc: subprocess.Popen, timeout: float = 30.0) -> list[str]:
-        """The first message, received already or yet to come, with a field that
-        is ``field`` or starts with it."""
-        for _, fields in self.messages:
-            if any(f.startswith(field) for f in fields):
-                return fields
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            fields = self.receive(0.2)
-            if fields and any(f.startswith(field) for f in fields):
-                return fields
-            if fields is None and proc.poll() is not None:
-                raise AssertionError(f"server exited ({proc.returncode}) before sending "
-                                     f"{field!r}; got {self.fields()}")
-        raise AssertionError(f"no {field!r} in {timeout} s; got {self.fields()}")
-
-    def collect(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            self.receive(left)
-
-    def fields(self, prefix: str = "") -> list[str]:
-        return [f for _, fields in self.messages for f in fields if f.startswith(prefix)]
-
-    def close(self) -> None:
-        self.sock.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-@pytest.fixture
-def notify():
-    sock = NotifySocket()
-    yield sock
-    sock.close()
-
-
-def test_ready_is_sent_once_lookups_are_answered(start_server, checkpoint, notify):
-    server = start_server(checkpoint, env=notify.env(), wait=False)
-    ready = notify.wait_for("READY=1", server.proc)
+# pleserver.launcher listens where systemd would ($NOTIFY_SOCKET): its
+# ``notify`` holds what the server sent.
+def test_ready_is_sent_once_lookups_are_answered(start_server, checkpoint):
+    server = start_server(checkpoint)  # returns as READY=1 arrives
     # The moment READY=1 arrives, a client connects and gets rows.
     with PleClient.connect(server.socket, timeout=5.0) as client:
         rows = client.lookup(3, [0, 1, 10_006])
     assert rows.shape == (3, 320)
-    assert f"MAINPID={server.pid}" in ready
-    assert any(f.startswith("STATUS=serving 2 tables") for f in ready)
-    notify.collect(0.5)
-    assert notify.fields("READY=1") == ["READY=1"]  # once
+    assert f"MAINPID={server.pid}" in server.ready_fields
+    assert any(f.startswith("STATUS=serving 2 tables") for f in server.ready_fields)
+    server.notify.collect(0.5)
+    assert server.notify.fields("READY=1") == ["READY=1"]  # once
 
 
-def test_status_reports_prewarm_progress_after_ready(start_server, checkpoint, notify):
-    server = start_server(checkpoint, "--prewarm", "full", "--prewarm-budget", "4M",
-                          env=notify.env(), wait=False)
-    notify.wait_for("READY=1", server.proc)
-    final = notify.wait_for("STATUS=serving 2 tables on " + server.socket + "; prewarm budget",
-                            server.proc)
-    statuses = [fields for _, fields in notify.messages]
+def test_status_reports_prewarm_progress_after_ready(start_server, checkpoint):
+    server = start_server(checkpoint, "--prewarm", "full", "--prewarm-budget", "4M")
+    final = server.wait_for("STATUS=serving 2 tables on " + server.socket + "; prewarm budget")
+    statuses = [fields for _, fields in server.notify.messages]
     ready_at = next(i for i, fields in enumerate(statuses) if "READY=1" in fields)
     prewarm_at = [i for i, fields in enumerate(statuses) if any("; prewarm " in f for f in fields)]
     # The prewarm starts after READY=1, and the status line keeps what is served.
     assert prewarm_at and min(prewarm_at) > ready_at, statuses
-    lines = [f for f in notify.fields("STATUS=") if "; prewarm " in f]
+    lines = [f for f in server.notify.fields("STATUS=") if "; prewarm " in f]
     assert all(f.startswith(f"STATUS=serving 2 tables on {server.socket}; prewarm ")
                for f in lines), lines
     # 4 MiB reads as MiB, never as "0.00 GiB".
@@ -240,43 +170,38 @@ def test_status_reports_prewarm_progress_after_ready(start_server, checkpoint, n
     assert not any("0.00 GiB" in f for f in lines), lines
 
 
-def test_watchdog_pings_arrive_at_the_configured_interval(start_server, checkpoint, notify):
+def test_watchdog_pings_arrive_at_the_configured_interval(start_server, checkpoint):
     # WATCHDOG_USEC=600 ms: systemd expects a ping every 300 ms at least.
-    server = start_server(checkpoint, env=notify.env(WATCHDOG_USEC="600000"), wait=False)
-    notify.wait_for("READY=1", server.proc)
+    server = start_server(checkpoint, env={"WATCHDOG_USEC": "600000"})
     with PleClient.connect(server.socket) as client:
         for _ in range(50):
             client.lookup(1, list(range(64)))
-        notify.collect(3.0)
-    pings = [t for t, fields in notify.messages if "WATCHDOG=1" in fields]
-    assert len(pings) >= 4, notify.fields()  # ≈ 10 expected in 3 s: generous bound
-    assert server.proc.poll() is None
+        server.notify.collect(3.0)  # the window the pings are counted in
+    pings = [t for t, fields in server.notify.messages if "WATCHDOG=1" in fields]
+    assert len(pings) >= 4, server.notify.fields()  # ≈ 10 expected in 3 s: generous bound
+    assert server.running
 
 
 def test_no_watchdog_pings_when_the_watchdog_is_meant_for_another_process(
-        start_server, checkpoint, notify):
-    server = start_server(checkpoint, env=notify.env(WATCHDOG_USEC="600000",
-                                                     WATCHDOG_PID=str(os.getpid())),
-                          wait=False)
-    notify.wait_for("READY=1", server.proc)
-    notify.collect(1.5)
-    assert "WATCHDOG=1" not in notify.fields()
+        start_server, checkpoint):
+    server = start_server(checkpoint, env={"WATCHDOG_USEC": "600000",
+                                           "WATCHDOG_PID": str(os.getpid())})
+    server.notify.collect(1.5)  # several ping intervals
+    assert "WATCHDOG=1" not in server.notify.fields()
 
 
-def test_stopping_is_sent_on_sigterm(start_server, checkpoint, notify):
-    server = start_server(checkpoint, env=notify.env(), wait=False)
-    notify.wait_for("READY=1", server.proc)
+def test_stopping_is_sent_on_sigterm(start_server, checkpoint):
+    server = start_server(checkpoint)
     server.proc.send_signal(signal.SIGTERM)
-    stopping = notify.wait_for("STOPPING=1", server.proc, timeout=20.0)
+    stopping = server.wait_for("STOPPING=1", timeout=20.0)
     assert "STATUS=stopping" in stopping
-    assert server.proc.wait(20) == 0
+    assert server.exit_code(20) == 0
 
 
-def test_a_server_that_cannot_start_never_sends_ready(start_server, checkpoint, notify,
-                                                      tmp_path):
+def test_a_server_that_cannot_start_never_sends_ready(start_server, checkpoint):
     busy = start_server(checkpoint)  # holds the socket
-    server = start_server(checkpoint, "--socket", busy.socket, env=notify.env(), wait=False)
-    assert server.proc.wait(30) == 2
-    notify.collect(0.2)
-    assert "READY=1" not in notify.fields()
+    server = start_server(checkpoint, socket_path=busy.socket, wait=False)
+    assert server.exit_code(30) == 2
+    server.notify.drain()  # everything it sent before it exited
+    assert "READY=1" not in server.notify.fields()
     assert "in use by a live ple-server" in server.log()

@@ -14,7 +14,7 @@ import pytest
 from pleclient import PleClient, RequestError, ServerGone
 from pleserver.synthetic import read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
-from tests.harness import launch, wait_until  # noqa: F401 (fixture)
+from tests.harness import wait_until
 
 
 @pytest.fixture
@@ -27,29 +27,29 @@ def second_file(model: str) -> str:
                   if f.endswith(".safetensors"))[1]
 
 
-def test_a_truncated_shard_file_is_refused_at_start(launch, model):
+def test_a_truncated_shard_file_is_refused_at_start(start_server, model):
     path = second_file(model)
     os.truncate(path, os.path.getsize(path) - 1000)
-    server = launch(model, wait=False)
+    server = start_server(model, wait=False)
     assert server.exit_code() == 2
     log = server.log()
     assert path in log and "truncated" in log
     assert not os.path.exists(server.socket)
 
 
-def test_a_garbage_header_is_refused_at_start(launch, model):
+def test_a_garbage_header_is_refused_at_start(start_server, model):
     path = second_file(model)
     with open(path, "r+b") as f:
         f.seek(8)
         f.write(b"\x00garbage{{{")
-    server = launch(model, wait=False)
+    server = start_server(model, wait=False)
     assert server.exit_code() == 2
     assert "malformed safetensors header" in server.log()
     assert not os.path.exists(server.socket)
 
 
-def test_a_shard_truncated_under_an_idle_server_fails_its_requests_clearly(launch, model):
-    server = launch(model)
+def test_a_shard_truncated_under_an_idle_server_fails_its_requests_clearly(start_server, model):
+    server = start_server(model)
     with server.client() as client:
         client.lookup(3, [1, 10_000])
         path = second_file(model)
@@ -63,12 +63,12 @@ def test_a_shard_truncated_under_an_idle_server_fails_its_requests_clearly(launc
     assert server.proc.poll() is None
     assert server.stop() == 0
     # What a restart (systemd's Restart=on-failure) then says:
-    again = launch(model, wait=False)
+    again = start_server(model, wait=False)
     assert again.exit_code() == 2 and "truncated" in again.log()
 
 
-def test_a_request_racing_a_truncation_errs_or_kills_the_server_loudly(launch, model):
-    server = launch(model)
+def test_a_request_racing_a_truncation_errs_or_kills_the_server_loudly(start_server, model):
+    server = start_server(model)
     path = second_file(model)
     ids = np.arange(10_007)  # every row: some live past the new end of the file
     with server.client(timeout=10.0) as client:
@@ -88,9 +88,9 @@ def test_a_request_racing_a_truncation_errs_or_kills_the_server_loudly(launch, m
             pytest.fail("rows past the end of a truncated file were served")
 
 
-def test_a_shard_replaced_while_serving_keeps_serving_the_mapped_rows(launch, model):
+def test_a_shard_replaced_while_serving_keeps_serving_the_mapped_rows(start_server, model):
     reference = read_reference(model, SMALL_TABLES[1].name)
-    server = launch(model)
+    server = start_server(model)
     path = second_file(model)
     other = write_checkpoint(str(os.path.join(os.path.dirname(model), "other")),
                              SMALL_TABLES, files=2, seed=1)
@@ -102,8 +102,8 @@ def test_a_shard_replaced_while_serving_keeps_serving_the_mapped_rows(launch, mo
         assert np.array_equal(client.lookup(3, ids), reference)  # the rows it mapped
 
 
-def test_a_shard_rewritten_in_place_fails_its_requests_clearly(launch, model):
-    server = launch(model)
+def test_a_shard_rewritten_in_place_fails_its_requests_clearly(start_server, model):
+    server = start_server(model)
     path = second_file(model)
     size = os.path.getsize(path)
     with open(path, "r+b") as f:  # same size, other bytes: as `cp other file` would

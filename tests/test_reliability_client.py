@@ -5,6 +5,7 @@ it held before (fds, threads, channel segments)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -14,30 +15,10 @@ import numpy as np
 import pytest
 
 from pleclient import PleClient, PleError
-from pleserver.synthetic import read_reference
-from tests.conftest import SMALL_TABLES
-from tests.harness import (LaunchedServer, cpu_seconds, footprint, no_growth, python_child,
+from tests.harness import (cpu_seconds, footprint, no_growth, python_child,
                            quiet_footprint, settles_to, shm_entries, wait_until)
 
 BIG = 16384  # the default capacity; requests this large go to the gather threads
-
-
-@pytest.fixture(scope="module")
-def references(checkpoint):
-    return {t.layer: read_reference(str(checkpoint), t.name) for t in SMALL_TABLES}
-
-
-@pytest.fixture(scope="module")
-def served(checkpoint, tmp_path_factory):
-    """One server for the module, warmed up: its gather threads exist, so any
-    later growth of its thread count would be a leak."""
-    server = LaunchedServer(checkpoint, tmp_path_factory.mktemp("client-faults"))
-    with server.client() as client:
-        rng = np.random.default_rng(0)
-        for layer in (1, 3):
-            client.lookup(layer, rng.integers(0, client.table(layer).rows, 4 * BIG))
-    yield server
-    assert server.stop() == 0
 
 
 def check_rows(client: PleClient, references, rounds: int = 5, seed: int = 1) -> None:
@@ -63,6 +44,12 @@ def sessions(server) -> int:
     return PleClient.query_stats(server.socket)["channels"]
 
 
+def requests_answered(server, layer: int) -> int:
+    """Requests the server has answered on ``layer``'s table so far."""
+    return next(t["requests"] for t in PleClient.query_stats(server.socket)["tables"]
+                if t["layer"] == layer)
+
+
 CHILD = """
 phase, path = sys.argv[1], sys.argv[2]
 client = PleClient.connect(path, name="victim-" + phase)
@@ -79,7 +66,7 @@ elif phase == "during":
             t.release()
 else:
     print("ready", flush=True)
-time.sleep(120)
+time.sleep(120)  # alive, in its phase, until the test kills it
 """
 
 
@@ -88,13 +75,14 @@ def test_client_killed_before_during_or_after_a_request_frees_its_session(
         served, references, phase):
     with served.client(name="bystander") as bystander:
         baseline = quiet_footprint(served.pid, segments=1)
+        answered = requests_answered(served, 3)
         victim = python_child(CHILD, phase, served.socket)
         try:
             assert victim.stdout.readline().strip() == "ready", victim.stderr.read()
             assert wait_until(lambda: footprint(served.pid).segments > baseline.segments), \
                 (baseline, footprint(served.pid))
-            if phase == "during":
-                time.sleep(0.2)
+            if phase == "during":  # its loop is running: a request always in flight
+                assert wait_until(lambda: requests_answered(served, 3) >= answered + 3)
             check_rows(bystander, references)  # served beside the victim
         finally:
             victim.send_signal(signal.SIGKILL)
@@ -122,7 +110,8 @@ def test_channel_opened_and_never_used_costs_nothing_and_is_freed_on_close(
     baseline = quiet_footprint(served.pid, segments=0)
     idle = python_child(IDLE, served.socket, stdin=subprocess.PIPE)
     assert idle.stdout.readline().strip() == "ready"
-    time.sleep(0.3)  # past the serving loop's spin
+    # The window measured; the loop's spin after the last request (spin_us,
+    # 2 ms) falls inside it, far under the bound.
     used = cpu_seconds(served.pid)
     time.sleep(1.0)
     idle_cpu = cpu_seconds(served.pid) - used
@@ -222,9 +211,11 @@ def test_a_closed_sessions_segment_is_unmapped_promptly(served, references):
             worker = threading.Thread(target=keep_busy)
             worker.start()
             try:
-                with served.client(capacity=1024) as closing:
+                with served.client(capacity=1024, name=f"closing{i}") as closing:
                     check_rows(closing, references, rounds=1, seed=i)
-                time.sleep(0.05)  # the server has taken the bye while busy
+                # The server has taken the bye while still busy.
+                assert wait_until(lambda: re.search(rf"session \d+ closed: .*\(closing{i}\)",
+                                                    served.log()), timeout=5.0)
             finally:
                 quiet.set()
                 worker.join()
@@ -237,10 +228,21 @@ def test_a_ticket_released_unanswered_does_not_fail_the_next_lookup(served, refe
     comes; a lookup that needs the slot waits for that answer, not fails."""
     with served.client(depth=1) as client:
         os.kill(served.pid, signal.SIGSTOP)  # the answer cannot come yet
+        resumed_at: list[float] = []
+
+        def resume() -> None:
+            resumed_at.append(time.monotonic())
+            os.kill(served.pid, signal.SIGCONT)
+
         try:
             client.submit(1, [1, 2, 3]).release()
-            resume = threading.Timer(0.3, os.kill, (served.pid, signal.SIGCONT))
-            resume.start()
+            # The stop the lookup must wait out (not a synchronization): the
+            # lookup is asked while the server is stopped, as asserted below.
+            resumer = threading.Timer(0.3, resume)
+            resumer.start()
+            asked_at = time.monotonic()
             assert np.array_equal(client.lookup(1, [4, 5]), references[1][[4, 5]])
+            resumer.join()
+            assert asked_at < resumed_at[0], "the lookup came after the server resumed"
         finally:
             os.kill(served.pid, signal.SIGCONT)

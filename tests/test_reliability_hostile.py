@@ -9,36 +9,16 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import time
 
 import msgpack
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pleclient import PleClient
 from pleclient import protocol as p
-from pleserver.synthetic import read_reference
-from tests.conftest import SMALL_TABLES
-from tests.harness import (Bystander, LaunchedServer, RawSession, no_growth, python_child,
-                           quiet_footprint, settles_to)
-
-
-@pytest.fixture(scope="module")
-def references(checkpoint):
-    return {t.layer: read_reference(str(checkpoint), t.name) for t in SMALL_TABLES}
-
-
-@pytest.fixture(scope="module")
-def served(checkpoint, tmp_path_factory):
-    server = LaunchedServer(checkpoint, tmp_path_factory.mktemp("hostile"))
-    with server.client() as client:  # warm: the gather threads exist
-        client.lookup(1, np.arange(4 * client.capacity) % 20_011)
-    yield server
-    assert server.proc.poll() is None, server.log()[-3000:]
-    assert server.stop() == 0
-    assert "Traceback" not in server.log(), server.log()[-3000:]
+from tests.harness import (Bystander, RawSession, no_growth, python_child, quiet_footprint,
+                           settles_to)
 
 
 def error_counts(server) -> dict[str, int]:
@@ -101,8 +81,8 @@ def test_fuzzed_control_messages_get_an_error_or_a_closed_session(served, greet,
 def test_after_fuzzing_the_server_holds_nothing_extra_and_serves(served, references):
     settled = settles_to(served.pid, quiet_footprint(served.pid, segments=0))
     assert settled.segments == 0
-    with Bystander(served, references):
-        time.sleep(0.5)
+    with Bystander(served, references) as bystander:
+        bystander.wait_for_lookups(20)
     assert "internal error" not in served.log()
 
 
@@ -142,8 +122,8 @@ def test_anything_before_hello_closes_the_session(served):
 def test_a_stalled_half_frame_does_not_hold_up_other_clients(served, references):
     with RawSession(served.socket) as raw:
         raw.send_bytes(struct.pack("<I", 1000) + b"\x81")  # 1 of 1000 bytes, then silence
-        with Bystander(served, references):
-            time.sleep(0.3)
+        with Bystander(served, references) as bystander:
+            bystander.wait_for_lookups(20)  # served while the half frame stalls
 
 
 # --------------------------------------------------------------- data plane

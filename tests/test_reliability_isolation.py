@@ -24,20 +24,13 @@ import pytest
 from pleclient import PleClient, RequestError
 from pleclient import client as client_module
 from pleclient import protocol as p
-from pleserver.synthetic import read_reference
-from tests.conftest import SMALL_TABLES
-from tests.harness import (Bystander, RawSession, cgroup_write, child_cgroup,  # noqa: F401
-                           in_cgroup, launch, no_growth, oom_kills, python_child,
-                           quiet_footprint, settles_to, wait_until)
+from tests.harness import (Bystander, RawSession, cgroup_write, child_cgroup, in_cgroup,
+                           no_growth, oom_kills, python_child, quiet_footprint, settles_to,
+                           wait_until)
 
 STOP_BUDGET_S = 10.0
 """SIGTERM to exit: the drain (5 s at most) and the goodbyes, well inside the
 unit's TimeoutStopSec=30."""
-
-
-@pytest.fixture(scope="module")
-def references(checkpoint):
-    return {t.layer: read_reference(str(checkpoint), t.name) for t in SMALL_TABLES}
 
 
 def stops_in_budget(server) -> int:
@@ -72,8 +65,8 @@ os._exit(0)
 
 @pytest.mark.parametrize("attack", ["behind", "ahead"])
 def test_a_runaway_channel_is_closed_and_the_others_keep_being_served(
-        launch, checkpoint, references, attack):
-    server = launch(checkpoint)
+        start_server, checkpoint, references, attack):
+    server = start_server(checkpoint)
     baseline = quiet_footprint(server.pid, segments=0)
     with Bystander(server, references) as bystander:
         attacker = python_child(RUNAWAY, server.socket, attack)
@@ -95,7 +88,7 @@ def test_a_runaway_channel_is_closed_and_the_others_keep_being_served(
 
 
 # ------------------------------------------------------- 2: memory budget
-def test_channels_past_the_memory_budget_are_refused_not_oom_killed(launch, checkpoint,
+def test_channels_past_the_memory_budget_are_refused_not_oom_killed(start_server, checkpoint,
                                                                     references):
     """The server runs in a memory cgroup of 400 MiB, as under MemoryMax=400M.
     Without the budget the fifth or so 43 MiB channel gets it OOM-killed; with
@@ -104,7 +97,7 @@ def test_channels_past_the_memory_budget_are_refused_not_oom_killed(launch, chec
     client leaves."""
     with child_cgroup("memory") as cgroup:
         cgroup_write(cgroup, "memory.max", "memory.limit_in_bytes", str(400 << 20))
-        server = launch(checkpoint, "--max-clients", "32", prefix=in_cgroup(cgroup))
+        server = start_server(checkpoint, "--max-clients", "32", prefix=in_cgroup(cgroup))
         assert re.search(r"channel memory budget: \d+ MiB, 3/4 of the room at start "
                          r"\(cgroup limit 400.00 MiB", server.log()), server.log()
         clients, refusal = [], None
@@ -143,8 +136,8 @@ def _opens(server) -> bool:
 
 # ------------------------------------------- 3: a peer that never reads
 def test_sessions_that_never_read_their_replies_are_dropped_and_stall_no_one(
-        launch, checkpoint, references):
-    server = launch(checkpoint)
+        start_server, checkpoint, references):
+    server = start_server(checkpoint)
     baseline = quiet_footprint(server.pid, segments=0)
     stats_frame = p.encode_frame({"type": "stats"})
     stuck = [RawSession(server.socket) for _ in range(20)]
@@ -172,13 +165,13 @@ def test_sessions_that_never_read_their_replies_are_dropped_and_stall_no_one(
 
 
 # ------------------------------------------------- 4: no thread to start
-def test_a_server_at_its_task_limit_still_opens_and_serves_channels(launch, checkpoint,
+def test_a_server_at_its_task_limit_still_opens_and_serves_channels(start_server, checkpoint,
                                                                    references):
     """The server in a pids cgroup at its task limit (TasksMax=): no thread can
     start. A channel costs no thread (the serving loop sleeps on every channel
     at once), so new clients are still served, and bit-exact."""
     with child_cgroup("pids") as cgroup:
-        server = launch(checkpoint, prefix=in_cgroup(cgroup))
+        server = start_server(checkpoint, prefix=in_cgroup(cgroup))
         with server.client() as warm:
             warm.lookup(1, [1])
         tasks = (cgroup / "pids.current").read_text().strip()
@@ -194,9 +187,9 @@ def test_a_server_at_its_task_limit_still_opens_and_serves_channels(launch, chec
 
 
 # --------------------------------------- 5: hello deadline, idle, stats slot
-def test_sessions_that_never_say_hello_are_closed_and_stats_always_gets_in(launch,
-                                                                         checkpoint):
-    server = launch(checkpoint, "--max-clients", "2", "--hello-timeout-s", "1",
+def test_sessions_that_never_say_hello_are_closed_and_stats_always_gets_in(start_server,
+                                                                           checkpoint):
+    server = start_server(checkpoint, "--max-clients", "2", "--hello-timeout-s", "1",
                     "--idle-timeout-s", "1")
     assert wait_until(lambda: PleClient.query_stats(server.socket)["clients"] <= 1)
     silent = [RawSession(server.socket) for _ in range(3)]  # every slot, and the spare
@@ -219,13 +212,13 @@ def test_sessions_that_never_say_hello_are_closed_and_stats_always_gets_in(launc
 
 
 # ------------------------------------------------------- 6: fairness by rows
-def test_a_small_request_waits_for_a_chunk_not_for_a_backlog(launch, checkpoint,
-                                                              references):
+def test_a_small_request_waits_for_a_chunk_not_for_a_backlog(start_server, checkpoint,
+                                                             references):
     """Two clients queue 16 requests of 16 383 rows each, then a bystander 16
     rows, while the server is stopped (SIGSTOP): everything is pending at once.
     Served by rows, the bystander's answer comes after at most a chunk of each,
     long before the backlog; served by request, after all 32 of them."""
-    server = launch(checkpoint)
+    server = start_server(checkpoint)
     heavy = [server.client(name=f"heavy{i}", capacity=16383, depth=16) for i in range(2)]
     small = server.client(name="small", capacity=16, depth=1)
     ids = (np.arange(16383) * 13) % 20_011
@@ -254,8 +247,8 @@ def test_a_small_request_waits_for_a_chunk_not_for_a_backlog(launch, checkpoint,
 
 
 # --------------------------------------- 7: reservation off the control thread
-def test_reserving_a_large_channel_does_not_hold_up_other_sessions(launch, checkpoint):
-    server = launch(checkpoint, "--max-channel-bytes", "2G")
+def test_reserving_a_large_channel_does_not_hold_up_other_sessions(start_server, checkpoint):
+    server = start_server(checkpoint, "--max-channel-bytes", "2G")
     with RawSession(server.socket, timeout=30) as big:
         big.hello()
         big.send({"type": "open_channel", "capacity": 196608, "depth": 16})  # 0.96 GiB
@@ -272,8 +265,8 @@ def test_reserving_a_large_channel_does_not_hold_up_other_sessions(launch, check
 
 
 # ------------------------------------------------- 8: refusal log rate limit
-def test_refusals_are_logged_a_few_at_a_time_with_a_count_of_the_rest(launch, checkpoint):
-    server = launch(checkpoint, "--max-clients", "1", "--log-level", "INFO")
+def test_refusals_are_logged_a_few_at_a_time_with_a_count_of_the_rest(start_server, checkpoint):
+    server = start_server(checkpoint, "--max-clients", "1", "--log-level", "INFO")
     holder = server.client()
     spare = RawSession(server.socket)
     spare.hello()
@@ -295,8 +288,8 @@ def test_refusals_are_logged_a_few_at_a_time_with_a_count_of_the_rest(launch, ch
 
 
 # ------------------------------------------------- 9: half frames, trickled
-def test_half_frames_are_capped_before_hello_and_time_out_after(launch, checkpoint):
-    server = launch(checkpoint, "--frame-timeout-s", "1")
+def test_half_frames_are_capped_before_hello_and_time_out_after(start_server, checkpoint):
+    server = start_server(checkpoint, "--frame-timeout-s", "1")
     baseline = quiet_footprint(server.pid, segments=0)
     header = struct.pack("<I", p.MAX_FRAME_BYTES - 1)
     before_hello = [RawSession(server.socket) for _ in range(30)]
@@ -323,7 +316,7 @@ def test_half_frames_are_capped_before_hello_and_time_out_after(launch, checkpoi
                     raw.send_bytes(b"\0")
                 except (BrokenPipeError, ConnectionResetError):
                     open_.remove(raw)  # closed by the server
-            time.sleep(0.2)
+            time.sleep(0.2)  # the trickle's pace (what is tested), not a synchronization
         assert not open_, f"{len(open_)} trickling sessions still open after 10 s"
         texts = []
         for raw in trickled:

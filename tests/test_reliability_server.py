@@ -20,16 +20,9 @@ import pytest
 from pleclient import PleClient, ServerGone
 from pleclient import protocol as p
 from pleserver.segments import create_segment
-from pleserver.synthetic import read_reference
-from tests.conftest import SMALL_TABLES
-from tests.harness import launch, python_child, shm_entries, wait_until  # noqa: F401 (fixture)
+from tests.harness import python_child, shm_entries, wait_until
 
 TIMEOUT = 10.0  # the clients' timeout
-
-
-@pytest.fixture(scope="module")
-def references(checkpoint):
-    return {t.layer: read_reference(str(checkpoint), t.name) for t in SMALL_TABLES}
 
 
 LOOPER = """
@@ -51,6 +44,8 @@ while True:
         break
     assert np.array_equal(rows, refs[layer][ids]), "wrong rows"
     done += 1
+    if done == 1:
+        print("served", flush=True)
 """
 
 
@@ -70,13 +65,14 @@ def start_loopers(server, checkpoint, n: int) -> list:
 
 
 def test_server_killed_with_requests_in_flight_gives_every_client_server_gone(
-        launch, checkpoint, references):
-    server = launch(checkpoint)
+        start_server, checkpoint, references):
+    server = start_server(checkpoint)
     loopers = start_loopers(server, checkpoint, 3)
+    for child in loopers:  # in its loop: a request in the server's hands most of the time
+        assert child.stdout.readline().strip() == "served", child.stderr.read()
     client = server.client(timeout=TIMEOUT)
     ids = np.arange(client.capacity) % 10_007
     tickets = [client.submit(3, ids) for _ in range(client.depth)]
-    time.sleep(0.3)  # the loopers are mid-request, most of the time
     killed_at = time.monotonic()
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait()
@@ -120,6 +116,8 @@ while time.monotonic() < deadline:
         ids = rng.integers(0, 10_007, 2000)
         assert np.array_equal(client.lookup(3, ids), refs[3][ids]), "wrong rows"
         verified += 1
+        if not gone and verified == 1:
+            print("served", flush=True)  # by the first server: it may go now
         if gone and verified >= 50:
             break
     except ServerGone:
@@ -129,22 +127,22 @@ while time.monotonic() < deadline:
         verified = 0
     except PleError:  # no server on the socket yet: retry
         client = None
-        time.sleep(0.05)
+        time.sleep(0.05)  # the retry interval of a reconnecting client
 print(json.dumps({"gone": gone, "verified_after": verified,
                   "server": client.server_info["pid"] if client else None}), flush=True)
 """
 
 
 def test_a_new_server_on_the_same_socket_is_picked_up_by_a_reconnecting_client(
-        launch, checkpoint, tmp_path):
-    first = launch(checkpoint)
+        start_server, checkpoint, tmp_path):
+    first = start_server(checkpoint)
     child = python_child(RECONNECTING, first.socket, str(checkpoint))
     assert child.stdout.readline().strip() == "ready"
-    time.sleep(0.5)
+    assert child.stdout.readline().strip() == "served", child.stderr.read()
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait()
     assert os.path.exists(first.socket)  # a stale socket file is left behind
-    second = launch(checkpoint, socket_path=first.socket)
+    second = start_server(checkpoint, socket_path=first.socket)
     assert "removing stale socket" in second.log()
     out, err = child.communicate(timeout=60)
     report = last_report(out, err)
@@ -152,8 +150,8 @@ def test_a_new_server_on_the_same_socket_is_picked_up_by_a_reconnecting_client(
     assert not shm_entries()
 
 
-def test_sigterm_with_requests_in_flight_completes_them(launch, checkpoint, references):
-    server = launch(checkpoint)
+def test_sigterm_with_requests_in_flight_completes_them(start_server, checkpoint, references):
+    server = start_server(checkpoint)
     loopers = start_loopers(server, checkpoint, 2)
     client = server.client(timeout=TIMEOUT)
     rng = np.random.default_rng(11)
@@ -177,8 +175,8 @@ def test_sigterm_with_requests_in_flight_completes_them(launch, checkpoint, refe
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_stats_on_a_departed_server_raises_server_gone(launch, checkpoint, sig):
-    server = launch(checkpoint)
+def test_stats_on_a_departed_server_raises_server_gone(start_server, checkpoint, sig):
+    server = start_server(checkpoint)
     client = server.client()
     client.lookup(1, [1])
     server.proc.send_signal(sig)

@@ -17,8 +17,7 @@ import pytest
 from pleclient.protocol import ErrorCode
 from pleserver.synthetic import write_checkpoint
 from tests.conftest import SMALL_TABLES
-from tests.harness import (OtherUser, RawSession, launch, other_users,  # noqa: F401
-                           python_child, run_child, wait_until)
+from tests.harness import OtherUser, other_users, python_child, run_child
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +80,10 @@ def lookup_as(user: OtherUser, server, public) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
-def test_a_uid_not_allowed_is_refused_before_it_sees_anything(launch, users, public,
+def test_a_uid_not_allowed_is_refused_before_it_sees_anything(start_server, users, public,
                                                               socket_dir):
     (_, client_user, other), _ = users
-    server = launch(public / "model", "--allow-uid", str(client_user.uid),
+    server = start_server(public / "model", "--allow-uid", str(client_user.uid),
                     socket_path=str(socket_dir / "ple.sock"))
     refused = lookup_as(other, server, public)
     assert refused["error"] == "AccessDenied"
@@ -110,18 +109,18 @@ def test_a_uid_not_allowed_is_refused_before_it_sees_anything(launch, users, pub
     assert f"refused connection from pid {refused['pid']} uid {other.uid}" in server.log()
 
 
-def test_allow_gid_admits_the_groups_members_only(launch, users, public, socket_dir):
+def test_allow_gid_admits_the_groups_members_only(start_server, users, public, socket_dir):
     (_, client_user, other), shared_gid = users
-    server = launch(public / "model", "--allow-gid", str(shared_gid),
+    server = start_server(public / "model", "--allow-gid", str(shared_gid),
                     socket_path=str(socket_dir / "ple.sock"))
     assert lookup_as(client_user, server, public)["exact_tables"] == 2
     assert lookup_as(other, server, public)["error"] == "AccessDenied"
 
 
 def test_a_server_of_its_own_uid_serves_an_allowed_uid_and_refuses_others(
-        launch, users, public, socket_dir):
+        start_server, users, public, socket_dir):
     server_user, client_user, other = users[0]
-    server = launch(public / "model", "--allow-uid", str(client_user.uid),
+    server = start_server(public / "model", "--allow-uid", str(client_user.uid),
                     socket_path=str(socket_dir / "ple.sock"), user=server_user)
     with open(f"/proc/{server.pid}/status") as f:
         status = dict(line.split(":", 1) for line in f)
@@ -193,11 +192,11 @@ print(json.dumps(outcome))
 """
 
 
-def test_another_uid_cannot_reach_a_sessions_segment(launch, users, public, socket_dir):
+def test_another_uid_cannot_reach_a_sessions_segment(start_server, users, public, socket_dir):
     """A second uid — itself allowed to connect — finds no name to open, and no
     way into the descriptors or memory of the server or of the session's peer."""
     server_user, client_user, other = users[0]
-    server = launch(public / "model", "--allow-uid", str(client_user.uid), "--allow-uid",
+    server = start_server(public / "model", "--allow-uid", str(client_user.uid), "--allow-uid",
                     str(other.uid), socket_path=str(socket_dir / "ple.sock"), user=server_user)
     holder = python_child(HOLD, server.socket, user=client_user, stdin=subprocess.PIPE)
     try:
@@ -213,13 +212,13 @@ def test_another_uid_cannot_reach_a_sessions_segment(launch, users, public, sock
 
 
 def test_an_unreadable_model_directory_is_a_clear_startup_error(
-        launch, users, public, socket_dir):
+        start_server, users, public, socket_dir):
     server_user = users[0][0]
     private = public / "private-model"
     shutil.copytree(public / "model", private)
     os.chmod(private, 0o700)  # root's alone
     try:
-        server = launch(private, socket_path=str(socket_dir / "ple.sock"), user=server_user,
+        server = start_server(private, socket_path=str(socket_dir / "ple.sock"), user=server_user,
                         wait=False)
         assert server.exit_code() == 2
         log = server.log()
@@ -230,14 +229,14 @@ def test_an_unreadable_model_directory_is_a_clear_startup_error(
         shutil.rmtree(private)
 
 
-def test_an_unreadable_shard_file_is_a_clear_startup_error(launch, users, public, socket_dir):
+def test_an_unreadable_shard_file_is_a_clear_startup_error(start_server, users, public, socket_dir):
     server_user = users[0][0]
     private = public / "private-file"
     shutil.copytree(public / "model", private)
     shard = sorted(private.glob("*.safetensors"))[0]
     os.chmod(shard, 0o600)
     try:
-        server = launch(private, socket_path=str(socket_dir / "ple.sock"), user=server_user,
+        server = start_server(private, socket_path=str(socket_dir / "ple.sock"), user=server_user,
                         wait=False)
         assert server.exit_code() == 2
         assert f"{shard}: cannot read (Permission denied)" in server.log()
@@ -246,9 +245,9 @@ def test_an_unreadable_shard_file_is_a_clear_startup_error(launch, users, public
 
 
 def test_a_socket_directory_the_server_may_not_write_is_a_clear_startup_error(
-        launch, users, public):
+        start_server, users, public):
     server_user = users[0][0]
-    server = launch(public / "model", socket_path=str(public / "ple.sock"), user=server_user,
+    server = start_server(public / "model", socket_path=str(public / "ple.sock"), user=server_user,
                     wait=False)  # `public` is root's, 0755
     assert server.exit_code() == 2
     assert "cannot bind" in server.log() and "Permission denied" in server.log()

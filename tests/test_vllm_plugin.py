@@ -9,9 +9,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from tests.harness import shm_env  # noqa: E402
 from tests.vllm_helpers import run_scenario  # noqa: E402
-from tests.vllm_helpers.fixtures import (other_checkpoint, shm_env,  # noqa: E402,F401
-                                         vllm_checkpoint, vllm_server)
 
 
 # ------------------------------------------------------------------- the switch
@@ -94,12 +93,11 @@ def test_missing_server_fails_fast_naming_socket_and_service(vllm_checkpoint, tm
     assert result["seconds"] < 5
 
 
-def test_fingerprint_mismatch_stops_startup_naming_both(vllm_server, vllm_checkpoint,
-                                                       other_checkpoint):
-    result = run_scenario("startup_checks", env=shm_env(vllm_server, other_checkpoint))
+def test_fingerprint_mismatch_stops_startup_naming_both(vllm_server, vllm_other_checkpoint):
+    result = run_scenario("startup_checks", env=shm_env(vllm_server, vllm_other_checkpoint))
     assert result["error"] == "IdentityMismatch"
     message = result["message"]
-    assert vllm_server.socket in message and str(other_checkpoint) in message
+    assert vllm_server.socket in message and str(vllm_other_checkpoint) in message
     assert "fingerprint" in message
     assert "model.layers.1.ple.ple_embedding.ngram_embedding" in message
 
@@ -134,6 +132,7 @@ def test_server_killed_mid_run_reconnects_within_the_window_then_fails_clearly(
         env={"VLLM_PLE_BACKEND": "shm", "VLLM_PLE_SHM_SOCKET": socket,
              "VLLM_PLE_SHM_CHECKPOINT": str(vllm_checkpoint),
              "VLLM_PLE_SHM_RECONNECT_S": "60"})
+    assert result["asked_while_away"] == [True, True]  # both asked of a server away
     assert result["after_restart_equal"]
     assert result["prefetch_resubmitted_equal"]
     assert result["error"] is not None

@@ -37,10 +37,7 @@ def socket_dir(tmp_path):
 
 def serve_on(start_server, model, path):
     """A server listening on ``path`` (the unit's --socket), ready."""
-    server = start_server(model, "--socket", str(path), wait=False)
-    server.socket = str(path)
-    server.wait_ready()
-    return server
+    return start_server(model, socket_path=str(path))
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ from pleclient.vllm_plugin.identity import Expected  # noqa: E402
 from pleclient.vllm_plugin.rows import RowService  # noqa: E402
 from pleserver.synthetic import read_reference  # noqa: E402
 from tests.conftest import SMALL_TABLES  # noqa: E402
-from tests.harness import launch  # noqa: E402,F401 (fixture)
 
 FP8, BF16 = SMALL_TABLES
 
@@ -172,8 +171,8 @@ def test_server_gone_with_no_reconnect_window_fails_at_once(server, service):
 
 
 def test_a_server_back_within_the_window_answers_the_lookup_that_waited(
-        launch, checkpoint, reference, caplog):
-    first = launch(checkpoint)
+        start_server, checkpoint, reference, caplog):
+    first = start_server(checkpoint)
     rows = RowService(settings.ShmSettings(socket=first.socket, checkpoint=str(checkpoint),
                                            capacity=100, depth=2, reconnect_window=60))
     try:
@@ -183,7 +182,7 @@ def test_a_server_back_within_the_window_answers_the_lookup_that_waited(
         out = typed(BF16, ids.numel())
         with caplog.at_level("WARNING", logger="pleclient.vllm_plugin"), \
                 ThreadPoolExecutor(1) as pool:  # the next server starts while the lookup waits
-            second = pool.submit(launch, checkpoint, socket_path=first.socket)
+            second = pool.submit(start_server, checkpoint, socket_path=first.socket)
             rows.lookup(binding, ids, out)
             second.result()
         assert np.array_equal(as_bytes(out), reference[3][ids.numpy()])

@@ -7,9 +7,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from tests.harness import shm_env  # noqa: E402
 from tests.vllm_helpers import run_scenario  # noqa: E402
-from tests.vllm_helpers.fixtures import (shm_env, vllm_checkpoint,  # noqa: E402,F401
-                                         vllm_server)
 
 
 @pytest.fixture(scope="module")

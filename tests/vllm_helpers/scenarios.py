@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -380,34 +379,33 @@ def startup_checks(args: dict) -> dict:
 
 
 class Server:
-    """A `pleserver serve` process on a fixed socket (restartable)."""
+    """A `pleserver serve` process on a fixed socket, killed and started again."""
 
     def __init__(self, model: str, socket_path: str, log_path: str) -> None:
-        self.model, self.socket, self.log_path = model, socket_path, log_path
-        self.proc: subprocess.Popen | None = None
+        from pleserver.launcher import ServerLauncher
+
+        # One log over every start; no PR_SET_PDEATHSIG: restarts come from timer threads.
+        self.launcher = ServerLauncher(model, socket_path=socket_path, log_path=log_path)
+        self.running = None
+        self.started_at = 0.0  # when the last start began
 
     def start(self) -> "Server":
-        from pleclient import PleClient, PleError
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pleserver.cli", "serve", "--model", self.model,
-             "--socket", self.socket], stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            check(self.proc.poll() is None, f"server exited: {open(self.log_path).read()}")
-            try:
-                PleClient.query_stats(self.socket, timeout=1.0)
-                return self
-            except PleError:
-                time.sleep(0.05)
-        raise AssertionError("server did not start")
+        self.started_at = time.monotonic()
+        self.running = self.launcher.start()
+        return self
+
+    def restart_after(self, seconds: float) -> threading.Timer:
+        """Start it again ``seconds`` from now, in a timer thread: the time the
+        server is away is part of what the scenario tests."""
+        timer = threading.Timer(seconds, self.start)
+        timer.start()
+        return timer
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(20)
-        self.proc = None
+        if self.running is not None:
+            self.running.stop(sig)
+            self.running.close()
+            self.running = None
 
 
 @scenario
@@ -432,22 +430,24 @@ def server_restarts(args: dict) -> dict:
 
             # 1. killed between steps, restarted 0.5 s later
             server.kill()
-            restarter = threading.Timer(0.5, server.start)
-            restarter.start()
+            restarter = server.restart_after(0.5)
+            asked_at = time.monotonic()
             second = m.run_forward(module, batch, prefetch=True)
             restarter.join()
             result["after_restart_equal"] = same_bits(first, second)
+            result["asked_while_away"] = [asked_at < server.started_at]
 
             # 2. killed while a prefetch is in flight, restarted
             module.start_prefetch(batch.input_ids, batch.query_start_loc, batch.ngram_context)
             server.kill()
-            restarter = threading.Timer(0.3, server.start)
-            restarter.start()
+            restarter = server.restart_after(0.3)
+            asked_at = time.monotonic()
             hidden = torch.zeros(batch.input_ids.shape[0], 8, dtype=torch.bfloat16)
             third = module(hidden, batch.input_ids, batch.query_start_loc,
                            batch.ngram_context)
             restarter.join()
             result["prefetch_resubmitted_equal"] = same_bits(first, third)
+            result["asked_while_away"].append(asked_at < server.started_at)
 
             # 3. killed for good (a short window from here on; the restarts above
             #    had the environment's, long enough for a slow server start)
