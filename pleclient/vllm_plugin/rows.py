@@ -124,7 +124,6 @@ class RowService:
         self._generation = 0
         self._pinned: PinnedSegment | None = None
         self._retiring: collections.deque[tuple[Ticket, DeviceCopy]] = collections.deque()
-        self._reconnect_policy = ReconnectPolicy(settings.reconnect_window)
         self._bindings: list[TableBinding] = []
         self._dummy_warned = False
 
@@ -339,10 +338,12 @@ class RowService:
         verify the new server, or raise."""
         socket = self.settings.socket
         log.warning("PLE backend shm: lost ple-server at %s (%s); reconnecting for up "
-                    "to %.0f s", socket, cause, self._reconnect_policy.window_s)
+                    "to %.0f s", socket, cause, self.settings.reconnect_window)
         self._drop_session()
-        client = self._reconnect_policy.reconnect(self._connect, socket=socket, cause=cause,
-                                                  failed_since=failed_since)
+        # The policy of the settings in force now (they may be replaced).
+        policy = ReconnectPolicy(self.settings.reconnect_window)
+        client = policy.reconnect(self._connect, socket=socket, cause=cause,
+                                  failed_since=failed_since)
         self._verify_again(client)
         log.warning("PLE backend shm: reconnected to ple-server at %s after %.1f s",
                     socket, time.monotonic() - failed_since)
