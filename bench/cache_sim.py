@@ -40,7 +40,7 @@ from numba import njit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from text_trace import load_trace  # noqa: E402
+from text_trace import load_trace
 
 PAGE = 4096
 POLICIES = ("SIEVE", "CLOCK", "S3-FIFO", "LRU")

@@ -42,9 +42,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pleclient import PleClient, PleError  # noqa: E402
-from pleclient.checkpoint import TableSpec, discover_tables  # noqa: E402
-from pleclient.torch import PinnedSegment, copy_rows  # noqa: E402
+from pleclient import PleClient, PleError
+from pleclient.checkpoint import TableSpec, discover_tables
+from pleclient.torch import PinnedSegment, copy_rows
 
 SIZES = (16, 4096, 131072)
 

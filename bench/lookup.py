@@ -417,8 +417,8 @@ def summarize(samples_ns: list[int], size: int, row_bytes: int) -> dict:
 
 # ---------------------------------------------------------------------- main
 def run(args, workdir: str, out_stream) -> dict:
-    say = lambda *a: print(*a, file=sys.stderr if out_stream is sys.stdout else sys.stdout,
-                           flush=True)  # noqa: E731
+    say = lambda *a: print(*a, file=sys.stderr if out_stream is sys.stdout else sys.stdout,  # noqa: E731
+                           flush=True)
     result = {"command": "python bench/lookup.py " + " ".join(sys.argv[1:]),
               "machine": machine(), "source": source(), "loadavg_start": loadavg(),
               "cpu_busy_before": cpu_busy(),

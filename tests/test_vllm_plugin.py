@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.vllm_helpers import run_scenario  # noqa: E402
-from tests.vllm_helpers.fixtures import (other_checkpoint, shm_env,  # noqa: E402,F401
+from tests.vllm_helpers import run_scenario
+from tests.vllm_helpers.fixtures import (other_checkpoint, shm_env,  # noqa: F401
                                          vllm_checkpoint, vllm_server)
 
 SHARD = "model.layers.{}.ple.ple_embedding.ngram_embedding.shard_{}.weight"

@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.vllm_helpers import run_scenario  # noqa: E402
-from tests.vllm_helpers.fixtures import (shm_env, vllm_checkpoint,  # noqa: E402,F401
+from tests.vllm_helpers import run_scenario
+from tests.vllm_helpers.fixtures import (shm_env, vllm_checkpoint,  # noqa: F401
                                          vllm_server)
 
 

@@ -127,7 +127,7 @@ def load_format() -> str | None:
     try:
         from vllm.config import get_current_vllm_config
         load_config = get_current_vllm_config().load_config
-    except Exception:  # noqa: BLE001 - no config context: not a vLLM run
+    except Exception:  # no config context: not a vLLM run
         return None
     return str(getattr(load_config, "load_format", None) or "") or None
 
@@ -136,7 +136,7 @@ def _vllm_model() -> tuple[str | None, str | None]:
     try:
         from vllm.config import get_current_vllm_config
         model_config = get_current_vllm_config().model_config
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None, None
     if model_config is None:
         return None, None
@@ -148,6 +148,6 @@ def _hf_snapshot(repo: str, revision: str | None) -> str | None:
         from huggingface_hub import snapshot_download
         return snapshot_download(repo, revision=revision, local_files_only=True,
                                  allow_patterns=["*.json", "*.safetensors"])
-    except Exception as exc:  # noqa: BLE001 - any failure means "not local"
+    except Exception as exc:  # any failure means "not local"
         log.debug("PLE shm: %s is not in the local Hugging Face cache: %s", repo, exc)
         return None

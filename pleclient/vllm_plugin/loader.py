@@ -56,13 +56,13 @@ def declare_shards_unused(cls: type) -> None:
     previous = cls.__dict__.get("is_unused_checkpoint_weight")
 
     if previous is None:
-        def is_unused_checkpoint_weight(self, name: str) -> bool:  # noqa: ANN001
+        def is_unused_checkpoint_weight(self, name: str) -> bool:
             parent = super(cls, self)
             inherited = getattr(parent, "is_unused_checkpoint_weight", None)
             return is_ple_shard(name) or bool(inherited and inherited(name))
     else:
         @functools.wraps(previous)
-        def is_unused_checkpoint_weight(self, name: str) -> bool:  # noqa: ANN001
+        def is_unused_checkpoint_weight(self, name: str) -> bool:
             return is_ple_shard(name) or bool(previous(self, name))
 
     cls.is_unused_checkpoint_weight = is_unused_checkpoint_weight
@@ -77,7 +77,7 @@ def patch_weight_utils(module: ModuleType) -> None:
         return
 
     @functools.wraps(original)
-    def should_skip_weight(weight_name: str, *args, **kwargs) -> bool:  # noqa: ANN002
+    def should_skip_weight(weight_name: str, *args, **kwargs) -> bool:
         return is_ple_shard(weight_name) or original(weight_name, *args, **kwargs)
 
     should_skip_weight._ple_shm_wrapped = True  # type: ignore[attr-defined]

@@ -104,7 +104,7 @@ def apply(cls: type) -> None:
     signature = inspect.signature(original_init)
 
     @functools.wraps(original_init)
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+    def __init__(self, *args, **kwargs) -> None:
         bound = signature.bind(self, *args, **kwargs)
         if "quant_config" in signature.parameters:
             bound.arguments["quant_config"] = None  # no FP8 weight parameter
@@ -125,7 +125,7 @@ def apply(cls: type) -> None:
             dtypes=ROW_DTYPES, parts=int(self.split_ngram_parts)))
 
     @functools.wraps(original_load_weights)
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:  # noqa: ANN001
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
         rest: list[tuple[str, torch.Tensor]] = []
         for name, tensor in weights:
@@ -143,8 +143,8 @@ def apply(cls: type) -> None:
             _set_scale(self, torch.tensor(binding.checkpoint.scale, dtype=torch.float32))
         return loaded
 
-    def forward_impl(self, hidden_states, input_ids, query_start_loc, ngram_context,  # noqa: ANN001
-                     *args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003
+    def forward_impl(self, hidden_states, input_ids, query_start_loc, ngram_context,
+                     *args, **kwargs) -> torch.Tensor:
         del hidden_states, args, kwargs
         num_tokens = input_ids.reshape(-1).shape[0]
         storage = self.ngram_embedding

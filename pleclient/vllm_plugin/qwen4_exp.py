@@ -52,7 +52,7 @@ def patch_ngram_embedding(module: ModuleType, cls: type) -> None:
     original_load_weights = cls.load_weights
 
     @functools.wraps(original_init)
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+    def __init__(self, *args, **kwargs) -> None:
         saved = {name: module.__dict__[name] for name in STORAGE_NAMES
                  if name in module.__dict__}
         for name in saved:
@@ -68,7 +68,7 @@ def patch_ngram_embedding(module: ModuleType, cls: type) -> None:
             storage.bind(self.split_ngram_parts)
 
     @functools.wraps(original_load_weights)
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:  # noqa: ANN001
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from pleclient.vllm_plugin.storage import Qwen4ExpPLEShmEmbedding
 
         if not isinstance(self.ngram_embedding, Qwen4ExpPLEShmEmbedding):

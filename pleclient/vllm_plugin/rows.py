@@ -392,7 +392,7 @@ class RowService:
             return
         try:
             self._drop_session()
-        except Exception as exc:  # noqa: BLE001 - at exit, report and go on
+        except Exception as exc:  # at exit, report and go on
             log.debug("PLE backend shm: close: %s", exc)
         if RowService._shared is self:
             RowService._shared = None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-import torch  # noqa: E402
+import torch
 
 HEADS_PER_NGRAM = 8
 NGRAM_SIZE = 3

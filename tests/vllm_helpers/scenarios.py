@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from tests.vllm_helpers import model as m  # noqa: E402
+from tests.vllm_helpers import model as m
 
 SCENARIOS: dict[str, Callable[[dict], dict]] = {}
 
@@ -259,7 +259,7 @@ def bad_backend(args: dict) -> dict:
     from vllm.plugins import load_general_plugins
     try:
         load_general_plugins()
-    except Exception as exc:  # noqa: BLE001 - reported to the test
+    except Exception as exc:  # reported to the test
         return {"error": type(exc).__name__, "message": str(exc)}
     return {"error": None}
 
@@ -331,7 +331,7 @@ def loader_reads(args: dict) -> dict:
     real_safe_open = weight_utils.safe_open
 
     class CountingSafeOpen:
-        def __init__(self, path, *a, **kw):  # noqa: ANN001, ANN002, ANN003
+        def __init__(self, path, *a, **kw):
             self._path = os.path.basename(path)
             self._inner = real_safe_open(path, *a, **kw)
 
@@ -339,17 +339,17 @@ def loader_reads(args: dict) -> dict:
             self._f = self._inner.__enter__()
             return self
 
-        def __exit__(self, *exc):  # noqa: ANN002
+        def __exit__(self, *exc):
             return self._inner.__exit__(*exc)
 
         def keys(self):
             return self._f.keys()
 
-        def get_tensor(self, name):  # noqa: ANN001
+        def get_tensor(self, name):
             reads.setdefault(self._path, []).append(name)
             return self._f.get_tensor(name)
 
-        def __getattr__(self, name):  # noqa: ANN001
+        def __getattr__(self, name):
             return getattr(self._f, name)
 
     weight_utils.safe_open = CountingSafeOpen
@@ -370,7 +370,7 @@ def startup_checks(args: dict) -> dict:
         started = time.monotonic()
         try:
             module = m.build_ngram_embedding(m.FP8_LAYER)
-        except Exception as exc:  # noqa: BLE001 - reported to the test
+        except Exception as exc:  # reported to the test
             return {"error": type(exc).__name__, "message": str(exc),
                     "seconds": time.monotonic() - started}
         batch = m.mixed_batch(3)
@@ -529,7 +529,7 @@ def main() -> None:
     print("RESULT " + json.dumps(result, default=_jsonable), flush=True)
 
 
-def _jsonable(value):  # noqa: ANN001, ANN202
+def _jsonable(value):
     if isinstance(value, (np.integer, np.floating)):
         return value.item()
     if isinstance(value, tuple):
