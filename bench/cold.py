@@ -63,8 +63,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lookup import (OthersMeter, cpu_busy, die_with_parent, loadavg, machine,  # noqa: E402
-                    source, stop_process)
+from lookup import OthersMeter, cpu_busy, die_with_parent, loadavg, machine, source, stop_process  # noqa: E402
 from pleclient import PleClient, PleError, ServerUnavailable  # noqa: E402
 from pleclient.checkpoint import discover_tables  # noqa: E402
 from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402

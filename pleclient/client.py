@@ -27,8 +27,15 @@ import numpy as np
 
 from pleclient import protocol as p
 from pleclient.channel import ChannelMap, SlotView
-from pleclient.errors import (AccessDenied, LookupTimeout, PleError, ProtocolMismatch,
-                              RequestError, ServerGone, ServerUnavailable)
+from pleclient.errors import (
+    AccessDenied,
+    LookupTimeout,
+    PleError,
+    ProtocolMismatch,
+    RequestError,
+    ServerGone,
+    ServerUnavailable,
+)
 
 log = logging.getLogger(__name__)
 

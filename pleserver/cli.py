@@ -141,8 +141,13 @@ def tables_text(tables) -> str:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from pleserver import doctor
-    from pleserver.config import (CONFIG_ENV, DEFAULT_CONFIG_PATH, ConfigError, ServerConfig,
-                                  load_config)
+    from pleserver.config import (
+        CONFIG_ENV,
+        DEFAULT_CONFIG_PATH,
+        ConfigError,
+        ServerConfig,
+        load_config,
+    )
 
     # The host's config, when there is one: the advice starts from its settings.
     path = args.config or os.environ.get(CONFIG_ENV) or None

@@ -48,8 +48,12 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import start_http_server
-from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily,
-                                            HistogramMetricFamily, Metric)
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 

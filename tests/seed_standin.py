@@ -28,7 +28,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
 from vllm.utils.math_utils import round_up

@@ -16,8 +16,7 @@ import pytest
 
 from pleclient import RequestError
 from pleclient.checkpoint import INDEX_FILE
-from pleserver.synthetic import read_reference, shard_bytes, write_checkpoint, \
-    write_safetensors
+from pleserver.synthetic import read_reference, shard_bytes, write_checkpoint, write_safetensors
 from tests.conftest import SMALL_TABLES
 from tests.harness import REPO, child_env, child_report, python_child, wait_until
 

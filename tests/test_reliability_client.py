@@ -16,8 +16,17 @@ import pytest
 from pleclient import PleClient, PleError
 from pleserver.synthetic import read_reference
 from tests.conftest import SMALL_TABLES
-from tests.harness import (LaunchedServer, cpu_seconds, footprint, no_growth, python_child,
-                           quiet_footprint, settles_to, shm_entries, wait_until)
+from tests.harness import (
+    LaunchedServer,
+    cpu_seconds,
+    footprint,
+    no_growth,
+    python_child,
+    quiet_footprint,
+    settles_to,
+    shm_entries,
+    wait_until,
+)
 
 BIG = 16384  # the default capacity; requests this large go to the gather threads
 

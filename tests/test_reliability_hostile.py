@@ -21,8 +21,15 @@ from pleclient import PleClient
 from pleclient import protocol as p
 from pleserver.synthetic import read_reference
 from tests.conftest import SMALL_TABLES
-from tests.harness import (Bystander, LaunchedServer, RawSession, no_growth, python_child,
-                           quiet_footprint, settles_to)
+from tests.harness import (
+    Bystander,
+    LaunchedServer,
+    RawSession,
+    no_growth,
+    python_child,
+    quiet_footprint,
+    settles_to,
+)
 
 
 @pytest.fixture(scope="module")

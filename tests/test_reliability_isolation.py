@@ -26,9 +26,20 @@ from pleclient import client as client_module
 from pleclient import protocol as p
 from pleserver.synthetic import read_reference
 from tests.conftest import SMALL_TABLES
-from tests.harness import (Bystander, RawSession, cgroup_write, child_cgroup,  # noqa: F401
-                           in_cgroup, launch, no_growth, oom_kills, python_child,
-                           quiet_footprint, settles_to, wait_until)
+from tests.harness import (  # noqa: F401
+    Bystander,
+    RawSession,
+    cgroup_write,
+    child_cgroup,
+    in_cgroup,
+    launch,
+    no_growth,
+    oom_kills,
+    python_child,
+    quiet_footprint,
+    settles_to,
+    wait_until,
+)
 
 STOP_BUDGET_S = 10.0
 """SIGTERM to exit: the drain (5 s at most) and the goodbyes, well inside the

@@ -17,8 +17,15 @@ import pytest
 from pleclient.protocol import ErrorCode
 from pleserver.synthetic import write_checkpoint
 from tests.conftest import SMALL_TABLES
-from tests.harness import (OtherUser, RawSession, launch, other_users,  # noqa: F401
-                           python_child, run_child, wait_until)
+from tests.harness import (  # noqa: F401
+    OtherUser,
+    RawSession,
+    launch,
+    other_users,
+    python_child,
+    run_child,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")

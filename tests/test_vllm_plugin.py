@@ -10,8 +10,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.vllm_helpers import run_scenario
-from tests.vllm_helpers.fixtures import (other_checkpoint, shm_env,  # noqa: F401
-                                         vllm_checkpoint, vllm_server)
+from tests.vllm_helpers.fixtures import other_checkpoint, shm_env, vllm_checkpoint, vllm_server  # noqa: F401
 
 SHARD = "model.layers.{}.ple.ple_embedding.ngram_embedding.shard_{}.weight"
 

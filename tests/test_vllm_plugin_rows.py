@@ -9,8 +9,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pleclient import TableInfo  # noqa: E402
-from pleclient.vllm_plugin import IdentityMismatch, PleBackendError, SettingsError  # noqa: E402
-from pleclient.vllm_plugin import identity, loader, registration, settings  # noqa: E402
+from pleclient.vllm_plugin import (  # noqa: E402
+    IdentityMismatch,
+    PleBackendError,
+    SettingsError,
+    identity,
+    loader,
+    registration,
+    settings,
+)
 from pleclient.vllm_plugin.identity import Expected  # noqa: E402
 from pleclient.vllm_plugin.rows import RowService  # noqa: E402
 from pleserver.synthetic import read_reference  # noqa: E402

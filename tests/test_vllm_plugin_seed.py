@@ -8,8 +8,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.vllm_helpers import run_scenario
-from tests.vllm_helpers.fixtures import (shm_env, vllm_checkpoint,  # noqa: F401
-                                         vllm_server)
+from tests.vllm_helpers.fixtures import shm_env, vllm_checkpoint, vllm_server  # noqa: F401
 
 
 @pytest.fixture(scope="module")

@@ -40,14 +40,22 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pleclient import (LookupTimeout, PleClient, PleError, ProtocolMismatch, RequestError,
-                       ServerGone, ServerUnavailable, TableInfo, Ticket)
+from pleclient import (
+    LookupTimeout,
+    PleClient,
+    PleError,
+    ProtocolMismatch,
+    RequestError,
+    ServerGone,
+    ServerUnavailable,
+    TableInfo,
+    Ticket,
+)
 from pleclient.checkpoint import TableSpec
 from pleclient.torch import DeviceCopy, PinnedSegment, copy_rows
 from pleclient.vllm_plugin import discovery, identity
 from pleclient.vllm_plugin.errors import PleBackendError
-from pleclient.vllm_plugin.settings import (ENV_ALLOW_DUMMY, ENV_BACKEND, ENV_SOCKET,
-                                            ShmSettings)
+from pleclient.vllm_plugin.settings import ENV_ALLOW_DUMMY, ENV_BACKEND, ENV_SOCKET, ShmSettings
 
 log = logging.getLogger("pleclient.vllm_plugin")
 

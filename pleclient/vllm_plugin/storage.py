@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLEEmbedding,
@@ -42,6 +41,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 from pleclient.vllm_plugin.errors import PleBackendError
 from pleclient.vllm_plugin.identity import Expected
 from pleclient.vllm_plugin.rows import PendingLookup, RowService, TableBinding
+
 
 class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
     """PLE rows served by ple-server; no table in this process."""

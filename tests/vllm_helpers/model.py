@@ -86,8 +86,7 @@ def vllm_context(world_size: int = 1, rank: int = 0, init_file: str | None = Non
                  *, load_format: str | None = None):
     """A VllmConfig context with gloo model-parallel groups (TP = world size)."""
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (ensure_model_parallel_initialized,
-                                  init_distributed_environment)
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
     if init_file is None:
         init_file = tempfile.mktemp(prefix="vllm-dist-")

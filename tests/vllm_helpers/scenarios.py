@@ -272,9 +272,10 @@ def entry_point_hook(args: dict) -> dict:
     check("vllm.models.qwen4_exp.nvidia.ngram_embedding" not in sys.modules,
           "target imported too early")
     load_general_plugins()
-    from pleclient.vllm_plugin import registration
     import vllm.models.qwen4_exp.nvidia.ngram_embedding as ne
     from vllm.model_executor.model_loader import weight_utils
+
+    from pleclient.vllm_plugin import registration
     init_before = ne.Qwen4ExpNGramEmbedding.__init__
     register_plugin()
     register_plugin()
@@ -318,14 +319,15 @@ def _piecewise_splitting_ops(explicit: list[str] | None = None) -> list[str]:
 def loader_reads(args: dict) -> dict:
     """vLLM's DefaultModelLoader over the checkpoint with the real model class:
     which files it opens for tensors and which tensors it materializes."""
-    import torch.nn as nn
     from types import SimpleNamespace
 
+    import torch.nn as nn
+
     register_plugin()
+    import vllm.models.qwen4_exp.nvidia.model as nm
     from vllm.config import LoadConfig
     from vllm.model_executor.model_loader import weight_utils
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-    import vllm.models.qwen4_exp.nvidia.model as nm
 
     reads: dict[str, list[str]] = {}
     real_safe_open = weight_utils.safe_open
@@ -475,8 +477,9 @@ def server_restarts(args: dict) -> dict:
 @scenario
 def seed_interface(args: dict) -> dict:
     """The seed-interface adapter against the stand-in class."""
-    import tests.seed_standin as standin
     from transformers import Qwen4ExpTextConfig
+
+    import tests.seed_standin as standin
 
     result: dict = {}
     with m.vllm_context():
