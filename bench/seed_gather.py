@@ -40,7 +40,7 @@ class SeedTable:
         self.pool = ThreadPoolExecutor(max_workers=max(1, int(workers)))
 
     @classmethod
-    def from_spec(cls, spec, workers: int = 32, chunk: int = 2048) -> "SeedTable":
+    def from_spec(cls, spec, workers: int = 32, chunk: int = 2048) -> SeedTable:
         """From a ``pleclient.checkpoint.TableSpec`` (the seed found the same
         shards with its own header parser)."""
         shards = {s.index: (s.path, s.offset, s.rows) for s in spec.shards if s.rows}

@@ -315,7 +315,7 @@ def build(args) -> dict:
                      "ngram_vocab_size_base": NGRAM_VOCAB_BASE, "vocab_size": UNIGRAM_VOCAB,
                      "seed": HASH_SEED, "ple_dense_layer_id": 0, "divisor": DIVISOR,
                      "row_cols": ROW_COLS, **geometry},
-        "tokens": int(len(ids)),
+        "tokens": len(ids),
         "options": {"source": args.source, "max_tokens": args.max_tokens,
                     "min_doc_tokens": args.min_doc_tokens},
     }

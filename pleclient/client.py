@@ -64,7 +64,7 @@ class TableInfo:
     parts: int
 
     @classmethod
-    def from_wire(cls, msg: dict) -> "TableInfo":
+    def from_wire(cls, msg: dict) -> TableInfo:
         return cls(**{k: msg[k] for k in cls.__dataclass_fields__})
 
 
@@ -73,7 +73,7 @@ class Ticket:
 
     __slots__ = ("_client", "_slot", "_table", "count", "_state")
 
-    def __init__(self, client: "PleClient", slot: SlotView, table: TableInfo, count: int):
+    def __init__(self, client: PleClient, slot: SlotView, table: TableInfo, count: int):
         self._client = client
         self._slot = slot
         self._table = table
@@ -119,7 +119,7 @@ class Ticket:
             self._state = "released"
             self._client._free_slot(self._slot.index)
 
-    def __enter__(self) -> "Ticket":
+    def __enter__(self) -> Ticket:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -149,7 +149,7 @@ class PleClient:
     @classmethod
     def connect(cls, socket_path: str | None = None, timeout: float = 10.0, *,
                 name: str | None = None, capacity: int | None = None,
-                depth: int | None = None) -> "PleClient":
+                depth: int | None = None) -> PleClient:
         """Connect, say hello, open the channel. ``socket_path`` defaults to
         ``$PLE_SERVER_SOCKET`` or ``/run/ple-server/ple.sock``."""
         path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
@@ -435,7 +435,7 @@ class PleClient:
             self._channel = None
         self._sock.close()
 
-    def __enter__(self) -> "PleClient":
+    def __enter__(self) -> PleClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -495,7 +495,7 @@ def _expect_with_fds(sock: socket.socket, kind: p.MessageType, path: str
                      ) -> tuple[dict, list[int]]:
     try:
         msg, fds = p.recv_message(sock)
-    except socket.timeout:
+    except TimeoutError:
         raise LookupTimeout(f"ple-server at {path} did not answer {kind.value!r} in time"
                             ) from None
     except p.FrameError as exc:

@@ -207,7 +207,7 @@ class ChannelLayout:
                 "slot_stride": self.slot_stride, "rows_offset": self.rows_offset}
 
     @classmethod
-    def from_wire(cls, msg: dict) -> "ChannelLayout":
+    def from_wire(cls, msg: dict) -> ChannelLayout:
         layout = cls(int(msg["depth"]), int(msg["capacity"]), int(msg["max_row_bytes"]))
         for key in ("size", "slot_stride", "rows_offset"):
             if int(msg[key]) != getattr(layout, key):

@@ -69,7 +69,7 @@ class PinnedSegment:
         if _code(err) != 0:
             log.warning("cudaHostUnregister failed: %s", cudart.cudaGetErrorString(err))
 
-    def __enter__(self) -> "PinnedSegment":
+    def __enter__(self) -> PinnedSegment:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -86,7 +86,7 @@ class DeviceCopy:
 
     __slots__ = ("event",)
 
-    def __init__(self, event: "torch.cuda.Event | None") -> None:
+    def __init__(self, event: torch.cuda.Event | None) -> None:
         self.event = event
 
     def done(self) -> bool:

@@ -44,7 +44,7 @@ class PlaneOptions:
     dedup_min_rows: int = 4096
 
     @classmethod
-    def from_config(cls, cfg: ServerConfig) -> "PlaneOptions":
+    def from_config(cls, cfg: ServerConfig) -> PlaneOptions:
         return cls(**{name: getattr(cfg, name) for name in cls.__dataclass_fields__})
 
 
@@ -52,8 +52,8 @@ class DataPlane:
     """Opened by ``open``; ``close`` releases everything (tables first)."""
 
     def __init__(self, tables: list[Table], files: dict[str, CheckpointFile], mode: str,
-                 mode_reason: str, budget: Budget, cache: "nat.RowCache | None",
-                 engine: "nat.ReadEngine | None", queue_depth: int = 0) -> None:
+                 mode_reason: str, budget: Budget, cache: nat.RowCache | None,
+                 engine: nat.ReadEngine | None, queue_depth: int = 0) -> None:
         self.tables = tables
         self.files = files
         self.mode = mode
@@ -64,7 +64,7 @@ class DataPlane:
         self.queue_depth = queue_depth if engine is not None else 0
 
     @classmethod
-    def open(cls, specs: list[TableSpec], options: PlaneOptions | None = None) -> "DataPlane":
+    def open(cls, specs: list[TableSpec], options: PlaneOptions | None = None) -> DataPlane:
         o = options or PlaneOptions()
         budget = plan(specs, o.io, o.cache_size, o.prewarm_reserve)
         mode, reason = budget.io, budget.io_reason

@@ -85,7 +85,7 @@ class Channel:
     after that (the server returns the bytes to its channel memory budget)."""
 
     def __init__(self, session_id: int, peer: str, mapping: ChannelMap, fd: int | None = None,
-                 on_destroy: Callable[["Channel"], None] | None = None) -> None:
+                 on_destroy: Callable[[Channel], None] | None = None) -> None:
         self.session_id = session_id
         self.peer = peer
         self.map = mapping

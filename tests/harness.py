@@ -145,7 +145,7 @@ class Bystander:
         except BaseException as exc:  # reported by stop()
             self.failure = exc
 
-    def __enter__(self) -> "Bystander":
+    def __enter__(self) -> Bystander:
         self._thread.start()
         return self
 
@@ -206,14 +206,14 @@ class RawSession:
                     return True
         except (ConnectionResetError, BrokenPipeError):
             return True
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             return False
         return False
 
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> "RawSession":
+    def __enter__(self) -> RawSession:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -101,9 +101,8 @@ def test_out_of_range_id_is_an_error_and_the_session_keeps_working(server, refer
 
 
 def test_unknown_table_is_a_client_side_error(server):
-    with server.client() as client:
-        with pytest.raises(KeyError, match="serves no single table 7"):
-            client.lookup(7, [0])
+    with server.client() as client, pytest.raises(KeyError, match="serves no single table 7"):
+        client.lookup(7, [0])
 
 
 def _client_process(socket_path: str, model: str, seed: int, rounds: int) -> int:

@@ -165,7 +165,7 @@ class NotifySocket:
         self.sock.settimeout(timeout)
         try:
             data = self.sock.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             return None
         fields = data.decode().split("\n")
         self.messages.append((time.monotonic(), fields))

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import time
 
 import numpy as np

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from pleclient import PleClient, ServerGone
+from pleclient import ServerGone
 from pleserver.synthetic import read_reference
 from tests.conftest import SMALL_TABLES
 from tests.harness import launch, python_child, shm_entries  # noqa: F401 (fixture)

@@ -48,7 +48,7 @@ TARGETS: dict[str, str] = {
 }
 
 _lock = threading.RLock()
-_finder: "_PatchOnImport | None" = None
+_finder: _PatchOnImport | None = None
 
 
 def register() -> None:

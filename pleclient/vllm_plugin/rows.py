@@ -116,10 +116,10 @@ class PendingLookup:
 class RowService:
     """The worker's ple-server session, its pinned segment and reconnect policy."""
 
-    _shared: "RowService | None" = None
+    _shared: RowService | None = None
 
     @classmethod
-    def shared(cls) -> "RowService":
+    def shared(cls) -> RowService:
         service = cls._shared
         if service is None or service._pid != os.getpid():
             service = cls._shared = cls(ShmSettings.from_env())

@@ -93,7 +93,7 @@ class ShmSettings:
     socket_dir: str = DEFAULT_SOCKET_DIR
 
     @classmethod
-    def from_env(cls) -> "ShmSettings":
+    def from_env(cls) -> ShmSettings:
         socket = os.environ.get(ENV_SOCKET) or os.environ.get(protocol.SOCKET_ENV) or None
         depth = _int(ENV_DEPTH, protocol.DEFAULT_DEPTH)
         if not MIN_DEPTH <= depth <= protocol.MAX_DEPTH:

@@ -388,7 +388,7 @@ class Server:
         self.model, self.socket, self.log_path = model, socket_path, log_path
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         from pleclient import PleClient, PleError
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
