@@ -110,7 +110,8 @@ class MemmapGather:
         local = uniq - shard * self.table.shard_size
         out = np.empty((uniq.size, self.table.row_bytes), dtype=np.uint8)
         bounds = np.flatnonzero(np.diff(shard)) + 1
-        for a, b in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [uniq.size]))):
+        for a, b in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [uniq.size])),
+                        strict=True):
             out[a:b] = self.maps[int(shard[a])][local[a:b]]
         return out[inverse]
 

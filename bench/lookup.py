@@ -349,7 +349,7 @@ class Server:
 
 def hist_quantiles(before: dict, after: dict) -> dict:
     """p50/p99 of the requests between two snapshots of a server histogram."""
-    counts = [a - b for a, b in zip(after["buckets"], before["buckets"])]
+    counts = [a - b for a, b in zip(after["buckets"], before["buckets"], strict=True)]
     total = sum(counts)
     result = {"count": total}
     for name, q in (("p50_us", 0.5), ("p99_us", 0.99)):

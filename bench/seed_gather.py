@@ -63,7 +63,7 @@ class SeedTable:
         starts = np.concatenate(([0], bounds))
         ends = np.concatenate((bounds, [uniq.size]))
         tasks: list[tuple[int, int, int]] = []
-        for s, e in zip(starts.tolist(), ends.tolist()):
+        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
             si = int(shard[s])
             for c in range(s, e, self.chunk):
                 tasks.append((si, c, min(c + self.chunk, e)))

@@ -663,7 +663,7 @@ class Server:
             self._residency = (now, fractions)
         tables = []
         for t, st, resident, rate in zip(self.tables, self.table_stats, self._residency[1],
-                                         self._miss_rates):
+                                         self._miss_rates, strict=True):
             snap = st.snapshot()
             source = t.source.stats()
             snap.update(dtype=t.spec.dtype, rows_total=t.spec.rows, cols=t.spec.cols,

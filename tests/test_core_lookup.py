@@ -71,7 +71,7 @@ def test_several_tickets_in_flight_are_zero_copy_views(server, references):
                    for layer in (1, 3, 1, 3)]
         tickets = [client.submit(layer, ids) for layer, ids in batches]
         views = [t.wait() for t in tickets]
-        for (layer, ids), view in zip(batches, views):
+        for (layer, ids), view in zip(batches, views, strict=True):
             assert not view.flags.owndata  # a view into the shared segment
             assert np.array_equal(view, references[client.table(layer).name][ids])
         for t in tickets:

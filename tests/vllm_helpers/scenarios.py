@@ -92,7 +92,7 @@ def compare(stock: dict, shm: dict, *, signed_zeros: bool = False) -> dict:
     which turns a -0.0 in the checkpoint into +0.0; FP8 is summed as bytes."""
     diffs = {}
     for name in stock:
-        for i, (a, b) in enumerate(zip(stock[name], shm[name])):
+        for i, (a, b) in enumerate(zip(stock[name], shm[name], strict=True)):
             if signed_zeros and a.dtype == b.dtype and a.is_floating_point() \
                     and a.element_size() > 1:
                 a, b = _plus_zero(a), _plus_zero(b)
@@ -110,7 +110,7 @@ def signed_zero_flips(stock: dict, shm: dict) -> int:
     """How many elements differ in bits only by the sign of a zero."""
     flips = 0
     for name in stock:
-        for a, b in zip(stock[name], shm[name]):
+        for a, b in zip(stock[name], shm[name], strict=True):
             if a.dtype == b.dtype and a.shape == b.shape and a.element_size() > 1:
                 bits = a.view(torch.int16) != b.view(torch.int16)
                 flips += int((bits & (a == 0) & (b == 0)).sum())
