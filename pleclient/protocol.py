@@ -157,7 +157,7 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 11
 
 
-class MessageType(str, enum.Enum):
+class MessageType(enum.StrEnum):
     HELLO = "hello"
     WELCOME = "welcome"
     OPEN_CHANNEL = "open_channel"
