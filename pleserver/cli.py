@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import time
+from typing import ClassVar
 
 from pleclient import protocol as p
 
@@ -32,8 +33,9 @@ class _JournalFormatter(logging.Formatter):
     """No timestamp (journald adds its own) and a ``<N>`` syslog priority prefix
     on every line, which journald turns into the entry's priority."""
 
-    PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
-                logging.CRITICAL: 2}
+    PRIORITY: ClassVar[dict[int, int]] = {
+        logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+        logging.CRITICAL: 2}
 
     def format(self, record: logging.LogRecord) -> str:
         prio = self.PRIORITY.get(record.levelno, 6)

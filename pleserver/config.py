@@ -77,10 +77,10 @@ class ServerConfig:
         0o666, "mode", "Mode of the socket file. Access is decided from the peer's "
         "credentials (allow_uids/allow_gids), so the file itself may be open to all.",
         metavar="OCTAL")
-    allow_uids: list[int] = _setting(
+    allow_uids: list[int] = _setting(  # noqa: RUF009 - a field with a default_factory
         [], "uids", "Users (names or uids) that may connect, besides the server's own "
         "uid and root.", flag="--allow-uid", metavar="USER")
-    allow_gids: list[int] = _setting(
+    allow_gids: list[int] = _setting(  # noqa: RUF009
         [], "gids", "Groups (names or gids) whose members (primary or supplementary) "
         "may connect.", flag="--allow-gid", metavar="GROUP")
     max_clients: int = _setting(

@@ -32,8 +32,9 @@ A client owns its segment and may write anything into it, so the loop bounds
 what one channel can cost it: per pass it takes at most ``depth`` tokens and
 reads each slot once. More pending submits than the channel has slots, or
 more tokens than submits, cannot come from a client that follows the protocol
-(each submit needs a free slot, and is posted once): such a channel is dropped and ``on_drop`` tells the
-control plane, which answers the client with an error and closes its session.
+(each submit needs a free slot, and is posted once): such a channel is dropped
+and ``on_drop`` tells the control plane, which answers the client with an error
+and closes its session.
 """
 
 from __future__ import annotations
@@ -123,8 +124,8 @@ class Channel:
         charged to it, not to us."""
         self.map.close()
         if self.fd is not None:
-            if self.free_pages and _libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
-                               0, self.size) != 0:
+            if self.free_pages and _libc.fallocate(
+                    self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, self.size) != 0:
                 log.warning("session %d: cannot free its channel's pages: %s", self.session_id,
                             os.strerror(ctypes.get_errno()))
             os.close(self.fd)

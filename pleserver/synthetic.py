@@ -85,7 +85,7 @@ def write_safetensors(path: str, tensors: list[tuple[str, str, tuple[int, ...], 
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for name, dtype, shape, producer in tensors:
+        for _name, _dtype, _shape, producer in tensors:
             chunks = [producer] if isinstance(producer, (bytes, bytearray, memoryview)) \
                 else producer()
             for chunk in chunks:

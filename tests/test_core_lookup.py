@@ -40,7 +40,7 @@ def test_duplicates_cross_shard_and_last_shard_ids(server, references):
         t = client.table(1)
         last = t.rows - 1
         edges = [0, t.shard_size - 1, t.shard_size, 2 * t.shard_size, last - 1, last]
-        ids = np.array(edges + [5, 5, 5, last, 0, last], dtype=np.int64)
+        ids = np.array([*edges, 5, 5, 5, last, 0, last], dtype=np.int64)
         assert np.array_equal(client.lookup(1, ids), references[t.name][ids])
 
 

@@ -113,7 +113,7 @@ def one_table_per_file(model_dir: str, tables) -> list[str]:
 def test_a_file_truncated_under_a_direct_server_fails_its_reads_not_the_server(
         start_server, tmp_path):
     model = str(tmp_path / "model")
-    fp8_file, bf16_file = one_table_per_file(model, SMALL_TABLES)
+    _, bf16_file = one_table_per_file(model, SMALL_TABLES)
     server = start_server(model, "--io", "direct", "--state-dir", str(tmp_path))
     fp8, bf16 = SMALL_TABLES
     refs = {t.layer: read_reference(model, t.name) for t in SMALL_TABLES}

@@ -224,7 +224,7 @@ def test_a_closed_sessions_segment_is_unmapped_promptly(served, references):
         for i in range(4):
             quiet = threading.Event()
 
-            def keep_busy() -> None:
+            def keep_busy(quiet: threading.Event = quiet) -> None:
                 while not quiet.is_set():
                     busy.lookup(1, [1, 2, 3])
 

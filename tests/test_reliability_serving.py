@@ -117,7 +117,7 @@ def test_a_closed_channel_is_unmapped_when_its_waiter_leaves_not_a_heartbeat_lat
         time.sleep(0.05)
         quiet = threading.Event()
 
-        def keep_busy() -> None:
+        def keep_busy(quiet: threading.Event = quiet) -> None:
             slot = busy.slots[0]
             while not quiet.is_set():
                 submit(busy, 0, 0, [1, 2, 3])

@@ -178,5 +178,5 @@ def test_server_gone_with_no_reconnect_window_fails_at_once(server, service):
 def test_missing_server_names_the_socket(tmp_path, checkpoint):
     rows = RowService(settings.ShmSettings(socket=str(tmp_path / "no.sock"),
                                            checkpoint=str(checkpoint)))
-    with pytest.raises(PleBackendError, match="no.sock.*systemctl start ple-server"):
+    with pytest.raises(PleBackendError, match=r"no\.sock.*systemctl start ple-server"):
         rows.bind(expected(FP8))

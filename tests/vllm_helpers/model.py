@@ -149,7 +149,7 @@ def mixed_batch(seed: int, *, prefills: int = 2, decodes: int = 3,
     ids[ids == EOS] = EOS + 1
     if sum(lengths) > 4:
         ids[4] = EOS  # an end of sequence inside a prefill resets the n-grams
-    qsl = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    qsl = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     context = torch.randint(0, UNIGRAM_VOCAB, (len(lengths), NGRAM_SIZE - 1), generator=g)
     if prefills:
         context[decodes] = EOS  # a brand-new request
