@@ -60,8 +60,8 @@ class ChannelMap:
                             mmap.PROT_READ | mmap.PROT_WRITE)
         self.buf = memoryview(self.mm)
         self.header = self.buf[: p.CHANNEL_HEADER_BYTES].cast("I")
-        self._anchor = np.frombuffer(self.mm, dtype=np.uint8, count=1)  # for the address
-        address = self._anchor.ctypes.data
+        self._anchor: np.ndarray | None = np.frombuffer(self.mm, dtype=np.uint8, count=1)
+        address = self._anchor.ctypes.data  # what the anchor is for
         self.submit_sem = SharedSemaphore(address + p.CH_SUBMIT_SEM_OFFSET)
         self.slots = [SlotView(self.buf, address, layout, i) for i in range(layout.depth)]
         if format_header:

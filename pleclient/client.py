@@ -193,7 +193,7 @@ class PleClient:
                                    f"{exc}") from None
 
     def _open_channel(self, capacity: int | None, depth: int | None) -> None:
-        request = {"type": p.MessageType.OPEN_CHANNEL.value}
+        request: dict[str, str | int] = {"type": p.MessageType.OPEN_CHANNEL.value}
         if capacity is not None:
             request["capacity"] = int(capacity)
         if depth is not None:
@@ -339,7 +339,7 @@ class PleClient:
                 return i
         if "abandoned" in owners:  # answers on their way: wait for one, not fail
             index = owners.index("abandoned")
-            sem = self._channel.slots[index].done
+            sem = self._require_channel().slots[index].done
             deadline = time.monotonic() + self.timeout
             while not sem.acquire(max(0.0, min(LIVENESS_SLICE, deadline - time.monotonic()))):
                 self._check_alive()
@@ -355,18 +355,18 @@ class PleClient:
 
     def _reclaim(self, index: int) -> None:
         """An abandoned slot becomes free once the server's answer has arrived."""
-        if self._channel.slots[index].done.try_acquire():
+        if self._require_channel().slots[index].done.try_acquire():
             self._free_slot(index)
 
     def _free_slot(self, index: int) -> None:
-        self._channel.slots[index].words[p.SL_STATE] = p.SlotState.FREE
+        self._require_channel().slots[index].words[p.SL_STATE] = p.SlotState.FREE
         self._slot_owner[index] = "free"
 
     def _abandon_slot(self, index: int) -> None:
         self._slot_owner[index] = "abandoned"
 
     def _acquire_done(self, index: int, timeout: float, ticket: Ticket) -> None:
-        sem = self._channel.slots[index].done
+        sem = self._require_channel().slots[index].done
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()

@@ -223,7 +223,7 @@ def encode_error_text(text: str) -> bytes:
     return raw + b"\0" * (SLOT_MESSAGE_BYTES - len(raw))
 
 
-def decode_error_text(raw: bytes) -> str:
+def decode_error_text(raw: bytes | memoryview) -> str:
     return bytes(raw).split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
