@@ -9,9 +9,13 @@ import logging
 import os
 import sys
 import time
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from pleclient import protocol as p
+
+if TYPE_CHECKING:
+    from pleclient.checkpoint import CheckpointError
+    from pleserver.config import ConfigError
 
 log = logging.getLogger("pleserver")
 
@@ -91,7 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
 
-def print_problems(as_json: bool, subject: dict, exc: Exception) -> int:
+def print_problems(as_json: bool, subject: dict, exc: ConfigError | CheckpointError) -> int:
     """Report a validation failure (an exception with ``problems``); exit code 1."""
     if as_json:
         print(json.dumps({**subject, "ok": False, "problems": exc.problems}, indent=1))

@@ -40,7 +40,7 @@ import math
 import os
 import pwd
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -281,8 +281,6 @@ def load_config(path: str | None = None, flags: Mapping[str, Any] | None = None,
                 raw[key] = (value, file)
             else:
                 problems.append(f"{file}: unknown key {key!r}{_suggest(key, value)}")
-    else:
-        file = None
     for name, value in (flags or {}).items():
         if name not in SETTINGS:
             raise ValueError(f"no setting named {name!r}")  # a caller's bug, not the user's
@@ -300,7 +298,7 @@ def load_config(path: str | None = None, flags: Mapping[str, Any] | None = None,
     problems += _check_together(config, sources)
     if problems:
         raise ConfigError(problems)
-    return LoadedConfig(config, sources, file)
+    return LoadedConfig(config, sources, file if data is not None else None)
 
 
 def parse_size(text: str | int) -> int:
@@ -478,9 +476,10 @@ def _address(s: Setting, value: Any) -> str:
                    f"\"0.0.0.0:9478\"), got {value!r}")
 
 
-_PARSERS = {"int": _int, "size": _size, "float": _float, "bool": _bool, "choice": _choice,
-            "path": _path, "socket": _socket, "mode": _mode, "uids": _uids, "gids": _gids,
-            "address": _address}
+_PARSERS: dict[str, Callable[[Setting, Any], Any]] = {
+    "int": _int, "size": _size, "float": _float, "bool": _bool, "choice": _choice,
+    "path": _path, "socket": _socket, "mode": _mode, "uids": _uids, "gids": _gids,
+    "address": _address}
 
 
 def _check_together(cfg: ServerConfig, sources: dict[str, str]) -> list[str]:

@@ -108,7 +108,7 @@ class DataPlane:
 
     def log_choice(self) -> None:
         log.info("io = %s (%s)", self.mode, self.mode_reason)
-        if self.cache is None:
+        if self.cache is None or self.engine is None:  # both, or neither
             return
         c = self.cache.stats()
         log.info("row cache: %.1f MiB, %d rows (%s); huge pages %s, mlock %s, eviction %s",
@@ -125,7 +125,7 @@ class DataPlane:
         """The data plane's part of ``Server.snapshot()``."""
         out: dict = {"io": self.mode, "io_reason": self.mode_reason, "cache": None,
                      "engine": None}
-        if self.cache is not None:
+        if self.cache is not None and self.engine is not None:
             c = dict(self.cache.stats())
             c.update(budget_bytes=self.budget.cache_bytes, budget_reason=self.budget.cache_reason,
                      occupancy=(c["used_rows"] / c["capacity_rows"]

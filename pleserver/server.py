@@ -36,6 +36,7 @@ import struct
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pleclient import protocol as p
 from pleclient.checkpoint import discover_tables
@@ -51,6 +52,10 @@ from pleserver.segments import Reservation, Reserver
 from pleserver.serving import Channel, ServingLoop
 from pleserver.stats import RateMeter, TableStats, format_bytes, format_progress, io_snapshot
 from pleserver.systemd import Notifier, watchdog_interval
+from pleserver.table import Table
+
+if TYPE_CHECKING:
+    from pleserver.metrics import MetricsEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +118,12 @@ class Server:
         self._listener: socket.socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._residency: tuple[float, list[float | None]] = (0.0, [])
-        self.tables = []
+        self.tables: list[Table] = []
         self.plane: DataPlane | None = None
         self.loop: ServingLoop | None = None
         self.prewarm: Prewarm | None = None
         self.hotset: HotSet | None = None
-        self.metrics = None
+        self.metrics: MetricsEndpoint | None = None
         self.budget = ChannelBudget(None)
         self.reserver = Reserver(self._wake)
         self._dropped: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
@@ -360,6 +365,8 @@ class Server:
             pass
 
     def _accept(self) -> None:
+        if self._listener is None:
+            return
         try:
             sock, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
@@ -514,7 +521,7 @@ class Server:
             return self._reject(
                 s, p.ErrorCode.NO_RESOURCES,
                 f"no memory for a channel of {layout.size / 2**20:.1f} MiB: channels hold "
-                f"{self.budget.used / 2**20:.1f} MiB of the {self.budget.limit / 2**20:.0f} "
+                f"{self.budget.used / 2**20:.1f} MiB of the {(self.budget.limit or 0) / 2**20:.0f} "
                 "MiB budget (max_channel_memory); ask for a smaller capacity or depth, "
                 "wait for other clients to close, or raise max_channel_memory (and the "
                 "service's MemoryMax=)")
@@ -531,13 +538,15 @@ class Server:
         if job.error is not None or s is None:
             job.discard()
             self.budget.give_back(job.layout.size)
-            if s is not None:
+            if s is not None and job.error is not None:  # (s is there: the job failed)
                 s.opening = False
                 log.warning("session %d (%s): cannot create its channel: %s", s.id, s.peer,
                             job.error)
                 self._reject(s, p.ErrorCode.NO_RESOURCES, job.error)
             return
         s.opening = False
+        # A job without an error has its mapping and fd; a session with a channel, a loop.
+        assert job.mapping is not None and job.fd is not None and self.loop is not None
         channel = Channel(s.id, s.peer, job.mapping, job.fd,
                           on_destroy=lambda ch: self.budget.give_back(ch.size))
         try:
@@ -634,6 +643,7 @@ class Server:
             pass
         had_channel = s.channel is not None
         if s.channel is not None:
+            assert self.loop is not None  # a channel is only ever added to a loop
             self.loop.remove(s.channel)
             s.channel = None
         for out in s.outbox:
@@ -655,7 +665,7 @@ class Server:
             fractions: list[float | None] = []
             for t in self.tables:
                 try:
-                    resident = t.resident_bytes()
+                    resident: float | None = t.resident_bytes()
                 except OSError:
                     resident = None
                 fractions.append(None if resident is None else

@@ -49,6 +49,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -96,8 +97,9 @@ class Channel:
         self.on_destroy = on_destroy
         self.opened_ns = time.monotonic_ns()  # older submit times are not believed
         # The client can write anything into these: see pleserver.peer_semaphore.
-        self.submit_sem = PeerSemaphore(mapping.submit_sem.address.value)
-        self.done_sems = [PeerSemaphore(s.done.address.value) for s in mapping.slots]
+        # (A c_void_p's value is None only for NULL, which no semaphore in a mapping is.)
+        self.submit_sem = PeerSemaphore(cast(int, mapping.submit_sem.address.value))
+        self.done_sems = [PeerSemaphore(cast(int, s.done.address.value)) for s in mapping.slots]
         self.seen = 0  # submits whose token we hold (the counter starts at 0)
         self.tokens = 0  # tokens taken by the waiter thread, not yet used
         self.queued: deque[Request] = deque()  # admitted, served by the loop's turns
@@ -547,7 +549,7 @@ class ServingLoop:
         for ch in retired:
             waiter_alive = ch.waiter is not None and ch.waiter.is_alive() \
                 and not ch.waiter_done
-            if force and waiter_alive:
+            if force and waiter_alive and ch.waiter is not None:
                 ch.waiter.join(timeout=2 * WAITER_SLICE_S + 1)
                 waiter_alive = ch.waiter.is_alive()
             if waiter_alive or (ch.handed and not force):
