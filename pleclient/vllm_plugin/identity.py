@@ -19,6 +19,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pleclient import TableInfo
 from pleclient.checkpoint import CheckpointError, TableSpec, discover_tables
@@ -56,7 +57,10 @@ class Expected:
         return int(_LAYER_TABLE_RE.search(self.prefix).group(2))  # type: ignore[union-attr]
 
 
-def select(tables: list, suffix: str, where: str) -> object:
+_Table = TypeVar("_Table", TableInfo, TableSpec)
+
+
+def select(tables: list[_Table], suffix: str, where: str) -> _Table:
     """The one table (TableInfo or TableSpec) whose name ends with ``suffix``."""
     matches = [t for t in tables if t.name == suffix or t.name.endswith("." + suffix)]
     if len(matches) == 1:
@@ -79,9 +83,10 @@ def verify(server: TableInfo, socket: str, checkpoint: TableSpec, checkpoint_dir
             f"the one vLLM loads ({checkpoint_dir}): " + "; ".join(diffs) + ". Restart "
             f"ple-server with --model {checkpoint_dir} (the checkpoint vLLM loads), or "
             "start vLLM on the checkpoint the server serves.")
-    model = [(f, getattr(checkpoint, f), want) for f, want in
-             (("rows", expected.rows), ("cols", expected.cols), ("parts", expected.parts))
-             if getattr(checkpoint, f) != want]
+    model: list[tuple[str, object, object]] = [
+        (f, getattr(checkpoint, f), want) for f, want in
+        (("rows", expected.rows), ("cols", expected.cols), ("parts", expected.parts))
+        if getattr(checkpoint, f) != want]
     if checkpoint.dtype not in expected.dtypes:
         model.append(("dtype", checkpoint.dtype, " or ".join(expected.dtypes)))
     if model:
@@ -94,6 +99,7 @@ def verify(server: TableInfo, socket: str, checkpoint: TableSpec, checkpoint_dir
 
 def checkpoint_dir(override: str | None = None) -> str:
     """The local directory of the checkpoint vLLM loads."""
+    path: str | None
     if override:
         path = override
         source = ENV_CHECKPOINT

@@ -23,6 +23,7 @@ import functools
 import logging
 import re
 from types import ModuleType
+from typing import Any
 
 import torch.nn as nn
 
@@ -50,7 +51,7 @@ def patch_model_module(module: ModuleType) -> None:
             declare_shards_unused(obj)
 
 
-def declare_shards_unused(cls: type) -> None:
+def declare_shards_unused(cls: Any) -> None:  # a vLLM class, patched in place
     if cls.__dict__.get("_ple_shm_unused_declared"):
         return
     previous = cls.__dict__.get("is_unused_checkpoint_weight")
@@ -70,7 +71,7 @@ def declare_shards_unused(cls: type) -> None:
     log.debug("PLE shm: %s declares PLE shard tensors unused", cls.__qualname__)
 
 
-def patch_weight_utils(module: ModuleType) -> None:
+def patch_weight_utils(module: Any) -> None:  # a module whose function is swapped
     """Make the safetensors iterators skip shard tensors before reading them."""
     original = module.should_skip_weight
     if getattr(original, "_ple_shm_wrapped", False):

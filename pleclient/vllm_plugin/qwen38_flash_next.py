@@ -36,6 +36,7 @@ import logging
 import sys
 from collections.abc import Iterable
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -52,7 +53,7 @@ SHARD_PREFIX = "ngram_embedding.shard_"
 SCALE_NAME = "ngram_embedding.weight_scale"
 ROW_DTYPES = ("BF16", "F8_E4M3", "F8_E5M2")  # whatever the checkpoint holds
 
-_LAYERS: dict[str, nn.Module] = {}
+_LAYERS: dict[str, Any] = {}
 """prefix → patched layer, for the custom op (which only carries a string)."""
 
 
@@ -91,12 +92,12 @@ def patch_module(module: ModuleType) -> None:
     apply(cls)
 
 
-def apply(cls: type) -> None:
+def apply(cls: Any) -> None:  # a vLLM class, patched in place: Any to mypy
     """Patch the seed-interface class ``cls`` (its module must define
     ``VocabParallelEmbedding``). Idempotent."""
     if cls.__dict__.get("_ple_shm_patched"):
         return
-    module = sys.modules[cls.__module__]
+    module: Any = sys.modules[cls.__module__]  # one of its attributes is swapped below
     original_init = cls.__init__
     original_load_weights = cls.load_weights
     original_forward_impl = cls.forward_impl

@@ -24,6 +24,7 @@ import functools
 import logging
 from collections.abc import Iterable
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ def patch_amd(module: ModuleType) -> None:
     patch_ngram_embedding(module, module.Qwen4ExpNGramEmbedding)
 
 
-def patch_ngram_embedding(module: ModuleType, cls: type) -> None:
+def patch_ngram_embedding(module: ModuleType, cls: Any) -> None:  # patched in place
     if cls.__dict__.get("_ple_shm_patched"):
         return
     from pleclient.vllm_plugin.storage import Qwen4ExpPLEShmEmbedding

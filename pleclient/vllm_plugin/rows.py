@@ -230,7 +230,7 @@ class RowService:
         if out.numel() != n * binding.expected.cols:
             raise ValueError(f"PLE rows for {n} ids need {n * binding.expected.cols} "
                              f"elements, the output holds {out.numel()}")
-        if binding.dummy:
+        if binding.info is None:  # dummy
             out.zero_()
             return
         if n == 0:
@@ -243,10 +243,12 @@ class RowService:
                 try:
                     self._feed(pending, first=index, reserve=0)
                     chunk = pending.chunks[index]
-                    rows = chunk.ticket.wait(self.settings.lookup_timeout)
+                    ticket = chunk.ticket
+                    assert ticket is not None  # _feed submitted it
+                    rows = ticket.wait(self.settings.lookup_timeout)
                     self._ensure_pinned(target.device)
                     copy = copy_rows(rows, target[chunk.start:chunk.end])
-                    self._retiring.append((chunk.ticket, copy))
+                    self._retiring.append((ticket, copy))
                     chunk.ticket = None
                     index += 1
                 except _TRANSIENT as exc:
@@ -288,6 +290,8 @@ class RowService:
         client = self._client
         if client is None:
             raise ServerGone("no ple-server session")
+        info = pending.binding.info
+        assert info is not None  # a dummy binding is never fed
         chunks = pending.chunks
         cap = client.capacity
         if any(c.end - c.start > cap for c in chunks[first:]):
@@ -304,8 +308,7 @@ class RowService:
                     return
             elif client.depth - self._held == 0:
                 self._retire(block=True)
-            chunk.ticket = client.submit(pending.binding.info,
-                                         pending.ids[chunk.start:chunk.end])
+            chunk.ticket = client.submit(info, pending.ids[chunk.start:chunk.end])
             chunk.generation = self._generation
             self._held += 1
 
@@ -383,7 +386,7 @@ class RowService:
         """A restarted server must still serve the checkpoint every layer loaded."""
         try:
             for binding in self._bindings:
-                if binding.dummy:
+                if binding.dummy or binding.checkpoint is None:  # a bound table has its spec
                     continue
                 info = identity.select(client.tables, binding.expected.table_suffix,
                                        f"ple-server at {client.socket_path}")

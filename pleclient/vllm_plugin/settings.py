@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import overload
 
 from pleclient import protocol
 
@@ -117,6 +118,10 @@ class ShmSettings:
         )
 
 
+@overload
+def _int(name: str, default: int) -> int: ...
+@overload
+def _int(name: str, default: None) -> int | None: ...
 def _int(name: str, default: int | None) -> int | None:
     raw = os.environ.get(name, "").strip()
     if not raw:
