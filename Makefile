@@ -4,6 +4,8 @@
 #   make test-systemd   the service under a real systemd: a Debian booted with
 #               systemd-nspawn, set up as deploy/README.md says (root; CI runs it)
 #   make native-sanitize   the native module's tests under ASan and UBSan
+#   make lint   ruff (lint, and the format check) over the tree, mypy over the
+#               packages (CI runs it)
 # The virtual environment lives outside the checkout, keyed by the dependency
 # spec, so a second run reuses it and a changed pyproject.toml builds a new one.
 PYTHON ?= python3
@@ -12,7 +14,7 @@ SPEC_HASH := $(shell $(PYTHON) -c 'import tomllib,json,hashlib;p=tomllib.load(op
 VENV ?= $(CACHE_DIR)/venv-$(SPEC_HASH)
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-systemd venv venv-core native-sanitize
+.PHONY: demo test test-systemd venv venv-core native-sanitize lint
 
 $(VENV)/.core:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +36,14 @@ demo: $(VENV)/.core
 test: $(VENV)/.full
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Configured in pyproject.toml. mypy reads the vllm extra's torch and vLLM types
+# (the plugin patches vLLM classes), hence the full venv; the native module
+# needs no build (pleserver/_native.pyi stands in for it).
+lint: $(VENV)/.full
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 test-systemd: $(VENV)/.core
 	$(PY) -m pip install -q --no-deps -e .

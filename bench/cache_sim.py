@@ -40,7 +40,7 @@ from numba import njit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from text_trace import load_trace  # noqa: E402
+from text_trace import load_trace
 
 PAGE = 4096
 POLICIES = ("SIEVE", "CLOCK", "S3-FIFO", "LRU")
@@ -431,7 +431,7 @@ def simulate(args) -> dict:
     _, first_idx = np.unique(keys, return_index=True)
     bound[first_idx] = 0
     result = {"trace": {"path": os.path.basename(args.trace), "sha256": trace.sha256,
-                        "tokens": int(len(trace.ids)), "accesses": int(keys.size),
+                        "tokens": len(trace.ids), "accesses": int(keys.size),
                         "distinct_rows": nrows, "distinct_pages": npages,
                         "straddling_accesses": int(pages.size - keys.size)},
               "table": {"rows": table_rows, "row_bytes": row_bytes,
@@ -474,7 +474,7 @@ def report(result: dict, policies, stream=sys.stdout) -> None:
     w()
     cols = [*policies, "page-LRU"]
     w("hit rate, whole replay (second half)")
-    w(f"| budget | bytes | rows | pages | " + " | ".join(cols) + " |")
+    w("| budget | bytes | rows | pages | " + " | ".join(cols) + " |")
     w("|---" * (4 + len(cols)) + "|")
     for e in result["budgets"]:
         w(f"| {e['pct']:g} % | {e['bytes'] / 2**30:.2f} GiB | {e['row_capacity']:,} | "

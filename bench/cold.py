@@ -490,7 +490,7 @@ def run(args, workdir: str) -> dict:
               "machine": machine(), "source": source(), "loadavg_start": loadavg(),
               "cpu_busy_before": cpu_busy(),
               "trace": {"path": os.path.basename(args.trace), "sha256": trace.sha256,
-                        "tokens": int(len(trace.ids)), "rows": trace.rows},
+                        "tokens": len(trace.ids), "rows": trace.rows},
               "contenders": contenders, "read_ahead_kb": read_ahead_kb(workdir),
               "phases": {}}
     holder = None

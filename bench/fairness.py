@@ -42,9 +42,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lookup import (OthersMeter, Server, hist_quantiles, loadavg, machine,  # noqa: E402
-                    source)
-
+from lookup import OthersMeter, Server, hist_quantiles, loadavg, machine, source  # noqa: E402
 from pleclient import PleClient  # noqa: E402
 from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
 

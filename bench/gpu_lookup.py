@@ -41,10 +41,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pleclient import PleClient  # noqa: E402
-from pleclient.checkpoint import TableSpec, discover_tables  # noqa: E402
-from pleclient.torch import PinnedSegment, copy_rows  # noqa: E402
-from pleserver.launcher import ServerLauncher  # noqa: E402
+from pleclient import PleClient
+from pleclient.checkpoint import TableSpec, discover_tables
+from pleclient.torch import PinnedSegment, copy_rows
+from pleserver.launcher import ServerLauncher
 
 SIZES = (16, 4096, 131072)
 
@@ -93,7 +93,8 @@ class MemmapGather:
         local = uniq - shard * self.table.shard_size
         out = np.empty((uniq.size, self.table.row_bytes), dtype=np.uint8)
         bounds = np.flatnonzero(np.diff(shard)) + 1
-        for a, b in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [uniq.size]))):
+        for a, b in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [uniq.size])),
+                        strict=True):
             out[a:b] = self.maps[int(shard[a])][local[a:b]]
         return out[inverse]
 

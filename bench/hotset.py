@@ -37,10 +37,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pleclient import PleClient  # noqa: E402
-from pleserver.config import parse_size  # noqa: E402
-from pleserver.launcher import LaunchedServer, ServerLauncher  # noqa: E402
-from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+from pleclient import PleClient
+from pleserver.config import parse_size
+from pleserver.launcher import LaunchedServer, ServerLauncher
+from pleserver.synthetic import SyntheticTable, write_checkpoint
 
 STEP_IDS = 32 * 16
 

@@ -308,7 +308,7 @@ class Server:
 
 def hist_quantiles(before: dict, after: dict) -> dict:
     """p50/p99 of the requests between two snapshots of a server histogram."""
-    counts = [a - b for a, b in zip(after["buckets"], before["buckets"])]
+    counts = [a - b for a, b in zip(after["buckets"], before["buckets"], strict=True)]
     total = sum(counts)
     result = {"count": total}
     for name, q in (("p50_us", 0.5), ("p99_us", 0.99)):
@@ -376,8 +376,8 @@ def summarize(samples_ns: list[int], size: int, row_bytes: int) -> dict:
 
 # ---------------------------------------------------------------------- main
 def run(args, workdir: str, out_stream) -> dict:
-    say = lambda *a: print(*a, file=sys.stderr if out_stream is sys.stdout else sys.stdout,
-                           flush=True)  # noqa: E731
+    say = lambda *a: print(*a, file=sys.stderr if out_stream is sys.stdout else sys.stdout,  # noqa: E731
+                           flush=True)
     result = {"command": "python bench/lookup.py " + " ".join(sys.argv[1:]),
               "machine": machine(), "source": source(), "loadavg_start": loadavg(),
               "cpu_busy_before": cpu_busy(),

@@ -40,7 +40,7 @@ class SeedTable:
         self.pool = ThreadPoolExecutor(max_workers=max(1, int(workers)))
 
     @classmethod
-    def from_spec(cls, spec, workers: int = 32, chunk: int = 2048) -> "SeedTable":
+    def from_spec(cls, spec, workers: int = 32, chunk: int = 2048) -> SeedTable:
         """From a ``pleclient.checkpoint.TableSpec`` (the seed found the same
         shards with its own header parser)."""
         shards = {s.index: (s.path, s.offset, s.rows) for s in spec.shards if s.rows}
@@ -63,7 +63,7 @@ class SeedTable:
         starts = np.concatenate(([0], bounds))
         ends = np.concatenate((bounds, [uniq.size]))
         tasks: list[tuple[int, int, int]] = []
-        for s, e in zip(starts.tolist(), ends.tolist()):
+        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
             si = int(shard[s])
             for c in range(s, e, self.chunk):
                 tasks.append((si, c, min(c + self.chunk, e)))

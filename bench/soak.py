@@ -107,7 +107,7 @@ def worker(socket_path: str, model: str, seed: int, until: float) -> int:
                     batch = [rng.integers(0, rows_total, int(rng.integers(1, capacity + 1)))
                              for _ in range(int(rng.integers(1, client.depth + 1)))]
                     tickets = [client.submit(layer, ids) for ids in batch]
-                    for ids, ticket in zip(batch, tickets):
+                    for ids, ticket in zip(batch, tickets, strict=True):
                         check(layer, ids, ticket.wait())
                         ticket.release()
                 else:

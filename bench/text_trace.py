@@ -177,9 +177,12 @@ def check_against_vllm(eos: int, tokens: np.ndarray) -> None:
     import torch
     from transformers import Qwen4ExpTextConfig
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (destroy_distributed_environment,
-                                  destroy_model_parallel, ensure_model_parallel_initialized,
-                                  init_distributed_environment)
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
     from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
 
     small_base = 1000
@@ -295,9 +298,9 @@ def build(args) -> dict:
     log.info("hashed in %.1f s", time.monotonic() - t0)
     if ids.min() < 0 or ids.max() >= geometry["rows"]:
         raise RuntimeError(f"ids outside [0, {geometry['rows']}): {ids.min()}..{ids.max()}")
-    import vllm
-
     from importlib.metadata import version
+
+    import vllm
     meta = {
         "format": "pleserver-trace/1",
         "sources": sources,
@@ -312,7 +315,7 @@ def build(args) -> dict:
                      "ngram_vocab_size_base": NGRAM_VOCAB_BASE, "vocab_size": UNIGRAM_VOCAB,
                      "seed": HASH_SEED, "ple_dense_layer_id": 0, "divisor": DIVISOR,
                      "row_cols": ROW_COLS, **geometry},
-        "tokens": int(len(ids)),
+        "tokens": len(ids),
         "options": {"source": args.source, "max_tokens": args.max_tokens,
                     "min_doc_tokens": args.min_doc_tokens},
     }

@@ -197,7 +197,7 @@ def discover_tables(model_dir: str, *, fingerprint: bool = True) -> list[TableSp
             elif m := SCALE_RE.match(name):
                 scales[m["table"]] = entry
     tables = []
-    for name in sorted(shards, key=lambda t: (int(SHARD_RE.match(t + ".shard_0.weight")["layer"]), t)):
+    for name in sorted(shards, key=lambda t: (_table_layer(t), t)):
         table, table_problems = _build_table(name, shards[name], scales.get(name))
         problems += table_problems
         if table is not None:
@@ -214,10 +214,17 @@ def discover_tables(model_dir: str, *, fingerprint: bool = True) -> list[TableSp
     return tables
 
 
+def _table_layer(table: str) -> int:
+    """The layer of a table named from a SHARD_RE match."""
+    m = SHARD_RE.match(table + ".shard_0.weight")
+    assert m is not None, table
+    return int(m["layer"])
+
+
 def _build_table(name: str, entries: dict[int, TensorEntry],
                  scale: TensorEntry | None) -> tuple[TableSpec | None, list[str]]:
     problems: list[str] = []
-    layer = int(SHARD_RE.match(name + ".shard_0.weight")["layer"])
+    layer = _table_layer(name)
     dtypes = sorted({e.dtype for e in entries.values()})
     if len(dtypes) > 1:
         problems.append(f"{name}: shards have mixed dtypes {dtypes}; every shard must "

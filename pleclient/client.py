@@ -27,8 +27,15 @@ import numpy as np
 
 from pleclient import protocol as p
 from pleclient.channel import ChannelMap, SlotView
-from pleclient.errors import (AccessDenied, LookupTimeout, PleError, ProtocolMismatch,
-                              RequestError, ServerGone, ServerUnavailable)
+from pleclient.errors import (
+    AccessDenied,
+    LookupTimeout,
+    PleError,
+    ProtocolMismatch,
+    RequestError,
+    ServerGone,
+    ServerUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +65,7 @@ class TableInfo:
     parts: int
 
     @classmethod
-    def from_wire(cls, msg: dict) -> "TableInfo":
+    def from_wire(cls, msg: dict) -> TableInfo:
         return cls(**{k: msg[k] for k in cls.__dataclass_fields__})
 
 
@@ -67,7 +74,7 @@ class Ticket:
 
     __slots__ = ("_client", "_slot", "_table", "count", "_state")
 
-    def __init__(self, client: "PleClient", slot: SlotView, table: TableInfo, count: int):
+    def __init__(self, client: PleClient, slot: SlotView, table: TableInfo, count: int):
         self._client = client
         self._slot = slot
         self._table = table
@@ -107,7 +114,7 @@ class Ticket:
             self._state = "released"
             self._client._free_slot(self._slot.index)
 
-    def __enter__(self) -> "Ticket":
+    def __enter__(self) -> Ticket:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -140,7 +147,7 @@ class PleClient:
     @classmethod
     def connect(cls, socket_path: str | None = None, timeout: float = 10.0, *,
                 name: str | None = None, capacity: int | None = None,
-                depth: int | None = None) -> "PleClient":
+                depth: int | None = None) -> PleClient:
         """Connect, say hello, open the channel. ``socket_path`` defaults to
         ``$PLE_SERVER_SOCKET`` or ``/run/ple-server/ple.sock``."""
         path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
@@ -188,7 +195,7 @@ class PleClient:
                                    f"{exc}") from None
 
     def _open_channel(self, capacity: int | None, depth: int | None) -> None:
-        request = {"type": p.MessageType.OPEN_CHANNEL.value}
+        request: dict[str, str | int] = {"type": p.MessageType.OPEN_CHANNEL.value}
         if capacity is not None:
             request["capacity"] = int(capacity)
         if depth is not None:
@@ -333,7 +340,7 @@ class PleClient:
                 return i
         if "abandoned" in owners:  # answers on their way: wait for one, not fail
             index = owners.index("abandoned")
-            slot = self._channel.slots[index]
+            slot = self._require_channel().slots[index]
             deadline = time.monotonic() + self.timeout
             while slot.wait_answered(max(0.0, min(LIVENESS_SLICE, deadline - time.monotonic()))
                                      ) == p.SlotState.SUBMITTED:
@@ -350,11 +357,11 @@ class PleClient:
 
     def _reclaim(self, index: int) -> None:
         """An abandoned slot becomes free once the server's answer has arrived."""
-        if self._channel.slots[index].state != p.SlotState.SUBMITTED:
+        if self._require_channel().slots[index].state != p.SlotState.SUBMITTED:
             self._free_slot(index)
 
     def _free_slot(self, index: int) -> None:
-        self._channel.slots[index].release()
+        self._require_channel().slots[index].release()
         self._slot_owner[index] = "free"
 
     def _abandon_slot(self, index: int) -> None:
@@ -433,7 +440,7 @@ class PleClient:
             self._channel = None
         self._sock.close()
 
-    def __enter__(self) -> "PleClient":
+    def __enter__(self) -> PleClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -493,7 +500,7 @@ def _expect_with_fds(sock: socket.socket, kind: p.MessageType, path: str
                      ) -> tuple[dict, list[int]]:
     try:
         msg, fds = p.recv_message(sock)
-    except socket.timeout:
+    except TimeoutError:
         raise LookupTimeout(f"ple-server at {path} did not answer {kind.value!r} in time"
                             ) from None
     except p.FrameError as exc:

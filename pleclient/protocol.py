@@ -177,7 +177,7 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 11
 
 
-class MessageType(str, enum.Enum):
+class MessageType(enum.StrEnum):
     HELLO = "hello"
     WELCOME = "welcome"
     OPEN_CHANNEL = "open_channel"
@@ -227,7 +227,7 @@ class ChannelLayout:
                 "slot_stride": self.slot_stride, "rows_offset": self.rows_offset}
 
     @classmethod
-    def from_wire(cls, msg: dict) -> "ChannelLayout":
+    def from_wire(cls, msg: dict) -> ChannelLayout:
         layout = cls(int(msg["depth"]), int(msg["capacity"]), int(msg["max_row_bytes"]))
         for key in ("size", "slot_stride", "rows_offset"):
             if int(msg[key]) != getattr(layout, key):
@@ -243,7 +243,7 @@ def encode_error_text(text: str) -> bytes:
     return raw + b"\0" * (SLOT_MESSAGE_BYTES - len(raw))
 
 
-def decode_error_text(raw: bytes) -> str:
+def decode_error_text(raw: bytes | memoryview) -> str:
     return bytes(raw).split(b"\0", 1)[0].decode("utf-8", "replace")
 
 

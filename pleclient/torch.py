@@ -30,7 +30,7 @@ __all__ = ["PinnedSegment", "DeviceCopy", "copy_rows", "rows_as_tensor",
            "buffer_address"]
 
 
-def buffer_address(buffer) -> tuple[int, int]:  # noqa: ANN001 - any writable buffer
+def buffer_address(buffer) -> tuple[int, int]:  # any writable buffer
     """(address, size) of a writable buffer such as an mmap or memoryview of one."""
     array = np.frombuffer(buffer, dtype=np.uint8)
     try:
@@ -42,7 +42,7 @@ def buffer_address(buffer) -> tuple[int, int]:  # noqa: ANN001 - any writable bu
 class PinnedSegment:
     """A host buffer page-locked for ``device`` (no-op for non-CUDA devices)."""
 
-    def __init__(self, buffer, device: torch.device | str) -> None:  # noqa: ANN001
+    def __init__(self, buffer, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.address, self.size = buffer_address(buffer)
         self.registered = False
@@ -69,7 +69,7 @@ class PinnedSegment:
         if _code(err) != 0:
             log.warning("cudaHostUnregister failed: %s", cudart.cudaGetErrorString(err))
 
-    def __enter__(self) -> "PinnedSegment":
+    def __enter__(self) -> PinnedSegment:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -86,7 +86,7 @@ class DeviceCopy:
 
     __slots__ = ("event",)
 
-    def __init__(self, event: "torch.cuda.Event | None") -> None:
+    def __init__(self, event: torch.cuda.Event | None) -> None:
         self.event = event
 
     def done(self) -> bool:
@@ -112,5 +112,5 @@ def copy_rows(rows: np.ndarray, out: torch.Tensor) -> DeviceCopy:
     return DeviceCopy(event)
 
 
-def _code(err) -> int:  # noqa: ANN001 - cudaError enum or int
+def _code(err) -> int:  # cudaError enum or int
     return int(getattr(err, "value", err))

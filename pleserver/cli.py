@@ -9,8 +9,13 @@ import logging
 import os
 import sys
 import time
+from typing import TYPE_CHECKING, ClassVar
 
 from pleclient import protocol as p
+
+if TYPE_CHECKING:
+    from pleclient.checkpoint import CheckpointError
+    from pleserver.config import ConfigError
 
 log = logging.getLogger("pleserver")
 
@@ -22,8 +27,9 @@ class _JournalFormatter(logging.Formatter):
     """No timestamp (journald adds its own) and a ``<N>`` syslog priority prefix
     on every line, which journald turns into the entry's priority."""
 
-    PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
-                logging.CRITICAL: 2}
+    PRIORITY: ClassVar[dict[int, int]] = {
+        logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
+        logging.CRITICAL: 2}
 
     def format(self, record: logging.LogRecord) -> str:
         prio = self.PRIORITY.get(record.levelno, 6)
@@ -79,7 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
 
-def print_problems(as_json: bool, subject: dict, exc: Exception) -> int:
+def print_problems(as_json: bool, subject: dict, exc: ConfigError | CheckpointError) -> int:
     """Report a validation failure (an exception with ``problems``); exit code 1."""
     if as_json:
         print(json.dumps({**subject, "ok": False, "problems": exc.problems}, indent=1))
@@ -131,8 +137,13 @@ def tables_text(tables) -> str:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from pleserver import doctor
-    from pleserver.config import (CONFIG_ENV, DEFAULT_CONFIG_PATH, ConfigError, ServerConfig,
-                                  load_config)
+    from pleserver.config import (
+        CONFIG_ENV,
+        DEFAULT_CONFIG_PATH,
+        ConfigError,
+        ServerConfig,
+        load_config,
+    )
 
     # The host's config, when there is one: the advice starts from its settings.
     path = args.config or os.environ.get(CONFIG_ENV) or None

@@ -40,7 +40,7 @@ import math
 import os
 import pwd
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -79,10 +79,10 @@ class ServerConfig:
         0o666, "mode", "Mode of the socket file. Access is decided from the peer's "
         "credentials (allow_uids/allow_gids), so the file itself may be open to all.",
         metavar="OCTAL")
-    allow_uids: list[int] = _setting(
+    allow_uids: list[int] = _setting(  # noqa: RUF009 - a field with a default_factory
         [], "uids", "Users (names or uids) that may connect, besides the server's own "
         "uid and root.", flag="--allow-uid", metavar="USER")
-    allow_gids: list[int] = _setting(
+    allow_gids: list[int] = _setting(  # noqa: RUF009
         [], "gids", "Groups (names or gids) whose members (primary or supplementary) "
         "may connect.", flag="--allow-gid", metavar="GROUP")
     max_clients: int = _setting(
@@ -287,8 +287,6 @@ def load_config(path: str | None = None, flags: Mapping[str, Any] | None = None,
                 raw[key] = (value, file)
             else:
                 problems.append(f"{file}: unknown key {key!r}{_suggest(key, value)}")
-    else:
-        file = None
     for name, value in (flags or {}).items():
         if name not in SETTINGS:
             raise ValueError(f"no setting named {name!r}")  # a caller's bug, not the user's
@@ -306,7 +304,7 @@ def load_config(path: str | None = None, flags: Mapping[str, Any] | None = None,
     problems += _check_together(config, sources)
     if problems:
         raise ConfigError(problems)
-    return LoadedConfig(config, sources, file)
+    return LoadedConfig(config, sources, file if data is not None else None)
 
 
 def parse_size(text: str | int) -> int:
@@ -510,9 +508,10 @@ def _address(s: Setting, value: Any) -> str:
     return value.strip()
 
 
-_PARSERS = {"int": _int, "size": _size, "float": _float, "bool": _bool, "choice": _choice,
-            "path": _path, "socket": _socket, "mode": _mode, "uids": _uids, "gids": _gids,
-            "address": _address}
+_PARSERS: dict[str, Callable[[Setting, Any], Any]] = {
+    "int": _int, "size": _size, "float": _float, "bool": _bool, "choice": _choice,
+    "path": _path, "socket": _socket, "mode": _mode, "uids": _uids, "gids": _gids,
+    "address": _address}
 
 
 def _check_together(cfg: ServerConfig, sources: dict[str, str]) -> list[str]:

@@ -44,7 +44,7 @@ class PlaneOptions:
     dedup_min_rows: int = 4096
 
     @classmethod
-    def from_config(cls, cfg: ServerConfig) -> "PlaneOptions":
+    def from_config(cls, cfg: ServerConfig) -> PlaneOptions:
         return cls(**{name: getattr(cfg, name) for name in cls.__dataclass_fields__})
 
 
@@ -52,8 +52,8 @@ class DataPlane:
     """Opened by ``open``; ``close`` releases everything (tables first)."""
 
     def __init__(self, tables: list[Table], files: dict[str, CheckpointFile], mode: str,
-                 mode_reason: str, budget: Budget, cache: "nat.RowCache | None",
-                 engine: "nat.ReadEngine | None", queue_depth: int = 0) -> None:
+                 mode_reason: str, budget: Budget, cache: nat.RowCache | None,
+                 engine: nat.ReadEngine | None, queue_depth: int = 0) -> None:
         self.tables = tables
         self.files = files
         self.mode = mode
@@ -64,7 +64,7 @@ class DataPlane:
         self.queue_depth = queue_depth if engine is not None else 0
 
     @classmethod
-    def open(cls, specs: list[TableSpec], options: PlaneOptions | None = None) -> "DataPlane":
+    def open(cls, specs: list[TableSpec], options: PlaneOptions | None = None) -> DataPlane:
         o = options or PlaneOptions()
         budget = plan(specs, o.io, o.cache_size, o.prewarm_reserve)
         mode, reason = budget.io, budget.io_reason
@@ -108,7 +108,7 @@ class DataPlane:
 
     def log_choice(self) -> None:
         log.info("io = %s (%s)", self.mode, self.mode_reason)
-        if self.cache is None:
+        if self.cache is None or self.engine is None:  # both, or neither
             return
         c = self.cache.stats()
         log.info("row cache: %.1f MiB, %d rows (%s); huge pages %s, mlock %s, eviction %s",
@@ -125,7 +125,7 @@ class DataPlane:
         """The data plane's part of ``Server.snapshot()``."""
         out: dict = {"io": self.mode, "io_reason": self.mode_reason, "cache": None,
                      "engine": None}
-        if self.cache is not None:
+        if self.cache is not None and self.engine is not None:
             c = dict(self.cache.stats())
             c.update(budget_bytes=self.budget.cache_bytes, budget_reason=self.budget.cache_reason,
                      occupancy=(c["used_rows"] / c["capacity_rows"]

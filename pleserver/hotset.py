@@ -116,7 +116,7 @@ class HotSet:
     none (no file) | ignored (untrusted file) | stopped | failed."""
 
     def __init__(self, state_dir: str, tables: list[Table], cache, interval_s: float,
-                 on_progress: Callable[["HotSet"], None] | None = None) -> None:
+                 on_progress: Callable[[HotSet], None] | None = None) -> None:
         self.state_dir = state_dir
         self.path = os.path.join(state_dir, FILE_NAME)
         self.tables = tables

@@ -90,7 +90,7 @@ class NotifyListener:
         while True:
             try:
                 data, ancdata, _, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(_UCRED.size))
-            except (socket.timeout, BlockingIOError):
+            except (TimeoutError, BlockingIOError):
                 return None
             pid = next((_UCRED.unpack_from(cdata)[0] for level, kind, cdata in ancdata
                         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS),
@@ -198,9 +198,9 @@ class LaunchedServer:
         """The first message, received already or yet to come, with a field
         that starts with ``prefix``. Raises ServerStartError when the process
         exits first or ``timeout`` passes."""
-        for _, fields in self.notify.messages:
-            if any(f.startswith(prefix) for f in fields):
-                return fields
+        for _, seen in self.notify.messages:
+            if any(f.startswith(prefix) for f in seen):
+                return seen
         deadline = time.monotonic() + timeout
         while (fields := self._next_message(deadline, repr(prefix))) is not None:
             if any(f.startswith(prefix) for f in fields):
@@ -225,8 +225,8 @@ class LaunchedServer:
             return next((f[len("STATUS="):] for f in fields if f.startswith("STATUS=")
                          and pattern.search(f[len("STATUS="):])), None)
 
-        for _, fields in self.notify.messages:
-            if (text := matching(fields)) is not None:
+        for _, seen in self.notify.messages:
+            if (text := matching(seen)) is not None:
                 return text
         deadline = time.monotonic() + timeout
         awaited = f"a STATUS= matching {pattern.pattern!r}"
@@ -243,7 +243,9 @@ class LaunchedServer:
         if PleClient.query_stats(self.socket).get("prewarm") is None:
             return "none"
         status = self.wait_status(PREWARM_ENDED, timeout)
-        return PREWARM_ENDED.search(status).group(1)
+        ended = PREWARM_ENDED.search(status)
+        assert ended is not None  # (wait_status returned a text it matches)
+        return ended.group(1)
 
     # ---------------------------------------------------------------- using it
     def client(self, **kwargs) -> PleClient:
@@ -309,7 +311,7 @@ class LaunchedServer:
                 self._closed_log = self.log_path.read_text(errors="replace")
             shutil.rmtree(self._workdir, ignore_errors=True)
 
-    def __enter__(self) -> "LaunchedServer":
+    def __enter__(self) -> LaunchedServer:
         return self
 
     def __exit__(self, *exc) -> None:

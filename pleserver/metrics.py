@@ -45,16 +45,24 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import start_http_server
-from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily,
-                                            HistogramMetricFamily, Metric)
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from pleserver.config import parse_host_port
 from pleserver.stats import BUCKETS_S, ERROR_KINDS
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +272,7 @@ class MetricsEndpoint:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(snapshot))
         ProcessCollector(registry=self.registry)
-        self._httpd = None
+        self._httpd: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
     @property

@@ -21,6 +21,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class Prewarm:
         self.state = "pending"  # pending → running → done | budget | memory | stopped | failed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.on_progress = None  # callable(Prewarm) | None, e.g. systemd STATUS=
+        self.on_progress: Callable[[Prewarm], None] | None = None  # e.g. systemd STATUS=
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="prewarm", daemon=True)
@@ -84,6 +85,7 @@ class Prewarm:
             for table in self.tables:
                 complete = True
                 for mapped, offset, length in table.shard_ranges():
+                    assert isinstance(mapped, MappedFile)  # prewarm is for io = mmap
                     pos, end = offset, offset + length
                     while pos < end:
                         if self._stop.is_set():

@@ -27,6 +27,7 @@ import signal
 import socket
 import stat
 import time
+from typing import TYPE_CHECKING
 
 from pleclient import protocol as p
 from pleclient.checkpoint import discover_tables
@@ -42,6 +43,10 @@ from pleserver.serving import POLL_S, Channel, ServingLoop
 from pleserver.sessions import Sessions
 from pleserver.stats import RateMeter, TableStats, format_bytes, format_progress, io_snapshot
 from pleserver.systemd import Notifier, watchdog_interval
+from pleserver.table import Table
+
+if TYPE_CHECKING:
+    from pleserver.metrics import MetricsEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +74,12 @@ class Server:
         self._listener: socket.socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._residency: tuple[float, list[float | None]] = (0.0, [])
-        self.tables = []
+        self.tables: list[Table] = []
         self.plane: DataPlane | None = None
         self.loop: ServingLoop | None = None
         self.prewarm: Prewarm | None = None
         self.hotset: HotSet | None = None
-        self.metrics = None
+        self.metrics: MetricsEndpoint | None = None
         self.budget = ChannelBudget(None)
         self.reserver = Reserver(self._wake)
         self._dropped: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
@@ -291,25 +296,27 @@ class Server:
 
     # ---------------------------------------------------------- control loop
     def control_loop(self) -> None:
+        sessions, listener = self.sessions, self._listener
+        assert sessions is not None and listener is not None  # (start() made both)
         next_check = 0.0
         while not self._stopping:
             for key, events in self._selector.select(timeout=HOUSEKEEPING_S):
                 if key.data == "accept":
-                    self.sessions.accept(self._listener)
+                    sessions.accept(listener)
                 elif key.data == "wake":
                     try:
                         self._wake_r.recv(4096)
                     except BlockingIOError:
                         pass
                 else:
-                    self.sessions.handle(key.data, events)
+                    sessions.handle(key.data, events)
             self._collect_reservations()
             self._collect_dropped()
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + HOUSEKEEPING_S
-                self.sessions.check_deadlines(now)
-                self.sessions.flush_log()
+                sessions.check_deadlines(now)
+                sessions.flush_log()
 
     def _wake(self) -> None:
         """Wake the control loop (from another thread)."""
@@ -319,6 +326,7 @@ class Server:
             pass
 
     def _collect_reservations(self) -> None:
+        assert self.sessions is not None  # (only the control loop calls this)
         while not self.reserver.results.empty():
             self.sessions.on_reserved(self.reserver.results.get_nowait())
 
@@ -328,6 +336,7 @@ class Server:
         self._wake()
 
     def _collect_dropped(self) -> None:
+        assert self.sessions is not None  # (only the control loop calls this)
         while not self._dropped.empty():
             session_id, reason = self._dropped.get_nowait()
             self.sessions.end_for_channel(session_id, reason)
@@ -340,7 +349,7 @@ class Server:
             fractions: list[float | None] = []
             for t in self.tables:
                 try:
-                    resident = resident_bytes(t)
+                    resident: float | None = resident_bytes(t)
                 except OSError:
                     resident = None
                 fractions.append(None if resident is None else
@@ -348,7 +357,7 @@ class Server:
             self._residency = (now, fractions)
         tables = []
         for t, st, resident, rate in zip(self.tables, self.table_stats, self._residency[1],
-                                         self._miss_rates):
+                                         self._miss_rates, strict=True):
             snap = st.snapshot()
             source = t.source.stats()
             snap.update(dtype=t.spec.dtype, rows_total=t.spec.rows, cols=t.spec.cols,

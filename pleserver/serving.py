@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import errno
 import logging
 import os
 import queue
@@ -92,7 +91,7 @@ class Channel:
     after that (the server returns the bytes to its channel memory budget)."""
 
     def __init__(self, session_id: int, peer: str, mapping: ChannelMap, fd: int | None = None,
-                 on_destroy: Callable[["Channel"], None] | None = None) -> None:
+                 on_destroy: Callable[[Channel], None] | None = None) -> None:
         self.session_id = session_id
         self.peer = peer
         self.map = mapping
@@ -116,8 +115,8 @@ class Channel:
         charged to it, not to us."""
         self.map.close()
         if self.fd is not None:
-            if self.free_pages and _libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
-                               0, self.size) != 0:
+            if self.free_pages and _libc.fallocate(
+                    self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, self.size) != 0:
                 log.warning("session %d: cannot free its channel's pages: %s", self.session_id,
                             os.strerror(ctypes.get_errno()))
             os.close(self.fd)
@@ -132,17 +131,18 @@ _NO_IDS = np.empty(0, dtype=np.int64)
 
 @dataclass(eq=False)
 class Request:
-    """One request, from the moment its slot is read: where it came from and,
-    once validated, private copies of what the client wrote and how far its
-    gather got (``done_rows``)."""
+    """One request, from the moment its table index is known: where it came
+    from and, once validated, private copies of what the client wrote and how
+    far its gather got (``done_rows``)."""
 
     channel: Channel
     slot: SlotView
+    table: Table
+    stats: TableStats
     started_ns: int
     submitted_ns: int  # the client's word, checked before it is used
-    table: Table | None = None
-    stats: TableStats | None = None  # None until the table index is valid
-    ids: np.ndarray = field(default_factory=lambda: _NO_IDS)  # private copy: the client may rewrite the slot meanwhile
+    # A private copy of the ids: the client may rewrite the slot meanwhile.
+    ids: np.ndarray = field(default_factory=lambda: _NO_IDS)
     out: np.ndarray = field(default_factory=lambda: _NO_IDS)  # view of the slot's rows area
     done_rows: int = 0
 
@@ -315,8 +315,7 @@ class ServingLoop:
                                   timeout)
             except OSError as exc:  # ENOSYS/EPERM: refused after all (seccomp)
                 log.warning("futex_waitv failed (%s): the serving loop polls its channels "
-                            "every %.1f ms from now on", errno.errorcode.get(exc.errno, exc),
-                            POLL_S * 1e3)
+                            "every %.1f ms from now on", exc.strerror or exc, POLL_S * 1e3)
                 self.idle_wait = "poll"
             finally:
                 for c in channels:
@@ -373,17 +372,18 @@ class ServingLoop:
 
     def _validate(self, ch: Channel, slot: SlotView) -> Request | None:
         """The request in ``slot``, validated, or None once it was failed."""
+        started = time.monotonic_ns()
         words = slot.words
-        r = Request(ch, slot, time.monotonic_ns(), slot.words64[p.SL_SUBMIT_NS // 2])
         table_index = words[p.SL_TABLE]
         count = words[p.SL_COUNT]  # copied once: the client may rewrite the slot
-        if table_index >= len(self.tables):
-            self._fail(r, p.ErrorCode.BAD_TABLE, "bad_table",
-                       f"table index {table_index} out of range: this server has "
-                       f"{len(self.tables)} tables (indexes 0..{len(self.tables) - 1})")
+        if table_index >= len(self.tables):  # no table's statistics can count it
+            self._answer_error(ch, slot, p.ErrorCode.BAD_TABLE,
+                               f"table index {table_index} out of range: this server has "
+                               f"{len(self.tables)} tables (indexes 0..{len(self.tables) - 1})")
             return None
-        table = r.table = self.tables[table_index]
-        r.stats = self.stats[table_index]
+        table = self.tables[table_index]
+        r = Request(ch, slot, table, self.stats[table_index], started,
+                    slot.words64[p.SL_SUBMIT_NS // 2])
         if table.problem:  # its file changed on disk: reading it could SIGBUS us
             self._fail(r, p.ErrorCode.INTERNAL, "internal", table.problem)
             return None
@@ -509,7 +509,8 @@ class ServingLoop:
 
     def _complete(self, r: Request) -> None:
         done = time.monotonic_ns()
-        r.channel.busy.discard(r.slot.index)  # before the answer: the client may reuse the slot at once
+        # Not busy before the answer: the client may reuse the slot at once.
+        r.channel.busy.discard(r.slot.index)
         r.slot.complete(done - r.started_ns)
         # A submit time from before the channel opened, or after the request was
         # admitted, is not a time this client could have had: not recorded.
@@ -518,12 +519,14 @@ class ServingLoop:
                        (r.started_ns - r.submitted_ns) * 1e-9 if believable else -1)
 
     def _fail(self, r: Request, code: p.ErrorCode, kind: str, text: str) -> None:
-        r.channel.busy.discard(r.slot.index)  # (as in _complete)
-        r.slot.fail(code, text)
-        if r.stats is not None:
-            r.stats.record_error(kind)
-        log.debug("session %d (%s): request rejected: %s", r.channel.session_id, r.channel.peer,
-                  text)
+        """Answer ``r`` with an error, counted as ``kind`` in its table's stats."""
+        self._answer_error(r.channel, r.slot, code, text)
+        r.stats.record_error(kind)
+
+    def _answer_error(self, ch: Channel, slot: SlotView, code: p.ErrorCode, text: str) -> None:
+        ch.busy.discard(slot.index)  # (as in _complete)
+        slot.fail(code, text)
+        log.debug("session %d (%s): request rejected: %s", ch.session_id, ch.peer, text)
 
     def _drop(self, ch: Channel, reason: str) -> None:
         """Stop serving a channel that broke the protocol; tell the control plane."""

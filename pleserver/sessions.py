@@ -295,7 +295,7 @@ class Sessions:
             return self._reject(
                 s, p.ErrorCode.NO_RESOURCES,
                 f"no memory for a channel of {layout.size / 2**20:.1f} MiB: channels hold "
-                f"{self.budget.used / 2**20:.1f} MiB of the {self.budget.limit / 2**20:.0f} "
+                f"{self.budget.used / 2**20:.1f} MiB of the {(self.budget.limit or 0) / 2**20:.0f} "
                 "MiB budget (max_channel_memory); ask for a smaller capacity or depth, "
                 "wait for other clients to close, or raise max_channel_memory (and the "
                 "service's MemoryMax=)")
@@ -308,13 +308,14 @@ class Sessions:
         if job.error is not None or s is None:
             job.discard()
             self.budget.give_back(job.layout.size)
-            if s is not None:
+            if s is not None and job.error is not None:  # (s is there: the job failed)
                 s.opening = False
                 log.warning("session %d (%s): cannot create its channel: %s", s.id, s.peer,
                             job.error)
                 self._reject(s, p.ErrorCode.NO_RESOURCES, job.error)
             return
         s.opening = False
+        assert job.mapping is not None and job.fd is not None  # (no error: it has both)
         channel = Channel(s.id, s.peer, job.mapping, job.fd,
                           on_destroy=lambda ch: self.budget.give_back(ch.size))
         try:

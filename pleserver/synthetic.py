@@ -12,6 +12,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,7 +70,11 @@ def _without_nan(data: np.ndarray, dtype: str) -> np.ndarray:
     return data
 
 
-def write_safetensors(path: str, tensors: list[tuple[str, str, tuple[int, ...], object]]) -> None:
+# A tensor's bytes, or a callable returning an iterator of byte chunks.
+Producer = bytes | Callable[[], Iterable[bytes]]
+
+
+def write_safetensors(path: str, tensors: list[tuple[str, str, tuple[int, ...], Producer]]) -> None:
     """Write ``(name, dtype, shape, producer)`` tensors; a producer is bytes or a
     callable returning an iterator of byte chunks (for tables larger than RAM)."""
     header: dict = {"__metadata__": {"format": "pt"}}
@@ -85,7 +90,7 @@ def write_safetensors(path: str, tensors: list[tuple[str, str, tuple[int, ...], 
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for name, dtype, shape, producer in tensors:
+        for _name, _dtype, _shape, producer in tensors:
             chunks = [producer] if isinstance(producer, (bytes, bytearray, memoryview)) \
                 else producer()
             for chunk in chunks:

@@ -29,7 +29,7 @@ class Notifier:
         return self._sock is not None
 
     def notify(self, *fields: str) -> None:
-        if self._sock is None:
+        if self._sock is None or self.address is None:
             return
         try:
             self._sock.sendto("\n".join(fields).encode(), self.address)

@@ -59,7 +59,7 @@ class CheckpointFile:
         self.replaced = False  # the path names another file now (logged once)
 
     @classmethod
-    def open(cls, path: str, direct: bool = False) -> "CheckpointFile":
+    def open(cls, path: str, direct: bool = False) -> CheckpointFile:
         """Raises OSError; EINVAL with ``direct`` means the file system refuses
         ``O_DIRECT``."""
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
@@ -125,7 +125,7 @@ class MappedFile(CheckpointFile):
         self.flat = np.frombuffer(self.mm, dtype=np.uint8)  # uint8 view of the mapping
 
     @classmethod
-    def open(cls, path: str, direct: bool = False) -> "MappedFile":
+    def open(cls, path: str, direct: bool = False) -> MappedFile:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             return cls(path, fd)
@@ -154,8 +154,8 @@ class Table:
     ``cache`` and ``engine`` are None in mmap mode."""
 
     def __init__(self, spec: TableSpec, key: int, files: dict[str, CheckpointFile],
-                 mode: str, cache: "nat.RowCache | None" = None,
-                 engine: "nat.ReadEngine | None" = None, threads: int = 4,
+                 mode: str, cache: nat.RowCache | None = None,
+                 engine: nat.ReadEngine | None = None, threads: int = 4,
                  parallel_min_rows: int = 16384, dedup_min_rows: int = 4096) -> None:
         self.spec = spec
         self.key = key

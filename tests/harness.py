@@ -162,7 +162,7 @@ class Bystander:
                 lambda: self.lookups >= target or self.failure is not None, timeout), \
                 f"the bystander made {self.lookups} of {target} lookups in {timeout} s"
 
-    def __enter__(self) -> "Bystander":
+    def __enter__(self) -> Bystander:
         self._thread.start()
         return self
 
@@ -223,14 +223,14 @@ class RawSession:
                     return True
         except (ConnectionResetError, BrokenPipeError):
             return True
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             return False
         return False
 
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> "RawSession":
+    def __enter__(self) -> RawSession:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -28,16 +28,15 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
 from vllm.utils.math_utils import round_up
 
 
-class Qwen3_8FlashNextNGramEmbedding(nn.Module):  # noqa: N801 - the real class's name
-    def __init__(self, config, embedding_dim: int, ple_dense_layer_id: int,  # noqa: ANN001
+class Qwen3_8FlashNextNGramEmbedding(nn.Module):  # the real class's name
+    def __init__(self, config, embedding_dim: int, ple_dense_layer_id: int,
                  max_total_tokens: int, max_num_reqs: int, prefix: str,
-                 quant_config=None, params_dtype: torch.dtype | None = None) -> None:  # noqa: ANN001
+                 quant_config=None, params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.prefix = prefix
         self.max_total_tokens = max_total_tokens
@@ -73,7 +72,7 @@ class Qwen3_8FlashNextNGramEmbedding(nn.Module):  # noqa: N801 - the real class'
     _shift_precompute = staticmethod(Qwen4ExpNGramEmbedding._shift_precompute)
     _shift_apply = staticmethod(Qwen4ExpNGramEmbedding._shift_apply)
 
-    def forward_impl(self, hidden_states, input_ids: torch.Tensor,  # noqa: ANN001
+    def forward_impl(self, hidden_states, input_ids: torch.Tensor,
                      query_start_loc: torch.Tensor, ngram_context: torch.Tensor,
                      output_buffer: torch.Tensor | None = None) -> torch.Tensor:
         del hidden_states, output_buffer

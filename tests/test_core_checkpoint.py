@@ -39,7 +39,8 @@ def test_discovers_every_table_with_geometry(tmp_path):
     assert [(t.layer, t.rows, t.cols, t.dtype, t.parts, t.row_bytes) for t in tables] == [
         (2, 1001, 16, "F8_E4M3", 4, 16), (5, 999, 16, "BF16", 3, 32)]
     assert tables[0].scale == 0.5 and tables[1].scale is None
-    assert tables[0].shard_size == 251 and [s.rows for s in tables[0].shards] == [251, 251, 251, 248]
+    assert tables[0].shard_size == 251
+    assert [s.rows for s in tables[0].shards] == [251, 251, 251, 248]
 
 
 def test_glob_is_used_without_an_index(tmp_path):

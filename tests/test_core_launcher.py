@@ -46,9 +46,8 @@ def test_a_server_that_cannot_start_fails_the_start_at_once_with_its_log(tmp_pat
 
 
 def test_the_server_is_reaped_when_the_with_block_raises(checkpoint):
-    with pytest.raises(KeyError):
-        with ServerLauncher(checkpoint).start() as server:
-            raise KeyError("a failing test")
+    with pytest.raises(KeyError), ServerLauncher(checkpoint).start() as server:
+        raise KeyError("a failing test")
     assert gone(server.pid)
     assert not os.path.exists(server.socket)
 

@@ -76,6 +76,6 @@ def test_stats_cli_human_and_json(server):
     run = [sys.executable, "-m", "pleserver.cli", "stats", "--socket", server.socket]
     human = subprocess.run(run, capture_output=True, text=True, timeout=30)
     assert human.returncode == 0 and "F8_E4M3" in human.stdout and "p50" in human.stdout
-    data = json.loads(subprocess.run(run + ["--json"], capture_output=True, text=True,
+    data = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True,
                                      timeout=30).stdout)
     assert data["tables"][0]["requests"] == 1 and data["tables"][0]["rows"] == 10

@@ -36,7 +36,7 @@ def test_duplicates_cross_shard_and_last_shard_ids(server, references):
         t = client.table(1)
         last = t.rows - 1
         edges = [0, t.shard_size - 1, t.shard_size, 2 * t.shard_size, last - 1, last]
-        ids = np.array(edges + [5, 5, 5, last, 0, last], dtype=np.int64)
+        ids = np.array([*edges, 5, 5, 5, last, 0, last], dtype=np.int64)
         assert np.array_equal(client.lookup(1, ids), references[t.layer][ids])
 
 
@@ -67,7 +67,7 @@ def test_several_tickets_in_flight_are_zero_copy_views(server, references):
                    for layer in (1, 3, 1, 3)]
         tickets = [client.submit(layer, ids) for layer, ids in batches]
         views = [t.wait() for t in tickets]
-        for (layer, ids), view in zip(batches, views):
+        for (layer, ids), view in zip(batches, views, strict=True):
             assert not view.flags.owndata  # a view into the shared segment
             assert np.array_equal(view, references[layer][ids])
         for t in tickets:
@@ -111,9 +111,8 @@ def test_out_of_range_id_is_an_error_and_the_session_keeps_working(server, refer
 
 
 def test_unknown_table_is_a_client_side_error(server):
-    with server.client() as client:
-        with pytest.raises(KeyError, match="serves no single table 7"):
-            client.lookup(7, [0])
+    with server.client() as client, pytest.raises(KeyError, match="serves no single table 7"):
+        client.lookup(7, [0])
 
 
 def _client_process(socket_path: str, model: str, seed: int, rounds: int) -> int:

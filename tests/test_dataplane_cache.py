@@ -16,8 +16,7 @@ import pytest
 
 from pleclient import RequestError
 from pleclient.checkpoint import INDEX_FILE
-from pleserver.synthetic import read_reference, shard_bytes, write_checkpoint, \
-    write_safetensors
+from pleserver.synthetic import read_reference, shard_bytes, write_checkpoint, write_safetensors
 from tests.conftest import SMALL_TABLES
 from tests.harness import REPO, child_env, child_report, python_child, wait_until
 
@@ -114,7 +113,7 @@ def one_table_per_file(model_dir: str, tables) -> list[str]:
 def test_a_file_truncated_under_a_direct_server_fails_its_reads_not_the_server(
         start_server, tmp_path):
     model = str(tmp_path / "model")
-    fp8_file, bf16_file = one_table_per_file(model, SMALL_TABLES)
+    _, bf16_file = one_table_per_file(model, SMALL_TABLES)
     server = start_server(model, "--io", "direct", "--state-dir", str(tmp_path))
     fp8, bf16 = SMALL_TABLES
     refs = {t.layer: read_reference(model, t.name) for t in SMALL_TABLES}

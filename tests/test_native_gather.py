@@ -48,7 +48,7 @@ class Opened:
     """A TableSource over a table in one mode, with what it needs kept alive."""
 
     def __init__(self, spec: TableSpec, mode: str, key: int = 1,
-                 cache: "nat.RowCache | None" = None, engine: "nat.ReadEngine | None" = None,
+                 cache: nat.RowCache | None = None, engine: nat.ReadEngine | None = None,
                  cache_bytes: int = 64 << 20) -> None:
         self.maps: list[mmap.mmap] = []
         self.views: list[np.ndarray] = []

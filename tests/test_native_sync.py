@@ -115,7 +115,7 @@ def test_futex_waitv_is_available_on_this_kernel():
     """CI runs a kernel ≥ 5.16; the serving loop's fallback is tested in
     tests/test_core_lookup.py with idle_wait = poll."""
     release = tuple(int(x) for x in os.uname().release.split(".")[:2])
-    assert _sync.HAVE_FUTEX_WAITV == (release >= (5, 16))
+    assert (release >= (5, 16)) == _sync.HAVE_FUTEX_WAITV
 
 
 @pytest.mark.parametrize("offset", [-4, 2, 4094, 4096, 1 << 40])
@@ -148,8 +148,7 @@ def test_bad_arguments_are_refused_at_the_door(shared):
         _sync.Words(b"read-only")
 
 
-def test_released_words_refuse_every_call_and_a_waiting_thread_blocks_release(shared):
-    _, words = shared
+def test_released_words_refuse_every_call_and_a_waiting_thread_blocks_release():
     mm = mmap.mmap(-1, 4096)
     mine = _sync.Words(mm)
     waiting = threading.Thread(target=mine.wait_while, args=(0, 0, 4, 0.5))

@@ -126,7 +126,7 @@ def test_latency_buckets_are_cumulative_in_seconds_up_to_the_count(metrics_serve
     for name in ("ple_server_time_seconds_bucket", "ple_queue_time_seconds_bucket"):
         buckets = sorted((float(dict(ls)["le"]), v) for (n, ls), v in scrape.samples.items()
                          if n == name and dict(ls)["layer"] == "1")
-        bounds, counts = zip(*buckets)
+        bounds, counts = zip(*buckets, strict=True)
         assert bounds[0] == BUCKETS_S[0] and bounds[-2] == BUCKETS_S[-1]
         assert bounds[-1] == float("inf") and counts[-1] == 3
         assert list(counts) == sorted(counts)

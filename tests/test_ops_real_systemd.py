@@ -41,7 +41,6 @@ import pytest
 from pleserver.synthetic import SyntheticTable, write_checkpoint
 
 
-
 def real_systemd(test):
     """A test in the booted container (the first one waits for debootstrap and
     the install); the README check below runs everywhere."""

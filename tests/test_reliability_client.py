@@ -15,8 +15,16 @@ import numpy as np
 import pytest
 
 from pleclient import PleClient, PleError
-from tests.harness import (cpu_seconds, footprint, no_growth, python_child,
-                           quiet_footprint, settles_to, shm_entries, wait_until)
+from tests.harness import (
+    cpu_seconds,
+    footprint,
+    no_growth,
+    python_child,
+    quiet_footprint,
+    settles_to,
+    shm_entries,
+    wait_until,
+)
 
 BIG = 16384  # the default capacity; requests this large go to the gather threads
 
@@ -204,7 +212,7 @@ def test_a_closed_sessions_segment_is_unmapped_promptly(served, references):
         for i in range(4):
             quiet = threading.Event()
 
-            def keep_busy() -> None:
+            def keep_busy(quiet: threading.Event = quiet) -> None:
                 while not quiet.is_set():
                     busy.lookup(1, [1, 2, 3])
 
@@ -214,8 +222,9 @@ def test_a_closed_sessions_segment_is_unmapped_promptly(served, references):
                 with served.client(capacity=1024, name=f"closing{i}") as closing:
                     check_rows(closing, references, rounds=1, seed=i)
                 # The server has taken the bye while still busy.
-                assert wait_until(lambda: re.search(rf"session \d+ closed: .*\(closing{i}\)",
-                                                    served.log()), timeout=5.0)
+                closed = re.compile(rf"session \d+ closed: .*\(closing{i}\)")
+                assert wait_until(lambda closed=closed: closed.search(served.log()),
+                                  timeout=5.0)
             finally:
                 quiet.set()
                 worker.join()

@@ -17,8 +17,14 @@ from hypothesis import strategies as st
 
 from pleclient import PleClient
 from pleclient import protocol as p
-from tests.harness import (Bystander, RawSession, no_growth, python_child, quiet_footprint,
-                           settles_to)
+from tests.harness import (
+    Bystander,
+    RawSession,
+    no_growth,
+    python_child,
+    quiet_footprint,
+    settles_to,
+)
 
 
 def error_counts(server) -> dict[str, int]:

@@ -21,12 +21,22 @@ import time
 import numpy as np
 import pytest
 
-from pleclient import PleClient, RequestError
+from pleclient import PleClient, PleError, RequestError
 from pleclient import client as client_module
 from pleclient import protocol as p
-from tests.harness import (Bystander, RawSession, cgroup_write, child_cgroup, in_cgroup,
-                           no_growth, oom_kills, python_child, quiet_footprint, settles_to,
-                           wait_until)
+from tests.harness import (
+    Bystander,
+    RawSession,
+    cgroup_write,
+    child_cgroup,
+    in_cgroup,
+    no_growth,
+    oom_kills,
+    python_child,
+    quiet_footprint,
+    settles_to,
+    wait_until,
+)
 
 STOP_BUDGET_S = 10.0
 """SIGTERM to exit: the drain (5 s at most) and the goodbyes, well inside the
@@ -194,7 +204,7 @@ def test_sessions_that_never_say_hello_are_closed_and_stats_always_gets_in(start
     assert wait_until(lambda: PleClient.query_stats(server.socket)["clients"] <= 1)
     silent = [RawSession(server.socket) for _ in range(3)]  # every slot, and the spare
     try:
-        with pytest.raises(Exception):  # refused at accept while they hold the slots
+        with pytest.raises(PleError):  # refused at accept while they hold the slots
             PleClient.query_stats(server.socket, timeout=0.5)
         for raw in silent:
             assert raw.closed_by_server(timeout=10)

@@ -15,8 +15,14 @@ import pytest
 
 from pleclient import AccessDenied, PleClient, RequestError
 from pleclient import protocol as p
-from tests.harness import (RawSession, no_growth, quiet_footprint, settles_to, shm_entries,
-                           wait_until)
+from tests.harness import (
+    RawSession,
+    no_growth,
+    quiet_footprint,
+    settles_to,
+    shm_entries,
+    wait_until,
+)
 
 
 def test_clients_over_max_clients_are_refused_until_one_leaves(start_server, checkpoint):

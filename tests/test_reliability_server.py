@@ -159,7 +159,7 @@ def test_sigterm_with_requests_in_flight_completes_them(start_server, checkpoint
               for layer in (1, 3, 1, 3)]
     tickets = [client.submit(layer, ids) for layer, ids in wanted]
     server.proc.send_signal(signal.SIGTERM)
-    for (layer, ids), ticket in zip(wanted, tickets):
+    for (layer, ids), ticket in zip(wanted, tickets, strict=True):
         assert np.array_equal(ticket.wait(), references[layer][ids])
         ticket.release()
     assert server.exit_code() == 0

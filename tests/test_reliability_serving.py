@@ -119,7 +119,8 @@ def test_a_closed_channel_is_unmapped_at_once_not_a_heartbeat_later(kit):
         closing, _ = k.channel(10 + round_, capacity=64)
         quiet, serving = threading.Event(), threading.Event()
 
-        def keep_busy() -> None:
+        def keep_busy(quiet: threading.Event = quiet,
+                      serving: threading.Event = serving) -> None:
             slot = busy.slots[0]
             while not quiet.is_set():
                 submit(busy, 0, 0, [1, 2, 3])

@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.harness import shm_env  # noqa: E402
-from tests.vllm_helpers import run_scenario  # noqa: E402
+from tests.harness import shm_env
+from tests.vllm_helpers import run_scenario
 
 
 @pytest.fixture(scope="module")

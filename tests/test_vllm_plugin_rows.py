@@ -11,8 +11,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from pleclient import TableInfo  # noqa: E402
-from pleclient.vllm_plugin import IdentityMismatch, PleBackendError, SettingsError  # noqa: E402
-from pleclient.vllm_plugin import identity, loader, registration, settings  # noqa: E402
+from pleclient.vllm_plugin import (  # noqa: E402
+    IdentityMismatch,
+    PleBackendError,
+    SettingsError,
+    identity,
+    loader,
+    registration,
+    settings,
+)
 from pleclient.vllm_plugin.identity import Expected  # noqa: E402
 from pleclient.vllm_plugin.rows import RowService  # noqa: E402
 from pleserver.synthetic import read_reference  # noqa: E402
@@ -194,5 +201,5 @@ def test_a_server_back_within_the_window_answers_the_lookup_that_waited(
 def test_missing_server_names_the_socket(tmp_path, checkpoint):
     rows = RowService(settings.ShmSettings(socket=str(tmp_path / "no.sock"),
                                            checkpoint=str(checkpoint)))
-    with pytest.raises(PleBackendError, match="no.sock.*systemctl start ple-server"):
+    with pytest.raises(PleBackendError, match=r"no\.sock.*systemctl start ple-server"):
         rows.bind(expected(FP8))

@@ -35,7 +35,7 @@ def patch_compilation_module(module: ModuleType) -> None:
         return
 
     @functools.wraps(original)
-    def set_splitting_ops_for_v1(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+    def set_splitting_ops_for_v1(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         ops = self.splitting_ops
         if ops:

@@ -19,6 +19,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pleclient import TableInfo
 from pleclient.checkpoint import CheckpointError, TableSpec, discover_tables
@@ -56,7 +57,10 @@ class Expected:
         return int(_LAYER_TABLE_RE.search(self.prefix).group(2))  # type: ignore[union-attr]
 
 
-def select(tables: list, suffix: str, where: str) -> object:
+_Table = TypeVar("_Table", TableInfo, TableSpec)
+
+
+def select(tables: list[_Table], suffix: str, where: str) -> _Table:
     """The one table (TableInfo or TableSpec) whose name ends with ``suffix``."""
     matches = [t for t in tables if t.name == suffix or t.name.endswith("." + suffix)]
     if len(matches) == 1:
@@ -79,9 +83,10 @@ def verify(server: TableInfo, socket: str, checkpoint: TableSpec, checkpoint_dir
             f"the one vLLM loads ({checkpoint_dir}): " + "; ".join(diffs) + ". Restart "
             f"ple-server with --model {checkpoint_dir} (the checkpoint vLLM loads), or "
             "start vLLM on the checkpoint the server serves.")
-    model = [(f, getattr(checkpoint, f), want) for f, want in
-             (("rows", expected.rows), ("cols", expected.cols), ("parts", expected.parts))
-             if getattr(checkpoint, f) != want]
+    model: list[tuple[str, object, object]] = [
+        (f, getattr(checkpoint, f), want) for f, want in
+        (("rows", expected.rows), ("cols", expected.cols), ("parts", expected.parts))
+        if getattr(checkpoint, f) != want]
     if checkpoint.dtype not in expected.dtypes:
         model.append(("dtype", checkpoint.dtype, " or ".join(expected.dtypes)))
     if model:
@@ -94,6 +99,7 @@ def verify(server: TableInfo, socket: str, checkpoint: TableSpec, checkpoint_dir
 
 def checkpoint_dir(override: str | None = None) -> str:
     """The local directory of the checkpoint vLLM loads."""
+    path: str | None
     if override:
         path = override
         source = ENV_CHECKPOINT
@@ -127,7 +133,7 @@ def load_format() -> str | None:
     try:
         from vllm.config import get_current_vllm_config
         load_config = get_current_vllm_config().load_config
-    except Exception:  # noqa: BLE001 - no config context: not a vLLM run
+    except Exception:  # no config context: not a vLLM run
         return None
     return str(getattr(load_config, "load_format", None) or "") or None
 
@@ -136,7 +142,7 @@ def _vllm_model() -> tuple[str | None, str | None]:
     try:
         from vllm.config import get_current_vllm_config
         model_config = get_current_vllm_config().model_config
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None, None
     if model_config is None:
         return None, None
@@ -148,6 +154,6 @@ def _hf_snapshot(repo: str, revision: str | None) -> str | None:
         from huggingface_hub import snapshot_download
         return snapshot_download(repo, revision=revision, local_files_only=True,
                                  allow_patterns=["*.json", "*.safetensors"])
-    except Exception as exc:  # noqa: BLE001 - any failure means "not local"
+    except Exception as exc:  # any failure means "not local"
         log.debug("PLE shm: %s is not in the local Hugging Face cache: %s", repo, exc)
         return None

@@ -23,6 +23,7 @@ import functools
 import logging
 import re
 from types import ModuleType
+from typing import Any
 
 import torch.nn as nn
 
@@ -50,19 +51,19 @@ def patch_model_module(module: ModuleType) -> None:
             declare_shards_unused(obj)
 
 
-def declare_shards_unused(cls: type) -> None:
+def declare_shards_unused(cls: Any) -> None:  # a vLLM class, patched in place
     if cls.__dict__.get("_ple_shm_unused_declared"):
         return
     previous = cls.__dict__.get("is_unused_checkpoint_weight")
 
     if previous is None:
-        def is_unused_checkpoint_weight(self, name: str) -> bool:  # noqa: ANN001
+        def is_unused_checkpoint_weight(self, name: str) -> bool:
             parent = super(cls, self)
             inherited = getattr(parent, "is_unused_checkpoint_weight", None)
             return is_ple_shard(name) or bool(inherited and inherited(name))
     else:
         @functools.wraps(previous)
-        def is_unused_checkpoint_weight(self, name: str) -> bool:  # noqa: ANN001
+        def is_unused_checkpoint_weight(self, name: str) -> bool:
             return is_ple_shard(name) or bool(previous(self, name))
 
     cls.is_unused_checkpoint_weight = is_unused_checkpoint_weight
@@ -70,14 +71,14 @@ def declare_shards_unused(cls: type) -> None:
     log.debug("PLE shm: %s declares PLE shard tensors unused", cls.__qualname__)
 
 
-def patch_weight_utils(module: ModuleType) -> None:
+def patch_weight_utils(module: Any) -> None:  # a module whose function is swapped
     """Make the safetensors iterators skip shard tensors before reading them."""
     original = module.should_skip_weight
     if getattr(original, "_ple_shm_wrapped", False):
         return
 
     @functools.wraps(original)
-    def should_skip_weight(weight_name: str, *args, **kwargs) -> bool:  # noqa: ANN002
+    def should_skip_weight(weight_name: str, *args, **kwargs) -> bool:
         return is_ple_shard(weight_name) or original(weight_name, *args, **kwargs)
 
     should_skip_weight._ple_shm_wrapped = True  # type: ignore[attr-defined]

@@ -36,6 +36,7 @@ import logging
 import sys
 from collections.abc import Iterable
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -52,7 +53,7 @@ SHARD_PREFIX = "ngram_embedding.shard_"
 SCALE_NAME = "ngram_embedding.weight_scale"
 ROW_DTYPES = ("BF16", "F8_E4M3", "F8_E5M2")  # whatever the checkpoint holds
 
-_LAYERS: dict[str, nn.Module] = {}
+_LAYERS: dict[str, Any] = {}
 """prefix → patched layer, for the custom op (which only carries a string)."""
 
 
@@ -91,12 +92,12 @@ def patch_module(module: ModuleType) -> None:
     apply(cls)
 
 
-def apply(cls: type) -> None:
+def apply(cls: Any) -> None:  # a vLLM class, patched in place: Any to mypy
     """Patch the seed-interface class ``cls`` (its module must define
     ``VocabParallelEmbedding``). Idempotent."""
     if cls.__dict__.get("_ple_shm_patched"):
         return
-    module = sys.modules[cls.__module__]
+    module: Any = sys.modules[cls.__module__]  # one of its attributes is swapped below
     original_init = cls.__init__
     original_load_weights = cls.load_weights
     original_forward_impl = cls.forward_impl
@@ -104,7 +105,7 @@ def apply(cls: type) -> None:
     signature = inspect.signature(original_init)
 
     @functools.wraps(original_init)
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+    def __init__(self, *args, **kwargs) -> None:
         bound = signature.bind(self, *args, **kwargs)
         if "quant_config" in signature.parameters:
             bound.arguments["quant_config"] = None  # no FP8 weight parameter
@@ -125,7 +126,7 @@ def apply(cls: type) -> None:
             dtypes=ROW_DTYPES, parts=int(self.split_ngram_parts)))
 
     @functools.wraps(original_load_weights)
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:  # noqa: ANN001
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
         rest: list[tuple[str, torch.Tensor]] = []
         for name, tensor in weights:
@@ -143,8 +144,8 @@ def apply(cls: type) -> None:
             _set_scale(self, torch.tensor(binding.checkpoint.scale, dtype=torch.float32))
         return loaded
 
-    def forward_impl(self, hidden_states, input_ids, query_start_loc, ngram_context,  # noqa: ANN001
-                     *args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003
+    def forward_impl(self, hidden_states, input_ids, query_start_loc, ngram_context,
+                     *args, **kwargs) -> torch.Tensor:
         del hidden_states, args, kwargs
         num_tokens = input_ids.reshape(-1).shape[0]
         storage = self.ngram_embedding

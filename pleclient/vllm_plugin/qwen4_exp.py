@@ -24,6 +24,7 @@ import functools
 import logging
 from collections.abc import Iterable
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ def patch_amd(module: ModuleType) -> None:
     patch_ngram_embedding(module, module.Qwen4ExpNGramEmbedding)
 
 
-def patch_ngram_embedding(module: ModuleType, cls: type) -> None:
+def patch_ngram_embedding(module: ModuleType, cls: Any) -> None:  # patched in place
     if cls.__dict__.get("_ple_shm_patched"):
         return
     from pleclient.vllm_plugin.storage import Qwen4ExpPLEShmEmbedding
@@ -52,7 +53,7 @@ def patch_ngram_embedding(module: ModuleType, cls: type) -> None:
     original_load_weights = cls.load_weights
 
     @functools.wraps(original_init)
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+    def __init__(self, *args, **kwargs) -> None:
         saved = {name: module.__dict__[name] for name in STORAGE_NAMES
                  if name in module.__dict__}
         for name in saved:
@@ -68,7 +69,7 @@ def patch_ngram_embedding(module: ModuleType, cls: type) -> None:
             storage.bind(self.split_ngram_parts)
 
     @functools.wraps(original_load_weights)
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:  # noqa: ANN001
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from pleclient.vllm_plugin.storage import Qwen4ExpPLEShmEmbedding
 
         if not isinstance(self.ngram_embedding, Qwen4ExpPLEShmEmbedding):

@@ -29,7 +29,7 @@ class ReconnectPolicy:
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
 
-    def reconnect(self, connect: Callable[[], T], *, socket: str, cause: Exception,
+    def reconnect(self, connect: Callable[[], T], *, socket: str | None, cause: Exception,
                   failed_since: float) -> T:
         """``connect()`` until it succeeds, sleeping between tries; a try that
         fails with a transient error or another protocol (a server being

@@ -48,7 +48,7 @@ TARGETS: dict[str, str] = {
 }
 
 _lock = threading.RLock()
-_finder: "_PatchOnImport | None" = None
+_finder: _PatchOnImport | None = None
 
 
 def register() -> None:
@@ -96,7 +96,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     def __init__(self) -> None:
         self._busy: set[str] = set()
 
-    def find_spec(self, fullname, path, target=None):  # noqa: ANN001 - importlib API
+    def find_spec(self, fullname, path, target=None):  # importlib API
         if fullname not in TARGETS or fullname in self._busy:
             return None
         self._busy.add(fullname)
@@ -122,7 +122,7 @@ class _PatchingLoader(importlib.abc.Loader):
         self._loader = loader
         self._fullname = fullname
 
-    def create_module(self, spec):  # noqa: ANN001 - importlib API
+    def create_module(self, spec):  # importlib API
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:

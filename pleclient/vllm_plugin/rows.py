@@ -40,15 +40,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pleclient import (PleClient, PleError, ProtocolMismatch, RequestError, ServerGone,
-                       TableInfo, Ticket)
+from pleclient import (
+    PleClient,
+    PleError,
+    ProtocolMismatch,
+    RequestError,
+    ServerGone,
+    TableInfo,
+    Ticket,
+)
 from pleclient.checkpoint import TableSpec
 from pleclient.torch import DeviceCopy, PinnedSegment, copy_rows
 from pleclient.vllm_plugin import discovery, identity
 from pleclient.vllm_plugin.errors import PleBackendError
 from pleclient.vllm_plugin.reconnect import TRANSIENT, ReconnectPolicy
-from pleclient.vllm_plugin.settings import (ENV_ALLOW_DUMMY, ENV_BACKEND, ENV_SOCKET,
-                                            ShmSettings)
+from pleclient.vllm_plugin.settings import ENV_ALLOW_DUMMY, ENV_BACKEND, ENV_SOCKET, ShmSettings
 
 log = logging.getLogger("pleclient.vllm_plugin")
 
@@ -107,10 +113,10 @@ class RowService:
     """The worker's ple-server session and its pinned segment; a lost server
     is waited for as its ``ReconnectPolicy`` says."""
 
-    _shared: "RowService | None" = None
+    _shared: RowService | None = None
 
     @classmethod
-    def shared(cls) -> "RowService":
+    def shared(cls) -> RowService:
         service = cls._shared
         if service is None or service._pid != os.getpid():
             service = cls._shared = cls(ShmSettings.from_env())
@@ -219,7 +225,7 @@ class RowService:
         if out.numel() != n * binding.expected.cols:
             raise ValueError(f"PLE rows for {n} ids need {n * binding.expected.cols} "
                              f"elements, the output holds {out.numel()}")
-        if binding.dummy:
+        if binding.info is None:  # dummy
             out.zero_()
             return
         if n == 0:
@@ -232,10 +238,12 @@ class RowService:
                 try:
                     self._feed(pending, first=index, reserve=0)
                     chunk = pending.chunks[index]
-                    rows = chunk.ticket.wait(self.settings.lookup_timeout)
+                    ticket = chunk.ticket
+                    assert ticket is not None  # _feed submitted it
+                    rows = ticket.wait(self.settings.lookup_timeout)
                     self._ensure_pinned(target.device)
                     copy = copy_rows(rows, target[chunk.start:chunk.end])
-                    self._retiring.append((chunk.ticket, copy))
+                    self._retiring.append((ticket, copy))
                     chunk.ticket = None
                     index += 1
                 except TRANSIENT as exc:
@@ -275,6 +283,8 @@ class RowService:
         client = self._client
         if client is None:
             raise ServerGone("no ple-server session")
+        info = pending.binding.info
+        assert info is not None  # a dummy binding is never fed
         chunks = pending.chunks
         cap = client.capacity
         if any(c.end - c.start > cap for c in chunks[first:]):
@@ -291,8 +301,7 @@ class RowService:
                     return
             elif client.free_slots == 0:
                 self._retire(block=True)
-            chunk.ticket = client.submit(pending.binding.info,
-                                         pending.ids[chunk.start:chunk.end])
+            chunk.ticket = client.submit(info, pending.ids[chunk.start:chunk.end])
             chunk.generation = self._generation
 
     def _retire(self, *, block: bool) -> None:
@@ -352,7 +361,7 @@ class RowService:
         """A restarted server must still serve the checkpoint every layer loaded."""
         try:
             for binding in self._bindings:
-                if binding.dummy:
+                if binding.dummy or binding.checkpoint is None:  # a bound table has its spec
                     continue
                 info = identity.select(client.tables, binding.expected.table_suffix,
                                        f"ple-server at {client.socket_path}")
@@ -369,7 +378,7 @@ class RowService:
             return
         try:
             self._drop_session()
-        except Exception as exc:  # noqa: BLE001 - at exit, report and go on
+        except Exception as exc:  # at exit, report and go on
             log.debug("PLE backend shm: close: %s", exc)
         if RowService._shared is self:
             RowService._shared = None

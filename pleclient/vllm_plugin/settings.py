@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import overload
 
 from pleclient import protocol
 
@@ -92,7 +93,7 @@ class ShmSettings:
     socket_dir: str = DEFAULT_SOCKET_DIR
 
     @classmethod
-    def from_env(cls) -> "ShmSettings":
+    def from_env(cls) -> ShmSettings:
         socket = os.environ.get(ENV_SOCKET) or os.environ.get(protocol.SOCKET_ENV) or None
         depth = _int(ENV_DEPTH, protocol.DEFAULT_DEPTH)
         if not MIN_DEPTH <= depth <= protocol.MAX_DEPTH:
@@ -116,6 +117,10 @@ class ShmSettings:
         )
 
 
+@overload
+def _int(name: str, default: int) -> int: ...
+@overload
+def _int(name: str, default: None) -> int | None: ...
 def _int(name: str, default: int | None) -> int | None:
     raw = os.environ.get(name, "").strip()
     if not raw:

@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLEEmbedding,
@@ -43,10 +42,12 @@ from pleclient.vllm_plugin.errors import PleBackendError
 from pleclient.vllm_plugin.identity import Expected
 from pleclient.vllm_plugin.rows import PendingLookup, RowService, TableBinding
 
+
 class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
     """PLE rows served by ple-server; no table in this process."""
 
     supports_prefetch: ClassVar[bool] = True  # per instance: VLLM_PLE_SHM_PREFETCH
+    weight: torch.Tensor  # a 0-row buffer (see __init__), for its dtype and device
 
     def __init__(
         self,
@@ -82,9 +83,11 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
         )
         # The 0-row placeholder: a buffer, so the loader expects nothing for it.
         placeholder = self._parameters.pop("weight")
+        assert placeholder is not None  # the base class registers it
         self.register_buffer("weight", placeholder.data, persistent=False)
         self._rows = RowService.shared()
-        self.supports_prefetch = self._rows.settings.prefetch
+        # vLLM declares it a ClassVar; each layer here follows its own settings.
+        self.supports_prefetch = self._rows.settings.prefetch  # type: ignore[misc]
         self._num_ngram_heads = num_ngram_heads
         self._binding: TableBinding | None = None
         self._pending: PendingLookup | None = None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-import torch  # noqa: E402
+import torch
 
 HEADS_PER_NGRAM = 8
 NGRAM_SIZE = 3
@@ -86,8 +86,7 @@ def vllm_context(world_size: int = 1, rank: int = 0, init_file: str | None = Non
                  *, load_format: str | None = None):
     """A VllmConfig context with gloo model-parallel groups (TP = world size)."""
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (ensure_model_parallel_initialized,
-                                  init_distributed_environment)
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
     if init_file is None:
         init_file = tempfile.mktemp(prefix="vllm-dist-")
@@ -150,7 +149,7 @@ def mixed_batch(seed: int, *, prefills: int = 2, decodes: int = 3,
     ids[ids == EOS] = EOS + 1
     if sum(lengths) > 4:
         ids[4] = EOS  # an end of sequence inside a prefill resets the n-grams
-    qsl = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    qsl = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     context = torch.randint(0, UNIGRAM_VOCAB, (len(lengths), NGRAM_SIZE - 1), generator=g)
     if prefills:
         context[decodes] = EOS  # a brand-new request

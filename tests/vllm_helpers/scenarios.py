@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from tests.vllm_helpers import model as m  # noqa: E402
+from tests.vllm_helpers import model as m
 
 SCENARIOS: dict[str, Callable[[dict], dict]] = {}
 
@@ -91,7 +91,7 @@ def compare(stock: dict, shm: dict, *, signed_zeros: bool = False) -> dict:
     which turns a -0.0 in the checkpoint into +0.0; FP8 is summed as bytes."""
     diffs = {}
     for name in stock:
-        for i, (a, b) in enumerate(zip(stock[name], shm[name])):
+        for i, (a, b) in enumerate(zip(stock[name], shm[name], strict=True)):
             if signed_zeros and a.dtype == b.dtype and a.is_floating_point() \
                     and a.element_size() > 1:
                 a, b = _plus_zero(a), _plus_zero(b)
@@ -109,7 +109,7 @@ def signed_zero_flips(stock: dict, shm: dict) -> int:
     """How many elements differ in bits only by the sign of a zero."""
     flips = 0
     for name in stock:
-        for a, b in zip(stock[name], shm[name]):
+        for a, b in zip(stock[name], shm[name], strict=True):
             if a.dtype == b.dtype and a.shape == b.shape and a.element_size() > 1:
                 bits = a.view(torch.int16) != b.view(torch.int16)
                 flips += int((bits & (a == 0) & (b == 0)).sum())
@@ -258,7 +258,7 @@ def bad_backend(args: dict) -> dict:
     from vllm.plugins import load_general_plugins
     try:
         load_general_plugins()
-    except Exception as exc:  # noqa: BLE001 - reported to the test
+    except Exception as exc:  # reported to the test
         return {"error": type(exc).__name__, "message": str(exc)}
     return {"error": None}
 
@@ -271,9 +271,10 @@ def entry_point_hook(args: dict) -> dict:
     check("vllm.models.qwen4_exp.nvidia.ngram_embedding" not in sys.modules,
           "target imported too early")
     load_general_plugins()
-    from pleclient.vllm_plugin import registration
     import vllm.models.qwen4_exp.nvidia.ngram_embedding as ne
     from vllm.model_executor.model_loader import weight_utils
+
+    from pleclient.vllm_plugin import registration
     init_before = ne.Qwen4ExpNGramEmbedding.__init__
     register_plugin()
     register_plugin()
@@ -317,20 +318,21 @@ def _piecewise_splitting_ops(explicit: list[str] | None = None) -> list[str]:
 def loader_reads(args: dict) -> dict:
     """vLLM's DefaultModelLoader over the checkpoint with the real model class:
     which files it opens for tensors and which tensors it materializes."""
-    import torch.nn as nn
     from types import SimpleNamespace
 
+    import torch.nn as nn
+
     register_plugin()
+    import vllm.models.qwen4_exp.nvidia.model as nm
     from vllm.config import LoadConfig
     from vllm.model_executor.model_loader import weight_utils
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-    import vllm.models.qwen4_exp.nvidia.model as nm
 
     reads: dict[str, list[str]] = {}
     real_safe_open = weight_utils.safe_open
 
     class CountingSafeOpen:
-        def __init__(self, path, *a, **kw):  # noqa: ANN001, ANN002, ANN003
+        def __init__(self, path, *a, **kw):
             self._path = os.path.basename(path)
             self._inner = real_safe_open(path, *a, **kw)
 
@@ -338,17 +340,17 @@ def loader_reads(args: dict) -> dict:
             self._f = self._inner.__enter__()
             return self
 
-        def __exit__(self, *exc):  # noqa: ANN002
+        def __exit__(self, *exc):
             return self._inner.__exit__(*exc)
 
         def keys(self):
             return self._f.keys()
 
-        def get_tensor(self, name):  # noqa: ANN001
+        def get_tensor(self, name):
             reads.setdefault(self._path, []).append(name)
             return self._f.get_tensor(name)
 
-        def __getattr__(self, name):  # noqa: ANN001
+        def __getattr__(self, name):
             return getattr(self._f, name)
 
     weight_utils.safe_open = CountingSafeOpen
@@ -369,7 +371,7 @@ def startup_checks(args: dict) -> dict:
         started = time.monotonic()
         try:
             module = m.build_ngram_embedding(m.FP8_LAYER)
-        except Exception as exc:  # noqa: BLE001 - reported to the test
+        except Exception as exc:  # reported to the test
             return {"error": type(exc).__name__, "message": str(exc),
                     "seconds": time.monotonic() - started}
         batch = m.mixed_batch(3)
@@ -389,7 +391,7 @@ class Server:
         self.running = None
         self.started_at = 0.0  # when the last start began
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         self.started_at = time.monotonic()
         self.running = self.launcher.start()
         return self
@@ -475,8 +477,9 @@ def server_restarts(args: dict) -> dict:
 @scenario
 def seed_interface(args: dict) -> dict:
     """The seed-interface adapter against the stand-in class."""
-    import tests.seed_standin as standin
     from transformers import Qwen4ExpTextConfig
+
+    import tests.seed_standin as standin
 
     result: dict = {}
     with m.vllm_context():
@@ -529,7 +532,7 @@ def main() -> None:
     print("RESULT " + json.dumps(result, default=_jsonable), flush=True)
 
 
-def _jsonable(value):  # noqa: ANN001, ANN202
+def _jsonable(value):
     if isinstance(value, (np.integer, np.floating)):
         return value.item()
     if isinstance(value, tuple):
