@@ -6,14 +6,25 @@ from glob import glob
 
 from setuptools import Extension, setup
 
-COMPILE_ARGS = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE",
-                "-fvisibility=hidden"]
+COMPILE_ARGS = [
+    "-std=c11",
+    "-O2",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-D_GNU_SOURCE",
+    "-fvisibility=hidden",
+]
 
 
 def native(name: str, folder: str) -> Extension:
-    return Extension(name, sources=sorted(glob(f"{folder}/*.c")),
-                     depends=sorted(glob(f"{folder}/*.h")),
-                     extra_compile_args=COMPILE_ARGS, extra_link_args=["-pthread"])
+    return Extension(
+        name,
+        sources=sorted(glob(f"{folder}/*.c")),
+        depends=sorted(glob(f"{folder}/*.h")),
+        extra_compile_args=COMPILE_ARGS,
+        extra_link_args=["-pthread"],
+    )
 
 
 setup(

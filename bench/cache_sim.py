@@ -51,6 +51,7 @@ DEFAULT_BUDGETS = "0.05,0.1,0.25,0.5,1,5,10,25"
 # Every simulator takes dense keys (0 .. nkeys-1, one per access) and a
 # capacity in entries, and returns one hit flag per access.
 
+
 @njit(cache=True)
 def sim_lru(keys, nkeys, capacity):
     hits = np.zeros(keys.size, np.uint8)
@@ -387,8 +388,10 @@ def self_check() -> None:
             got = sim(keys, 5000, capacity)
             want = np.asarray(REFERENCES[name](keys.tolist(), capacity), dtype=np.uint8)
             if not np.array_equal(got, want):
-                raise SystemExit(f"{name} at capacity {capacity} differs from its reference "
-                                 f"(first at access {int(np.flatnonzero(got != want)[0])})")
+                raise SystemExit(
+                    f"{name} at capacity {capacity} differs from its reference "
+                    f"(first at access {int(np.flatnonzero(got != want)[0])})"
+                )
     print("check: the four simulators equal their references", file=sys.stderr)
 
 
@@ -423,27 +426,41 @@ def simulate(args) -> dict:
     table_rows = trace.rows
     stream = trace.decode_steps(args.sequences).reshape(-1)
     if args.accesses:
-        stream = stream[:args.accesses]
+        stream = stream[: args.accesses]
     keys, nrows = dense(stream)
     pages, owner = page_accesses(stream, row_bytes)
     page_keys, npages = dense(pages)
     bound = np.ones(keys.size, np.uint8)
     _, first_idx = np.unique(keys, return_index=True)
     bound[first_idx] = 0
-    result = {"trace": {"path": os.path.basename(args.trace), "sha256": trace.sha256,
-                        "tokens": len(trace.ids), "accesses": int(keys.size),
-                        "distinct_rows": nrows, "distinct_pages": npages,
-                        "straddling_accesses": int(pages.size - keys.size)},
-              "table": {"rows": table_rows, "row_bytes": row_bytes,
-                        "gib": round(table_rows * row_bytes / 2**30, 2)},
-              "order": f"decode steps of {args.sequences} sequences × 16 ids",
-              "row_overhead_bytes": args.row_overhead,
-              "infinite": rates(bound), "budgets": []}
+    result = {
+        "trace": {
+            "path": os.path.basename(args.trace),
+            "sha256": trace.sha256,
+            "tokens": len(trace.ids),
+            "accesses": int(keys.size),
+            "distinct_rows": nrows,
+            "distinct_pages": npages,
+            "straddling_accesses": int(pages.size - keys.size),
+        },
+        "table": {
+            "rows": table_rows,
+            "row_bytes": row_bytes,
+            "gib": round(table_rows * row_bytes / 2**30, 2),
+        },
+        "order": f"decode steps of {args.sequences} sequences × 16 ids",
+        "row_overhead_bytes": args.row_overhead,
+        "infinite": rates(bound),
+        "budgets": [],
+    }
     for pct in args.budgets:
         budget = int(table_rows * row_bytes * pct / 100)
-        entry = {"pct": pct, "bytes": budget,
-                 "row_capacity": budget // (row_bytes + args.row_overhead),
-                 "page_capacity": budget // PAGE}
+        entry = {
+            "pct": pct,
+            "bytes": budget,
+            "row_capacity": budget // (row_bytes + args.row_overhead),
+            "page_capacity": budget // PAGE,
+        }
         for policy in args.policies:
             t0 = time.monotonic()
             hits = SIMULATORS[policy](keys, nrows, max(1, entry["row_capacity"]))
@@ -452,51 +469,76 @@ def simulate(args) -> dict:
         page_hits = sim_lru(page_keys, npages, max(1, entry["page_capacity"]))
         row_hits = np.ones(keys.size, np.uint8)
         np.minimum.at(row_hits, owner, page_hits)
-        entry["page-LRU"] = {**rates(row_hits), "page_reads": int(page_hits.size
-                                                                  - page_hits.sum()),
-                             "seconds": round(time.monotonic() - t0, 2)}
+        entry["page-LRU"] = {
+            **rates(row_hits),
+            "page_reads": int(page_hits.size - page_hits.sum()),
+            "seconds": round(time.monotonic() - t0, 2),
+        }
         result["budgets"].append(entry)
-        print(f"  {pct:g} %: " + ", ".join(f"{k} {entry[k]['hit']:.3f}"
-                                          for k in (*args.policies, "page-LRU")),
-              file=sys.stderr, flush=True)
+        print(
+            f"  {pct:g} %: "
+            + ", ".join(f"{k} {entry[k]['hit']:.3f}" for k in (*args.policies, "page-LRU")),
+            file=sys.stderr,
+            flush=True,
+        )
     return result
 
 
 def report(result: dict, policies, stream=sys.stdout) -> None:
     w = lambda s="": print(s, file=stream)  # noqa: E731
     t, tb = result["trace"], result["table"]
-    w(f"trace {t['path']} (sha256 {t['sha256'][:12]}…): {t['tokens']:,} tokens, "
-      f"{t['accesses']:,} row accesses ({result['order']}), {t['distinct_rows']:,} distinct "
-      f"rows, {t['distinct_pages']:,} distinct pages")
-    w(f"table {tb['rows']:,} rows × {tb['row_bytes']} B = {tb['gib']} GiB; row overhead "
-      f"{result['row_overhead_bytes']} B; infinite cache: {result['infinite']['hit']:.1%} "
-      f"(second half {result['infinite']['hit_warm']:.1%})")
+    w(
+        f"trace {t['path']} (sha256 {t['sha256'][:12]}…): {t['tokens']:,} tokens, "
+        f"{t['accesses']:,} row accesses ({result['order']}), {t['distinct_rows']:,} distinct "
+        f"rows, {t['distinct_pages']:,} distinct pages"
+    )
+    w(
+        f"table {tb['rows']:,} rows × {tb['row_bytes']} B = {tb['gib']} GiB; row overhead "
+        f"{result['row_overhead_bytes']} B; infinite cache: {result['infinite']['hit']:.1%} "
+        f"(second half {result['infinite']['hit_warm']:.1%})"
+    )
     w()
     cols = [*policies, "page-LRU"]
     w("hit rate, whole replay (second half)")
     w("| budget | bytes | rows | pages | " + " | ".join(cols) + " |")
     w("|---" * (4 + len(cols)) + "|")
     for e in result["budgets"]:
-        w(f"| {e['pct']:g} % | {e['bytes'] / 2**30:.2f} GiB | {e['row_capacity']:,} | "
-          f"{e['page_capacity']:,} | " +
-          " | ".join(f"{e[c]['hit']:.1%} ({e[c]['hit_warm']:.1%})" for c in cols) + " |")
+        w(
+            f"| {e['pct']:g} % | {e['bytes'] / 2**30:.2f} GiB | {e['row_capacity']:,} | "
+            f"{e['page_capacity']:,} | "
+            + " | ".join(f"{e[c]['hit']:.1%} ({e[c]['hit_warm']:.1%})" for c in cols)
+            + " |"
+        )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                    "traces", "qwen-text.npz"))
-    ap.add_argument("--budgets", default=DEFAULT_BUDGETS,
-                    help=f"budgets in %% of the table (default {DEFAULT_BUDGETS})")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--trace",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces", "qwen-text.npz"),
+    )
+    ap.add_argument(
+        "--budgets",
+        default=DEFAULT_BUDGETS,
+        help=f"budgets in %% of the table (default {DEFAULT_BUDGETS})",
+    )
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--sequences", type=int, default=32, help="decode lanes (default 32)")
     ap.add_argument("--itemsize", type=int, default=1, help="bytes per column (FP8: 1)")
-    ap.add_argument("--row-overhead", type=int, default=0,
-                    help="bytes of index per cached row, charged to the row cache")
+    ap.add_argument(
+        "--row-overhead",
+        type=int,
+        default=0,
+        help="bytes of index per cached row, charged to the row cache",
+    )
     ap.add_argument("--accesses", type=int, default=0, help="replay only the first N")
-    ap.add_argument("--check", action="store_true",
-                    help="first compare every simulator with a plain Python reference")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="first compare every simulator with a plain Python reference",
+    )
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     args.budgets = [float(x) for x in args.budgets.split(",") if x]

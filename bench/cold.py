@@ -142,13 +142,16 @@ class MemoryHolder:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(size)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(size)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
         line = self.proc.stdout.readline()
         if line.strip() != b"held":
             self.stop()
-            raise RuntimeError(f"the memory holder could not hold {size / GIB:.1f} GiB "
-                               f"(exit {self.proc.returncode}); lower --hold-gib")
+            raise RuntimeError(
+                f"the memory holder could not hold {size / GIB:.1f} GiB "
+                f"(exit {self.proc.returncode}); lower --hold-gib"
+            )
 
     @property
     def pid(self) -> int:
@@ -182,18 +185,28 @@ def evict(paths: list[str], drop_caches: bool) -> None:
 # ------------------------------------------------------------------- server
 def server_flags() -> set[str]:
     """The flags this checkout's ``pleserver serve`` knows."""
-    out = subprocess.run([sys.executable, "-m", "pleserver.cli", "serve", "--help"],
-                         capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": REPO}).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "pleserver.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+    ).stdout
     return {word.rstrip(",") for word in out.split() if word.startswith("--")}
 
 
 # ------------------------------------------------------------------- runs
 def latency(samples_s: list[float]) -> dict:
     a = np.asarray(samples_s) * 1e3
-    return {"n": int(a.size), "p50_ms": float(np.percentile(a, 50)),
-            "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean()),
-            "max_ms": float(a.max()), "first_ms": float(a[0]), "total_s": float(a.sum() / 1e3)}
+    return {
+        "n": int(a.size),
+        "p50_ms": float(np.percentile(a, 50)),
+        "p99_ms": float(np.percentile(a, 99)),
+        "mean_ms": float(a.mean()),
+        "max_ms": float(a.max()),
+        "first_ms": float(a[0]),
+        "total_s": float(a.sum() / 1e3),
+    }
 
 
 def table_io(stats: dict) -> dict:
@@ -205,8 +218,17 @@ def table_io(stats: dict) -> dict:
 class Contender:
     """One contender's lookup function and the process whose counters count."""
 
-    def __init__(self, name: str, args, model: str, spec, workdir: str, flags: set[str],
-                 capacity: int, state_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        args,
+        model: str,
+        spec,
+        workdir: str,
+        flags: set[str],
+        capacity: int,
+        state_dir: str | None = None,
+    ) -> None:
         self.name = name
         self.server = None
         self.client = None
@@ -227,15 +249,25 @@ class Contender:
                 if args.read_engine:
                     extra += ["--read-engine", args.read_engine]
         if "--state-dir" in flags:  # by default one that does not exist: no hot set kept
-            extra += ["--state-dir", state_dir or os.path.join(
-                workdir, f"state-{time.monotonic_ns()}")]
+            extra += [
+                "--state-dir",
+                state_dir or os.path.join(workdir, f"state-{time.monotonic_ns()}"),
+            ]
         extra += ["--max-capacity", str(capacity)]
         # A loaded machine may take long to open the tables: a generous wait.
-        self.server = ServerLauncher(model, "--prewarm", "none", *extra, log_level="INFO",
-                                     cwd=REPO, die_with_parent=True,
-                                     ready_timeout=600.0).start()
-        self.client = PleClient.connect(self.server.socket, timeout=600.0, name="cold",
-                                        capacity=capacity)
+        self.server = ServerLauncher(
+            model,
+            "--prewarm",
+            "none",
+            *extra,
+            log_level="INFO",
+            cwd=REPO,
+            die_with_parent=True,
+            ready_timeout=600.0,
+        ).start()
+        self.client = PleClient.connect(
+            self.server.socket, timeout=600.0, name="cold", capacity=capacity
+        )
         self.info = self.client.table(0)
         self.pid = self.server.pid
         self.fn = lambda ids, c=self.client, i=self.info: c.lookup(i, ids)
@@ -292,27 +324,48 @@ def measured(contender: Contender, batches: np.ndarray, check=None) -> dict:
     cached_modes = contender.name in ("direct", "buffered")
     io0, io1 = (table_io(s0), table_io(s1)) if cached_modes else ({}, {})
     ids = int(batches.size)
-    out = {"latency": latency(samples), "wall_s": wall, "ids": ids, "others_cpu": others,
-           "majflt": c1["majflt"] - c0["majflt"],
-           "disk_reads_4k": (c1["read_bytes"] - c0["read_bytes"]) // PAGE,
-           "cached_growth_bytes": m1["Cached"] - m0["Cached"]}
+    out = {
+        "latency": latency(samples),
+        "wall_s": wall,
+        "ids": ids,
+        "others_cpu": others,
+        "majflt": c1["majflt"] - c0["majflt"],
+        "disk_reads_4k": (c1["read_bytes"] - c0["read_bytes"]) // PAGE,
+        "cached_growth_bytes": m1["Cached"] - m0["Cached"],
+    }
     if io1:
         hits = io1.get("hits", 0) - io0.get("hits", 0)
         misses = io1.get("misses", 0) - io0.get("misses", 0)
-        out.update(misses=misses, hit_rate=hits / (hits + misses) if hits + misses else None,
-                   reads=io1.get("reads", 0) - io0.get("reads", 0),
-                   read_p50_s=io1.get("read_p50_s"), read_p99_s=io1.get("read_p99_s"),
-                   misses_from="server stats")
+        out.update(
+            misses=misses,
+            hit_rate=hits / (hits + misses) if hits + misses else None,
+            reads=io1.get("reads", 0) - io0.get("reads", 0),
+            read_p50_s=io1.get("read_p50_s"),
+            read_p99_s=io1.get("read_p99_s"),
+            misses_from="server stats",
+        )
     else:  # mmap mode and the seed: a miss is a major fault
-        out.update(misses=out["majflt"], hit_rate=max(0.0, 1 - out["majflt"] / ids),
-                   misses_from="major faults")
+        out.update(
+            misses=out["majflt"],
+            hit_rate=max(0.0, 1 - out["majflt"] / ids),
+            misses_from="major faults",
+        )
     out["misses_per_s"] = out["misses"] / wall if wall else None
     out["disk_reads_per_s"] = out["disk_reads_4k"] / wall if wall else None
     return out
 
 
-def run_phase(name: str, batches: np.ndarray, args, model: str, spec,
-              paths: list[str], workdir: str, flags: set[str], reference) -> dict:
+def run_phase(
+    name: str,
+    batches: np.ndarray,
+    args,
+    model: str,
+    spec,
+    paths: list[str],
+    workdir: str,
+    flags: set[str],
+    reference,
+) -> dict:
     """Evict, start the contender, time it cold, warm it up, time it warm."""
     evict(paths, args.drop_caches)
     mem0 = meminfo()
@@ -327,15 +380,17 @@ def run_phase(name: str, batches: np.ndarray, args, model: str, spec,
         mem1 = meminfo()
         stats = contender.stats()
         result.update(
-            rss_bytes=rss1.get("VmRSS"), rss_peak_bytes=rss1.get("VmHWM"),
+            rss_bytes=rss1.get("VmRSS"),
+            rss_peak_bytes=rss1.get("VmHWM"),
             rss_growth_bytes=rss1.get("VmRSS", 0) - rss0.get("VmRSS", 0),
-            rss_anon_bytes=rss1.get("RssAnon"), rss_file_bytes=rss1.get("RssFile"),
+            rss_anon_bytes=rss1.get("RssAnon"),
+            rss_file_bytes=rss1.get("RssFile"),
             cached_growth_bytes=mem1["Cached"] - mem0["Cached"],
-            process="bench (in-process)" if contender.server is None else "server")
+            process="bench (in-process)" if contender.server is None else "server",
+        )
         if stats.get("dataplane"):
             plane = stats["dataplane"]
-            result["dataplane"] = {k: plane.get(k) for k in ("io", "io_reason", "cache",
-                                                              "engine")}
+            result["dataplane"] = {k: plane.get(k) for k in ("io", "io_reason", "cache", "engine")}
         return result
     finally:
         contender.close()
@@ -349,19 +404,28 @@ def wait_refill(contender: Contender, timeout: float = 900.0) -> dict:
         if hot.get("state") not in ("pending", "refilling"):
             return hot
         if time.monotonic() - t0 > timeout:
-            raise RuntimeError(f"{contender.name}: hot-set refill not over after "
-                               f"{timeout:.0f} s: {hot}")
+            raise RuntimeError(
+                f"{contender.name}: hot-set refill not over after {timeout:.0f} s: {hot}"
+            )
         time.sleep(0.05)
 
 
-def run_restart(name: str, steps: np.ndarray, args, model: str, spec, paths: list[str],
-                workdir: str, flags: set[str]) -> dict:
+def run_restart(
+    name: str,
+    steps: np.ndarray,
+    args,
+    model: str,
+    spec,
+    paths: list[str],
+    workdir: str,
+    flags: set[str],
+) -> dict:
     """Hot-set persistence. The first half of ``steps`` fills the cache; the
     second half is timed on a server that kept running, on one restarted with
     the hot set it saved at stop, and on one restarted without (all from cold
     files)."""
     half = steps.shape[0] // 2
-    fill, after = steps[:half], steps[half:2 * half]
+    fill, after = steps[:half], steps[half : 2 * half]
     capacity = steps.shape[1]
     state = os.path.join(workdir, f"hotset-{name}")
     os.makedirs(state)
@@ -427,22 +491,31 @@ def ceiling(paths: list[str], seconds: float, kind: str) -> dict:
     so that a probe that never returns (it runs with the GIL released, where no
     signal handler runs) cannot wedge the benchmark."""
     if native_module() is None:
-        return {"error": "pleserver._native is not built: run "
-                         "`python setup.py build_ext --inplace`"}
+        return {
+            "error": "pleserver._native is not built: run `python setup.py build_ext --inplace`"
+        }
     out = {}
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for qd in PROBE_DEPTHS:
         argv = [sys.executable, "-c", PROBE, json.dumps([paths, qd, seconds, kind])]
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=env,
-                                  timeout=seconds + 60, preexec_fn=die_with_parent)
+            done = subprocess.run(
+                argv,
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                env=env,
+                timeout=seconds + 60,
+                preexec_fn=die_with_parent,
+            )
         except subprocess.TimeoutExpired:
             out[str(qd)] = {"error": f"the probe did not return within {seconds + 60:.0f} s"}
             say(f"  QD {qd:>3}: {out[str(qd)]['error']}")
             continue
         if done.returncode != 0:
-            out[str(qd)] = {"error": done.stderr.strip().splitlines()[-1:] or
-                            [f"exit {done.returncode}"]}
+            out[str(qd)] = {
+                "error": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+            }
             say(f"  QD {qd:>3}: probe failed: {out[str(qd)]['error']}")
             continue
         r = json.loads(done.stdout)
@@ -477,22 +550,35 @@ def run(args, workdir: str) -> dict:
     trace = load_trace(args.trace)
     flags = server_flags()
     native = native_module()
-    contenders = args.contenders or [c for c in CONTENDERS if c in ("mmap", "seed")
-                                     or ("--io" in flags and native is not None)]
+    contenders = args.contenders or [
+        c for c in CONTENDERS if c in ("mmap", "seed") or ("--io" in flags and native is not None)
+    ]
     if set(contenders) - {"mmap", "seed"}:
         if "--io" not in flags:
-            raise SystemExit("this checkout's `pleserver serve` has no --io: only mmap "
-                             "and seed can run")
+            raise SystemExit(
+                "this checkout's `pleserver serve` has no --io: only mmap and seed can run"
+            )
         if native is None:
-            raise SystemExit("pleserver._native is not built: run `python setup.py "
-                             "build_ext --inplace` (or choose --contenders mmap,seed)")
-    result = {"command": "python bench/cold.py " + " ".join(sys.argv[1:]),
-              "machine": machine(), "source": source(), "loadavg_start": loadavg(),
-              "cpu_busy_before": cpu_busy(),
-              "trace": {"path": os.path.basename(args.trace), "sha256": trace.sha256,
-                        "tokens": len(trace.ids), "rows": trace.rows},
-              "contenders": contenders, "read_ahead_kb": read_ahead_kb(workdir),
-              "phases": {}}
+            raise SystemExit(
+                "pleserver._native is not built: run `python setup.py "
+                "build_ext --inplace` (or choose --contenders mmap,seed)"
+            )
+    result = {
+        "command": "python bench/cold.py " + " ".join(sys.argv[1:]),
+        "machine": machine(),
+        "source": source(),
+        "loadavg_start": loadavg(),
+        "cpu_busy_before": cpu_busy(),
+        "trace": {
+            "path": os.path.basename(args.trace),
+            "sha256": trace.sha256,
+            "tokens": len(trace.ids),
+            "rows": trace.rows,
+        },
+        "contenders": contenders,
+        "read_ahead_kb": read_ahead_kb(workdir),
+        "phases": {},
+    }
     holder = None
     try:
         if args.hold_gib:
@@ -503,20 +589,32 @@ def run(args, workdir: str) -> dict:
         rows = size // row_bytes
         free = shutil.disk_usage(workdir).free
         if size > free - GIB:
-            raise SystemExit(f"a {size / GIB:.1f} GiB table does not fit in {workdir} "
-                             f"({free / GIB:.1f} GiB free): use --dir or --table-gib")
-        table = SyntheticTable(layer=0, rows=rows, cols=row_bytes, dtype="F8_E4M3",
-                               parts=args.parts)
-        result["memory"] = {"held_bytes": holder.size if holder else 0,
-                            "available_after_hold_bytes": left,
-                            "total_bytes": meminfo()["MemTotal"]}
-        result["table"] = {"rows": rows, "row_bytes": row_bytes, "dtype": "F8_E4M3",
-                           "parts": args.parts, "files": args.files,
-                           "bytes": rows * row_bytes,
-                           "x_memory_left": round(rows * row_bytes / left, 2)}
+            raise SystemExit(
+                f"a {size / GIB:.1f} GiB table does not fit in {workdir} "
+                f"({free / GIB:.1f} GiB free): use --dir or --table-gib"
+            )
+        table = SyntheticTable(
+            layer=0, rows=rows, cols=row_bytes, dtype="F8_E4M3", parts=args.parts
+        )
+        result["memory"] = {
+            "held_bytes": holder.size if holder else 0,
+            "available_after_hold_bytes": left,
+            "total_bytes": meminfo()["MemTotal"],
+        }
+        result["table"] = {
+            "rows": rows,
+            "row_bytes": row_bytes,
+            "dtype": "F8_E4M3",
+            "parts": args.parts,
+            "files": args.files,
+            "bytes": rows * row_bytes,
+            "x_memory_left": round(rows * row_bytes / left, 2),
+        }
         model = os.path.join(workdir, "model")
-        say(f"writing a {size / GIB:.2f} GiB table ({rows:,} rows, {args.parts} shards, "
-            f"{args.files} files; {left / GIB:.1f} GiB available) ...")
+        say(
+            f"writing a {size / GIB:.2f} GiB table ({rows:,} rows, {args.parts} shards, "
+            f"{args.files} files; {left / GIB:.1f} GiB available) ..."
+        )
         t0 = time.monotonic()
         write_checkpoint(model, [table], files=args.files)
         result["table"]["write_s"] = round(time.monotonic() - t0, 1)
@@ -526,33 +624,39 @@ def run(args, workdir: str) -> dict:
         say("disk ceiling (4 KiB O_DIRECT random reads) ...")
         result["ceiling"] = ceiling(paths, args.probe_seconds, args.probe_kind)
 
-        decode = trace.decode_steps(SEQUENCES, rows=rows)[:args.decode_steps]
-        prefill = trace.prefill_chunks(PREFILL_TOKENS, rows=rows)[:args.prefill_chunks]
+        decode = trace.decode_steps(SEQUENCES, rows=rows)[: args.decode_steps]
+        prefill = trace.prefill_chunks(PREFILL_TOKENS, rows=rows)[: args.prefill_chunks]
         result["workload"] = {
             "decode": {"steps": int(decode.shape[0]), "ids_per_step": int(decode.shape[1])},
-            "prefill": {"chunks": int(prefill.shape[0]), "ids_per_chunk": int(prefill.shape[1])}}
+            "prefill": {"chunks": int(prefill.shape[0]), "ids_per_chunk": int(prefill.shape[1])},
+        }
         reference = _reference(spec)
         for phase, batches in (("decode", decode), ("prefill", prefill)):
             if not batches.shape[0]:
                 continue
             for name in contenders:
                 say(f"{phase}: {name} ...")
-                mine = batches[:args.seed_batches] if name == "seed" and args.seed_batches \
+                mine = (
+                    batches[: args.seed_batches]
+                    if name == "seed" and args.seed_batches
                     else batches
-                r = run_phase(name, mine, args, model, spec, paths, workdir, flags,
-                              reference)
+                )
+                r = run_phase(name, mine, args, model, spec, paths, workdir, flags, reference)
                 r["batches"] = int(mine.shape[0])
                 result["phases"].setdefault(phase, {})[name] = r
                 c, w = r["cold"], r["warm"]
-                say(f"  cold mean {c['latency']['mean_ms']:.2f} ms, misses {c['misses']:,} "
-                    f"({c['misses_per_s']:,.0f}/s), warm mean {w['latency']['mean_ms']:.3f} ms")
-        restart_steps = trace.decode_steps(SEQUENCES, rows=rows)[:2 * args.restart_steps]
+                say(
+                    f"  cold mean {c['latency']['mean_ms']:.2f} ms, misses {c['misses']:,} "
+                    f"({c['misses_per_s']:,.0f}/s), warm mean {w['latency']['mean_ms']:.3f} ms"
+                )
+        restart_steps = trace.decode_steps(SEQUENCES, rows=rows)[: 2 * args.restart_steps]
         for name in [m for m in args.restart_modes if m in contenders]:
             if "--state-dir" not in flags:
                 break
             say(f"restart with and without the hot set: {name} ...")
             result.setdefault("restart", {})[name] = run_restart(
-                name, restart_steps, args, model, spec, paths, workdir, flags)
+                name, restart_steps, args, model, spec, paths, workdir, flags
+            )
     finally:
         if holder is not None:
             holder.stop()
@@ -576,6 +680,7 @@ def _reference(spec):
                 want = os.pread(f.fileno(), spec.row_bytes, offset)
             if bytes(rows[k]) != want:
                 raise RuntimeError(f"row {row} differs from the file (request index {k})")
+
     return check
 
 
@@ -594,8 +699,7 @@ def ratios(result: dict) -> dict:
             if base and name != "mmap":
                 o[f"cold_{phase}_speedup_vs_mmap"] = round(base / c["latency"]["mean_ms"], 2)
             if qd128 and c.get("misses_per_s") is not None:
-                o[f"cold_{phase}_misses_pct_of_qd128"] = round(
-                    100 * c["misses_per_s"] / qd128, 1)
+                o[f"cold_{phase}_misses_pct_of_qd128"] = round(100 * c["misses_per_s"] / qd128, 1)
     return out
 
 
@@ -606,28 +710,45 @@ def _gib(v) -> str:
 def report(result: dict, stream=sys.stdout) -> None:
     w = lambda s="": print(s, file=stream)  # noqa: E731
     m, t, mem = result["machine"], result["table"], result["memory"]
-    w(f"{m.get('model_name', '?')}, {m['cores']} cores, {m.get('ram_gib', '?')} GiB RAM, "
-      f"kernel {m['kernel']}; commit {result['source']['commit']}; {m['date']}")
-    w(f"held {_gib(mem['held_bytes'])} GiB, {_gib(mem['available_after_hold_bytes'])} GiB "
-      f"left; table {t['rows']:,} rows × {t['row_bytes']} B FP8 = {_gib(t['bytes'])} GiB "
-      f"({t['x_memory_left']} × the memory left), {t['parts']} shards in {t['files']} files")
+    w(
+        f"{m.get('model_name', '?')}, {m['cores']} cores, {m.get('ram_gib', '?')} GiB RAM, "
+        f"kernel {m['kernel']}; commit {result['source']['commit']}; {m['date']}"
+    )
+    w(
+        f"held {_gib(mem['held_bytes'])} GiB, {_gib(mem['available_after_hold_bytes'])} GiB "
+        f"left; table {t['rows']:,} rows × {t['row_bytes']} B FP8 = {_gib(t['bytes'])} GiB "
+        f"({t['x_memory_left']} × the memory left), {t['parts']} shards in {t['files']} files"
+    )
     tr = result["trace"]
-    w(f"trace {tr['path']} (sha256 {tr['sha256'][:12]}…), {tr['tokens']:,} tokens; "
-      f"decode {result['workload']['decode']['steps']} steps × "
-      f"{result['workload']['decode']['ids_per_step']} ids, prefill "
-      f"{result['workload']['prefill']['chunks']} chunks × "
-      f"{result['workload']['prefill']['ids_per_chunk']} ids")
+    w(
+        f"trace {tr['path']} (sha256 {tr['sha256'][:12]}…), {tr['tokens']:,} tokens; "
+        f"decode {result['workload']['decode']['steps']} steps × "
+        f"{result['workload']['decode']['ids_per_step']} ids, prefill "
+        f"{result['workload']['prefill']['chunks']} chunks × "
+        f"{result['workload']['prefill']['ids_per_chunk']} ids"
+    )
     ceil = result.get("ceiling", {})
     if "error" in ceil:
         w(f"disk ceiling: {ceil['error']}")
     else:
-        w("disk ceiling, 4 KiB O_DIRECT random reads/s: " + ", ".join(
-            f"QD {qd} " + (f"{v['reads_per_s']:,.0f} ({v['kind']})" if "reads_per_s" in v
-                           else f"failed: {v['error']}") for qd, v in ceil.items()))
+        w(
+            "disk ceiling, 4 KiB O_DIRECT random reads/s: "
+            + ", ".join(
+                f"QD {qd} "
+                + (
+                    f"{v['reads_per_s']:,.0f} ({v['kind']})"
+                    if "reads_per_s" in v
+                    else f"failed: {v['error']}"
+                )
+                for qd, v in ceil.items()
+            )
+        )
     w()
-    w(f"{'phase':<8} {'contender':<9} {'':<5} {'first ms':>9} {'p50 ms':>9} {'p99 ms':>9} "
-      f"{'mean ms':>9} "
-      f"{'misses/s':>10} {'% QD128':>7} {'hit rate':>9} {'disk 4K/s':>10} {'others':>6}")
+    w(
+        f"{'phase':<8} {'contender':<9} {'':<5} {'first ms':>9} {'p50 ms':>9} {'p99 ms':>9} "
+        f"{'mean ms':>9} "
+        f"{'misses/s':>10} {'% QD128':>7} {'hit rate':>9} {'disk 4K/s':>10} {'others':>6}"
+    )
     qd128 = ceiling_rate(result, "128")
     for phase, entries in result["phases"].items():
         for name, r in entries.items():
@@ -635,97 +756,177 @@ def report(result: dict, stream=sys.stdout) -> None:
                 s = r[when]
                 lat = s["latency"]
                 pct = f"{100 * s['misses_per_s'] / qd128:.0f}" if qd128 else "-"
-                hit = "-" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f} %" + (
-                    "*" if s["misses_from"] == "major faults" else "")
-                w(f"{phase:<8} {name:<9} {when:<5} {lat.get('first_ms', float('nan')):>9.3f} "
-                  f"{lat['p50_ms']:>9.3f} {lat['p99_ms']:>9.3f} "
-                  f"{lat['mean_ms']:>9.3f} {s['misses_per_s']:>10,.0f} {pct:>7} {hit:>9} "
-                  f"{s['disk_reads_per_s']:>10,.0f} {s['others_cpu']:>6.0%}")
+                hit = (
+                    "-"
+                    if s["hit_rate"] is None
+                    else f"{100 * s['hit_rate']:.1f} %"
+                    + ("*" if s["misses_from"] == "major faults" else "")
+                )
+                w(
+                    f"{phase:<8} {name:<9} {when:<5} {lat.get('first_ms', float('nan')):>9.3f} "
+                    f"{lat['p50_ms']:>9.3f} {lat['p99_ms']:>9.3f} "
+                    f"{lat['mean_ms']:>9.3f} {s['misses_per_s']:>10,.0f} {pct:>7} {hit:>9} "
+                    f"{s['disk_reads_per_s']:>10,.0f} {s['others_cpu']:>6.0%}"
+                )
     w()
-    w(f"{'phase':<8} {'contender':<9} {'RSS GiB':>8} {'peak':>6} {'anon':>6} "
-      f"{'page cache +GiB':>15}  (after cold + warm)  row cache, miss engine")
+    w(
+        f"{'phase':<8} {'contender':<9} {'RSS GiB':>8} {'peak':>6} {'anon':>6} "
+        f"{'page cache +GiB':>15}  (after cold + warm)  row cache, miss engine"
+    )
     for phase, entries in result["phases"].items():
         for name, r in entries.items():
             plane = r.get("dataplane") or {}
             cache, engine = plane.get("cache") or {}, plane.get("engine") or {}
             where = "  (bench process)" if r["process"] != "server" else ""
             if cache:
-                where += (f"  {_gib(cache.get('budget_bytes'))} GiB {cache.get('policy', '')}, "
-                          f"{engine.get('kind')} QD {engine.get('queue_depth')}"
-                          + (f" ({engine['fallback_reason']})"
-                             if engine.get("fallback_reason") else ""))
-            w(f"{phase:<8} {name:<9} {_gib(r['rss_bytes']):>8} {_gib(r['rss_peak_bytes']):>6} "
-              f"{_gib(r['rss_anon_bytes']):>6} {_gib(r['cached_growth_bytes']):>15}{where}")
+                where += (
+                    f"  {_gib(cache.get('budget_bytes'))} GiB {cache.get('policy', '')}, "
+                    f"{engine.get('kind')} QD {engine.get('queue_depth')}"
+                    + (f" ({engine['fallback_reason']})" if engine.get("fallback_reason") else "")
+                )
+            w(
+                f"{phase:<8} {name:<9} {_gib(r['rss_bytes']):>8} {_gib(r['rss_peak_bytes']):>6} "
+                f"{_gib(r['rss_anon_bytes']):>6} {_gib(r['cached_growth_bytes']):>15}{where}"
+            )
     w()
     for name, r in (result.get("restart") or {}).items():
         hot = r["hotset"]
-        w(f"restart, {name}: {r['fill_steps']} decode steps fill the cache, the next "
-          f"{r['timed_steps']} are timed; hot-set refill {hot.get('state')}, "
-          f"{hot.get('done_rows', 0):,} rows in {hot.get('refill_seconds') or 0:.2f} s, "
-          f"ready and refilled {r['start_to_refilled_s']:.2f} s after the start "
-          f"(without: ready after {r['start_to_ready_s']:.2f} s)")
-        for label, key in (("kept running", "continued"), ("restarted, hot set", "with_hotset"),
-                           ("restarted, none", "without_hotset")):
+        w(
+            f"restart, {name}: {r['fill_steps']} decode steps fill the cache, the next "
+            f"{r['timed_steps']} are timed; hot-set refill {hot.get('state')}, "
+            f"{hot.get('done_rows', 0):,} rows in {hot.get('refill_seconds') or 0:.2f} s, "
+            f"ready and refilled {r['start_to_refilled_s']:.2f} s after the start "
+            f"(without: ready after {r['start_to_ready_s']:.2f} s)"
+        )
+        for label, key in (
+            ("kept running", "continued"),
+            ("restarted, hot set", "with_hotset"),
+            ("restarted, none", "without_hotset"),
+        ):
             s, lat = r[key], r[key]["latency"]
             hit = "-" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f} %"
-            w(f"  {label:<19} hit rate {hit:>7}  mean {lat['mean_ms']:8.3f} ms  "
-              f"p99 {lat['p99_ms']:8.3f} ms  pass {s['wall_s']:7.2f} s")
+            w(
+                f"  {label:<19} hit rate {hit:>7}  mean {lat['mean_ms']:8.3f} ms  "
+                f"p99 {lat['p99_ms']:8.3f} ms  pass {s['wall_s']:7.2f} s"
+            )
         w()
-    w("* mmap and seed: misses are major page faults; readahead (the seed's memmaps do not "
-      "ask for random access) reads more than the faults: see disk 4K/s")
-    w("ratios: " + "; ".join(f"{name}: " + ", ".join(f"{k} {v}" for k, v in o.items())
-                             for name, o in result["ratios"].items() if o))
-    others = [s["others_cpu"] for e in result["phases"].values() for r in e.values()
-              for s in (r["cold"], r["warm"])]
+    w(
+        "* mmap and seed: misses are major page faults; readahead (the seed's memmaps do not "
+        "ask for random access) reads more than the faults: see disk 4K/s"
+    )
+    w(
+        "ratios: "
+        + "; ".join(
+            f"{name}: " + ", ".join(f"{k} {v}" for k, v in o.items())
+            for name, o in result["ratios"].items()
+            if o
+        )
+    )
+    others = [
+        s["others_cpu"]
+        for e in result["phases"].values()
+        for r in e.values()
+        for s in (r["cold"], r["warm"])
+    ]
     if max([result["cpu_busy_before"], result["cpu_busy_after"], *others, 0]) > 0.10:
         w("WARNING: other processes used > 10 % of the CPUs: re-run on a quiet machine")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     here = os.path.dirname(os.path.abspath(__file__))
-    ap.add_argument("--trace", default=os.path.join(here, "traces", "qwen-text.npz"),
-                    help="trace file from bench/text_trace.py")
+    ap.add_argument(
+        "--trace",
+        default=os.path.join(here, "traces", "qwen-text.npz"),
+        help="trace file from bench/text_trace.py",
+    )
     ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")
-    ap.add_argument("--hold-gib", type=float, default=0.0,
-                    help="memory the holder process takes, in GiB (default 0)")
-    ap.add_argument("--table-gib", type=float, default=0.0,
-                    help="table size in GiB (default: --table-factor × the memory left)")
+    ap.add_argument(
+        "--hold-gib",
+        type=float,
+        default=0.0,
+        help="memory the holder process takes, in GiB (default 0)",
+    )
+    ap.add_argument(
+        "--table-gib",
+        type=float,
+        default=0.0,
+        help="table size in GiB (default: --table-factor × the memory left)",
+    )
     ap.add_argument("--table-factor", type=float, default=2.0)
     ap.add_argument("--parts", type=int, default=128, help="shards (default 128)")
     ap.add_argument("--files", type=int, default=16, help="checkpoint files (default 16)")
-    ap.add_argument("--contenders", type=lambda s: [c for c in s.split(",") if c],
-                    help=f"subset of {','.join(CONTENDERS)} (default: all this build has)")
-    ap.add_argument("--decode-steps", type=int, default=1000,
-                    help="decode steps of 32 sequences × 16 ids (default 1000)")
-    ap.add_argument("--prefill-chunks", type=int, default=16,
-                    help="prefill chunks of 2048 tokens × 16 ids (default 16)")
-    ap.add_argument("--restart-modes", type=lambda s: [m for m in s.split(",") if m],
-                    default=["direct"],
-                    help="modes whose hot-set persistence is measured (default direct; "
-                         "'' for none)")
-    ap.add_argument("--restart-steps", type=int, default=500,
-                    help="decode steps that fill the cache before the restart, and as "
-                         "many timed after it (default 500)")
-    ap.add_argument("--cache-size", help="--cache-size for the direct/buffered servers "
-                                         "(default: the server's own)")
+    ap.add_argument(
+        "--contenders",
+        type=lambda s: [c for c in s.split(",") if c],
+        help=f"subset of {','.join(CONTENDERS)} (default: all this build has)",
+    )
+    ap.add_argument(
+        "--decode-steps",
+        type=int,
+        default=1000,
+        help="decode steps of 32 sequences × 16 ids (default 1000)",
+    )
+    ap.add_argument(
+        "--prefill-chunks",
+        type=int,
+        default=16,
+        help="prefill chunks of 2048 tokens × 16 ids (default 16)",
+    )
+    ap.add_argument(
+        "--restart-modes",
+        type=lambda s: [m for m in s.split(",") if m],
+        default=["direct"],
+        help="modes whose hot-set persistence is measured (default direct; '' for none)",
+    )
+    ap.add_argument(
+        "--restart-steps",
+        type=int,
+        default=500,
+        help="decode steps that fill the cache before the restart, and as "
+        "many timed after it (default 500)",
+    )
+    ap.add_argument(
+        "--cache-size",
+        help="--cache-size for the direct/buffered servers (default: the server's own)",
+    )
     ap.add_argument("--queue-depth", type=int, help="--queue-depth for the miss engine")
     ap.add_argument("--read-engine", help="--read-engine: io_uring | threads | auto")
-    ap.add_argument("--server-arg", action="append", default=[],
-                    help="extra argument for every `pleserver serve` (repeatable)")
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra argument for every `pleserver serve` (repeatable)",
+    )
     ap.add_argument("--seed-workers", type=int, default=32)
-    ap.add_argument("--seed-batches", type=int, default=0,
-                    help="time the seed on only the first N decode steps and prefill chunks "
-                         "(0: all). Its memmaps take the device's read-ahead on every fault "
-                         "(read_ahead_kb: 8 MiB on some virtual disks), which can make a "
-                         "full pass take hours; per-batch figures stay comparable")
-    ap.add_argument("--probe-seconds", type=float, default=2.0,
-                    help="seconds per queue depth of the disk probe (default 2)")
-    ap.add_argument("--probe-kind", default="auto", choices=("auto", "io_uring", "threads"),
-                    help="the probe's read engine (default auto: io_uring, else threads)")
-    ap.add_argument("--drop-caches", action="store_true",
-                    help="also write 1 to /proc/sys/vm/drop_caches before each start (root)")
+    ap.add_argument(
+        "--seed-batches",
+        type=int,
+        default=0,
+        help="time the seed on only the first N decode steps and prefill chunks "
+        "(0: all). Its memmaps take the device's read-ahead on every fault "
+        "(read_ahead_kb: 8 MiB on some virtual disks), which can make a "
+        "full pass take hours; per-batch figures stay comparable",
+    )
+    ap.add_argument(
+        "--probe-seconds",
+        type=float,
+        default=2.0,
+        help="seconds per queue depth of the disk probe (default 2)",
+    )
+    ap.add_argument(
+        "--probe-kind",
+        default="auto",
+        choices=("auto", "io_uring", "threads"),
+        help="the probe's read engine (default auto: io_uring, else threads)",
+    )
+    ap.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="also write 1 to /proc/sys/vm/drop_caches before each start (root)",
+    )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = ap.parse_args(argv)
     if args.contenders:

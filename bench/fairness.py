@@ -74,28 +74,46 @@ print(json.dumps({"requests": done, "rows": done * 16383}), flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")
     ap.add_argument("--rows", type=int, default=2_000_000)
     ap.add_argument("--cols", type=int, default=160)
-    ap.add_argument("--submitters", default="0,1,4",
-                    help="comma-separated numbers of maximal submitters (default 0,1,4)")
+    ap.add_argument(
+        "--submitters",
+        default="0,1,4",
+        help="comma-separated numbers of maximal submitters (default 0,1,4)",
+    )
     ap.add_argument("--seconds", type=float, default=15.0, help="per case (default 15)")
-    ap.add_argument("--gap-ms", type=float, default=1.0,
-                    help="pause between the bystander's lookups (default 1)")
-    ap.add_argument("--server-arg", action="append", default=[],
-                    help="extra `pleserver serve` argument (repeatable), e.g. "
-                         "--server-arg=--chunk-rows=8192")
+    ap.add_argument(
+        "--gap-ms",
+        type=float,
+        default=1.0,
+        help="pause between the bystander's lookups (default 1)",
+    )
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra `pleserver serve` argument (repeatable), e.g. --server-arg=--chunk-rows=8192",
+    )
     ap.add_argument("--json", help="also write the results here")
     return ap.parse_args(argv)
 
 
 def run_case(server: Server, n: int, args) -> dict:
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    children = [subprocess.Popen([sys.executable, "-c", SUBMITTER, server.socket,
-                                  str(args.seconds + 2)], stdout=subprocess.PIPE, text=True,
-                                 cwd=REPO, env=env) for _ in range(n)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", SUBMITTER, server.socket, str(args.seconds + 2)],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )
+        for _ in range(n)
+    ]
     try:
         for child in children:
             if child.stdout.readline().strip() != "ready":
@@ -118,8 +136,10 @@ def run_case(server: Server, n: int, args) -> dict:
                 time.sleep(args.gap_ms * 1e-3)
             others = meter.stop()
             after = PleClient.query_stats(server.socket)["tables"][1]
-        reports = [json.loads(child.communicate(timeout=60)[0].strip().splitlines()[-1])
-                   for child in children]
+        reports = [
+            json.loads(child.communicate(timeout=60)[0].strip().splitlines()[-1])
+            for child in children
+        ]
     finally:
         for child in children:
             if child.poll() is None:
@@ -127,15 +147,19 @@ def run_case(server: Server, n: int, args) -> dict:
                 child.wait()
     ms = np.array(samples) / 1e6
     submitted_rows = sum(r["rows"] for r in reports)
-    return {"submitters": n, "bystander_lookups": len(samples),
-            "p50_ms": round(float(np.percentile(ms, 50)), 3),
-            "p99_ms": round(float(np.percentile(ms, 99)), 3),
-            "p999_ms": round(float(np.percentile(ms, 99.9)), 3),
-            "max_ms": round(float(ms.max()), 3),
-            "server_queue": hist_quantiles(before["queue_time"], after["queue_time"]),
-            "server_time": hist_quantiles(before["server_time"], after["server_time"]),
-            "submitter_rows_per_s": round(submitted_rows / (args.seconds + 2)),
-            "others_cpu": others, "loadavg": loadavg()}
+    return {
+        "submitters": n,
+        "bystander_lookups": len(samples),
+        "p50_ms": round(float(np.percentile(ms, 50)), 3),
+        "p99_ms": round(float(np.percentile(ms, 99)), 3),
+        "p999_ms": round(float(np.percentile(ms, 99.9)), 3),
+        "max_ms": round(float(ms.max()), 3),
+        "server_queue": hist_quantiles(before["queue_time"], after["queue_time"]),
+        "server_time": hist_quantiles(before["server_time"], after["server_time"]),
+        "submitter_rows_per_s": round(submitted_rows / (args.seconds + 2)),
+        "others_cpu": others,
+        "loadavg": loadavg(),
+    }
 
 
 def _pair(q: dict) -> str:
@@ -148,27 +172,38 @@ def main(argv=None) -> int:
     server = None
     try:
         model = os.path.join(workdir, "model")
-        write_checkpoint(model, [SyntheticTable(layer=0, rows=args.rows, cols=args.cols,
-                                                dtype="BF16", parts=16),
-                                 SyntheticTable(layer=1, rows=100_000, cols=args.cols,
-                                                dtype="BF16", parts=2)], files=1)
+        write_checkpoint(
+            model,
+            [
+                SyntheticTable(layer=0, rows=args.rows, cols=args.cols, dtype="BF16", parts=16),
+                SyntheticTable(layer=1, rows=100_000, cols=args.cols, dtype="BF16", parts=2),
+            ],
+            files=1,
+        )
         server = Server("fairness", model, 0, 16383, args.server_arg)
         server.wait_ready()
         result = {"machine": machine(), "source": source(), "args": vars(args), "cases": []}
-        print(f"{'submitters':>10} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} "
-              f"{'p99.9 ms':>9} {'max ms':>8} {'queue p50/p99 µs':>17} "
-              f"{'server p50/p99 µs':>18} {'submitter rows/s':>17} {'others cpu':>10}")
+        print(
+            f"{'submitters':>10} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} "
+            f"{'p99.9 ms':>9} {'max ms':>8} {'queue p50/p99 µs':>17} "
+            f"{'server p50/p99 µs':>18} {'submitter rows/s':>17} {'others cpu':>10}"
+        )
         for n in [int(x) for x in args.submitters.split(",") if x.strip()]:
             case = run_case(server, n, args)
             result["cases"].append(case)
-            print(f"{case['submitters']:>10} {case['bystander_lookups']:>8} "
-                  f"{case['p50_ms']:>8.3f} {case['p99_ms']:>8.3f} {case['p999_ms']:>9.3f} "
-                  f"{case['max_ms']:>8.3f} {_pair(case['server_queue']):>17} "
-                  f"{_pair(case['server_time']):>18} {case['submitter_rows_per_s']:>17,} "
-                  f"{100 * case['others_cpu']:>9.1f}%", flush=True)
-        print(f"commit {result['source']['commit']}"
-              f"{' (modified)' if result['source']['modified'] else ''}, "
-              f"{result['machine'].get('model_name', '?')}, {result['machine']['cores']} cores")
+            print(
+                f"{case['submitters']:>10} {case['bystander_lookups']:>8} "
+                f"{case['p50_ms']:>8.3f} {case['p99_ms']:>8.3f} {case['p999_ms']:>9.3f} "
+                f"{case['max_ms']:>8.3f} {_pair(case['server_queue']):>17} "
+                f"{_pair(case['server_time']):>18} {case['submitter_rows_per_s']:>17,} "
+                f"{100 * case['others_cpu']:>9.1f}%",
+                flush=True,
+            )
+        print(
+            f"commit {result['source']['commit']}"
+            f"{' (modified)' if result['source']['modified'] else ''}, "
+            f"{result['machine'].get('model_name', '?')}, {result['machine']['cores']} cores"
+        )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)

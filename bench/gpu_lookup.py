@@ -63,8 +63,11 @@ def make_checkpoint(workdir: str, rows: int, cols: int, dtype: str, parts: int) 
     from pleserver.synthetic import SyntheticTable, write_checkpoint
 
     path = os.path.join(workdir, "ckpt")
-    write_checkpoint(path, [SyntheticTable(layer=1, rows=rows, cols=cols, dtype=dtype,
-                                           parts=parts)], files=max(1, parts // 8))
+    write_checkpoint(
+        path,
+        [SyntheticTable(layer=1, rows=rows, cols=cols, dtype=dtype, parts=parts)],
+        files=max(1, parts // 8),
+    )
     return path
 
 
@@ -75,7 +78,7 @@ def read_table(table: TableSpec) -> np.ndarray:
         start = shard.index * table.shard_size
         with open(shard.path, "rb") as f:
             f.seek(shard.offset)
-            f.readinto(memoryview(out[start:start + shard.rows]).cast("B"))
+            f.readinto(memoryview(out[start : start + shard.rows]).cast("B"))
     return out
 
 
@@ -84,8 +87,12 @@ class MemmapGather:
 
     def __init__(self, table: TableSpec) -> None:
         self.table = table
-        self.maps = [np.memmap(s.path, dtype=np.uint8, mode="r", offset=s.offset,
-                               shape=(s.rows, table.row_bytes)) for s in table.shards]
+        self.maps = [
+            np.memmap(
+                s.path, dtype=np.uint8, mode="r", offset=s.offset, shape=(s.rows, table.row_bytes)
+            )
+            for s in table.shards
+        ]
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
         uniq, inverse = np.unique(ids, return_inverse=True)
@@ -93,8 +100,9 @@ class MemmapGather:
         local = uniq - shard * self.table.shard_size
         out = np.empty((uniq.size, self.table.row_bytes), dtype=np.uint8)
         bounds = np.flatnonzero(np.diff(shard)) + 1
-        for a, b in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [uniq.size])),
-                        strict=True):
+        for a, b in zip(
+            np.concatenate(([0], bounds)), np.concatenate((bounds, [uniq.size])), strict=True
+        ):
             out[a:b] = self.maps[int(shard[a])][local[a:b]]
         return out[inverse]
 
@@ -113,9 +121,17 @@ def timed(fn, iters: int, warmup: int = 3) -> list[float]:
     return times
 
 
-def bench_size(n: int, args, client: PleClient, table: TableSpec, reference_gpu: torch.Tensor,
-               pinned_table: torch.Tensor | None, gather: MemmapGather,
-               uva_kernel, plugin) -> list[Result]:
+def bench_size(
+    n: int,
+    args,
+    client: PleClient,
+    table: TableSpec,
+    reference_gpu: torch.Tensor,
+    pinned_table: torch.Tensor | None,
+    gather: MemmapGather,
+    uva_kernel,
+    plugin,
+) -> list[Result]:
     rng = np.random.default_rng(n)
     ids = rng.integers(0, table.rows, n, dtype=np.int64)
     ids_gpu = torch.from_numpy(ids).cuda()
@@ -127,16 +143,17 @@ def bench_size(n: int, args, client: PleClient, table: TableSpec, reference_gpu:
         pending = []
         cap = client.capacity
         for start in range(0, n, cap):
-            pending.append((start, client.submit(table.name, ids[start:start + cap])))
+            pending.append((start, client.submit(table.name, ids[start : start + cap])))
         for start, ticket in pending:
-            copy = copy_rows(ticket.wait(), out[start:start + ticket.count])
+            copy = copy_rows(ticket.wait(), out[start : start + ticket.count])
             copy.wait()  # the slot is reused only after its DMA finished
             ticket.release()
 
     out.zero_()
     times = timed(shm_dma, args.iters)
-    results.append(Result("shm+dma", n, statistics.median(times), _p90(times),
-                          bool(torch.equal(out, want))))
+    results.append(
+        Result("shm+dma", n, statistics.median(times), _p90(times), bool(torch.equal(out, want)))
+    )
 
     def pageable() -> None:
         rows = gather(ids)
@@ -144,25 +161,29 @@ def bench_size(n: int, args, client: PleClient, table: TableSpec, reference_gpu:
 
     out.zero_()
     times = timed(pageable, args.iters)
-    results.append(Result("pageable", n, statistics.median(times), _p90(times),
-                          bool(torch.equal(out, want))))
+    results.append(
+        Result("pageable", n, statistics.median(times), _p90(times), bool(torch.equal(out, want)))
+    )
 
     def resident() -> None:
         torch.index_select(reference_gpu, 0, ids_gpu, out=out)
 
     out.zero_()
     times = timed(resident, args.iters)
-    results.append(Result("gpu", n, statistics.median(times), _p90(times),
-                          bool(torch.equal(out, want))))
+    results.append(
+        Result("gpu", n, statistics.median(times), _p90(times), bool(torch.equal(out, want)))
+    )
 
     if uva_kernel is not None and pinned_table is not None:
+
         def uva() -> None:
             uva_kernel(pinned_table, ids_gpu, out)
 
         out.zero_()
         times = timed(uva, args.iters)
-        results.append(Result("uva", n, statistics.median(times), _p90(times),
-                              bool(torch.equal(out, want))))
+        results.append(
+            Result("uva", n, statistics.median(times), _p90(times), bool(torch.equal(out, want)))
+        )
 
     service, binding = plugin
     typed = torch.empty((n, table.cols), dtype=binding.storage_dtype, device="cuda")
@@ -172,8 +193,15 @@ def bench_size(n: int, args, client: PleClient, table: TableSpec, reference_gpu:
 
     typed.view(torch.uint8).zero_()
     times = timed(plugin_lookup, args.iters)
-    results.append(Result("plugin", n, statistics.median(times), _p90(times),
-                          bool(torch.equal(typed.view(torch.uint8), want))))
+    results.append(
+        Result(
+            "plugin",
+            n,
+            statistics.median(times),
+            _p90(times),
+            bool(torch.equal(typed.view(torch.uint8), want)),
+        )
+    )
     return results
 
 
@@ -184,8 +212,15 @@ def make_plugin(socket_path: str, model: str, table: TableSpec, capacity: int):
     from pleclient.vllm_plugin.settings import ShmSettings
 
     service = RowService(ShmSettings(socket=socket_path, capacity=capacity, checkpoint=model))
-    binding = service.bind(Expected(prefix=table.name, rows=table.rows, cols=table.cols,
-                                    dtypes=(table.dtype,), parts=table.parts))
+    binding = service.bind(
+        Expected(
+            prefix=table.name,
+            rows=table.rows,
+            cols=table.cols,
+            dtypes=(table.dtype,),
+            parts=table.parts,
+        )
+    )
     return service, binding
 
 
@@ -223,8 +258,9 @@ def make_uva_kernel():
 
     def launch(pinned: torch.Tensor, ids_gpu: torch.Tensor, out: torch.Tensor) -> None:
         row_bytes = pinned.shape[1]
-        rows_from_host[(ids_gpu.numel(),)](HostPointer(pinned), ids_gpu, out, row_bytes,
-                                           BLOCK=triton.next_power_of_2(row_bytes))
+        rows_from_host[(ids_gpu.numel(),)](
+            HostPointer(pinned), ids_gpu, out, row_bytes, BLOCK=triton.next_power_of_2(row_bytes)
+        )
 
     return launch
 
@@ -238,11 +274,13 @@ def main() -> int:
     parser.add_argument("--parts", type=int, default=16)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--capacity", type=int, default=None,
-                        help="rows per request (default: the largest size)")
+    parser.add_argument(
+        "--capacity", type=int, default=None, help="rows per request (default: the largest size)"
+    )
     parser.add_argument("--model", help="serve/read this checkpoint instead of a synthetic one")
-    parser.add_argument("--layer", type=int, default=None,
-                        help="the table to use (default: the first)")
+    parser.add_argument(
+        "--layer", type=int, default=None, help="the table to use (default: the first)"
+    )
     parser.add_argument("--socket", help="use this running ple-server (with --model)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", help="write the results here")
@@ -271,19 +309,34 @@ def main() -> int:
         uva_kernel = make_uva_kernel()
         capacity = args.capacity or max(sizes)
         plugin = make_plugin(socket_path, model, table, min(capacity, 16384))
-        with PleClient.connect(socket_path, capacity=capacity, depth=4,
-                               name="bench-gpu-lookup") as client:
+        with PleClient.connect(
+            socket_path, capacity=capacity, depth=4, name="bench-gpu-lookup"
+        ) as client:
             pinned = PinnedSegment(client.segment_buffer, device)
             try:
                 probe = torch.from_numpy(np.frombuffer(client.segment_buffer, np.uint8))
-                print(f"table {table.name}: {table.rows} rows × {table.row_bytes} B "
-                      f"{table.dtype}; channel {client.segment_buffer.nbytes >> 20} MiB "
-                      f"registered={pinned.registered} is_pinned={probe.is_pinned()}; "
-                      f"{torch.cuda.get_device_name()}")
+                print(
+                    f"table {table.name}: {table.rows} rows × {table.row_bytes} B "
+                    f"{table.dtype}; channel {client.segment_buffer.nbytes >> 20} MiB "
+                    f"registered={pinned.registered} is_pinned={probe.is_pinned()}; "
+                    f"{torch.cuda.get_device_name()}"
+                )
                 del probe
-                results = [r for n in sizes for r in bench_size(
-                    n, args, client, table, reference_gpu, pinned_table, gather, uva_kernel,
-                    plugin)]
+                results = [
+                    r
+                    for n in sizes
+                    for r in bench_size(
+                        n,
+                        args,
+                        client,
+                        table,
+                        reference_gpu,
+                        pinned_table,
+                        gather,
+                        uva_kernel,
+                        plugin,
+                    )
+                ]
             finally:
                 torch.cuda.synchronize()
                 pinned.close()
@@ -294,9 +347,19 @@ def main() -> int:
     print_table(results, table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "table": {
-                "rows": table.rows, "row_bytes": table.row_bytes, "dtype": table.dtype},
-                "results": [r.__dict__ for r in results]}, f, indent=1)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "table": {
+                        "rows": table.rows,
+                        "row_bytes": table.row_bytes,
+                        "dtype": table.dtype,
+                    },
+                    "results": [r.__dict__ for r in results],
+                },
+                f,
+                indent=1,
+            )
     return 0 if all(r.exact is not False for r in results) else 1
 
 
@@ -307,13 +370,16 @@ def print_table(results: list[Result], table: TableSpec) -> None:
     print("|---:|" + "---:|" * len(paths) + "---|")
     for n in sizes:
         row = {r.path: r for r in results if r.rows == n}
-        cells = [f"{row[p].median_ms:.3f} ({row[p].p90_ms:.3f})" if p in row else "–"
-                 for p in paths]
+        cells = [
+            f"{row[p].median_ms:.3f} ({row[p].p90_ms:.3f})" if p in row else "–" for p in paths
+        ]
         exact = all(r.exact for r in row.values())
         print(f"| {n} | " + " | ".join(cells) + f" | {'yes' if exact else 'NO'} |")
-    print(f"\nrow size {table.row_bytes} B; shm+dma = server round trip + pinned H2D; "
-          "pageable = NumPy memmap gather + pageable copy (the seed); plugin = the vLLM "
-          "plugin's lookup (16384-row requests, GPU ids)")
+    print(
+        f"\nrow size {table.row_bytes} B; shm+dma = server round trip + pinned H2D; "
+        "pageable = NumPy memmap gather + pageable copy (the seed); plugin = the vLLM "
+        "plugin's lookup (16384-row requests, GPU ids)"
+    )
 
 
 if __name__ == "__main__":

@@ -54,8 +54,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warm-steps", type=int, default=3000)
     ap.add_argument("--steps", type=int, default=1500, help="steps per restarted variant")
     ap.add_argument("--window", type=int, default=50, help="steps per hit-rate window")
-    ap.add_argument("--target", type=float, default=0.95,
-                    help="fraction of the warm hit rate that counts as warm")
+    ap.add_argument(
+        "--target",
+        type=float,
+        default=0.95,
+        help="fraction of the warm hit rate that counts as warm",
+    )
     ap.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
     return ap.parse_args(argv)
 
@@ -63,9 +67,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 def start_server(model: str, state: str, socket_path: str, cache_size: str) -> LaunchedServer:
     """A ``--io direct`` server with a small row cache, ready; it saves its hot
     set only at stop."""
-    return ServerLauncher(model, "--io", "direct", "--cache-size", cache_size, "--state-dir",
-                          state, "--hotset-save-interval", "0", socket_path=socket_path,
-                          log_level="WARNING", die_with_parent=True).start()
+    return ServerLauncher(
+        model,
+        "--io",
+        "direct",
+        "--cache-size",
+        cache_size,
+        "--state-dir",
+        state,
+        "--hotset-save-interval",
+        "0",
+        socket_path=socket_path,
+        log_level="WARNING",
+        die_with_parent=True,
+    ).start()
 
 
 def steps(rows: int, count: int, exponent: float, seed: int = 7) -> list[np.ndarray]:
@@ -88,8 +103,12 @@ def drive(server: LaunchedServer, work: list[np.ndarray], window: int) -> list[t
             if i % window == 0:
                 io = client.stats()["tables"][0]["io"]
                 hits, misses = io["hits"] - last["hits"], io["misses"] - last["misses"]
-                curve.append((time.monotonic() - server.ready_at,
-                              hits / (hits + misses) if hits + misses else 0.0))
+                curve.append(
+                    (
+                        time.monotonic() - server.ready_at,
+                        hits / (hits + misses) if hits + misses else 0.0,
+                    )
+                )
                 last = io
     return curve
 
@@ -111,13 +130,14 @@ def main(argv=None) -> int:
     try:
         model, state = os.path.join(root, "model"), os.path.join(root, "state")
         os.makedirs(state)
-        write_checkpoint(model, (SyntheticTable(layer=1, rows=args.rows, dtype="BF16",
-                                                parts=16),), files=4)
+        write_checkpoint(
+            model, (SyntheticTable(layer=1, rows=args.rows, dtype="BF16", parts=16),), files=4
+        )
         sock = os.path.join(root, "ple.sock")
         work = steps(args.rows, args.warm_steps + args.steps, args.zipf)
         drop_page_cache(model)
         servers.append(start_server(model, state, sock, args.cache_size))
-        warm_curve = drive(servers[-1], work[:args.warm_steps], args.window)
+        warm_curve = drive(servers[-1], work[: args.warm_steps], args.window)
         servers[-1].stop()
         warm_rate = warm_curve[-1][1]
         saved = os.path.join(root, "hotset.saved")
@@ -131,29 +151,47 @@ def main(argv=None) -> int:
                 os.unlink(target)
             drop_page_cache(model)
             servers.append(start_server(model, state, sock, args.cache_size))
-            curve = drive(servers[-1], work[args.warm_steps:], args.window)
+            curve = drive(servers[-1], work[args.warm_steps :], args.window)
             with PleClient.connect(sock) as client:
                 hotset = client.stats()["hotset"]
             servers[-1].stop()
             reached = next((t for t, rate in curve if rate >= args.target * warm_rate), None)
-            results[variant] = {"seconds_to_warm": reached, "first_window_hit_rate": curve[0][1],
-                                "last_window_hit_rate": curve[-1][1],
-                                "refill_seconds": hotset["refill_seconds"],
-                                "refilled_rows": hotset["done_rows"], "curve": curve}
-        report = {"command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
-                  "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                  "rows": args.rows, "cache_size": args.cache_size, "zipf": args.zipf,
-                  "window_steps": args.window, "warm_hit_rate": warm_rate,
-                  "target": args.target, "variants": results}
-        print(f"warm hit rate {100 * warm_rate:.1f} % (last {args.window} of "
-              f"{args.warm_steps} steps); warm = {100 * args.target:.0f} % of it")
+            results[variant] = {
+                "seconds_to_warm": reached,
+                "first_window_hit_rate": curve[0][1],
+                "last_window_hit_rate": curve[-1][1],
+                "refill_seconds": hotset["refill_seconds"],
+                "refilled_rows": hotset["done_rows"],
+                "curve": curve,
+            }
+        report = {
+            "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+            "rows": args.rows,
+            "cache_size": args.cache_size,
+            "zipf": args.zipf,
+            "window_steps": args.window,
+            "warm_hit_rate": warm_rate,
+            "target": args.target,
+            "variants": results,
+        }
+        print(
+            f"warm hit rate {100 * warm_rate:.1f} % (last {args.window} of "
+            f"{args.warm_steps} steps); warm = {100 * args.target:.0f} % of it"
+        )
         for variant, r in results.items():
-            reached = ("not reached" if r["seconds_to_warm"] is None
-                       else f"{r['seconds_to_warm']:.2f} s")
-            refill = ("" if r["refill_seconds"] is None else
-                      f", refill {r['refilled_rows']} rows in {r['refill_seconds']:.2f} s")
-            print(f"{variant:>8} hot set: warm after {reached}; first window "
-                  f"{100 * r['first_window_hit_rate']:.1f} %{refill}")
+            reached = (
+                "not reached" if r["seconds_to_warm"] is None else f"{r['seconds_to_warm']:.2f} s"
+            )
+            refill = (
+                ""
+                if r["refill_seconds"] is None
+                else f", refill {r['refilled_rows']} rows in {r['refill_seconds']:.2f} s"
+            )
+            print(
+                f"{variant:>8} hot set: warm after {reached}; first window "
+                f"{100 * r['first_window_hit_rate']:.1f} %{refill}"
+            )
         if args.json:
             text = json.dumps(report, indent=1)
             if args.json == "-":

@@ -73,45 +73,85 @@ def int_list(text: str) -> list[int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")
     ap.add_argument("--rows", type=int, default=12_500_000, help="table rows (default 12.5 M)")
     ap.add_argument("--cols", type=int, default=160)
     ap.add_argument("--parts", type=int, default=128, help="shards")
-    ap.add_argument("--files", type=int_list, default=[1],
-                    help="file counts to serve the table from, e.g. 1,4 (default 1)")
-    ap.add_argument("--gather-workers", type=int_list, default=[0],
-                    help="server --gather-workers values, one server each, e.g. 1,2 "
-                         "(default: the server's own default)")
-    ap.add_argument("--server-arg", action="append", default=[],
-                    help="extra argument for every `pleserver serve` (repeatable)")
+    ap.add_argument(
+        "--files",
+        type=int_list,
+        default=[1],
+        help="file counts to serve the table from, e.g. 1,4 (default 1)",
+    )
+    ap.add_argument(
+        "--gather-workers",
+        type=int_list,
+        default=[0],
+        help="server --gather-workers values, one server each, e.g. 1,2 "
+        "(default: the server's own default)",
+    )
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra argument for every `pleserver serve` (repeatable)",
+    )
     ap.add_argument("--sizes", type=int_list, default=[16, 1024, 4096, 131072])
-    ap.add_argument("--iters", default=DEFAULT_ITERS,
-                    help=f"timed requests per size and contender (default {DEFAULT_ITERS}); "
-                         "sizes not listed get 20 000 000 / size, at least 20")
+    ap.add_argument(
+        "--iters",
+        default=DEFAULT_ITERS,
+        help=f"timed requests per size and contender (default {DEFAULT_ITERS}); "
+        "sizes not listed get 20 000 000 / size, at least 20",
+    )
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every iteration count")
-    ap.add_argument("--warmup", type=float, default=0.1,
-                    help="untimed requests first, as a fraction of the timed ones (min 2)")
-    ap.add_argument("--rounds", type=int, default=20,
-                    help="interleaved blocks per contender and size (default 20)")
-    ap.add_argument("--settle-ms", type=float, default=5.0,
-                    help="pause between blocks (not timed), longer than the server's spin "
-                         "window (2 ms by default), so that a server that just served has "
-                         "stopped spinning before the next contender runs (default 5)")
-    ap.add_argument("--gap-us", type=float, default=0.0,
-                    help="idle time between requests (not timed), e.g. longer than the "
-                         "server's spin window to time the sleeping path")
-    ap.add_argument("--contenders", default=",".join(CONTENDERS),
-                    help=f"subset of {','.join(CONTENDERS)}")
+    ap.add_argument(
+        "--warmup",
+        type=float,
+        default=0.1,
+        help="untimed requests first, as a fraction of the timed ones (min 2)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=20,
+        help="interleaved blocks per contender and size (default 20)",
+    )
+    ap.add_argument(
+        "--settle-ms",
+        type=float,
+        default=5.0,
+        help="pause between blocks (not timed), longer than the server's spin "
+        "window (2 ms by default), so that a server that just served has "
+        "stopped spinning before the next contender runs (default 5)",
+    )
+    ap.add_argument(
+        "--gap-us",
+        type=float,
+        default=0.0,
+        help="idle time between requests (not timed), e.g. longer than the "
+        "server's spin window to time the sleeping path",
+    )
+    ap.add_argument(
+        "--contenders", default=",".join(CONTENDERS), help=f"subset of {','.join(CONTENDERS)}"
+    )
     ap.add_argument("--seed-workers", type=int, default=32)
     ap.add_argument("--seed-chunk", type=int, default=2048)
-    ap.add_argument("--seed-unpopulated", action="store_true",
-                    help="leave the seed's memmaps unpopulated (first touches fault)")
+    ap.add_argument(
+        "--seed-unpopulated",
+        action="store_true",
+        help="leave the seed's memmaps unpopulated (first touches fault)",
+    )
     ap.add_argument("--id-seed", type=int, default=20240601)
-    ap.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                    help="write the results as JSON to PATH (or stdout: the table then "
-                         "goes to stderr)")
+    ap.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="write the results as JSON to PATH (or stdout: the table then goes to stderr)",
+    )
     args = ap.parse_args(argv)
     args.contenders = [c for c in args.contenders.split(",") if c]
     unknown = set(args.contenders) - set(CONTENDERS)
@@ -122,8 +162,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if item.strip():
             size, count = item.split("=")
             iters[int(size)] = int(count)
-    args.iter_counts = {s: max(args.rounds, int(iters.get(s, max(20, 20_000_000 // s))
-                                                 * args.scale)) for s in args.sizes}
+    args.iter_counts = {
+        s: max(args.rounds, int(iters.get(s, max(20, 20_000_000 // s)) * args.scale))
+        for s in args.sizes
+    }
     if 1 not in args.files:
         args.files = [1, *args.files]  # the floor and the seed read the one-file table
     return args
@@ -131,9 +173,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ------------------------------------------------------------------- machine
 def machine() -> dict:
-    info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "kernel": platform.release(), "python": platform.python_version(),
-            "numpy": np.__version__, "cores": os.cpu_count()}
+    info = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "cores": os.cpu_count(),
+    }
     try:
         with open("/proc/cpuinfo") as f:
             lines = f.read().splitlines()
@@ -161,23 +207,29 @@ def machine() -> dict:
 
 def source() -> dict:
     """The commit measured, and whether pleserver/pleclient differ from it."""
+
     def git(*cmd):
         try:
-            return subprocess.run(["git", "-C", REPO, *cmd], capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
+            return subprocess.run(
+                ["git", "-C", REPO, *cmd], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
-    return {"commit": git("rev-parse", "--short", "HEAD") or None,
-            "modified": git("status", "--porcelain", "--", "pleserver", "pleclient")
-            .splitlines()}
+
+    return {
+        "commit": git("rev-parse", "--short", "HEAD") or None,
+        "modified": git("status", "--porcelain", "--", "pleserver", "pleclient").splitlines(),
+    }
 
 
 def cpu_busy(seconds: float = 1.0) -> float:
     """Fraction of all CPUs busy over ``seconds`` (other processes: we sleep)."""
+
     def sample():
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:]]
         return sum(v), v[3] + v[4]  # total, idle + iowait
+
     try:
         t0, i0 = sample()
         time.sleep(seconds)
@@ -235,8 +287,7 @@ def loadavg() -> list[float]:
 
 # --------------------------------------------------------------------- table
 def write_table(model_dir: str, args, files: int) -> None:
-    table = SyntheticTable(layer=0, rows=args.rows, cols=args.cols, dtype="BF16",
-                           parts=args.parts)
+    table = SyntheticTable(layer=0, rows=args.rows, cols=args.cols, dtype="BF16", parts=args.parts)
     write_checkpoint(model_dir, [table], files=files)
 
 
@@ -246,8 +297,9 @@ class Floor:
     def __init__(self, spec) -> None:
         shard0 = min(spec.shards, key=lambda s: s.index)
         if len(spec.files) != 1 or any(
-                s.offset != shard0.offset + s.index * spec.shard_size * spec.row_bytes
-                for s in spec.shards):
+            s.offset != shard0.offset + s.index * spec.shard_size * spec.row_bytes
+            for s in spec.shards
+        ):
             raise RuntimeError("the floor needs the table's shards back to back in one file")
         fd = os.open(spec.files[0], os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -256,8 +308,9 @@ class Floor:
             os.close(fd)
         self.mm.madvise(mmap.MADV_RANDOM)
         self.mm.madvise(MADV_POPULATE_READ)  # also reads the file into the page cache
-        self.view = np.frombuffer(self.mm, dtype=np.uint8, count=spec.rows * spec.row_bytes,
-                                  offset=shard0.offset).reshape(spec.rows, spec.row_bytes)
+        self.view = np.frombuffer(
+            self.mm, dtype=np.uint8, count=spec.rows * spec.row_bytes, offset=shard0.offset
+        ).reshape(spec.rows, spec.row_bytes)
 
     def close(self) -> None:
         self.view = None
@@ -273,13 +326,22 @@ class Server:
     started at once and waited for by ``wait_ready``, so that several servers
     prewarm while the floor warms its mapping."""
 
-    def __init__(self, label: str, model: str, workers: int, capacity: int,
-                 extra: list[str]) -> None:
+    def __init__(
+        self, label: str, model: str, workers: int, capacity: int, extra: list[str]
+    ) -> None:
         self.label = label
         self.launched = ServerLauncher(
-            model, "--prewarm", "full", "--max-capacity", str(capacity),
-            *(["--gather-workers", str(workers)] if workers else []), *extra,
-            log_level="WARNING", cwd=REPO, die_with_parent=True).start(wait=False)
+            model,
+            "--prewarm",
+            "full",
+            "--max-capacity",
+            str(capacity),
+            *(["--gather-workers", str(workers)] if workers else []),
+            *extra,
+            log_level="WARNING",
+            cwd=REPO,
+            die_with_parent=True,
+        ).start(wait=False)
         self.socket = self.launched.socket
         self.proc = self.launched.proc
         self.client: PleClient | None = None
@@ -336,8 +398,9 @@ def timed(fn, ids: np.ndarray, start: int, stop: int, gap_s: float) -> list[int]
     return samples
 
 
-def timed_view(client: PleClient, info, ids: np.ndarray, start: int, stop: int,
-               gap_s: float, parts: dict) -> list[int]:
+def timed_view(
+    client: PleClient, info, ids: np.ndarray, start: int, stop: int, gap_s: float, parts: dict
+) -> list[int]:
     """submit → wait → release, split into parts. ``monotonic_ns`` is the clock
     the client stamps into the slot (SL_SUBMIT_NS); the server writes its own
     time for the request (SL_SERVER_NS)."""
@@ -369,30 +432,52 @@ def summarize(samples_ns: list[int], size: int, row_bytes: int) -> dict:
     """Percentiles of the latencies; throughput from the mean."""
     a = np.asarray(samples_ns, dtype=np.float64) / 1e3
     mean = float(a.mean())
-    return {"n": int(a.size), "p50_us": float(np.percentile(a, 50)),
-            "p99_us": float(np.percentile(a, 99)), "mean_us": mean, "max_us": float(a.max()),
-            "mrows_per_s": size / mean, "gib_per_s": size * row_bytes / (mean * 1e-6) / 2**30}
+    return {
+        "n": int(a.size),
+        "p50_us": float(np.percentile(a, 50)),
+        "p99_us": float(np.percentile(a, 99)),
+        "mean_us": mean,
+        "max_us": float(a.max()),
+        "mrows_per_s": size / mean,
+        "gib_per_s": size * row_bytes / (mean * 1e-6) / 2**30,
+    }
 
 
 # ---------------------------------------------------------------------- main
 def run(args, workdir: str, out_stream) -> dict:
-    say = lambda *a: print(*a, file=sys.stderr if out_stream is sys.stdout else sys.stdout,  # noqa: E731
-                           flush=True)
-    result = {"command": "python bench/lookup.py " + " ".join(sys.argv[1:]),
-              "machine": machine(), "source": source(), "loadavg_start": loadavg(),
-              "cpu_busy_before": cpu_busy(),
-              "table": {"rows": args.rows, "cols": args.cols, "dtype": "BF16",
-                        "row_bytes": args.cols * 2, "parts": args.parts,
-                        "gib": round(args.rows * args.cols * 2 / 2**30, 2)},
-              "iterations": args.iter_counts, "rounds": args.rounds, "gap_us": args.gap_us,
-              "sizes": {}}
+    progress = sys.stderr if out_stream is sys.stdout else sys.stdout
+
+    def say(*a) -> None:
+        print(*a, file=progress, flush=True)
+
+    result = {
+        "command": "python bench/lookup.py " + " ".join(sys.argv[1:]),
+        "machine": machine(),
+        "source": source(),
+        "loadavg_start": loadavg(),
+        "cpu_busy_before": cpu_busy(),
+        "table": {
+            "rows": args.rows,
+            "cols": args.cols,
+            "dtype": "BF16",
+            "row_bytes": args.cols * 2,
+            "parts": args.parts,
+            "gib": round(args.rows * args.cols * 2 / 2**30, 2),
+        },
+        "iterations": args.iter_counts,
+        "rounds": args.rounds,
+        "gap_us": args.gap_us,
+        "sizes": {},
+    }
     row_bytes = args.cols * 2
     models = {}
     for files in args.files:
         models[files] = os.path.join(workdir, f"model-{files}file")
         t = time.monotonic()
-        say(f"writing the table ({result['table']['gib']} GiB, {args.parts} shards) "
-            f"in {files} file(s) ...")
+        say(
+            f"writing the table ({result['table']['gib']} GiB, {args.parts} shards) "
+            f"in {files} file(s) ..."
+        )
         write_table(models[files], args, files)
         say(f"  {time.monotonic() - t:.1f} s")
     spec = discover_tables(models[1])[0]
@@ -404,10 +489,14 @@ def run(args, workdir: str, out_stream) -> dict:
         if want & {"pleserver", "pleserver-view"}:
             for files in args.files:
                 for workers in args.gather_workers:
-                    label = "pleserver" + (f"-{files}f" if len(args.files) > 1 else "") \
+                    label = (
+                        "pleserver"
+                        + (f"-{files}f" if len(args.files) > 1 else "")
                         + (f"-{workers}w" if workers else "")
-                    servers.append(Server(label, models[files], workers, max(args.sizes),
-                                          args.server_arg))
+                    )
+                    servers.append(
+                        Server(label, models[files], workers, max(args.sizes), args.server_arg)
+                    )
         t = time.monotonic()
         say("warming the page cache and the mappings ...")
         floor = Floor(spec)  # MADV_POPULATE_READ reads the one-file table once
@@ -417,8 +506,9 @@ def run(args, workdir: str, out_stream) -> dict:
                 seed.populate()
         for s in servers:
             s.wait_ready()
-            s.client = PleClient.connect(s.socket, timeout=60.0, name="bench",
-                                         capacity=max(args.sizes))
+            s.client = PleClient.connect(
+                s.socket, timeout=60.0, name="bench", capacity=max(args.sizes)
+            )
             s.info = s.client.table(0)
         say(f"  {time.monotonic() - t:.1f} s (servers prewarmed: {len(servers)})")
 
@@ -432,17 +522,20 @@ def run(args, workdir: str, out_stream) -> dict:
             view = floor.view
             contenders: list[tuple[str, object]] = []  # (label, fn(ids) or Server)
             if "floor" in want:
-                contenders.append(("floor", lambda r, v=view, o=out:
-                                   np.take(v, r, axis=0, out=o, mode="clip")))
+                contenders.append(
+                    ("floor", lambda r, v=view, o=out: np.take(v, r, axis=0, out=o, mode="clip"))
+                )
             if "floor-raise" in want:
-                contenders.append(("floor-raise", lambda r, v=view, o=out:
-                                   np.take(v, r, axis=0, out=o)))
+                contenders.append(
+                    ("floor-raise", lambda r, v=view, o=out: np.take(v, r, axis=0, out=o))
+                )
             if seed is not None:
                 contenders.append(("seed", seed.gather))
             for s in servers:
                 if "pleserver" in want:
-                    contenders.append((s.label, lambda r, c=s.client, i=s.info, o=out:
-                                       c.lookup(i, r, out=o)))
+                    contenders.append(
+                        (s.label, lambda r, c=s.client, i=s.info, o=out: c.lookup(i, r, out=o))
+                    )
                 if "pleserver-view" in want:
                     contenders.append((s.label.replace("pleserver", "pleserver-view"), s))
 
@@ -460,15 +553,18 @@ def run(args, workdir: str, out_stream) -> dict:
                     raise RuntimeError(f"{label}: rows differ from the table at size {size}")
             del check
 
-            say(f"size {size}: {iters} timed requests per contender "
-                f"({warm} warm-up) ...")
+            say(f"size {size}: {iters} timed requests per contender ({warm} warm-up) ...")
             samples = {label: [] for label, _ in contenders}
-            parts = {label: {"submit": [], "server": [], "pickup+wake": [], "release": []}
-                     for label, fn in contenders if isinstance(fn, Server)}
+            parts = {
+                label: {"submit": [], "server": [], "pickup+wake": [], "release": []}
+                for label, fn in contenders
+                if isinstance(fn, Server)
+            }
             for label, fn in contenders:  # warm-up
                 if isinstance(fn, Server):
-                    timed_view(fn.client, fn.info, ids, 0, warm, gap_s,
-                               {k: [] for k in parts[label]})
+                    timed_view(
+                        fn.client, fn.info, ids, 0, warm, gap_s, {k: [] for k in parts[label]}
+                    )
                 else:
                     timed(fn, ids, 0, warm, gap_s)
             before = {s.label: s.client.stats()["tables"][0] for s in servers}
@@ -482,8 +578,9 @@ def run(args, workdir: str, out_stream) -> dict:
                     a, b = int(bounds[r]), int(bounds[r + 1])
                     for label, fn in contenders:
                         if isinstance(fn, Server):
-                            samples[label] += timed_view(fn.client, fn.info, ids, a, b, gap_s,
-                                                         parts[label])
+                            samples[label] += timed_view(
+                                fn.client, fn.info, ids, a, b, gap_s, parts[label]
+                            )
                         else:
                             samples[label] += timed(fn, ids, a, b, gap_s)
                         gc.collect(0)
@@ -497,17 +594,24 @@ def run(args, workdir: str, out_stream) -> dict:
             for label, _ in contenders:
                 stats = summarize(samples[label], size, row_bytes)
                 if label in parts:
-                    stats["parts_p50_us"] = {k: float(np.percentile(v, 50)) / 1e3
-                                             for k, v in parts[label].items()}
-                    stats["parts_p99_us"] = {k: float(np.percentile(v, 99)) / 1e3
-                                             for k, v in parts[label].items()}
+                    stats["parts_p50_us"] = {
+                        k: float(np.percentile(v, 50)) / 1e3 for k, v in parts[label].items()
+                    }
+                    stats["parts_p99_us"] = {
+                        k: float(np.percentile(v, 99)) / 1e3 for k, v in parts[label].items()
+                    }
                 entry[label] = stats
             result.setdefault("server_side", {})[str(size)] = {
-                s.label: {"server_time": hist_quantiles(before[s.label]["server_time"],
-                                                        after[s.label]["server_time"]),
-                          "queue_time": hist_quantiles(before[s.label]["queue_time"],
-                                                       after[s.label]["queue_time"])}
-                for s in servers}
+                s.label: {
+                    "server_time": hist_quantiles(
+                        before[s.label]["server_time"], after[s.label]["server_time"]
+                    ),
+                    "queue_time": hist_quantiles(
+                        before[s.label]["queue_time"], after[s.label]["queue_time"]
+                    ),
+                }
+                for s in servers
+            }
             result["sizes"][str(size)] = entry
             result.setdefault("others_cpu", {})[str(size)] = others
             if others > 0.05:
@@ -532,34 +636,73 @@ def targets(result: dict, servers: list[Server]) -> list[dict]:
     checks = []
     for s in servers:
         label = s.label
+
         def get(size, who, key):
             try:
                 return sizes[str(size)][who][key]
             except KeyError:
                 return None
-        f4, p4, s4 = (get(4096, "floor", "p50_us"), get(4096, label, "p50_us"),
-                      get(4096, "seed", "p50_us"))
+
+        f4, p4, s4 = (
+            get(4096, "floor", "p50_us"),
+            get(4096, label, "p50_us"),
+            get(4096, "seed", "p50_us"),
+        )
         if f4 and p4:
-            checks.append({"server": label, "target": "4096 rows: p50 ≤ 1.5 × floor",
-                           "value": round(p4 / f4, 2), "limit": 1.5, "pass": p4 <= 1.5 * f4})
+            checks.append(
+                {
+                    "server": label,
+                    "target": "4096 rows: p50 ≤ 1.5 × floor",
+                    "value": round(p4 / f4, 2),
+                    "limit": 1.5,
+                    "pass": p4 <= 1.5 * f4,
+                }
+            )
         if s4 and p4:
-            checks.append({"server": label, "target": "4096 rows: ≥ 5 × faster than seed",
-                           "value": round(s4 / p4, 2), "limit": 5.0, "pass": s4 >= 5 * p4})
+            checks.append(
+                {
+                    "server": label,
+                    "target": "4096 rows: ≥ 5 × faster than seed",
+                    "value": round(s4 / p4, 2),
+                    "limit": 5.0,
+                    "pass": s4 >= 5 * p4,
+                }
+            )
         p16, q16 = get(16, label, "p50_us"), get(16, label, "p99_us")
         if p16 is not None:
-            checks.append({"server": label, "target": "16 rows: p50 ≤ 50 µs",
-                           "value": round(p16, 1), "limit": 50, "pass": p16 <= 50})
-            checks.append({"server": label, "target": "16 rows: p99 ≤ 250 µs",
-                           "value": round(q16, 1), "limit": 250, "pass": q16 <= 250})
+            checks.append(
+                {
+                    "server": label,
+                    "target": "16 rows: p50 ≤ 50 µs",
+                    "value": round(p16, 1),
+                    "limit": 50,
+                    "pass": p16 <= 50,
+                }
+            )
+            checks.append(
+                {
+                    "server": label,
+                    "target": "16 rows: p99 ≤ 250 µs",
+                    "value": round(q16, 1),
+                    "limit": 250,
+                    "pass": q16 <= 250,
+                }
+            )
         # Throughput per request from the medians, like the other targets (a few
         # host hiccups move the mean of ~100 samples); the mean-based ratio rides along.
         fb, pb = get(131072, "floor", "p50_us"), get(131072, label, "p50_us")
         fm, pm = get(131072, "floor", "mean_us"), get(131072, label, "mean_us")
         if fb and pb:
-            checks.append({"server": label,
-                           "target": "131072 rows: throughput ≥ 0.8 × floor",
-                           "value": round(fb / pb, 2), "limit": 0.8, "pass": fb / pb >= 0.8,
-                           "mean_based": round(fm / pm, 2)})
+            checks.append(
+                {
+                    "server": label,
+                    "target": "131072 rows: throughput ≥ 0.8 × floor",
+                    "value": round(fb / pb, 2),
+                    "limit": 0.8,
+                    "pass": fb / pb >= 0.8,
+                    "mean_based": round(fm / pm, 2),
+                }
+            )
     return checks
 
 
@@ -567,49 +710,72 @@ def report(result: dict, stream) -> None:
     w = lambda s="": print(s, file=stream)  # noqa: E731
     m = result["machine"]
     t = result["table"]
-    w(f"{m.get('model_name', '?')}, {m['cores']} cores, {m.get('ram_gib', '?')} GiB RAM, "
-      f"kernel {m['kernel']}, Python {m['python']}, NumPy {m['numpy']}; {m['date']}")
-    w(f"table: {t['rows']:,} rows × {t['row_bytes']} B (BF16 × {t['cols']}), "
-      f"{t['parts']} shards, {t['gib']} GiB; load average {result['loadavg_start']} → "
-      f"{result['loadavg_end']}; CPUs busy before/after (others) "
-      f"{result['cpu_busy_before']:.0%} / {result['cpu_busy_after']:.0%}")
+    w(
+        f"{m.get('model_name', '?')}, {m['cores']} cores, {m.get('ram_gib', '?')} GiB RAM, "
+        f"kernel {m['kernel']}, Python {m['python']}, NumPy {m['numpy']}; {m['date']}"
+    )
+    w(
+        f"table: {t['rows']:,} rows × {t['row_bytes']} B (BF16 × {t['cols']}), "
+        f"{t['parts']} shards, {t['gib']} GiB; load average {result['loadavg_start']} → "
+        f"{result['loadavg_end']}; CPUs busy before/after (others) "
+        f"{result['cpu_busy_before']:.0%} / {result['cpu_busy_after']:.0%}"
+    )
     others = result.get("others_cpu", {})
-    w("CPU used by other processes while timing, per size: " +
-      ", ".join(f"{k}: {v:.0%}" for k, v in others.items()))
+    w(
+        "CPU used by other processes while timing, per size: "
+        + ", ".join(f"{k}: {v:.0%}" for k, v in others.items())
+    )
     if max([result["cpu_busy_before"], result["cpu_busy_after"], *others.values()]) > 0.10:
         w("WARNING: other processes kept the CPUs busy: numbers are not representative")
     w()
-    w(f"{'rows':>7}  {'contender':<24} {'p50 µs':>10} {'p99 µs':>10} {'mean µs':>10} "
-      f"{'GiB/s':>7} {'p50/floor':>9} {'seed/p50':>8}")
+    w(
+        f"{'rows':>7}  {'contender':<24} {'p50 µs':>10} {'p99 µs':>10} {'mean µs':>10} "
+        f"{'GiB/s':>7} {'p50/floor':>9} {'seed/p50':>8}"
+    )
     for size, entry in result["sizes"].items():
         floor = entry.get("floor", {}).get("p50_us")
         seed = entry.get("seed", {}).get("p50_us")
         for label, s in entry.items():
             ratio = f"{s['p50_us'] / floor:.2f}" if floor else "-"
             speedup = f"{seed / s['p50_us']:.1f}" if seed and label != "seed" else "-"
-            w(f"{size:>7}  {label:<24} {s['p50_us']:>10.1f} {s['p99_us']:>10.1f} "
-              f"{s['mean_us']:>10.1f} {s['gib_per_s']:>7.2f} {ratio:>9} {speedup:>8}")
+            w(
+                f"{size:>7}  {label:<24} {s['p50_us']:>10.1f} {s['p99_us']:>10.1f} "
+                f"{s['mean_us']:>10.1f} {s['gib_per_s']:>7.2f} {ratio:>9} {speedup:>8}"
+            )
         w()
-    views = [(size, label, s) for size, entry in result["sizes"].items()
-             for label, s in entry.items() if "parts_p50_us" in s]
+    views = [
+        (size, label, s)
+        for size, entry in result["sizes"].items()
+        for label, s in entry.items()
+        if "parts_p50_us" in s
+    ]
     if views:
-        w("pleserver-view p50 parts (µs): client submit | server (slot) | pickup + wake-up "
-          "| release;  server-side p50 of the server's own histograms (±19 %): queue | "
-          "server time")
+        w(
+            "pleserver-view p50 parts (µs): client submit | server (slot) | pickup + wake-up "
+            "| release;  server-side p50 of the server's own histograms (±19 %): queue | "
+            "server time"
+        )
         for size, label, s in views:
             pp = s["parts_p50_us"]
-            srv = result.get("server_side", {}).get(size, {}).get(
-                label.replace("pleserver-view", "pleserver"), {})
+            srv = (
+                result.get("server_side", {})
+                .get(size, {})
+                .get(label.replace("pleserver-view", "pleserver"), {})
+            )
             q, st = srv.get("queue_time", {}), srv.get("server_time", {})
-            w(f"{size:>7}  {label:<24} {pp['submit']:>7.1f} | {pp['server']:>8.1f} | "
-              f"{pp['pickup+wake']:>7.1f} | {pp['release']:>5.1f}   ;  "
-              f"{_fmt(q.get('p50_us'))} | {_fmt(st.get('p50_us'))}")
+            w(
+                f"{size:>7}  {label:<24} {pp['submit']:>7.1f} | {pp['server']:>8.1f} | "
+                f"{pp['pickup+wake']:>7.1f} | {pp['release']:>5.1f}   ;  "
+                f"{_fmt(q.get('p50_us'))} | {_fmt(st.get('p50_us'))}"
+            )
         w()
     w("targets:")
     for c in result["targets"]:
         extra = f"; from the means: {c['mean_based']}" if "mean_based" in c else ""
-        w(f"  {'PASS' if c['pass'] else 'MISS'}  {c['server']:<20} {c['target']:<40} "
-          f"{c['value']} (limit {c['limit']}{extra})")
+        w(
+            f"  {'PASS' if c['pass'] else 'MISS'}  {c['server']:<20} {c['target']:<40} "
+            f"{c['value']} (limit {c['limit']}{extra})"
+        )
 
 
 def _fmt(v) -> str:

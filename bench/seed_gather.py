@@ -24,8 +24,14 @@ MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 class SeedTable:
     """``MmapPleTable`` minus torch. ``shards``: {index: (path, offset, rows)}."""
 
-    def __init__(self, shards: dict[int, tuple[str, int, int]], shard_size: int,
-                 row_bytes: int, workers: int = 32, chunk: int = 2048) -> None:
+    def __init__(
+        self,
+        shards: dict[int, tuple[str, int, int]],
+        shard_size: int,
+        row_bytes: int,
+        workers: int = 32,
+        chunk: int = 2048,
+    ) -> None:
         if not shards:
             raise ValueError("no PLE shards")
         self.shard_size = int(shard_size)
@@ -34,8 +40,9 @@ class SeedTable:
         self.mm: list[np.memmap | None] = [None] * (max(shards) + 1)
         self.rows_total = 0
         for idx, (path, offset, rows) in shards.items():
-            self.mm[idx] = np.memmap(path, dtype=np.uint8, mode="r", offset=offset,
-                                     shape=(rows, row_bytes))
+            self.mm[idx] = np.memmap(
+                path, dtype=np.uint8, mode="r", offset=offset, shape=(rows, row_bytes)
+            )
             self.rows_total += rows
         self.pool = ThreadPoolExecutor(max_workers=max(1, int(workers)))
 
@@ -53,8 +60,9 @@ class SeedTable:
             return np.empty((0, self.row_bytes), dtype=np.uint8)
         uniq, inverse = np.unique(ids, return_inverse=True)
         if uniq[0] < 0 or uniq[-1] >= self.shard_size * len(self.mm):
-            raise IndexError(f"PLE row id out of range: [{uniq[0]}, {uniq[-1]}] "
-                             f"for {self.rows_total} rows")
+            raise IndexError(
+                f"PLE row id out of range: [{uniq[0]}, {uniq[-1]}] for {self.rows_total} rows"
+            )
         shard = uniq // self.shard_size
         local = uniq - shard * self.shard_size
         out = np.empty((uniq.size, self.row_bytes), dtype=np.uint8)

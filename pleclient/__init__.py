@@ -11,6 +11,15 @@ from pleclient.errors import (
     ServerUnavailable,
 )
 
-__all__ = ["PleClient", "TableInfo", "Ticket", "PleError", "ServerUnavailable",
-           "ProtocolMismatch", "AccessDenied", "RequestError", "LookupTimeout",
-           "ServerGone"]
+__all__ = [
+    "PleClient",
+    "TableInfo",
+    "Ticket",
+    "PleError",
+    "ServerUnavailable",
+    "ProtocolMismatch",
+    "AccessDenied",
+    "RequestError",
+    "LookupTimeout",
+    "ServerGone",
+]

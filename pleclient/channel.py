@@ -36,24 +36,33 @@ class SlotView:
     """One slot: header words, message area, ids and rows views, and the
     slot's transitions."""
 
-    __slots__ = ("index", "words", "words64", "message", "ids", "rows", "_sync",
-                 "_state_at", "_waiters_at")
+    __slots__ = (
+        "index",
+        "words",
+        "words64",
+        "message",
+        "ids",
+        "rows",
+        "_sync",
+        "_state_at",
+        "_waiters_at",
+    )
 
-    def __init__(self, buf: memoryview, sync: Words, layout: p.ChannelLayout,
-                 index: int) -> None:
+    def __init__(self, buf: memoryview, sync: Words, layout: p.ChannelLayout, index: int) -> None:
         base = layout.slot_offset(index)
         self.index = index
         self._sync = sync
         self._state_at = base + p.SL_STATE * WORD
         self._waiters_at = base + p.SL_WAITERS * WORD
-        self.words = buf[base: base + p.SLOT_HEADER_BYTES].cast("I")
-        self.words64 = buf[base: base + p.SLOT_HEADER_BYTES].cast("Q")
-        self.message = buf[base + p.SLOT_HEADER_BYTES: base + p.SLOT_PRELUDE_BYTES]
+        self.words = buf[base : base + p.SLOT_HEADER_BYTES].cast("I")
+        self.words64 = buf[base : base + p.SLOT_HEADER_BYTES].cast("Q")
+        self.message = buf[base + p.SLOT_HEADER_BYTES : base + p.SLOT_PRELUDE_BYTES]
         ids_at = base + layout.ids_offset
         self.ids = np.frombuffer(buf, dtype=np.int64, count=layout.capacity, offset=ids_at)
         rows_at = base + layout.rows_offset
-        self.rows = np.frombuffer(buf, dtype=np.uint8,
-                                  count=layout.capacity * layout.max_row_bytes, offset=rows_at)
+        self.rows = np.frombuffer(
+            buf, dtype=np.uint8, count=layout.capacity * layout.max_row_bytes, offset=rows_at
+        )
 
     @property
     def state(self) -> int:
@@ -79,8 +88,9 @@ class SlotView:
         """Wait until the state is no longer SUBMITTED: spin up to ``spin``
         seconds, then sleep (at most ``timeout`` in all). The state, read with
         acquire (the rows are then visible); SUBMITTED on timeout."""
-        return self._sync.wait_while(self._state_at, p.SlotState.SUBMITTED,
-                                     self._waiters_at, timeout, spin)
+        return self._sync.wait_while(
+            self._state_at, p.SlotState.SUBMITTED, self._waiters_at, timeout, spin
+        )
 
     def release(self) -> None:
         """DONE/ERROR → FREE: the client is done with the rows."""
@@ -120,8 +130,7 @@ class ChannelMap:
 
     def __init__(self, fd: int, layout: p.ChannelLayout, *, format_header: bool = False) -> None:
         self.layout = layout
-        self.mm = mmap.mmap(fd, layout.size, mmap.MAP_SHARED,
-                            mmap.PROT_READ | mmap.PROT_WRITE)
+        self.mm = mmap.mmap(fd, layout.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.buf = memoryview(self.mm)
         self.sync = Words(self.mm)
         self.header = self.buf[: p.CHANNEL_HEADER_BYTES].cast("I")
@@ -134,9 +143,11 @@ class ChannelMap:
         elif self.header[p.CH_VERSION] != p.PROTOCOL_VERSION:
             version = self.header[p.CH_VERSION]
             self.close()
-            raise ProtocolMismatch(f"channel segment speaks protocol {version}, this client "
-                                   f"speaks {p.PROTOCOL_VERSION}; install matching pleserver "
-                                   "versions")
+            raise ProtocolMismatch(
+                f"channel segment speaks protocol {version}, this client "
+                f"speaks {p.PROTOCOL_VERSION}; install matching pleserver "
+                "versions"
+            )
 
     def _format(self) -> None:
         h = self.header

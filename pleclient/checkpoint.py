@@ -26,15 +26,33 @@ import numpy as np
 
 SHARD_RE = re.compile(
     r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.ple\.ple_embedding\.ngram_embedding)"
-    r"\.shard_(?P<index>\d+)\.weight$")
+    r"\.shard_(?P<index>\d+)\.weight$"
+)
 SCALE_RE = re.compile(
     r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.ple\.ple_embedding\.ngram_embedding)"
-    r"\.weight_scale$")
+    r"\.weight_scale$"
+)
 INDEX_FILE = "model.safetensors.index.json"
 
-ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4,
-            "U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "F64": 8, "BOOL": 1,
-            "U16": 2, "U32": 4, "U64": 8, "F8_E8M0": 1, "F4": 1}
+ITEMSIZE = {
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "BF16": 2,
+    "F16": 2,
+    "F32": 4,
+    "U8": 1,
+    "I8": 1,
+    "I16": 2,
+    "I32": 4,
+    "I64": 8,
+    "F64": 8,
+    "BOOL": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "F8_E8M0": 1,
+    "F4": 1,
+}
 TABLE_DTYPES = {"F8_E4M3": True, "F8_E5M2": True, "BF16": False}
 """Supported row dtypes, and whether each needs a ``weight_scale``."""
 SCALE_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": None}
@@ -96,10 +114,18 @@ class TableSpec:
 
     def info(self) -> dict:
         """The catalog entry sent to clients (see ``pleclient.TableInfo``)."""
-        return {"name": self.name, "layer": self.layer, "rows": self.rows,
-                "cols": self.cols, "dtype": self.dtype, "row_bytes": self.row_bytes,
-                "scale": self.scale, "fingerprint": self.fingerprint,
-                "shard_size": self.shard_size, "parts": self.parts}
+        return {
+            "name": self.name,
+            "layer": self.layer,
+            "rows": self.rows,
+            "cols": self.cols,
+            "dtype": self.dtype,
+            "row_bytes": self.row_bytes,
+            "scale": self.scale,
+            "fingerprint": self.fingerprint,
+            "shard_size": self.shard_size,
+            "parts": self.parts,
+        }
 
 
 def read_header(path: str) -> tuple[dict[str, TensorEntry], list[str]]:
@@ -111,23 +137,30 @@ def read_header(path: str) -> tuple[dict[str, TensorEntry], list[str]]:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                return {}, [f"{path}: {size} bytes, too short for a safetensors header "
-                            "(truncated download? fetch the file again)"]
+                return {}, [
+                    f"{path}: {size} bytes, too short for a safetensors header "
+                    "(truncated download? fetch the file again)"
+                ]
             (header_len,) = struct.unpack("<Q", head)
             if header_len > size - 8:
-                return {}, [f"{path}: header length {header_len} runs past the end of the "
-                            f"{size}-byte file (truncated or not safetensors; fetch it again)"]
+                return {}, [
+                    f"{path}: header length {header_len} runs past the end of the "
+                    f"{size}-byte file (truncated or not safetensors; fetch it again)"
+                ]
             raw = f.read(header_len)
     except OSError as exc:
-        return {}, [f"{path}: cannot read ({exc.strerror}); check the path and that the "
-                    "server's user may read the model directory"]
+        return {}, [
+            f"{path}: cannot read ({exc.strerror}); check the path and that the "
+            "server's user may read the model directory"
+        ]
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
     except (ValueError, UnicodeDecodeError) as exc:
-        return {}, [f"{path}: malformed safetensors header ({exc}); the file is corrupt, "
-                    "fetch it again"]
+        return {}, [
+            f"{path}: malformed safetensors header ({exc}); the file is corrupt, fetch it again"
+        ]
     data_start = 8 + header_len
     tensors: dict[str, TensorEntry] = {}
     for name, meta in header.items():
@@ -143,7 +176,8 @@ def read_header(path: str) -> tuple[dict[str, TensorEntry], list[str]]:
         if not 0 <= start <= end or data_start + end > size:
             problems.append(
                 f"{path}: tensor {name}: data offsets [{start}, {end}) lie outside the "
-                f"file ({size - data_start} data bytes); the file is truncated or corrupt")
+                f"file ({size - data_start} data bytes); the file is truncated or corrupt"
+            )
             continue
         tensors[name] = TensorEntry(name, path, data_start + start, end - start, dtype, shape)
     return tensors, problems
@@ -152,8 +186,10 @@ def read_header(path: str) -> tuple[dict[str, TensorEntry], list[str]]:
 def checkpoint_files(model_dir: str) -> tuple[list[str], list[str]]:
     """Files that may hold PLE tensors: from the index when there is one, else a glob."""
     if not os.path.isdir(model_dir):
-        return [], [f"{model_dir}: not a directory; pass the model's local snapshot "
-                    "directory (the one with config.json and *.safetensors)"]
+        return [], [
+            f"{model_dir}: not a directory; pass the model's local snapshot "
+            "directory (the one with config.json and *.safetensors)"
+        ]
     index_path = os.path.join(model_dir, INDEX_FILE)
     if os.path.exists(index_path):
         try:
@@ -161,16 +197,18 @@ def checkpoint_files(model_dir: str) -> tuple[list[str], list[str]]:
                 weight_map = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return [], [f"{index_path}: unreadable index ({exc}); fix or remove it"]
-        names = sorted({fn for name, fn in weight_map.items()
-                        if SHARD_RE.match(name) or SCALE_RE.match(name)})
+        names = sorted(
+            {fn for name, fn in weight_map.items() if SHARD_RE.match(name) or SCALE_RE.match(name)}
+        )
         files, problems = [], []
         for fn in names:
             path = os.path.join(model_dir, fn)
             if os.path.exists(path):
                 files.append(path)
             else:
-                problems.append(f"{index_path} names {fn}, which does not exist; "
-                                "the download is incomplete")
+                problems.append(
+                    f"{index_path} names {fn}, which does not exist; the download is incomplete"
+                )
         return files, problems
     return sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))), []
 
@@ -190,8 +228,10 @@ def discover_tables(model_dir: str, *, fingerprint: bool = True) -> list[TableSp
                 table, index = m["table"], int(m["index"])
                 previous = shards.setdefault(table, {}).get(index)
                 if previous is not None:
-                    problems.append(f"{name}: duplicate shard, in {previous.path} and "
-                                    f"{path}; remove the stale copy")
+                    problems.append(
+                        f"{name}: duplicate shard, in {previous.path} and "
+                        f"{path}; remove the stale copy"
+                    )
                     continue
                 shards[table][index] = entry
             elif m := SCALE_RE.match(name):
@@ -203,9 +243,11 @@ def discover_tables(model_dir: str, *, fingerprint: bool = True) -> list[TableSp
         if table is not None:
             tables.append(table)
     if not tables and not problems:
-        problems.append(f"no PLE tables (tensors named …layers.<L>.ple.ple_embedding."
-                        f"ngram_embedding.shard_<i>.weight) in {len(files)} safetensors "
-                        "file(s); is this the right model directory?")
+        problems.append(
+            f"no PLE tables (tensors named …layers.<L>.ple.ple_embedding."
+            f"ngram_embedding.shard_<i>.weight) in {len(files)} safetensors "
+            "file(s); is this the right model directory?"
+        )
     if problems:
         raise CheckpointError(model_dir, problems)
     if fingerprint:
@@ -221,42 +263,53 @@ def _table_layer(table: str) -> int:
     return int(m["layer"])
 
 
-def _build_table(name: str, entries: dict[int, TensorEntry],
-                 scale: TensorEntry | None) -> tuple[TableSpec | None, list[str]]:
+def _build_table(
+    name: str, entries: dict[int, TensorEntry], scale: TensorEntry | None
+) -> tuple[TableSpec | None, list[str]]:
     problems: list[str] = []
     layer = _table_layer(name)
     dtypes = sorted({e.dtype for e in entries.values()})
     if len(dtypes) > 1:
-        problems.append(f"{name}: shards have mixed dtypes {dtypes}; every shard must "
-                        "have the same dtype")
+        problems.append(
+            f"{name}: shards have mixed dtypes {dtypes}; every shard must have the same dtype"
+        )
     dtype = dtypes[0]
     if dtype not in TABLE_DTYPES:
-        problems.append(f"{name}: unsupported dtype {dtype} (supported: "
-                        f"{', '.join(TABLE_DTYPES)})")
+        problems.append(f"{name}: unsupported dtype {dtype} (supported: {', '.join(TABLE_DTYPES)})")
     widths = sorted({e.shape[1] if len(e.shape) == 2 else -1 for e in entries.values()})
     if -1 in widths:
         bad = [e.name for e in entries.values() if len(e.shape) != 2]
         problems.append(f"{bad[0]}: shard is not 2-D (shape must be [rows, cols])")
     elif len(widths) > 1:
-        problems.append(f"{name}: shards have mixed widths {widths}; every shard must "
-                        "have the same number of columns")
+        problems.append(
+            f"{name}: shards have mixed widths {widths}; every shard must "
+            "have the same number of columns"
+        )
     for e in entries.values():
-        if dtype in ITEMSIZE and len(e.shape) == 2 and \
-                e.nbytes != e.shape[0] * e.shape[1] * ITEMSIZE.get(e.dtype, 0):
-            problems.append(f"{e.path}: tensor {e.name}: {e.nbytes} data bytes, but shape "
-                            f"{list(e.shape)} × {ITEMSIZE.get(e.dtype)} bytes is "
-                            f"{e.shape[0] * e.shape[1] * ITEMSIZE.get(e.dtype, 0)}")
+        if (
+            dtype in ITEMSIZE
+            and len(e.shape) == 2
+            and e.nbytes != e.shape[0] * e.shape[1] * ITEMSIZE.get(e.dtype, 0)
+        ):
+            problems.append(
+                f"{e.path}: tensor {e.name}: {e.nbytes} data bytes, but shape "
+                f"{list(e.shape)} × {ITEMSIZE.get(e.dtype)} bytes is "
+                f"{e.shape[0] * e.shape[1] * ITEMSIZE.get(e.dtype, 0)}"
+            )
     parts = max(entries) + 1
     missing = sorted(set(range(parts)) - set(entries))
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (" …" if len(missing) > 10 else "")
-        problems.append(f"{name}: missing shard indices {shown} of 0..{parts - 1}; the "
-                        "checkpoint is incomplete")
+        problems.append(
+            f"{name}: missing shard indices {shown} of 0..{parts - 1}; the checkpoint is incomplete"
+        )
     needs_scale = TABLE_DTYPES.get(dtype, False)
     scale_value = None
     if needs_scale and scale is None:
-        problems.append(f"{name}: {dtype} shards need {name}.weight_scale, which is "
-                        "missing; use the checkpoint's original files")
+        problems.append(
+            f"{name}: {dtype} shards need {name}.weight_scale, which is "
+            "missing; use the checkpoint's original files"
+        )
     elif scale is not None and needs_scale:
         scale_value, scale_problem = read_scale(scale)
         if scale_problem:
@@ -271,22 +324,35 @@ def _build_table(name: str, entries: dict[int, TensorEntry],
             problems.append(
                 f"{entries[i].path}: tensor {entries[i].name} has {entries[i].shape[0]} rows, "
                 f"expected {expected} (layout ceil({rows}/{parts}) = {shard_size} rows per "
-                "shard, last shard partial)")
+                "shard, last shard partial)"
+            )
     if problems:
         return None, problems
-    shard_specs = [ShardSpec(i, entries[i].path, entries[i].offset, entries[i].shape[0])
-                   for i in range(parts)]
-    return TableSpec(name=name, layer=layer, dtype=dtype, cols=widths[0], rows=rows,
-                     parts=parts, shard_size=shard_size, shards=shard_specs,
-                     scale=scale_value, files=sorted({e.path for e in entries.values()})), []
+    shard_specs = [
+        ShardSpec(i, entries[i].path, entries[i].offset, entries[i].shape[0]) for i in range(parts)
+    ]
+    return TableSpec(
+        name=name,
+        layer=layer,
+        dtype=dtype,
+        cols=widths[0],
+        rows=rows,
+        parts=parts,
+        shard_size=shard_size,
+        shards=shard_specs,
+        scale=scale_value,
+        files=sorted({e.path for e in entries.values()}),
+    ), []
 
 
 def read_scale(entry: TensorEntry) -> tuple[float | None, str | None]:
     """The global FP8 scale as a float, or a problem text."""
     count = math.prod(entry.shape)
     if entry.dtype not in SCALE_DTYPES or count != 1:
-        return None, (f"{entry.path}: tensor {entry.name}: expected one F32/F16/BF16 "
-                      f"value, found {entry.dtype} of shape {list(entry.shape)}")
+        return None, (
+            f"{entry.path}: tensor {entry.name}: expected one F32/F16/BF16 "
+            f"value, found {entry.dtype} of shape {list(entry.shape)}"
+        )
     with open(entry.path, "rb") as f:
         f.seek(entry.offset)
         raw = f.read(entry.nbytes)
@@ -302,8 +368,7 @@ def table_fingerprint(table: TableSpec) -> str:
     Independent of how the shards are spread over files, so a re-packed copy of
     the same checkpoint has the same fingerprint."""
     h = hashlib.sha256()
-    h.update(json.dumps([table.dtype, table.cols, table.rows, table.parts,
-                         table.scale]).encode())
+    h.update(json.dumps([table.dtype, table.cols, table.rows, table.parts, table.scale]).encode())
     row_bytes = table.row_bytes
     for shard in table.shards:
         h.update(struct.pack("<QQ", shard.index, shard.rows))

@@ -124,8 +124,9 @@ class Ticket:
 class PleClient:
     """A session with ple-server: control socket plus one shared-memory channel."""
 
-    def __init__(self, sock: socket.socket, socket_path: str, welcome: dict,
-                 timeout: float) -> None:
+    def __init__(
+        self, sock: socket.socket, socket_path: str, welcome: dict, timeout: float
+    ) -> None:
         self._sock = sock
         self.socket_path = socket_path
         self.timeout = timeout
@@ -145,9 +146,15 @@ class PleClient:
 
     # --------------------------------------------------------------- connect
     @classmethod
-    def connect(cls, socket_path: str | None = None, timeout: float = 10.0, *,
-                name: str | None = None, capacity: int | None = None,
-                depth: int | None = None) -> PleClient:
+    def connect(
+        cls,
+        socket_path: str | None = None,
+        timeout: float = 10.0,
+        *,
+        name: str | None = None,
+        capacity: int | None = None,
+        depth: int | None = None,
+    ) -> PleClient:
         """Connect, say hello, open the channel. ``socket_path`` defaults to
         ``$PLE_SERVER_SOCKET`` or ``/run/ple-server/ple.sock``."""
         path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
@@ -158,7 +165,8 @@ class PleClient:
             if welcome.get("version") != p.PROTOCOL_VERSION:
                 raise ProtocolMismatch(
                     f"ple-server at {path} speaks protocol {welcome.get('version')!r}, this "
-                    f"client speaks {p.PROTOCOL_VERSION}; install matching pleserver versions")
+                    f"client speaks {p.PROTOCOL_VERSION}; install matching pleserver versions"
+                )
             client = cls(sock, path, welcome, timeout)
             client._open_channel(capacity, depth)
             return client
@@ -179,8 +187,7 @@ class PleClient:
             return reply["stats"]
 
     @classmethod
-    def query_tables(cls, socket_path: str | None = None, timeout: float = 5.0
-                     ) -> list[TableInfo]:
+    def query_tables(cls, socket_path: str | None = None, timeout: float = 5.0) -> list[TableInfo]:
         """The tables a server serves (its hello answer), without opening a
         channel: cheap enough to ask every server of a host."""
         path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
@@ -191,8 +198,9 @@ class PleClient:
         try:
             return [TableInfo.from_wire(t) for t in welcome["tables"]]
         except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolMismatch(f"ple-server at {path} sent an unusable table list: "
-                                   f"{exc}") from None
+            raise ProtocolMismatch(
+                f"ple-server at {path} sent an unusable table list: {exc}"
+            ) from None
 
     def _open_channel(self, capacity: int | None, depth: int | None) -> None:
         request: dict[str, str | int] = {"type": p.MessageType.OPEN_CHANNEL.value}
@@ -210,8 +218,9 @@ class PleClient:
             layout = p.ChannelLayout.from_wire(reply["layout"])
             self._channel = ChannelMap(fds[0], layout)
         except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolMismatch(f"ple-server at {self.socket_path} sent an unusable "
-                                   f"channel: {exc}") from None
+            raise ProtocolMismatch(
+                f"ple-server at {self.socket_path} sent an unusable channel: {exc}"
+            ) from None
         finally:
             os.close(fds[0])
         self._slot_owner = ["free"] * layout.depth
@@ -250,8 +259,9 @@ class PleClient:
             if len(matches) == 1:
                 return matches[0]
         known = ", ".join(f"{t.name} (layer {t.layer})" for t in self.tables)
-        raise KeyError(f"ple-server at {self.socket_path} serves no single table "
-                       f"{key!r}; it serves: {known}")
+        raise KeyError(
+            f"ple-server at {self.socket_path} serves no single table {key!r}; it serves: {known}"
+        )
 
     def submit(self, table: str | int | TableInfo, ids) -> Ticket:
         """Queue a lookup of ``ids`` (≤ capacity) and return its ticket."""
@@ -262,8 +272,10 @@ class PleClient:
         n = ids.shape[0]
         channel = self._require_channel()
         if n > channel.layout.capacity:
-            raise ValueError(f"{n} ids exceed the channel capacity of "
-                             f"{channel.layout.capacity}; use lookup(), which splits")
+            raise ValueError(
+                f"{n} ids exceed the channel capacity of "
+                f"{channel.layout.capacity}; use lookup(), which splits"
+            )
         if self._gone:
             raise ServerGone(self._gone)
         with self._lock:
@@ -273,8 +285,9 @@ class PleClient:
             channel.publish_submit(self._sequence)
         return Ticket(self, slot, info, n)
 
-    def lookup(self, table: str | int | TableInfo, ids, out: np.ndarray | None = None
-               ) -> np.ndarray:
+    def lookup(
+        self, table: str | int | TableInfo, ids, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Rows of ``ids`` in order, copied into ``out`` (or a new array). Any
         number of ids: larger requests are split and pipelined over the slots."""
         info = table if isinstance(table, TableInfo) else self.table(table)
@@ -283,8 +296,9 @@ class PleClient:
         if out is None:
             out = np.empty((n, info.row_bytes), dtype=np.uint8)
         elif out.shape != (n, info.row_bytes) or out.dtype != np.uint8:
-            raise ValueError(f"out must be uint8 {(n, info.row_bytes)}, got "
-                             f"{out.dtype} {out.shape}")
+            raise ValueError(
+                f"out must be uint8 {(n, info.row_bytes)}, got {out.dtype} {out.shape}"
+            )
         cap = self.capacity
         if n <= cap:
             ticket = self.submit(info, ids)
@@ -299,12 +313,12 @@ class PleClient:
             for start in range(0, n, cap):
                 if len(in_flight) >= window:
                     s, t = in_flight.pop(0)
-                    out[s: s + t.count] = t.wait()
+                    out[s : s + t.count] = t.wait()
                     t.release()
-                in_flight.append((start, self.submit(info, ids[start: start + cap])))
+                in_flight.append((start, self.submit(info, ids[start : start + cap])))
             while in_flight:
                 s, t = in_flight.pop(0)
-                out[s: s + t.count] = t.wait()
+                out[s : s + t.count] = t.wait()
                 t.release()
         finally:
             for _, t in in_flight:
@@ -322,9 +336,11 @@ class PleClient:
                 p.send_message(self._sock, {"type": p.MessageType.STATS.value})
                 return _expect(self._sock, p.MessageType.STATS, self.socket_path)["stats"]
             except (BrokenPipeError, ConnectionResetError) as exc:
-                raise ServerGone(f"ple-server at {self.socket_path} closed the connection "
-                                 f"({exc.strerror}: stopped, restarted or crashed); reconnect "
-                                 "with PleClient.connect()") from None
+                raise ServerGone(
+                    f"ple-server at {self.socket_path} closed the connection "
+                    f"({exc.strerror}: stopped, restarted or crashed); reconnect "
+                    "with PleClient.connect()"
+                ) from None
             finally:
                 self._sock.setblocking(False)
 
@@ -342,18 +358,23 @@ class PleClient:
             index = owners.index("abandoned")
             slot = self._require_channel().slots[index]
             deadline = time.monotonic() + self.timeout
-            while slot.wait_answered(max(0.0, min(LIVENESS_SLICE, deadline - time.monotonic()))
-                                     ) == p.SlotState.SUBMITTED:
+            while (
+                slot.wait_answered(max(0.0, min(LIVENESS_SLICE, deadline - time.monotonic())))
+                == p.SlotState.SUBMITTED
+            ):
                 self._check_alive()
                 if time.monotonic() >= deadline:
                     raise LookupTimeout(
                         f"ple-server at {self.socket_path} did not answer the released "
-                        f"requests holding this channel's slots within {self.timeout:.3g} s")
+                        f"requests holding this channel's slots within {self.timeout:.3g} s"
+                    )
             self._free_slot(index)
             owners[index] = "ticket"
             return index
-        raise PleError(f"all {len(owners)} channel slots are held by unreleased or "
-                       "unanswered tickets; release tickets (or connect with a larger depth)")
+        raise PleError(
+            f"all {len(owners)} channel slots are held by unreleased or "
+            "unanswered tickets; release tickets (or connect with a larger depth)"
+        )
 
     def _reclaim(self, index: int) -> None:
         """An abandoned slot becomes free once the server's answer has arrived."""
@@ -384,14 +405,14 @@ class PleClient:
                 raise LookupTimeout(
                     f"ple-server at {self.socket_path} did not answer a request of "
                     f"{ticket.count} rows within {timeout:.3g} s; the server may be "
-                    "overloaded (see `pleserver stats`)")
+                    "overloaded (see `pleserver stats`)"
+                )
 
     def _check_alive(self) -> None:
         if self._gone:
             raise ServerGone(self._gone)
         if self._pid != os.getpid():
-            raise PleError("a PleClient cannot be used across fork(); connect again in "
-                           "the child")
+            raise PleError("a PleClient cannot be used across fork(); connect again in the child")
         readable, _, _ = select.select([self._sock], [], [], 0)
         if not readable:
             return
@@ -404,17 +425,23 @@ class PleClient:
         else:
             why = "closed the connection"
         if not data:
-            self._gone = (f"ple-server at {self.socket_path} {why} (stopped, restarted "
-                          "or crashed); reconnect with PleClient.connect()")
+            self._gone = (
+                f"ple-server at {self.socket_path} {why} (stopped, restarted "
+                "or crashed); reconnect with PleClient.connect()"
+            )
         else:
             for msg in self._reader.feed(data):
                 if msg["type"] == p.MessageType.SHUTDOWN.value:
-                    self._gone = (f"ple-server at {self.socket_path} is shutting down "
-                                  f"({msg.get('reason', 'no reason given')}); reconnect "
-                                  "once it is back")
+                    self._gone = (
+                        f"ple-server at {self.socket_path} is shutting down "
+                        f"({msg.get('reason', 'no reason given')}); reconnect "
+                        "once it is back"
+                    )
                 elif msg["type"] == p.MessageType.ERROR.value:  # then it closes the session
-                    self._gone = (f"ple-server at {self.socket_path} ended this session: "
-                                  f"{msg.get('message', 'no reason given')}")
+                    self._gone = (
+                        f"ple-server at {self.socket_path} ended this session: "
+                        f"{msg.get('message', 'no reason given')}"
+                    )
         if self._gone:
             raise ServerGone(self._gone)
 
@@ -469,12 +496,14 @@ def _connect_socket(path: str, timeout: float) -> socket.socket:
         sock.close()
         raise ServerUnavailable(
             f"nothing listens on {path} (a stale socket of a stopped server): "
-            "`systemctl start ple-server`") from None
+            "`systemctl start ple-server`"
+        ) from None
     except PermissionError:
         sock.close()
         raise ServerUnavailable(
             f"permission denied on {path}: this user may not reach the socket; see "
-            "allow_uids/allow_gids in the ple-server configuration") from None
+            "allow_uids/allow_gids in the ple-server configuration"
+        ) from None
     except OSError as exc:
         sock.close()
         raise ServerUnavailable(f"cannot connect to {path}: {exc}") from None
@@ -483,8 +512,15 @@ def _connect_socket(path: str, timeout: float) -> socket.socket:
 
 def _send_hello(sock: socket.socket, name: str) -> None:
     try:
-        p.send_message(sock, {"type": p.MessageType.HELLO.value,
-                              "version": p.PROTOCOL_VERSION, "pid": os.getpid(), "name": name})
+        p.send_message(
+            sock,
+            {
+                "type": p.MessageType.HELLO.value,
+                "version": p.PROTOCOL_VERSION,
+                "pid": os.getpid(),
+                "name": name,
+            },
+        )
     except (BrokenPipeError, ConnectionResetError):
         pass  # refused on accept (not allowed, too many clients): the reason waits unread
 
@@ -496,23 +532,25 @@ def _expect(sock: socket.socket, kind: p.MessageType, path: str) -> dict:
     return msg
 
 
-def _expect_with_fds(sock: socket.socket, kind: p.MessageType, path: str
-                     ) -> tuple[dict, list[int]]:
+def _expect_with_fds(sock: socket.socket, kind: p.MessageType, path: str) -> tuple[dict, list[int]]:
     try:
         msg, fds = p.recv_message(sock)
     except TimeoutError:
-        raise LookupTimeout(f"ple-server at {path} did not answer {kind.value!r} in time"
-                            ) from None
+        raise LookupTimeout(f"ple-server at {path} did not answer {kind.value!r} in time") from None
     except p.FrameError as exc:
         raise ProtocolMismatch(f"ple-server at {path} sent a malformed frame: {exc}") from None
     except ConnectionResetError:
         msg, fds = None, []
     if msg is None:
-        raise ServerGone(f"ple-server at {path} closed the connection while this client "
-                         f"waited for {kind.value!r}")
+        raise ServerGone(
+            f"ple-server at {path} closed the connection while this client "
+            f"waited for {kind.value!r}"
+        )
     if msg["type"] == p.MessageType.SHUTDOWN.value:
-        raise ServerGone(f"ple-server at {path} is shutting down "
-                         f"({msg.get('reason', 'no reason given')}); reconnect once it is back")
+        raise ServerGone(
+            f"ple-server at {path} is shutting down "
+            f"({msg.get('reason', 'no reason given')}); reconnect once it is back"
+        )
     if msg["type"] == p.MessageType.ERROR.value:
         for fd in fds:
             os.close(fd)
@@ -523,6 +561,7 @@ def _expect_with_fds(sock: socket.socket, kind: p.MessageType, path: str
             raise AccessDenied(text)
         raise RequestError(code, text)
     if msg["type"] != kind.value:
-        raise ProtocolMismatch(f"ple-server at {path} answered {msg['type']!r} where "
-                               f"{kind.value!r} was expected")
+        raise ProtocolMismatch(
+            f"ple-server at {path} answered {msg['type']!r} where {kind.value!r} was expected"
+        )
     return msg, fds

@@ -222,9 +222,14 @@ class ChannelLayout:
         return CHANNEL_HEADER_BYTES + slot * self.slot_stride
 
     def to_wire(self) -> dict:
-        return {"depth": self.depth, "capacity": self.capacity,
-                "max_row_bytes": self.max_row_bytes, "size": self.size,
-                "slot_stride": self.slot_stride, "rows_offset": self.rows_offset}
+        return {
+            "depth": self.depth,
+            "capacity": self.capacity,
+            "max_row_bytes": self.max_row_bytes,
+            "size": self.size,
+            "slot_stride": self.slot_stride,
+            "rows_offset": self.rows_offset,
+        }
 
     @classmethod
     def from_wire(cls, msg: dict) -> ChannelLayout:
@@ -233,7 +238,8 @@ class ChannelLayout:
             if int(msg[key]) != getattr(layout, key):
                 raise ValueError(
                     f"channel layout disagrees on {key}: server says {msg[key]}, "
-                    f"this client computes {getattr(layout, key)}")
+                    f"this client computes {getattr(layout, key)}"
+                )
         return layout
 
 
@@ -321,8 +327,9 @@ class FrameReader:
         self.incomplete_since: float | None = None
         """When the frame now incomplete began to arrive (caller's clock)."""
 
-    def feed(self, data: bytes, now: float | None = None,
-             limit: int = MAX_FRAME_BYTES) -> list[dict]:
+    def feed(
+        self, data: bytes, now: float | None = None, limit: int = MAX_FRAME_BYTES
+    ) -> list[dict]:
         """Add received bytes (at ``now``, default ``time.monotonic()``); return
         the complete messages.
         Raises FrameError on a frame over ``limit`` bytes or an undecodable one
@@ -335,12 +342,14 @@ class FrameReader:
         while len(self._buf) >= FRAME_HEADER.size:
             (length,) = FRAME_HEADER.unpack_from(self._buf)
             if length > limit:
-                raise FrameError(f"frame of {length} bytes exceeds the {limit}-byte limit"
-                                 + (" before 'hello'" if limit < MAX_FRAME_BYTES else ""))
+                raise FrameError(
+                    f"frame of {length} bytes exceeds the {limit}-byte limit"
+                    + (" before 'hello'" if limit < MAX_FRAME_BYTES else "")
+                )
             end = FRAME_HEADER.size + length
             if len(self._buf) < end:
                 break
-            body = bytes(self._buf[FRAME_HEADER.size:end])
+            body = bytes(self._buf[FRAME_HEADER.size : end])
             del self._buf[:end]
             self.incomplete_since = now
             out.append(decode_body(body))

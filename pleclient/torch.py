@@ -26,8 +26,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PinnedSegment", "DeviceCopy", "copy_rows", "rows_as_tensor",
-           "buffer_address"]
+__all__ = ["PinnedSegment", "DeviceCopy", "copy_rows", "rows_as_tensor", "buffer_address"]
 
 
 def buffer_address(buffer) -> tuple[int, int]:  # any writable buffer
@@ -55,7 +54,8 @@ class PinnedSegment:
             raise RuntimeError(
                 f"cudaHostRegister of the {self.size >> 20} MiB ple-server channel failed: "
                 f"{cudart.cudaGetErrorString(err)}; raise the locked-memory limit "
-                "(ulimit -l / LimitMEMLOCK=infinity) or lower VLLM_PLE_SHM_CAPACITY")
+                "(ulimit -l / LimitMEMLOCK=infinity) or lower VLLM_PLE_SHM_CAPACITY"
+            )
         self.registered = True
         log.debug("pinned ple-server channel: %d MiB at %#x", self.size >> 20, self.address)
 

@@ -57,8 +57,13 @@ def table_cache_bytes(specs: list[TableSpec]) -> int:
     return sum(s.rows for s in specs) * slot
 
 
-def plan(specs: list[TableSpec], io: str, cache_size: int | None, reserve: int,
-         memory: MemoryRoom | None = None) -> Budget:
+def plan(
+    specs: list[TableSpec],
+    io: str,
+    cache_size: int | None,
+    reserve: int,
+    memory: MemoryRoom | None = None,
+) -> Budget:
     """The cache size (``cache_size``, else the default described above) and the
     io mode (``io``, or for ``auto`` mmap when the tables fit in that size)."""
     tables_bytes = sum(s.nbytes for s in specs)
@@ -70,9 +75,11 @@ def plan(specs: list[TableSpec], io: str, cache_size: int | None, reserve: int,
         memory = memory or memory_room()
         share = int(max(0, memory.available - reserve) * CACHE_SHARE)
         cache_bytes = max(MIN_CACHE_BYTES, share)
-        cache_reason = (f"default: {CACHE_SHARE:.0%} of the memory available at start "
-                        f"({memory.describe()}) less the {format_bytes(reserve)} reserve "
-                        "(prewarm_reserve)")
+        cache_reason = (
+            f"default: {CACHE_SHARE:.0%} of the memory available at start "
+            f"({memory.describe()}) less the {format_bytes(reserve)} reserve "
+            "(prewarm_reserve)"
+        )
         if cache_bytes > needed:
             cache_bytes = needed
             cache_reason += ", capped at what the tables need"
@@ -81,13 +88,17 @@ def plan(specs: list[TableSpec], io: str, cache_size: int | None, reserve: int,
         chosen = io
     elif tables_bytes <= cache_bytes:
         chosen = "mmap"
-        io_reason = (f"auto: the tables ({format_bytes(tables_bytes)}) fit in the "
-                     f"{format_bytes(cache_bytes)} budget, so the page cache serves them")
+        io_reason = (
+            f"auto: the tables ({format_bytes(tables_bytes)}) fit in the "
+            f"{format_bytes(cache_bytes)} budget, so the page cache serves them"
+        )
     else:
         chosen = "direct"
-        io_reason = (f"auto: the tables ({format_bytes(tables_bytes)}) exceed the "
-                     f"{format_bytes(cache_bytes)} budget, so a row cache of that size "
-                     "serves them and misses are read with O_DIRECT")
+        io_reason = (
+            f"auto: the tables ({format_bytes(tables_bytes)}) exceed the "
+            f"{format_bytes(cache_bytes)} budget, so a row cache of that size "
+            "serves them and misses are read with O_DIRECT"
+        )
     return Budget(cache_bytes, cache_reason, chosen, io_reason)
 
 

@@ -28,8 +28,12 @@ class _JournalFormatter(logging.Formatter):
     on every line, which journald turns into the entry's priority."""
 
     PRIORITY: ClassVar[dict[int, int]] = {
-        logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
-        logging.CRITICAL: 2}
+        logging.DEBUG: 7,
+        logging.INFO: 6,
+        logging.WARNING: 4,
+        logging.ERROR: 3,
+        logging.CRITICAL: 2,
+    }
 
     def format(self, record: logging.LogRecord) -> str:
         prio = self.PRIORITY.get(record.levelno, 6)
@@ -72,8 +76,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # A watchdog kill is a SIGABRT: dump every thread's stack first (to stderr,
     # the journal), so a wedged server says where it was stuck.
     faulthandler.enable(all_threads=True)
-    log.info("configuration: %s%s", loaded.file or "defaults (no config file)",
-             "; flags: " + " ".join(SETTINGS[n].flag for n in flags) if flags else "")
+    log.info(
+        "configuration: %s%s",
+        loaded.file or "defaults (no config file)",
+        "; flags: " + " ".join(SETTINGS[n].flag for n in flags) if flags else "",
+    )
     log.debug("effective configuration:\n%s", loaded.to_toml())
     try:
         return Server(loaded.config).run()
@@ -102,8 +109,17 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return print_problems(args.json, {"file": args.file}, exc)
     if args.json:
-        print(json.dumps({"file": loaded.file, "ok": True, "config": loaded.to_dict(),
-                          "sources": loaded.sources}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "file": loaded.file,
+                    "ok": True,
+                    "config": loaded.to_dict(),
+                    "sources": loaded.sources,
+                },
+                indent=1,
+            )
+        )
     else:
         print(loaded.to_toml(), end="")
     return 0
@@ -117,9 +133,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         return print_problems(args.json, {"model": exc.model_dir}, exc)
     if args.json:
-        print(json.dumps({"model": os.path.abspath(args.model), "ok": True,
-                          "tables": [dict(t.info(), shards=len(t.shards), bytes=t.nbytes,
-                                          files=t.files) for t in tables]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "model": os.path.abspath(args.model),
+                    "ok": True,
+                    "tables": [
+                        dict(t.info(), shards=len(t.shards), bytes=t.nbytes, files=t.files)
+                        for t in tables
+                    ],
+                },
+                indent=1,
+            )
+        )
         return 0
     print(tables_text(tables))
     return 0
@@ -127,11 +153,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def tables_text(tables) -> str:
     """The ``pleserver inspect`` table of a checkpoint's PLE tables."""
-    lines = [f"{'layer':>5} {'rows':>12} {'cols':>5} {'dtype':>8} {'row B':>6} {'shards':>6} "
-             f"{'GiB':>8}  fingerprint  name"]
+    lines = [
+        f"{'layer':>5} {'rows':>12} {'cols':>5} {'dtype':>8} {'row B':>6} {'shards':>6} "
+        f"{'GiB':>8}  fingerprint  name"
+    ]
     for t in tables:
-        lines.append(f"{t.layer:>5} {t.rows:>12} {t.cols:>5} {t.dtype:>8} {t.row_bytes:>6} "
-                     f"{t.parts:>6} {t.nbytes / 2**30:>8.3f}  {t.fingerprint[:11]}  {t.name}")
+        lines.append(
+            f"{t.layer:>5} {t.rows:>12} {t.cols:>5} {t.dtype:>8} {t.row_bytes:>6} "
+            f"{t.parts:>6} {t.nbytes / 2**30:>8.3f}  {t.fingerprint[:11]}  {t.name}"
+        )
     return "\n".join(lines)
 
 
@@ -188,18 +218,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from pleserver.stats import format_human
 
     setup_logging(args.log_level)
-    code, report = run_demo(cache_dir=args.cache_dir, seconds=args.seconds,
-                            clients=args.clients)
+    code, report = run_demo(cache_dir=args.cache_dir, seconds=args.seconds, clients=args.clients)
     if args.json:
         print(json.dumps(report))
         return code
     print(f"demo checkpoint: {report['model']}")
-    print(f"{report['clients']} client processes, {report['seconds']:.0f} s: "
-          f"{report['requests']} requests, {report['rows']} rows, "
-          f"{report['mismatches']} mismatching, {report['errors']} errors")
+    print(
+        f"{report['clients']} client processes, {report['seconds']:.0f} s: "
+        f"{report['requests']} requests, {report['rows']} rows, "
+        f"{report['mismatches']} mismatching, {report['errors']} errors"
+    )
     print(format_human(report["stats"]))
-    print("server stopped cleanly" if report["server_exit_code"] == 0 else
-          f"server exited with code {report['server_exit_code']}")
+    print(
+        "server stopped cleanly"
+        if report["server_exit_code"] == 0
+        else f"server exited with code {report['server_exit_code']}"
+    )
     print("demo OK" if code == 0 else "demo FAILED")
     return code
 
@@ -207,29 +241,49 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from pleserver.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, SETTINGS
 
-    parser = argparse.ArgumentParser(prog="pleserver", description=(
-        "Serve PLE (n-gram embedding) tables from NVMe to vLLM workers over shared memory."))
+    parser = argparse.ArgumentParser(
+        prog="pleserver",
+        description=(
+            "Serve PLE (n-gram embedding) tables from NVMe to vLLM workers over shared memory."
+        ),
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the ple-server daemon in the foreground",
-                           description="Run the daemon. Settings come from the defaults, "
-                           "then the config file, then these flags.")
-    serve.add_argument("--config", metavar="PATH", help=f"TOML config file (default: "
-                       f"${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH} when it exists)")
+    serve = sub.add_parser(
+        "serve",
+        help="run the ple-server daemon in the foreground",
+        description="Run the daemon. Settings come from the defaults, "
+        "then the config file, then these flags.",
+    )
+    serve.add_argument(
+        "--config",
+        metavar="PATH",
+        help=f"TOML config file (default: "
+        f"${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH} when it exists)",
+    )
     for s in SETTINGS.values():
-        serve.add_argument(s.flag, dest=s.name, default=argparse.SUPPRESS,
-                           action="append" if s.repeatable else "store",
-                           metavar=s.metavar or s.name.split("_")[-1].upper(),
-                           help=s.help + (" Repeatable." if s.repeatable else ""))
+        serve.add_argument(
+            s.flag,
+            dest=s.name,
+            default=argparse.SUPPRESS,
+            action="append" if s.repeatable else "store",
+            metavar=s.metavar or s.name.split("_")[-1].upper(),
+            help=s.help + (" Repeatable." if s.repeatable else ""),
+        )
     serve.set_defaults(func=cmd_serve)
 
     config = sub.add_parser("config", help="work with the config file")
     config_sub = config.add_subparsers(dest="config_command", required=True)
-    check = config_sub.add_parser("check", help="validate a config file and print the "
-                                  "effective configuration (exit 1 when invalid)")
-    check.add_argument("file", nargs="?",
-                       default=os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH,
-                       help=f"default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH}")
+    check = config_sub.add_parser(
+        "check",
+        help="validate a config file and print the effective configuration (exit 1 when invalid)",
+    )
+    check.add_argument(
+        "file",
+        nargs="?",
+        default=os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH,
+        help=f"default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH}",
+    )
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=cmd_config_check)
 
@@ -239,25 +293,38 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=cmd_inspect)
 
     doctor = sub.add_parser(
-        "doctor", help="check this host for ple-server and recommend settings",
+        "doctor",
+        help="check this host for ple-server and recommend settings",
         description="Check io_uring, O_DIRECT on the model's file system, memlock, "
         "transparent huge pages, memory against the planned row cache, the disk's "
         "random-read rate (a probe at queue depths 1, 64 and 128) and the checkpoint's "
         "tables; then recommend io, cache_size, read_engine and queue_depth, each with "
-        "its reason. Exit status 1 when the checkpoint cannot be served.")
-    doctor.add_argument("--model", metavar="DIR", help="the checkpoint (default: the "
-                        "config's model)")
-    doctor.add_argument("--config", metavar="PATH", help=f"the config the advice starts "
-                        f"from (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH} when it "
-                        "exists, else the defaults)")
-    doctor.add_argument("--probe-seconds", type=float, default=2.0, metavar="S",
-                        help="how long the disk probe reads at each queue depth (default 2)")
+        "its reason. Exit status 1 when the checkpoint cannot be served.",
+    )
+    doctor.add_argument(
+        "--model", metavar="DIR", help="the checkpoint (default: the config's model)"
+    )
+    doctor.add_argument(
+        "--config",
+        metavar="PATH",
+        help=f"the config the advice starts "
+        f"from (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH} when it "
+        "exists, else the defaults)",
+    )
+    doctor.add_argument(
+        "--probe-seconds",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="how long the disk probe reads at each queue depth (default 2)",
+    )
     doctor.add_argument("--json", action="store_true")
     doctor.set_defaults(func=cmd_doctor)
 
     stats = sub.add_parser("stats", help="show a running server's statistics")
-    stats.add_argument("--socket", default=None, help=f"default: ${p.SOCKET_ENV} or "
-                       f"{p.DEFAULT_SOCKET}")
+    stats.add_argument(
+        "--socket", default=None, help=f"default: ${p.SOCKET_ENV} or {p.DEFAULT_SOCKET}"
+    )
     stats.add_argument("--json", action="store_true")
     stats.add_argument("--watch", type=float, metavar="SECONDS")
     stats.set_defaults(func=cmd_stats)

@@ -57,11 +57,26 @@ READ_ENGINES = ("auto", "io_uring", "threads")
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes, NUL included
 
 
-def _setting(default: Any, kind: str, help: str, *, minimum: float | None = None,
-             choices: tuple[str, ...] = (), optional: bool = False, flag: str | None = None,
-             metavar: str | None = None) -> Any:
-    meta = {"kind": kind, "help": help, "minimum": minimum, "choices": choices,
-            "optional": optional, "flag": flag, "metavar": metavar}
+def _setting(
+    default: Any,
+    kind: str,
+    help: str,
+    *,
+    minimum: float | None = None,
+    choices: tuple[str, ...] = (),
+    optional: bool = False,
+    flag: str | None = None,
+    metavar: str | None = None,
+) -> Any:
+    meta = {
+        "kind": kind,
+        "help": help,
+        "minimum": minimum,
+        "choices": choices,
+        "optional": optional,
+        "flag": flag,
+        "metavar": metavar,
+    }
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -70,124 +85,222 @@ def _setting(default: Any, kind: str, help: str, *, minimum: float | None = None
 @dataclass
 class ServerConfig:
     model: str = _setting(
-        "", "path", "Model directory holding the safetensors checkpoint (required).",
-        metavar="DIR")
+        "", "path", "Model directory holding the safetensors checkpoint (required).", metavar="DIR"
+    )
     socket: str = _setting(
-        p.DEFAULT_SOCKET, "socket", "Control socket path; the systemd unit's "
-        "RuntimeDirectory (/run/ple-server) holds it.", metavar="PATH")
+        p.DEFAULT_SOCKET,
+        "socket",
+        "Control socket path; the systemd unit's RuntimeDirectory (/run/ple-server) holds it.",
+        metavar="PATH",
+    )
     socket_mode: int = _setting(
-        0o666, "mode", "Mode of the socket file. Access is decided from the peer's "
+        0o666,
+        "mode",
+        "Mode of the socket file. Access is decided from the peer's "
         "credentials (allow_uids/allow_gids), so the file itself may be open to all.",
-        metavar="OCTAL")
+        metavar="OCTAL",
+    )
     allow_uids: list[int] = _setting(  # noqa: RUF009 - a field with a default_factory
-        [], "uids", "Users (names or uids) that may connect, besides the server's own "
-        "uid and root.", flag="--allow-uid", metavar="USER")
+        [],
+        "uids",
+        "Users (names or uids) that may connect, besides the server's own uid and root.",
+        flag="--allow-uid",
+        metavar="USER",
+    )
     allow_gids: list[int] = _setting(  # noqa: RUF009
-        [], "gids", "Groups (names or gids) whose members (primary or supplementary) "
-        "may connect.", flag="--allow-gid", metavar="GROUP")
+        [],
+        "gids",
+        "Groups (names or gids) whose members (primary or supplementary) may connect.",
+        flag="--allow-gid",
+        metavar="GROUP",
+    )
     max_clients: int = _setting(
-        64, "int", "Sessions at most at once (each vLLM worker holds one).", minimum=1)
+        64, "int", "Sessions at most at once (each vLLM worker holds one).", minimum=1
+    )
     max_capacity: int = _setting(
-        262144, "int", "Largest rows-per-request a client may ask for its channel.",
-        minimum=1)
+        262144, "int", "Largest rows-per-request a client may ask for its channel.", minimum=1
+    )
     default_capacity: int = _setting(
-        p.DEFAULT_CAPACITY, "int", "Rows per request of a channel whose client asks "
-        "for no capacity (lowered to max_capacity when only that is set).", minimum=1)
+        p.DEFAULT_CAPACITY,
+        "int",
+        "Rows per request of a channel whose client asks "
+        "for no capacity (lowered to max_capacity when only that is set).",
+        minimum=1,
+    )
     max_depth: int = _setting(
-        p.MAX_DEPTH, "int", f"Most slots (requests in flight) a client may ask for "
-        f"(the protocol allows {p.MAX_DEPTH}).", minimum=1)
+        p.MAX_DEPTH,
+        "int",
+        f"Most slots (requests in flight) a client may ask for "
+        f"(the protocol allows {p.MAX_DEPTH}).",
+        minimum=1,
+    )
     default_depth: int = _setting(
-        p.DEFAULT_DEPTH, "int", "Slots of a channel whose client asks for no depth "
-        "(lowered to max_depth when only that is set).", minimum=1)
+        p.DEFAULT_DEPTH,
+        "int",
+        "Slots of a channel whose client asks for no depth "
+        "(lowered to max_depth when only that is set).",
+        minimum=1,
+    )
     max_channel_bytes: int = _setting(
-        1 << 30, "size", "Largest shared-memory segment one client may ask for.",
-        minimum=1)
+        1 << 30, "size", "Largest shared-memory segment one client may ask for.", minimum=1
+    )
     max_channel_memory: int | None = _setting(
-        None, "size", "Bytes of channel segments at most, all clients together; an "
+        None,
+        "size",
+        "Bytes of channel segments at most, all clients together; an "
         "open_channel past it gets NO_RESOURCES (none: 3/4 of the room under the "
         "service's memory limit, MemoryMax=, or of MemAvailable, at start, once the row "
-        "cache has taken its budget).", minimum=0,
-        optional=True)
+        "cache has taken its budget).",
+        minimum=0,
+        optional=True,
+    )
     chunk_rows: int = _setting(
-        4096, "int", "Rows the serving loop gathers for one client before it looks at "
-        "the others: a small request waits for at most one such chunk.", minimum=1)
+        4096,
+        "int",
+        "Rows the serving loop gathers for one client before it looks at "
+        "the others: a small request waits for at most one such chunk.",
+        minimum=1,
+    )
     hello_timeout_s: float = _setting(
-        5.0, "float", "A session that has not said hello this long after connecting "
-        "is closed.", minimum=0.01)
+        5.0,
+        "float",
+        "A session that has not said hello this long after connecting is closed.",
+        minimum=0.01,
+    )
     idle_timeout_s: float = _setting(
-        60.0, "float", "A session without a channel that sends nothing for this long "
-        "is closed.", minimum=0.01)
+        60.0,
+        "float",
+        "A session without a channel that sends nothing for this long is closed.",
+        minimum=0.01,
+    )
     frame_timeout_s: float = _setting(
-        10.0, "float", "A control frame must arrive whole within this long of its "
-        "first byte, else the session is closed.", minimum=0.01)
+        10.0,
+        "float",
+        "A control frame must arrive whole within this long of its "
+        "first byte, else the session is closed.",
+        minimum=0.01,
+    )
     prewarm: str = _setting(
-        "none", "choice", "'none' or 'full': read the tables into the page cache at "
-        "start (in the background, after readiness).", choices=PREWARM_MODES)
+        "none",
+        "choice",
+        "'none' or 'full': read the tables into the page cache at "
+        "start (in the background, after readiness).",
+        choices=PREWARM_MODES,
+    )
     prewarm_budget: int | None = _setting(
-        None, "size", "Bytes at most to prewarm (none: the whole tables).", minimum=0,
-        optional=True)
+        None, "size", "Bytes at most to prewarm (none: the whole tables).", minimum=0, optional=True
+    )
     prewarm_reserve: int = _setting(
-        4 << 30, "size", "Stop prewarming when MemAvailable falls under this many bytes.",
-        minimum=0)
+        4 << 30, "size", "Stop prewarming when MemAvailable falls under this many bytes.", minimum=0
+    )
     io: str = _setting(
-        "auto", "choice", "How rows are read: 'direct' (row cache, misses read with "
+        "auto",
+        "choice",
+        "How rows are read: 'direct' (row cache, misses read with "
         "O_DIRECT), 'buffered' (row cache, misses read through the page cache), 'mmap' "
         "(the files mapped; for tables that fit in memory), or 'auto': mmap when the "
-        "tables fit in cache_size, direct otherwise.", choices=IO_MODES)
+        "tables fit in cache_size, direct otherwise.",
+        choices=IO_MODES,
+    )
     cache_size: int | None = _setting(
-        None, "size", "Bytes of the row cache (direct and buffered modes; auto compares "
+        None,
+        "size",
+        "Bytes of the row cache (direct and buffered modes; auto compares "
         "the tables against it). None: a quarter of the memory available at start "
         "(MemAvailable, or the cgroup's room when smaller) less prewarm_reserve, at most "
-        "what the tables need.", minimum=64 << 10, optional=True)
+        "what the tables need.",
+        minimum=64 << 10,
+        optional=True,
+    )
     cache_hugepages: bool = _setting(
-        True, "bool", "Back the row cache with huge pages where the kernel has them "
-        "(fewer TLB misses on random rows).")
+        True,
+        "bool",
+        "Back the row cache with huge pages where the kernel has them "
+        "(fewer TLB misses on random rows).",
+    )
     cache_mlock: bool = _setting(
-        False, "bool", "Lock the row cache in memory (needs LimitMEMLOCK= above "
-        "cache_size).")
+        False, "bool", "Lock the row cache in memory (needs LimitMEMLOCK= above cache_size)."
+    )
     queue_depth: int = _setting(
-        128, "int", "Disk reads in flight at most (the miss engine's queue depth).",
-        minimum=1)
+        128, "int", "Disk reads in flight at most (the miss engine's queue depth).", minimum=1
+    )
     read_engine: str = _setting(
-        "auto", "choice", "Miss engine: 'io_uring', 'threads' (a pool of pread threads), "
+        "auto",
+        "choice",
+        "Miss engine: 'io_uring', 'threads' (a pool of pread threads), "
         "or 'auto': io_uring, else threads when the kernel or a seccomp profile refuses "
-        "it.", choices=READ_ENGINES)
+        "it.",
+        choices=READ_ENGINES,
+    )
     read_threads: int = _setting(
-        16, "int", "pread threads of the 'threads' miss engine.", minimum=1)
+        16, "int", "pread threads of the 'threads' miss engine.", minimum=1
+    )
     state_dir: str = _setting(
-        "/var/lib/ple-server", "path", "Where the hot set (the cached row ids) is saved; "
+        "/var/lib/ple-server",
+        "path",
+        "Where the hot set (the cached row ids) is saved; "
         "the unit's StateDirectory=. Not created: when it is missing, the hot set is not "
-        "saved.", metavar="DIR")
+        "saved.",
+        metavar="DIR",
+    )
     hotset_save_interval: float = _setting(
-        600.0, "float", "Seconds between saves of the hot set (0: only at stop).",
-        minimum=0)
+        600.0, "float", "Seconds between saves of the hot set (0: only at stop).", minimum=0
+    )
     gather_workers: int = _setting(
-        4, "int", "Threads that answer the requests the serving loop hands off (those "
+        4,
+        "int",
+        "Threads that answer the requests the serving loop hands off (those "
         "with cache misses, and large ones); also how many native threads split one "
-        "large request.", minimum=1)
+        "large request.",
+        minimum=1,
+    )
     parallel_min_rows: int = _setting(
-        16384, "int", "Requests of at least this many rows are handed off whole (not "
+        16384,
+        "int",
+        "Requests of at least this many rows are handed off whole (not "
         "chunked, see chunk_rows) and split over gather_workers native threads.",
-        minimum=1)
+        minimum=1,
+    )
     dedup_min_rows: int = _setting(
-        4096, "int", "mmap mode: requests of at least this many rows on a table not "
-        "fully prewarmed are deduplicated and read in ascending row order.", minimum=1)
+        4096,
+        "int",
+        "mmap mode: requests of at least this many rows on a table not "
+        "fully prewarmed are deduplicated and read in ascending row order.",
+        minimum=1,
+    )
     spin_us: int = _setting(
-        2000, "int", "How long (µs) the serving loop spins after the last request "
-        "before it blocks.", minimum=0)
+        2000,
+        "int",
+        "How long (µs) the serving loop spins after the last request before it blocks.",
+        minimum=0,
+    )
     idle_wait: str = _setting(
-        "auto", "choice", "How the idle serving loop waits for submits: futex_waitv "
+        "auto",
+        "choice",
+        "How the idle serving loop waits for submits: futex_waitv "
         "(sleeps on every channel at once; Linux 5.16+), poll (looks every 0.5 ms), or "
-        "auto (futex_waitv where the kernel has it).", choices=IDLE_WAITS)
+        "auto (futex_waitv where the kernel has it).",
+        choices=IDLE_WAITS,
+    )
     watchdog_s: float | None = _setting(
-        None, "float", "Longest gap between systemd watchdog pings (none: half of the "
+        None,
+        "float",
+        "Longest gap between systemd watchdog pings (none: half of the "
         "unit's WatchdogSec, from WATCHDOG_USEC); the serving loop pings at least once a "
-        "second either way.", minimum=0.01, optional=True)
+        "second either way.",
+        minimum=0.01,
+        optional=True,
+    )
     metrics_address: str | None = _setting(
-        None, "address", "host:port for the Prometheus endpoint (none: disabled).",
-        optional=True, metavar="HOST:PORT")
+        None,
+        "address",
+        "host:port for the Prometheus endpoint (none: disabled).",
+        optional=True,
+        metavar="HOST:PORT",
+    )
     log_level: str = _setting(
-        "INFO", "choice", "DEBUG, INFO, WARNING or ERROR.", choices=LOG_LEVELS)
+        "INFO", "choice", "DEBUG, INFO, WARNING or ERROR.", choices=LOG_LEVELS
+    )
 
 
 @dataclass(frozen=True)
@@ -213,10 +326,16 @@ SETTINGS: dict[str, Setting] = {}
 for _f in fields(ServerConfig):
     _m = _f.metadata
     SETTINGS[_f.name] = Setting(
-        _f.name, _m["kind"], _m["help"],
+        _f.name,
+        _m["kind"],
+        _m["help"],
         _f.default_factory() if callable(_f.default_factory) else _f.default,
-        _m["minimum"], _m["choices"], _m["optional"],
-        _m["flag"] or "--" + _f.name.replace("_", "-"), _m["metavar"])
+        _m["minimum"],
+        _m["choices"],
+        _m["optional"],
+        _m["flag"] or "--" + _f.name.replace("_", "-"),
+        _m["metavar"],
+    )
 
 
 class ConfigError(ValueError):
@@ -240,9 +359,17 @@ class LoadedConfig:
 
     def to_toml(self) -> str:
         """The effective configuration as a TOML file, each key's source beside it."""
-        layers = " < ".join(["defaults", *([self.file] if self.file else []),
-                             *(["command line"] if any(s.startswith("--") for s in
-                                                      self.sources.values()) else [])])
+        layers = " < ".join(
+            [
+                "defaults",
+                *([self.file] if self.file else []),
+                *(
+                    ["command line"]
+                    if any(s.startswith("--") for s in self.sources.values())
+                    else []
+                ),
+            ]
+        )
         lines = [f"# effective ple-server configuration ({layers})"]
         for name, value in self.to_dict().items():
             source = self.sources[name]
@@ -254,8 +381,12 @@ class LoadedConfig:
 
 
 # -------------------------------------------------------------------- loading
-def load_config(path: str | None = None, flags: Mapping[str, Any] | None = None, *,
-                default_path: str = DEFAULT_CONFIG_PATH) -> LoadedConfig:
+def load_config(
+    path: str | None = None,
+    flags: Mapping[str, Any] | None = None,
+    *,
+    default_path: str = DEFAULT_CONFIG_PATH,
+) -> LoadedConfig:
     """Defaults, then the file (``path``, else ``default_path`` if it exists),
     then ``flags`` (setting name → raw value as the command line gave it).
     Raises ``ConfigError`` naming every bad key and its source."""
@@ -269,14 +400,22 @@ def load_config(path: str | None = None, flags: Mapping[str, Any] | None = None,
             data = tomllib.load(f)
     except FileNotFoundError:
         if explicit:
-            raise ConfigError([f"{file}: no such config file; create it (deploy/config.toml "
-                               "in the source tree is a documented example) or name "
-                               "another file"]) from None
+            raise ConfigError(
+                [
+                    f"{file}: no such config file; create it (deploy/config.toml "
+                    "in the source tree is a documented example) or name "
+                    "another file"
+                ]
+            ) from None
     except IsADirectoryError:
         raise ConfigError([f"{file}: is a directory, not a config file"]) from None
     except PermissionError:
-        raise ConfigError([f"{file}: not readable by uid {os.geteuid()}; make it readable "
-                           "(e.g. chmod 0644, or group ple-server)"]) from None
+        raise ConfigError(
+            [
+                f"{file}: not readable by uid {os.geteuid()}; make it readable "
+                "(e.g. chmod 0644, or group ple-server)"
+            ]
+        ) from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError([f"{file}: not valid TOML: {exc}"]) from None
     except OSError as exc:
@@ -333,7 +472,7 @@ def parse_host_port(text: str) -> tuple[str, int]:
     address ``::1:9478`` with no port. Raises ``ValueError`` saying what is wrong."""
     how = "write it like 127.0.0.1:9478, [::1]:9478 or localhost:9478"
     if not isinstance(text, str):
-        raise ValueError(f"must be \"host:port\" ({how}), got {text!r}")
+        raise ValueError(f'must be "host:port" ({how}), got {text!r}')
     host, sep, port = text.strip().rpartition(":")
     bracketed = host.startswith("[") and host.endswith("]")
     if bracketed:
@@ -350,7 +489,7 @@ def parse_host_port(text: str) -> tuple[str, int]:
         why = f"the port {port!r} is not a number from 0 to 65535"
     else:
         return host, int(port)
-    raise ValueError(f"{text!r} is not \"host:port\" ({why}); {how}")
+    raise ValueError(f'{text!r} is not "host:port" ({why}); {how}')
 
 
 # ------------------------------------------------------------------- parsing
@@ -394,7 +533,7 @@ def _int(s: Setting, value: Any) -> int:
 
 def _size(s: Setting, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise _Invalid(f"must be a size in bytes or a string like \"8G\", got {value!r}")
+        raise _Invalid(f'must be a size in bytes or a string like "8G", got {value!r}')
     try:
         return parse_size(value)
     except ValueError as exc:
@@ -445,8 +584,10 @@ def _path(s: Setting, value: Any) -> str:
 def _socket(s: Setting, value: Any) -> str:
     path = _path(s, value)
     if len(os.fsencode(path)) > UNIX_PATH_MAX:
-        raise _Invalid(f"path is {len(os.fsencode(path))} bytes; a Unix socket path has at "
-                       f"most {UNIX_PATH_MAX}: choose a shorter one")
+        raise _Invalid(
+            f"path is {len(os.fsencode(path))} bytes; a Unix socket path has at "
+            f"most {UNIX_PATH_MAX}: choose a shorter one"
+        )
     return path
 
 
@@ -460,8 +601,7 @@ def _mode(s: Setting, value: Any) -> int:
         except ValueError:
             pass
     if mode is None or not 0 <= mode <= 0o777:
-        raise _Invalid(f"must be a permission mode like 0o666 (TOML) or \"0666\", "
-                       f"got {value!r}")
+        raise _Invalid(f'must be a permission mode like 0o666 (TOML) or "0666", got {value!r}')
     return mode
 
 
@@ -485,8 +625,9 @@ def _ids(value: Any, lookup, what: str) -> list[int]:
                 try:
                     result.append(lookup(part))
                 except KeyError:
-                    raise _Invalid(f"no {what} named {part!r} on this host; create "
-                                   f"it or give its number") from None
+                    raise _Invalid(
+                        f"no {what} named {part!r} on this host; create it or give its number"
+                    ) from None
             else:
                 raise _Invalid(f"must be {what} names or numbers, got {item!r}")
     return list(dict.fromkeys(result))
@@ -509,9 +650,18 @@ def _address(s: Setting, value: Any) -> str:
 
 
 _PARSERS: dict[str, Callable[[Setting, Any], Any]] = {
-    "int": _int, "size": _size, "float": _float, "bool": _bool, "choice": _choice,
-    "path": _path, "socket": _socket, "mode": _mode, "uids": _uids, "gids": _gids,
-    "address": _address}
+    "int": _int,
+    "size": _size,
+    "float": _float,
+    "bool": _bool,
+    "choice": _choice,
+    "path": _path,
+    "socket": _socket,
+    "mode": _mode,
+    "uids": _uids,
+    "gids": _gids,
+    "address": _address,
+}
 
 
 def _check_together(cfg: ServerConfig, sources: dict[str, str]) -> list[str]:
@@ -519,17 +669,21 @@ def _check_together(cfg: ServerConfig, sources: dict[str, str]) -> list[str]:
     follows the limit instead."""
     problems = []
     if not cfg.model:
-        problems.append("model: required; set `model = \"/path/to/checkpoint\"` in the "
-                        "config file or pass --model DIR")
+        problems.append(
+            'model: required; set `model = "/path/to/checkpoint"` in the '
+            "config file or pass --model DIR"
+        )
     if cfg.max_depth > p.MAX_DEPTH:
-        problems.append(f"{_where(sources['max_depth'], 'max_depth')}: at most "
-                        f"{p.MAX_DEPTH} (the protocol's limit), got {cfg.max_depth}")
+        problems.append(
+            f"{_where(sources['max_depth'], 'max_depth')}: at most "
+            f"{p.MAX_DEPTH} (the protocol's limit), got {cfg.max_depth}"
+        )
     for name, most in (("queue_depth", 4096), ("read_threads", 256), ("gather_workers", 256)):
         if getattr(cfg, name) > most:  # the native data plane's limits
-            problems.append(f"{_where(sources[name], name)}: at most {most}, got "
-                            f"{getattr(cfg, name)}")
-    for default, limit in (("default_capacity", "max_capacity"),
-                           ("default_depth", "max_depth")):
+            problems.append(
+                f"{_where(sources[name], name)}: at most {most}, got {getattr(cfg, name)}"
+            )
+    for default, limit in (("default_capacity", "max_capacity"), ("default_depth", "max_depth")):
         if getattr(cfg, default) <= getattr(cfg, limit):
             continue
         if sources[default] == "default":
@@ -538,7 +692,8 @@ def _check_together(cfg: ServerConfig, sources: dict[str, str]) -> list[str]:
             problems.append(
                 f"{_where(sources[default], default)}: {getattr(cfg, default)} exceeds "
                 f"{limit} ({getattr(cfg, limit)}, from {sources[limit]}); lower {default} "
-                f"or raise {limit}")
+                f"or raise {limit}"
+            )
     return problems
 
 

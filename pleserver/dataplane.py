@@ -51,9 +51,17 @@ class PlaneOptions:
 class DataPlane:
     """Opened by ``open``; ``close`` releases everything (tables first)."""
 
-    def __init__(self, tables: list[Table], files: dict[str, CheckpointFile], mode: str,
-                 mode_reason: str, budget: Budget, cache: nat.RowCache | None,
-                 engine: nat.ReadEngine | None, queue_depth: int = 0) -> None:
+    def __init__(
+        self,
+        tables: list[Table],
+        files: dict[str, CheckpointFile],
+        mode: str,
+        mode_reason: str,
+        budget: Budget,
+        cache: nat.RowCache | None,
+        engine: nat.ReadEngine | None,
+        queue_depth: int = 0,
+    ) -> None:
         self.tables = tables
         self.files = files
         self.mode = mode
@@ -76,24 +84,42 @@ class DataPlane:
                 refused = _open_files(paths, CheckpointFile, files, direct=True)
                 if refused:
                     mode = "buffered"
-                    reason += (f"; O_DIRECT refused by the file system of {refused} "
-                               "(EINVAL), so misses are read through the page cache")
-                    log.warning("io = direct: the file system of %s refuses O_DIRECT "
-                                "(EINVAL); reading misses through the page cache instead "
-                                "(io = buffered)", refused)
+                    reason += (
+                        f"; O_DIRECT refused by the file system of {refused} "
+                        "(EINVAL), so misses are read through the page cache"
+                    )
+                    log.warning(
+                        "io = direct: the file system of %s refuses O_DIRECT "
+                        "(EINVAL); reading misses through the page cache instead "
+                        "(io = buffered)",
+                        refused,
+                    )
             if mode == "buffered" and not files:
                 _open_files(paths, CheckpointFile, files, direct=False)
             if mode == "mmap":
                 _open_files(paths, MappedFile, files, direct=False)
             else:
                 slot_bytes = max(s.row_bytes for s in specs)
-                cache = nat.RowCache(budget.cache_bytes, slot_bytes,
-                                     hugepages=o.cache_hugepages, mlock=o.cache_mlock)
-                engine = nat.ReadEngine(queue_depth=o.queue_depth, kind=o.read_engine,
-                                        threads=o.read_threads)
-            tables = [Table(spec, key, files, mode, cache, engine, o.gather_workers,
-                            o.parallel_min_rows, o.dedup_min_rows)
-                      for key, spec in enumerate(specs)]
+                cache = nat.RowCache(
+                    budget.cache_bytes, slot_bytes, hugepages=o.cache_hugepages, mlock=o.cache_mlock
+                )
+                engine = nat.ReadEngine(
+                    queue_depth=o.queue_depth, kind=o.read_engine, threads=o.read_threads
+                )
+            tables = [
+                Table(
+                    spec,
+                    key,
+                    files,
+                    mode,
+                    cache,
+                    engine,
+                    o.gather_workers,
+                    o.parallel_min_rows,
+                    o.dedup_min_rows,
+                )
+                for key, spec in enumerate(specs)
+            ]
         except BaseException:
             for f in files.values():
                 f.close()
@@ -111,29 +137,41 @@ class DataPlane:
         if self.cache is None or self.engine is None:  # both, or neither
             return
         c = self.cache.stats()
-        log.info("row cache: %.1f MiB, %d rows (%s); huge pages %s, mlock %s, eviction %s",
-                 self.budget.cache_bytes / 2**20, self.cache.capacity_rows,
-                 self.budget.cache_reason, "yes" if c.get("hugepages") else "no",
-                 "yes" if c.get("mlocked") else "no", c.get("policy", "?"))
+        log.info(
+            "row cache: %.1f MiB, %d rows (%s); huge pages %s, mlock %s, eviction %s",
+            self.budget.cache_bytes / 2**20,
+            self.cache.capacity_rows,
+            self.budget.cache_reason,
+            "yes" if c.get("hugepages") else "no",
+            "yes" if c.get("mlocked") else "no",
+            c.get("policy", "?"),
+        )
         if self.engine.fallback_reason:
-            log.warning("miss engine: %s, queue depth %d (io_uring not used: %s)",
-                        self.engine.kind, self.queue_depth, self.engine.fallback_reason)
+            log.warning(
+                "miss engine: %s, queue depth %d (io_uring not used: %s)",
+                self.engine.kind,
+                self.queue_depth,
+                self.engine.fallback_reason,
+            )
         else:
             log.info("miss engine: %s, queue depth %d", self.engine.kind, self.queue_depth)
 
     def snapshot(self) -> dict:
         """The data plane's part of ``Server.snapshot()``."""
-        out: dict = {"io": self.mode, "io_reason": self.mode_reason, "cache": None,
-                     "engine": None}
+        out: dict = {"io": self.mode, "io_reason": self.mode_reason, "cache": None, "engine": None}
         if self.cache is not None and self.engine is not None:
             c = dict(self.cache.stats())
-            c.update(budget_bytes=self.budget.cache_bytes, budget_reason=self.budget.cache_reason,
-                     occupancy=(c["used_rows"] / c["capacity_rows"]
-                                if c.get("capacity_rows") else 0.0))
+            c.update(
+                budget_bytes=self.budget.cache_bytes,
+                budget_reason=self.budget.cache_reason,
+                occupancy=(c["used_rows"] / c["capacity_rows"] if c.get("capacity_rows") else 0.0),
+            )
             out["cache"] = c
-            out["engine"] = {"kind": self.engine.kind,
-                             "fallback_reason": self.engine.fallback_reason,
-                             "queue_depth": self.queue_depth}
+            out["engine"] = {
+                "kind": self.engine.kind,
+                "fallback_reason": self.engine.fallback_reason,
+                "queue_depth": self.queue_depth,
+            }
         return out
 
     def close(self) -> None:
@@ -149,8 +187,9 @@ class DataPlane:
             self.cache.close()
 
 
-def _open_files(paths: list[str], kind: type[CheckpointFile], files: dict[str, CheckpointFile],
-                direct: bool) -> str | None:
+def _open_files(
+    paths: list[str], kind: type[CheckpointFile], files: dict[str, CheckpointFile], direct: bool
+) -> str | None:
     """Open every path into ``files``. With ``direct``, a file system that refuses
     O_DIRECT closes what was opened and returns the refused path."""
     for path in paths:

@@ -30,7 +30,8 @@ REQUEST_SIZES = (1, 16, 256, 4096, 20000)
 def demo_checkpoint(cache_dir: str | None = None) -> str:
     """The demo checkpoint's directory, generated on first use."""
     base = cache_dir or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pleserver")
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pleserver"
+    )
     path = os.path.join(base, f"demo-checkpoint-v{DEMO_VERSION}")
     try:
         discover_tables(path, fingerprint=False)
@@ -61,23 +62,31 @@ def drive(socket_path: str, model: str, seconds: float, seed: int) -> dict:
     return counts
 
 
-def run_demo(cache_dir: str | None = None, seconds: float = 3.0, clients: int = 2
-             ) -> tuple[int, dict]:
+def run_demo(
+    cache_dir: str | None = None, seconds: float = 3.0, clients: int = 2
+) -> tuple[int, dict]:
     """Run the demo; returns (exit code, report)."""
     model = demo_checkpoint(cache_dir)
     with ServerLauncher(model, "--prewarm", "full", log_level="WARNING").start() as server:
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(clients) as pool:
-            results = pool.starmap(drive, [(server.socket, model, seconds, seed)
-                                           for seed in range(clients)])
+            results = pool.starmap(
+                drive, [(server.socket, model, seconds, seed) for seed in range(clients)]
+            )
         stats = PleClient.query_stats(server.socket)
         server_code = server.stop(timeout=30)
         if server_code != 0:
-            log.error("ple-server exited with %d; its log ends:\n%s", server_code,
-                      server.log_tail())
+            log.error(
+                "ple-server exited with %d; its log ends:\n%s", server_code, server.log_tail()
+            )
     totals = {k: sum(r[k] for r in results) for k in results[0]}
     ok = server_code == 0 and totals["mismatches"] == 0 and totals["errors"] == 0
-    return (0 if ok else 1), {"model": model, "clients": clients, "seconds": seconds,
-                              "server_exit_code": server_code, "ok": ok, **totals,
-                              "stats": stats}
-
+    return (0 if ok else 1), {
+        "model": model,
+        "clients": clients,
+        "seconds": seconds,
+        "server_exit_code": server_code,
+        "ok": ok,
+        **totals,
+        "stats": stats,
+    }

@@ -40,8 +40,11 @@ from pleserver.stats import format_bytes
 QUEUE_DEPTHS = (1, 64, 128)
 PROBE_BLOCK = 4096
 ENOUGH_OF_BEST = 0.9  # a queue depth within 10 % of the best one is deep enough
-UNIT_GLOBS = ("/etc/systemd/system/ple-server.service", "/etc/systemd/system/ple-server@.service",
-              "/lib/systemd/system/ple-server*.service")
+UNIT_GLOBS = (
+    "/etc/systemd/system/ple-server.service",
+    "/etc/systemd/system/ple-server@.service",
+    "/lib/systemd/system/ple-server*.service",
+)
 
 
 @dataclass
@@ -70,16 +73,26 @@ class Report:
         return all(f.status != "fail" for f in self.findings.values())
 
     def to_json(self) -> dict:
-        return {"ok": self.ok, "model": self.model,
-                "checks": {name: {"status": f.status, "summary": f.summary, **f.data}
-                           for name, f in self.findings.items()},
-                "tables": [dict(t.info(), bytes=t.nbytes, files=t.files) for t in self.tables],
-                "recommendation": {a.setting: {"value": a.value, "reason": a.reason}
-                                   for a in self.advice}}
+        return {
+            "ok": self.ok,
+            "model": self.model,
+            "checks": {
+                name: {"status": f.status, "summary": f.summary, **f.data}
+                for name, f in self.findings.items()
+            },
+            "tables": [dict(t.info(), bytes=t.nbytes, files=t.files) for t in self.tables],
+            "recommendation": {
+                a.setting: {"value": a.value, "reason": a.reason} for a in self.advice
+            },
+        }
 
 
-def run(model: str | None, config: ServerConfig, probe_seconds: float = 2.0,
-        queue_depths: tuple[int, ...] = QUEUE_DEPTHS) -> Report:
+def run(
+    model: str | None,
+    config: ServerConfig,
+    probe_seconds: float = 2.0,
+    queue_depths: tuple[int, ...] = QUEUE_DEPTHS,
+) -> Report:
     """Every check, then the advice. ``config`` supplies the settings the advice
     starts from (the defaults when the host has no config file)."""
     findings: dict[str, Finding] = {}
@@ -92,25 +105,37 @@ def run(model: str | None, config: ServerConfig, probe_seconds: float = 2.0,
             findings["tables"] = Finding("fail", str(exc), {"problems": exc.problems})
         else:
             total = sum(t.nbytes for t in tables)
-            findings["tables"] = Finding("ok", f"{len(tables)} tables, {format_bytes(total)}",
-                                         {"count": len(tables), "bytes": total})
+            findings["tables"] = Finding(
+                "ok",
+                f"{len(tables)} tables, {format_bytes(total)}",
+                {"count": len(tables), "bytes": total},
+            )
     files = sorted({path for t in tables for path in t.files})
-    findings["o_direct"] = check_o_direct(files) if files else Finding(
-        "info", "not checked: give --model DIR")
+    findings["o_direct"] = (
+        check_o_direct(files) if files else Finding("info", "not checked: give --model DIR")
+    )
     findings["memlock"] = check_memlock(config)
     findings["thp"] = check_thp()
-    plan = budget.plan(tables, config.io, config.cache_size, config.prewarm_reserve) \
-        if tables else None
+    plan = (
+        budget.plan(tables, config.io, config.cache_size, config.prewarm_reserve)
+        if tables
+        else None
+    )
     findings["memory"] = check_memory(config, plan, tables)
     direct = findings["o_direct"].status == "ok"
     engine = "io_uring" if findings["io_uring"].status == "ok" else "threads"
-    findings["disk"] = check_disk(files, probe_seconds, queue_depths, direct, engine) \
-        if files else Finding("info", "not measured: give --model DIR")
+    findings["disk"] = (
+        check_disk(files, probe_seconds, queue_depths, direct, engine)
+        if files
+        else Finding("info", "not measured: give --model DIR")
+    )
     # The advice weighs the io modes afresh (auto), whatever the config sets.
-    fresh = budget.plan(tables, "auto", config.cache_size, config.prewarm_reserve) \
-        if tables else None
-    return Report(os.path.abspath(model) if model else None, findings, tables,
-                  advise(config, findings, fresh))
+    fresh = (
+        budget.plan(tables, "auto", config.cache_size, config.prewarm_reserve) if tables else None
+    )
+    return Report(
+        os.path.abspath(model) if model else None, findings, tables, advise(config, findings, fresh)
+    )
 
 
 # ------------------------------------------------------------------ checks
@@ -130,11 +155,16 @@ def check_io_uring() -> Finding:
             engine.close()
         if kind == "io_uring":
             return Finding("ok", "io_uring allowed (a ring was set up)", data)
-    hint = ("kernel.io_uring_disabled = " + switch if switch not in ("", "0") else
-            "a seccomp profile refuses it (containers: RuntimeDefault; systemd: "
-            "SystemCallFilter=)")
-    return Finding("warn", f"io_uring refused: {reason} ({hint}); misses are read by a "
-                   "pool of pread threads instead", {**data, "reason": reason})
+    hint = (
+        "kernel.io_uring_disabled = " + switch
+        if switch not in ("", "0")
+        else "a seccomp profile refuses it (containers: RuntimeDefault; systemd: SystemCallFilter=)"
+    )
+    return Finding(
+        "warn",
+        f"io_uring refused: {reason} ({hint}); misses are read by a pool of pread threads instead",
+        {**data, "reason": reason},
+    )
 
 
 def check_o_direct(files: list[str]) -> Finding:
@@ -145,14 +175,20 @@ def check_o_direct(files: list[str]) -> Finding:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError as exc:
-        return Finding("warn", f"O_DIRECT refused on {where}: {exc.strerror}; use io = "
-                       "\"buffered\"", {**data, "error": exc.strerror})
+        return Finding(
+            "warn",
+            f'O_DIRECT refused on {where}: {exc.strerror}; use io = "buffered"',
+            {**data, "error": exc.strerror},
+        )
     buf = mmap.mmap(-1, PROBE_BLOCK)  # page-aligned, as O_DIRECT wants
     try:
         os.preadv(fd, [buf], 0)
     except OSError as exc:
-        return Finding("warn", f"O_DIRECT reads fail on {where}: {exc.strerror}; use io = "
-                       "\"buffered\"", {**data, "error": exc.strerror})
+        return Finding(
+            "warn",
+            f'O_DIRECT reads fail on {where}: {exc.strerror}; use io = "buffered"',
+            {**data, "error": exc.strerror},
+        )
     finally:
         os.close(fd)
         buf.close()
@@ -168,15 +204,22 @@ def check_memlock(config: ServerConfig) -> Finding:
                 if line.strip().startswith("LimitMEMLOCK="):
                     units[unit] = line.strip().partition("=")[2]
     shown = "unlimited" if soft == resource.RLIM_INFINITY else format_bytes(soft)
-    data = {"ulimit_l_bytes": None if soft == resource.RLIM_INFINITY else soft,
-            "hard_bytes": None if hard == resource.RLIM_INFINITY else hard,
-            "units": units}
+    data = {
+        "ulimit_l_bytes": None if soft == resource.RLIM_INFINITY else soft,
+        "hard_bytes": None if hard == resource.RLIM_INFINITY else hard,
+        "units": units,
+    }
     where = "; ".join(f"{os.path.basename(u)}: LimitMEMLOCK={v}" for u, v in units.items())
-    summary = f"ulimit -l here: {shown}" + (f"; {where}" if where else
-                                             "; no installed ple-server unit found")
+    summary = f"ulimit -l here: {shown}" + (
+        f"; {where}" if where else "; no installed ple-server unit found"
+    )
     if config.cache_mlock and soft != resource.RLIM_INFINITY and not units:
-        return Finding("warn", summary + "; cache_mlock = true needs a limit above the row "
-                       "cache (the unit sets LimitMEMLOCK=infinity)", data)
+        return Finding(
+            "warn",
+            summary + "; cache_mlock = true needs a limit above the row "
+            "cache (the unit sets LimitMEMLOCK=infinity)",
+            data,
+        )
     return Finding("ok", summary, data)
 
 
@@ -185,62 +228,94 @@ def check_thp() -> Finding:
     defrag = _bracketed(_read("/sys/kernel/mm/transparent_hugepage/defrag"))
     data = {"enabled": enabled, "defrag": defrag}
     if enabled in ("always", "madvise"):
-        return Finding("ok", f"transparent huge pages: {enabled} (the row cache asks for "
-                       f"them with madvise); defrag: {defrag}", data)
+        return Finding(
+            "ok",
+            f"transparent huge pages: {enabled} (the row cache asks for "
+            f"them with madvise); defrag: {defrag}",
+            data,
+        )
     if enabled is None:
         return Finding("info", "transparent huge pages: not available on this kernel", data)
-    return Finding("warn", f"transparent huge pages: {enabled}: the row cache uses 4 KiB "
-                   "pages (more TLB misses on random rows); `echo madvise > "
-                   "/sys/kernel/mm/transparent_hugepage/enabled` allows them", data)
+    return Finding(
+        "warn",
+        f"transparent huge pages: {enabled}: the row cache uses 4 KiB "
+        "pages (more TLB misses on random rows); `echo madvise > "
+        "/sys/kernel/mm/transparent_hugepage/enabled` allows them",
+        data,
+    )
 
 
-def check_memory(config: ServerConfig, plan: budget.Budget | None,
-                 tables: list[TableSpec]) -> Finding:
+def check_memory(
+    config: ServerConfig, plan: budget.Budget | None, tables: list[TableSpec]
+) -> Finding:
     view = memory_room()
     unified = unified_memory()
-    data: dict[str, Any] = {"available_bytes": view.available,
-                            "available_source": view.describe(),
-                            "reserve_bytes": config.prewarm_reserve, "unified_memory": unified}
+    data: dict[str, Any] = {
+        "available_bytes": view.available,
+        "available_source": view.describe(),
+        "reserve_bytes": config.prewarm_reserve,
+        "unified_memory": unified,
+    }
     summary = f"available: {view.describe()}"
     status = "ok"
     if plan is not None:
-        data.update(planned_cache_bytes=plan.cache_bytes, planned_cache_reason=plan.cache_reason,
-                    planned_io=plan.io)
+        data.update(
+            planned_cache_bytes=plan.cache_bytes,
+            planned_cache_reason=plan.cache_reason,
+            planned_io=plan.io,
+        )
         summary += f"; planned row cache {format_bytes(plan.cache_bytes)} ({plan.cache_reason})"
         if plan.io != "mmap" and plan.cache_bytes > view.available - config.prewarm_reserve:
             status = "warn"
-            summary += (f": more than is available less the reserve "
-                        f"({format_bytes(config.prewarm_reserve)}); lower cache_size")
+            summary += (
+                f": more than is available less the reserve "
+                f"({format_bytes(config.prewarm_reserve)}); lower cache_size"
+            )
     if unified:
         status = "warn"
-        summary += (f". Unified memory ({unified}): the GPU allocates from this RAM too. Size "
-                    "cache_size and prewarm_budget for what vLLM leaves (deploy/README.md, "
-                    "Sizing), not for what is free now")
+        summary += (
+            f". Unified memory ({unified}): the GPU allocates from this RAM too. Size "
+            "cache_size and prewarm_budget for what vLLM leaves (deploy/README.md, "
+            "Sizing), not for what is free now"
+        )
     return Finding(status, summary, data)
 
 
-def check_disk(files: list[str], seconds: float, queue_depths: tuple[int, ...],
-               direct: bool, engine: str) -> Finding:
+def check_disk(
+    files: list[str], seconds: float, queue_depths: tuple[int, ...], direct: bool, engine: str
+) -> Finding:
     from pleserver import _native
 
     kind = "io_uring" if engine == "io_uring" else "threads"
     results = []
     for depth in queue_depths:
-        r = _native.probe_random_reads(files, block=PROBE_BLOCK, queue_depth=depth,
-                                       seconds=seconds, direct=direct, kind=kind)
-        results.append({"queue_depth": depth, "reads_per_s": r["reads_per_s"],
-                        "reads": r["reads"], "seconds": r["seconds"], "kind": r["kind"],
-                        "direct": direct})
+        r = _native.probe_random_reads(
+            files, block=PROBE_BLOCK, queue_depth=depth, seconds=seconds, direct=direct, kind=kind
+        )
+        results.append(
+            {
+                "queue_depth": depth,
+                "reads_per_s": r["reads_per_s"],
+                "reads": r["reads"],
+                "seconds": r["seconds"],
+                "kind": r["kind"],
+                "direct": direct,
+            }
+        )
     shown = ", ".join(f"QD {r['queue_depth']}: {r['reads_per_s']:,.0f}/s" for r in results)
     cached = "" if direct else " (through the page cache: cached blocks inflate it)"
-    return Finding("ok", f"random {PROBE_BLOCK // 1024} KiB reads ({results[0]['kind']}"
-                   f"{', O_DIRECT' if direct else ''}): {shown}{cached}",
-                   {"block": PROBE_BLOCK, "results": results})
+    return Finding(
+        "ok",
+        f"random {PROBE_BLOCK // 1024} KiB reads ({results[0]['kind']}"
+        f"{', O_DIRECT' if direct else ''}): {shown}{cached}",
+        {"block": PROBE_BLOCK, "results": results},
+    )
 
 
 # ------------------------------------------------------------------ advice
-def advise(config: ServerConfig, findings: dict[str, Finding],
-           plan: budget.Budget | None) -> list[Advice]:
+def advise(
+    config: ServerConfig, findings: dict[str, Finding], plan: budget.Budget | None
+) -> list[Advice]:
     advice = []
     if plan is not None:
         if plan.io == "mmap":
@@ -248,43 +323,63 @@ def advise(config: ServerConfig, findings: dict[str, Finding],
         elif findings["o_direct"].status == "ok":
             io, reason = "direct", plan.io_reason
         else:
-            io, reason = "buffered", ("O_DIRECT does not work on the model's file system, "
-                                      "so misses are read through the page cache")
+            io, reason = (
+                "buffered",
+                (
+                    "O_DIRECT does not work on the model's file system, "
+                    "so misses are read through the page cache"
+                ),
+            )
         if config.io != "auto" and config.io != io:
-            reason += f" (the config sets io = \"{config.io}\")"
+            reason += f' (the config sets io = "{config.io}")'
         advice.append(Advice("io", io, reason))
         cache, cache_reason = plan.cache_bytes, plan.cache_reason
         if findings["memory"].data.get("unified_memory"):
-            cache_reason += ("; on unified memory, set it from what vLLM leaves "
-                             "(deploy/README.md, Sizing)")
+            cache_reason += (
+                "; on unified memory, set it from what vLLM leaves (deploy/README.md, Sizing)"
+            )
         advice.append(Advice("cache_size", _size_text(cache), cache_reason))
     if findings["io_uring"].status == "ok":
         advice.append(Advice("read_engine", "auto", "io_uring is allowed here"))
     else:
-        advice.append(Advice("read_engine", "threads",
-                             findings["io_uring"].data.get("reason", "io_uring refused")
-                             + ": the pread thread pool serves the misses"))
+        advice.append(
+            Advice(
+                "read_engine",
+                "threads",
+                findings["io_uring"].data.get("reason", "io_uring refused")
+                + ": the pread thread pool serves the misses",
+            )
+        )
     disk = findings["disk"].data.get("results")
     if disk:
         best = max(r["reads_per_s"] for r in disk)
         enough = next(r for r in disk if r["reads_per_s"] >= ENOUGH_OF_BEST * best)
         depth = enough["queue_depth"]
-        reason = (f"QD {depth} reaches {enough['reads_per_s']:,.0f} reads/s, "
-                  f"{100 * enough['reads_per_s'] / best:.0f}% of the best measured "
-                  f"({best:,.0f}/s): the disk's random-read ceiling is about {best:,.0f} "
-                  "missed rows per second")
+        reason = (
+            f"QD {depth} reaches {enough['reads_per_s']:,.0f} reads/s, "
+            f"{100 * enough['reads_per_s'] / best:.0f}% of the best measured "
+            f"({best:,.0f}/s): the disk's random-read ceiling is about {best:,.0f} "
+            "missed rows per second"
+        )
         advice.append(Advice("queue_depth", depth, reason))
         if findings["io_uring"].status != "ok":
-            advice.append(Advice("read_threads", depth, "one pread thread per read in "
-                                 "flight, as many as the queue depth"))
+            advice.append(
+                Advice(
+                    "read_threads",
+                    depth,
+                    "one pread thread per read in flight, as many as the queue depth",
+                )
+            )
     return advice
 
 
 # ------------------------------------------------------------------ output
 def format_report(report: Report, tables_text: str) -> str:
     mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "info": "--  "}
-    lines = [f"ple-server doctor: {platform.node()}, Linux {platform.release()}, "
-             f"{platform.machine()}" + (f", model {report.model}" if report.model else "")]
+    lines = [
+        f"ple-server doctor: {platform.node()}, Linux {platform.release()}, "
+        f"{platform.machine()}" + (f", model {report.model}" if report.model else "")
+    ]
     for name, finding in report.findings.items():
         lines.append(f"[{mark[finding.status]}] {name:<9} {finding.summary}")
     if report.tables:
@@ -338,7 +433,7 @@ def _size_text(n: int) -> str:
 
 def _bracketed(text: str) -> str | None:
     start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else None
+    return text[start + 1 : end] if 0 <= start < end else None
 
 
 def _read(path: str) -> str:

@@ -58,14 +58,17 @@ class HotSetError(ValueError):
 def identity(tables: list[Table]) -> list[dict]:
     """What a hot-set file must name to be ours: each table's key, name, rows
     and fingerprint."""
-    return [{"key": t.key, "name": t.spec.name, "rows": t.rows,
-             "fingerprint": t.spec.fingerprint} for t in tables]
+    return [
+        {"key": t.key, "name": t.spec.name, "rows": t.rows, "fingerprint": t.spec.fingerprint}
+        for t in tables
+    ]
 
 
 def encode(tables: list[Table], keys: np.ndarray) -> bytes:
     keys = np.ascontiguousarray(keys, dtype="<u8")
-    header = json.dumps({"tables": identity(tables), "count": int(keys.size)},
-                        separators=(",", ":")).encode()
+    header = json.dumps(
+        {"tables": identity(tables), "count": int(keys.size)}, separators=(",", ":")
+    ).encode()
     body = PREFIX.pack(MAGIC, VERSION, len(header)) + header + keys.tobytes()
     return body + hashlib.sha256(body).digest()
 
@@ -86,13 +89,13 @@ def decode(data: bytes, tables: list[Table]) -> np.ndarray:
     if header_len > min(MAX_HEADER_BYTES, len(body) - PREFIX.size):
         raise HotSetError(f"header length {header_len} runs past the file")
     try:
-        header = json.loads(body[PREFIX.size:PREFIX.size + header_len])
+        header = json.loads(body[PREFIX.size : PREFIX.size + header_len])
         named, count = header["tables"], int(header["count"])
     except (ValueError, KeyError, TypeError) as exc:
         raise HotSetError(f"malformed header ({exc})") from None
     if named != identity(tables):
         raise HotSetError("it was saved for another checkpoint (table fingerprints differ)")
-    raw = body[PREFIX.size + header_len:]
+    raw = body[PREFIX.size + header_len :]
     if count < 0 or len(raw) != count * 8:
         raise HotSetError(f"{len(raw)} bytes of keys for a count of {count}")
     keys = np.frombuffer(raw, dtype="<u8").astype(np.uint64)
@@ -101,9 +104,10 @@ def decode(data: bytes, tables: list[Table]) -> np.ndarray:
     limits = np.zeros(len(tables), dtype=np.uint64)
     for t in tables:
         limits[t.key] = t.rows
-    if keys.size and (int(table_keys.max()) >= len(tables)
-                      or bool(np.any(rows >= limits[np.minimum(table_keys, len(tables) - 1)
-                                                    .astype(np.int64)]))):
+    if keys.size and (
+        int(table_keys.max()) >= len(tables)
+        or bool(np.any(rows >= limits[np.minimum(table_keys, len(tables) - 1).astype(np.int64)]))
+    ):
         raise HotSetError("it holds keys outside the tables' rows")
     return keys
 
@@ -115,8 +119,14 @@ class HotSet:
     States: pending → refilling → done | budget (the cache filled first) |
     none (no file) | ignored (untrusted file) | stopped | failed."""
 
-    def __init__(self, state_dir: str, tables: list[Table], cache, interval_s: float,
-                 on_progress: Callable[[HotSet], None] | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: str,
+        tables: list[Table],
+        cache,
+        interval_s: float,
+        on_progress: Callable[[HotSet], None] | None = None,
+    ) -> None:
         self.state_dir = state_dir
         self.path = os.path.join(state_dir, FILE_NAME)
         self.tables = tables
@@ -146,8 +156,10 @@ class HotSet:
         if self._thread is not None:
             self._thread.join()
         if self.state in ("refilling", "stopped", "pending"):
-            log.info("hot set: not saved at stop (the refill did not finish; %s keeps "
-                     "the previous set)", self.path)
+            log.info(
+                "hot set: not saved at stop (the refill did not finish; %s keeps the previous set)",
+                self.path,
+            )
             return
         self.save()
 
@@ -164,19 +176,27 @@ class HotSet:
         return self.done_rows / self.target_rows if self.target_rows else 1.0
 
     def snapshot(self) -> dict:
-        return {"state": self.state, "file": self.path, "target_rows": self.target_rows,
-                "done_rows": self.done_rows, "fraction": round(self.fraction, 4),
-                "refill_seconds": self.refill_seconds, "saved_rows": self.saved_rows,
-                "saved_unix": self.saved_at, "save_error": self.save_error,
-                "save_interval_s": self.interval_s}
+        return {
+            "state": self.state,
+            "file": self.path,
+            "target_rows": self.target_rows,
+            "done_rows": self.done_rows,
+            "fraction": round(self.fraction, 4),
+            "refill_seconds": self.refill_seconds,
+            "saved_rows": self.saved_rows,
+            "saved_unix": self.saved_at,
+            "save_error": self.save_error,
+            "save_interval_s": self.interval_s,
+        }
 
     def _run(self) -> None:
         try:
             self._refill()
         except Exception:
             self.state = "failed"
-            log.exception("hot set: refill failed; serving continues with the cache "
-                          "filling from requests")
+            log.exception(
+                "hot set: refill failed; serving continues with the cache filling from requests"
+            )
         finally:
             if self.on_progress:
                 self.on_progress(self)
@@ -192,15 +212,22 @@ class HotSet:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            log.warning("hot set: cannot read %s (%s); starting with an empty cache",
-                        self.path, exc.strerror or exc)
+            log.warning(
+                "hot set: cannot read %s (%s); starting with an empty cache",
+                self.path,
+                exc.strerror or exc,
+            )
             self.state = "ignored"
             return None
         try:
             return decode(data, self.tables)
         except HotSetError as exc:
-            log.warning("hot set: ignoring %s: %s; starting with an empty cache (the "
-                        "next save replaces it)", self.path, exc)
+            log.warning(
+                "hot set: ignoring %s: %s; starting with an empty cache (the "
+                "next save replaces it)",
+                self.path,
+                exc,
+            )
             self.state = "ignored"
             return None
 
@@ -210,27 +237,30 @@ class HotSet:
         if keys is None:
             if self.state != "ignored":
                 self.state = "none"
-                log.info("hot set: no saved hot set at %s; the cache fills from requests",
-                         self.path)
+                log.info(
+                    "hot set: no saved hot set at %s; the cache fills from requests", self.path
+                )
             return
         in_file = int(keys.size)
         self.target_rows = min(in_file, int(self.cache.capacity_rows))
-        keys = keys[:self.target_rows]
+        keys = keys[: self.target_rows]
         self.state = "refilling"
-        log.info("hot set: refilling the row cache with %d rows from %s", self.target_rows,
-                 self.path)
+        log.info(
+            "hot set: refilling the row cache with %d rows from %s", self.target_rows, self.path
+        )
         last_report = 0.0
         table_keys = keys >> np.uint64(KEY_ROW_BITS)
         for table in self.tables:
-            rows = np.sort((keys[table_keys == table.key] & np.uint64(ROW_MASK))
-                           .astype(np.int64))  # ascending: neighbouring blocks
+            rows = np.sort(
+                (keys[table_keys == table.key] & np.uint64(ROW_MASK)).astype(np.int64)
+            )  # ascending: neighbouring blocks
             for start in range(0, rows.size, REFILL_CHUNK):
                 if self._stop.is_set():
                     self.state = "stopped"
                     return
                 if table.problem:  # its file changed: nothing of it is read any more
                     break
-                table.fill(rows[start:start + REFILL_CHUNK])
+                table.fill(rows[start : start + REFILL_CHUNK])
                 self.done_rows += min(REFILL_CHUNK, rows.size - start)
                 now = time.monotonic()
                 if now - last_report >= 1.0:
@@ -239,9 +269,13 @@ class HotSet:
                         self.on_progress(self)
         self.refill_seconds = time.monotonic() - started
         self.state = "budget" if in_file > self.target_rows else "done"
-        log.info("hot set: refilled %d of the %d saved rows in %.1f s%s", self.done_rows,
-                 in_file, self.refill_seconds,
-                 " (the cache holds no more)" if self.state == "budget" else "")
+        log.info(
+            "hot set: refilled %d of the %d saved rows in %.1f s%s",
+            self.done_rows,
+            in_file,
+            self.refill_seconds,
+            " (the cache holds no more)" if self.state == "budget" else "",
+        )
 
     # ------------------------------------------------------------------ save
     def save(self) -> bool:
@@ -255,7 +289,7 @@ class HotSet:
                 try:
                     view = memoryview(data)
                     while view:
-                        view = view[os.write(fd, view):]
+                        view = view[os.write(fd, view) :]
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -271,9 +305,12 @@ class HotSet:
                 except OSError:
                     pass
                 if self.save_error is None:
-                    log.warning("hot set: cannot save %s (%s); check that state_dir is "
-                                "writable by the server's user", self.path,
-                                exc.strerror or exc)
+                    log.warning(
+                        "hot set: cannot save %s (%s); check that state_dir is "
+                        "writable by the server's user",
+                        self.path,
+                        exc.strerror or exc,
+                    )
                 self.save_error = str(exc.strerror or exc)
                 return False
             self.save_error = None

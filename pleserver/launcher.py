@@ -92,15 +92,24 @@ class NotifyListener:
                 data, ancdata, _, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(_UCRED.size))
             except (TimeoutError, BlockingIOError):
                 return None
-            pid = next((_UCRED.unpack_from(cdata)[0] for level, kind, cdata in ancdata
-                        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS),
-                       None)
+            pid = next(
+                (
+                    _UCRED.unpack_from(cdata)[0]
+                    for level, kind, cdata in ancdata
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS
+                ),
+                None,
+            )
             if pid is not None and pid == self.accept_pid:
                 fields = data.decode(errors="replace").split("\n")
                 self.messages.append((time.monotonic(), fields))
                 return fields
-            log.debug("notify socket %s: dropped a message of pid %s (not pid %s)",
-                      self.path, pid, self.accept_pid)
+            log.debug(
+                "notify socket %s: dropped a message of pid %s (not pid %s)",
+                self.path,
+                pid,
+                self.accept_pid,
+            )
             self.ignored.append(-1 if pid is None else pid)
             if deadline is not None:  # past it: what is queued still counts
                 self.sock.settimeout(max(0.0, deadline - time.monotonic()))
@@ -127,8 +136,16 @@ class NotifyListener:
 class LaunchedServer:
     """A ``pleserver serve`` process started by ``ServerLauncher.start``."""
 
-    def __init__(self, argv: list[str], socket_path: str, workdir: str, env: dict[str, str],
-                 cwd: str | None, log_path: str | None, tie_to_parent: bool) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        socket_path: str,
+        workdir: str,
+        env: dict[str, str],
+        cwd: str | None,
+        log_path: str | None,
+        tie_to_parent: bool,
+    ) -> None:
         self.args = argv
         self.socket = socket_path
         self._workdir = workdir
@@ -141,9 +158,14 @@ class LaunchedServer:
         self._log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                cwd=cwd, env={**env, "NOTIFY_SOCKET": self.notify.path},
-                preexec_fn=die_with_parent if tie_to_parent else None)
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                env={**env, "NOTIFY_SOCKET": self.notify.path},
+                preexec_fn=die_with_parent if tie_to_parent else None,
+            )
         except BaseException:
             self._log.close()
             self.notify.close()
@@ -183,16 +205,21 @@ class LaunchedServer:
                         return fields
                     raise ServerStartError(
                         f"ple-server (pid {self.pid}) exited with {self.proc.returncode} "
-                        f"before sending {awaited}; its log ends:\n{self._log_excerpt()}")
+                        f"before sending {awaited}; its log ends:\n{self._log_excerpt()}"
+                    )
         return None
 
     def _timed_out(self, awaited: str, timeout: float) -> ServerStartError:
-        ignored = (f"; dropped messages of other processes (pids "
-                   f"{sorted(set(self.notify.ignored))}: does the command prefix fork?)"
-                   if self.notify.ignored else "")
+        ignored = (
+            f"; dropped messages of other processes (pids "
+            f"{sorted(set(self.notify.ignored))}: does the command prefix fork?)"
+            if self.notify.ignored
+            else ""
+        )
         return ServerStartError(
             f"ple-server (pid {self.pid}) sent no {awaited} within {timeout:.0f} s{ignored}; "
-            f"on a loaded machine raise the timeout. Its log ends:\n{self._log_excerpt()}")
+            f"on a loaded machine raise the timeout. Its log ends:\n{self._log_excerpt()}"
+        )
 
     def wait_for(self, prefix: str, timeout: float = 60.0) -> list[str]:
         """The first message, received already or yet to come, with a field
@@ -211,8 +238,9 @@ class LaunchedServer:
         """Until the server sent ``READY=1``: that message's fields."""
         if self.ready_fields is None:
             self.ready_fields = self.wait_for("READY=1", timeout)
-            self.ready_at = next(t for t, fields in self.notify.messages
-                                 if fields is self.ready_fields)
+            self.ready_at = next(
+                t for t, fields in self.notify.messages if fields is self.ready_fields
+            )
             log.debug("ple-server pid %d ready on %s", self.pid, self.socket)
         return self.ready_fields
 
@@ -222,8 +250,14 @@ class LaunchedServer:
         pattern = re.compile(pattern)
 
         def matching(fields: list[str]) -> str | None:
-            return next((f[len("STATUS="):] for f in fields if f.startswith("STATUS=")
-                         and pattern.search(f[len("STATUS="):])), None)
+            return next(
+                (
+                    f[len("STATUS=") :]
+                    for f in fields
+                    if f.startswith("STATUS=") and pattern.search(f[len("STATUS=") :])
+                ),
+                None,
+            )
 
         for _, seen in self.notify.messages:
             if (text := matching(seen)) is not None:
@@ -273,8 +307,10 @@ class LaunchedServer:
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise TimeoutError(f"ple-server (pid {self.pid}) still runs after {timeout:.0f} s; "
-                               f"its log ends:\n{self._log_excerpt()}") from None
+            raise TimeoutError(
+                f"ple-server (pid {self.pid}) still runs after {timeout:.0f} s; "
+                f"its log ends:\n{self._log_excerpt()}"
+            ) from None
         self._log.close()
         return code
 
@@ -287,8 +323,12 @@ class LaunchedServer:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                log.warning("ple-server (pid %d) still runs %.0f s after signal %d: SIGKILL",
-                            self.pid, timeout, sig)
+                log.warning(
+                    "ple-server (pid %d) still runs %.0f s after signal %d: SIGKILL",
+                    self.pid,
+                    timeout,
+                    sig,
+                )
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
@@ -331,12 +371,20 @@ class ServerLauncher:
     when the *thread* that started it ends, so use it from the main thread.
     """
 
-    def __init__(self, model: str | os.PathLike, *extra_args: str,
-                 socket_path: str | None = None, log_level: str | None = None,
-                 log_path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
-                 cwd: str | os.PathLike | None = None, prefix: Sequence[str] = (),
-                 program: Sequence[str] | None = None, die_with_parent: bool = False,
-                 ready_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *extra_args: str,
+        socket_path: str | None = None,
+        log_level: str | None = None,
+        log_path: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
+        prefix: Sequence[str] = (),
+        program: Sequence[str] | None = None,
+        die_with_parent: bool = False,
+        ready_timeout: float = 60.0,
+    ) -> None:
         self.model = str(model)
         self.extra_args = [str(a) for a in extra_args]
         self.socket_path = socket_path
@@ -350,16 +398,22 @@ class ServerLauncher:
         self.ready_timeout = ready_timeout
 
     def argv(self, socket_path: str) -> list[str]:
-        return [*self.prefix, *self.program, "serve", "--model", self.model,
-                "--socket", socket_path,
-                *(["--log-level", self.log_level] if self.log_level else []),
-                *self.extra_args]
+        return [
+            *self.prefix,
+            *self.program,
+            "serve",
+            "--model",
+            self.model,
+            "--socket",
+            socket_path,
+            *(["--log-level", self.log_level] if self.log_level else []),
+            *self.extra_args,
+        ]
 
     def child_env(self) -> dict[str, str]:
         path = os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
         # The host's /etc/ple-server/config.toml is for its service, not for us.
-        return {**os.environ, "PYTHONPATH": path, "PLE_SERVER_CONFIG": os.devnull,
-                **self.env}
+        return {**os.environ, "PYTHONPATH": path, "PLE_SERVER_CONFIG": os.devnull, **self.env}
 
     def start(self, wait: bool = True, timeout: float | None = None) -> LaunchedServer:
         """Start a server; with ``wait``, return once it sent ``READY=1``. A
@@ -368,9 +422,15 @@ class ServerLauncher:
         workdir = tempfile.mkdtemp(prefix="ple-launch-")  # short: sun_path ≤ 107 bytes
         socket_path = self.socket_path or os.path.join(workdir, "ple.sock")
         try:
-            server = LaunchedServer(self.argv(socket_path), socket_path, workdir,
-                                    self.child_env(), self.cwd, self.log_path,
-                                    self.die_with_parent)
+            server = LaunchedServer(
+                self.argv(socket_path),
+                socket_path,
+                workdir,
+                self.child_env(),
+                self.cwd,
+                self.log_path,
+                self.die_with_parent,
+            )
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
             raise

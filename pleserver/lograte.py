@@ -26,8 +26,9 @@ class _Window:
 
 
 class RateLimitedLog:
-    def __init__(self, logger: logging.Logger, window_s: float = WINDOW_S,
-                 burst: int = BURST) -> None:
+    def __init__(
+        self, logger: logging.Logger, window_s: float = WINDOW_S, burst: int = BURST
+    ) -> None:
         self.logger = logger
         self.window_s = window_s
         self.burst = burst
@@ -57,6 +58,11 @@ class RateLimitedLog:
     def _close(self, kind: str, window: _Window) -> None:
         del self._windows[kind]
         if window.suppressed:
-            self.logger.warning("%d more %s lines suppressed in the last %.0f s (at most %d "
-                                "per %.0f s are logged)", window.suppressed, kind,
-                                self.window_s, self.burst, self.window_s)
+            self.logger.warning(
+                "%d more %s lines suppressed in the last %.0f s (at most %d per %.0f s are logged)",
+                window.suppressed,
+                kind,
+                self.window_s,
+                self.burst,
+                self.window_s,
+            )

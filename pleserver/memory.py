@@ -47,8 +47,10 @@ class MemoryRoom:
     def describe(self) -> str:
         parts = []
         if self.cgroup_limit is not None:
-            parts.append(f"cgroup limit {format_bytes(self.cgroup_limit)} with "
-                         f"{format_bytes(self.cgroup_used or 0)} in use")
+            parts.append(
+                f"cgroup limit {format_bytes(self.cgroup_limit)} with "
+                f"{format_bytes(self.cgroup_used or 0)} in use"
+            )
         if self.mem_available is not None:
             parts.append(f"MemAvailable {format_bytes(self.mem_available)}")
         return ", ".join(parts) or "no memory figures readable"
@@ -97,16 +99,22 @@ def _cgroup_memory(proc_cgroup: str) -> tuple[int | None, int | None]:
     for _id, controllers, path in lines:  # v1 memory controller first: it is the one in charge
         if "memory" in controllers.split(","):
             base = os.path.join(CGROUP_ROOT, "memory")
-            return _walk(base, path, "memory.limit_in_bytes", "memory.usage_in_bytes",
-                         ("total_cache", "cache"))
+            return _walk(
+                base,
+                path,
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+                ("total_cache", "cache"),
+            )
     for _id, controllers, path in lines:
         if controllers == "" and os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers")):
             return _walk(CGROUP_ROOT, path, "memory.max", "memory.current", ("file",))
     return None, None
 
 
-def _walk(base: str, path: str, limit_file: str, usage_file: str,
-          cache_keys: tuple[str, ...]) -> tuple[int | None, int | None]:
+def _walk(
+    base: str, path: str, limit_file: str, usage_file: str, cache_keys: tuple[str, ...]
+) -> tuple[int | None, int | None]:
     leaf = os.path.join(base, path.lstrip("/"))
     limit = None
     here = leaf

@@ -68,8 +68,17 @@ log = logging.getLogger(__name__)
 
 TABLE_LABELS = ["layer", "table"]
 PREWARM_STATES = ("none", "pending", "running", "done", "budget", "memory", "stopped", "failed")
-HOTSET_STATES = ("off", "pending", "refilling", "done", "budget", "none", "ignored", "stopped",
-                 "failed")
+HOTSET_STATES = (
+    "off",
+    "pending",
+    "refilling",
+    "done",
+    "budget",
+    "none",
+    "ignored",
+    "stopped",
+    "failed",
+)
 IO_MODES = ("direct", "buffered", "mmap")
 BUCKET_STEP = 3  # export every third stats bucket: 4 per decade
 
@@ -89,16 +98,20 @@ class SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
-        info = GaugeMetricFamily("ple_server_info", "ple-server version, model and socket "
-                                 "(always 1).", labels=["version", "model", "socket"])
+        info = GaugeMetricFamily(
+            "ple_server_info",
+            "ple-server version, model and socket (always 1).",
+            labels=["version", "model", "socket"],
+        )
         info.add_metric([snap["version"], snap["model"], snap["socket"]], 1)
         yield info
-        yield GaugeMetricFamily("ple_uptime_seconds", "Seconds since the server started.",
-                                value=snap["uptime_s"])
-        yield GaugeMetricFamily("ple_clients", "Connected client sessions.",
-                                value=snap["clients"])
-        yield GaugeMetricFamily("ple_channels", "Open shared-memory channels.",
-                                value=snap["channels"])
+        yield GaugeMetricFamily(
+            "ple_uptime_seconds", "Seconds since the server started.", value=snap["uptime_s"]
+        )
+        yield GaugeMetricFamily("ple_clients", "Connected client sessions.", value=snap["clients"])
+        yield GaugeMetricFamily(
+            "ple_channels", "Open shared-memory channels.", value=snap["channels"]
+        )
         yield from _prewarm(snap.get("prewarm"))
         yield from _dataplane(snap.get("dataplane"))
         yield from _hotset(snap.get("hotset"))
@@ -108,14 +121,22 @@ class SnapshotCollector(Collector):
 
 def _prewarm(pw: dict | None) -> Iterator[Metric]:
     pw = pw or {"state": "none", "done_bytes": 0, "target_bytes": 0, "fraction": 0.0}
-    yield GaugeMetricFamily("ple_prewarm_done_bytes", "Bytes read into the page cache by "
-                            "the prewarm so far.", value=pw["done_bytes"])
-    yield GaugeMetricFamily("ple_prewarm_target_bytes", "Bytes the prewarm means to read "
-                            "(the tables, or the budget).", value=pw["target_bytes"])
-    yield GaugeMetricFamily("ple_prewarm_progress_ratio", "Prewarm progress, 0 to 1.",
-                            value=pw["fraction"])
-    state = GaugeMetricFamily("ple_prewarm_state", "1 for the prewarm's current state.",
-                              labels=["state"])
+    yield GaugeMetricFamily(
+        "ple_prewarm_done_bytes",
+        "Bytes read into the page cache by the prewarm so far.",
+        value=pw["done_bytes"],
+    )
+    yield GaugeMetricFamily(
+        "ple_prewarm_target_bytes",
+        "Bytes the prewarm means to read (the tables, or the budget).",
+        value=pw["target_bytes"],
+    )
+    yield GaugeMetricFamily(
+        "ple_prewarm_progress_ratio", "Prewarm progress, 0 to 1.", value=pw["fraction"]
+    )
+    state = GaugeMetricFamily(
+        "ple_prewarm_state", "1 for the prewarm's current state.", labels=["state"]
+    )
     for name in PREWARM_STATES:
         state.add_metric([name], 1 if pw["state"] == name else 0)
     yield state
@@ -128,72 +149,112 @@ def _dataplane(plane: dict | None) -> Iterator[Metric]:
     for name in IO_MODES:
         mode.add_metric([name], 1 if plane["io"] == name else 0)
     yield mode
-    why = GaugeMetricFamily("ple_io_info", "The io mode and why it was chosen (always 1).",
-                            labels=["io", "reason"])
+    why = GaugeMetricFamily(
+        "ple_io_info", "The io mode and why it was chosen (always 1).", labels=["io", "reason"]
+    )
     why.add_metric([plane["io"], plane["io_reason"]], 1)
     yield why
     # Present in every mode (zeros, kind "none" without a row cache), so
     # dashboards and alerts need no per-mode queries.
-    cache = plane.get("cache") or {"capacity_rows": 0, "used_rows": 0, "budget_bytes": 0,
-                                   "occupancy": 0.0, "evictions": 0}
-    engine = plane.get("engine") or {"kind": "none", "fallback_reason": None,
-                                     "queue_depth": 0}
-    yield GaugeMetricFamily("ple_cache_capacity_rows", "Rows the row cache can hold.",
-                            value=cache["capacity_rows"])
-    yield GaugeMetricFamily("ple_cache_used_rows", "Rows in the row cache.",
-                            value=cache["used_rows"])
-    yield GaugeMetricFamily("ple_cache_budget_bytes", "The row cache's budget (cache_size).",
-                            value=cache["budget_bytes"])
-    yield GaugeMetricFamily("ple_cache_occupancy_ratio", "Used over capacity, 0 to 1.",
-                            value=cache["occupancy"])
-    yield CounterMetricFamily("ple_cache_evictions", "Rows evicted from the row cache.",
-                              value=cache["evictions"])
-    info = GaugeMetricFamily("ple_read_engine_info", "The miss engine in use, and why "
-                             "io_uring is not, if it is not (always 1).",
-                             labels=["kind", "fallback_reason"])
+    cache = plane.get("cache") or {
+        "capacity_rows": 0,
+        "used_rows": 0,
+        "budget_bytes": 0,
+        "occupancy": 0.0,
+        "evictions": 0,
+    }
+    engine = plane.get("engine") or {"kind": "none", "fallback_reason": None, "queue_depth": 0}
+    yield GaugeMetricFamily(
+        "ple_cache_capacity_rows", "Rows the row cache can hold.", value=cache["capacity_rows"]
+    )
+    yield GaugeMetricFamily(
+        "ple_cache_used_rows", "Rows in the row cache.", value=cache["used_rows"]
+    )
+    yield GaugeMetricFamily(
+        "ple_cache_budget_bytes",
+        "The row cache's budget (cache_size).",
+        value=cache["budget_bytes"],
+    )
+    yield GaugeMetricFamily(
+        "ple_cache_occupancy_ratio", "Used over capacity, 0 to 1.", value=cache["occupancy"]
+    )
+    yield CounterMetricFamily(
+        "ple_cache_evictions", "Rows evicted from the row cache.", value=cache["evictions"]
+    )
+    info = GaugeMetricFamily(
+        "ple_read_engine_info",
+        "The miss engine in use, and why io_uring is not, if it is not (always 1).",
+        labels=["kind", "fallback_reason"],
+    )
     info.add_metric([engine["kind"], engine.get("fallback_reason") or ""], 1)
     yield info
-    yield GaugeMetricFamily("ple_read_queue_depth", "Disk reads in flight at most.",
-                            value=engine["queue_depth"])
+    yield GaugeMetricFamily(
+        "ple_read_queue_depth", "Disk reads in flight at most.", value=engine["queue_depth"]
+    )
 
 
 def _hotset(hs: dict | None) -> Iterator[Metric]:
-    hs = hs or {"state": "off", "target_rows": 0, "done_rows": 0, "fraction": 0.0,
-                "saved_rows": None}
-    yield GaugeMetricFamily("ple_hotset_target_rows", "Rows the hot-set refill means to "
-                            "read into the cache.", value=hs["target_rows"])
-    yield GaugeMetricFamily("ple_hotset_done_rows", "Rows the hot-set refill has read.",
-                            value=hs["done_rows"])
-    yield GaugeMetricFamily("ple_hotset_progress_ratio", "Hot-set refill progress, 0 to 1.",
-                            value=hs["fraction"])
-    state = GaugeMetricFamily("ple_hotset_state", "1 for the hot set's current state.",
-                              labels=["state"])
+    hs = hs or {
+        "state": "off",
+        "target_rows": 0,
+        "done_rows": 0,
+        "fraction": 0.0,
+        "saved_rows": None,
+    }
+    yield GaugeMetricFamily(
+        "ple_hotset_target_rows",
+        "Rows the hot-set refill means to read into the cache.",
+        value=hs["target_rows"],
+    )
+    yield GaugeMetricFamily(
+        "ple_hotset_done_rows", "Rows the hot-set refill has read.", value=hs["done_rows"]
+    )
+    yield GaugeMetricFamily(
+        "ple_hotset_progress_ratio", "Hot-set refill progress, 0 to 1.", value=hs["fraction"]
+    )
+    state = GaugeMetricFamily(
+        "ple_hotset_state", "1 for the hot set's current state.", labels=["state"]
+    )
     for name in HOTSET_STATES:
         state.add_metric([name], 1 if hs["state"] == name else 0)
     yield state
-    yield GaugeMetricFamily("ple_hotset_saved_rows", "Rows in the hot set at its last "
-                            "save (0 before the first).", value=hs.get("saved_rows") or 0)
+    yield GaugeMetricFamily(
+        "ple_hotset_saved_rows",
+        "Rows in the hot set at its last save (0 before the first).",
+        value=hs.get("saved_rows") or 0,
+    )
 
 
 def _table_io(tables: list[dict]) -> Iterator[Metric]:
-    hits = CounterMetricFamily("ple_cache_hits", "Rows found in the row cache.",
-                               labels=TABLE_LABELS)
-    misses = CounterMetricFamily("ple_cache_misses", "Rows missing from the row cache "
-                                 "(read from disk).", labels=TABLE_LABELS)
-    ratio = GaugeMetricFamily("ple_cache_hit_ratio", "Hits over lookups, 0 to 1.",
-                              labels=TABLE_LABELS)
-    rate = GaugeMetricFamily("ple_cache_misses_per_second", "Misses per second over the "
-                             "last 10 s.", labels=TABLE_LABELS)
-    reads = CounterMetricFamily("ple_disk_reads", "Disk reads of the miss engine.",
-                                labels=TABLE_LABELS)
-    read_bytes = CounterMetricFamily("ple_disk_read_bytes", "Bytes read from disk.",
-                                     labels=TABLE_LABELS)
-    read_errors = CounterMetricFamily("ple_disk_read_errors", "Failed or short disk reads.",
-                                      labels=TABLE_LABELS)
-    latency = GaugeMetricFamily("ple_disk_read_latency_seconds", "Disk read latency "
-                                "quantiles.", labels=[*TABLE_LABELS, "quantile"])
-    mode = GaugeMetricFamily("ple_table_io_mode", "1 for the table's io mode.",
-                             labels=[*TABLE_LABELS, "io"])
+    hits = CounterMetricFamily(
+        "ple_cache_hits", "Rows found in the row cache.", labels=TABLE_LABELS
+    )
+    misses = CounterMetricFamily(
+        "ple_cache_misses", "Rows missing from the row cache (read from disk).", labels=TABLE_LABELS
+    )
+    ratio = GaugeMetricFamily(
+        "ple_cache_hit_ratio", "Hits over lookups, 0 to 1.", labels=TABLE_LABELS
+    )
+    rate = GaugeMetricFamily(
+        "ple_cache_misses_per_second", "Misses per second over the last 10 s.", labels=TABLE_LABELS
+    )
+    reads = CounterMetricFamily(
+        "ple_disk_reads", "Disk reads of the miss engine.", labels=TABLE_LABELS
+    )
+    read_bytes = CounterMetricFamily(
+        "ple_disk_read_bytes", "Bytes read from disk.", labels=TABLE_LABELS
+    )
+    read_errors = CounterMetricFamily(
+        "ple_disk_read_errors", "Failed or short disk reads.", labels=TABLE_LABELS
+    )
+    latency = GaugeMetricFamily(
+        "ple_disk_read_latency_seconds",
+        "Disk read latency quantiles.",
+        labels=[*TABLE_LABELS, "quantile"],
+    )
+    mode = GaugeMetricFamily(
+        "ple_table_io_mode", "1 for the table's io mode.", labels=[*TABLE_LABELS, "io"]
+    )
     for t in tables:
         io = t.get("io")
         if not io:
@@ -218,21 +279,32 @@ def _tables(tables: list[dict]) -> Iterator[Metric]:
     requests = CounterMetricFamily("ple_requests", "Lookups served.", labels=TABLE_LABELS)
     rows = CounterMetricFamily("ple_rows", "Rows served.", labels=TABLE_LABELS)
     nbytes = CounterMetricFamily("ple_bytes", "Row bytes served.", labels=TABLE_LABELS)
-    errors = CounterMetricFamily("ple_errors", "Rejected requests, by kind.",
-                                 labels=[*TABLE_LABELS, "kind"])
+    errors = CounterMetricFamily(
+        "ple_errors", "Rejected requests, by kind.", labels=[*TABLE_LABELS, "kind"]
+    )
     server_time = HistogramMetricFamily(
-        "ple_server_time_seconds", "Seconds from taking a request to completing it.",
-        labels=TABLE_LABELS)
+        "ple_server_time_seconds",
+        "Seconds from taking a request to completing it.",
+        labels=TABLE_LABELS,
+    )
     queue_time = HistogramMetricFamily(
-        "ple_queue_time_seconds", "Seconds from the client's submit to the server taking "
-        "the request.", labels=TABLE_LABELS)
-    info = GaugeMetricFamily("ple_table_info", "Table geometry and fingerprint (always 1).",
-                             labels=[*TABLE_LABELS, "dtype", "rows", "cols", "row_bytes",
-                                     "fingerprint"])
-    size = GaugeMetricFamily("ple_table_size_bytes", "Bytes of the table on disk.",
-                             labels=TABLE_LABELS)
-    resident = GaugeMetricFamily("ple_table_resident_ratio", "Fraction of the table in the "
-                                 "page cache, 0 to 1.", labels=TABLE_LABELS)
+        "ple_queue_time_seconds",
+        "Seconds from the client's submit to the server taking the request.",
+        labels=TABLE_LABELS,
+    )
+    info = GaugeMetricFamily(
+        "ple_table_info",
+        "Table geometry and fingerprint (always 1).",
+        labels=[*TABLE_LABELS, "dtype", "rows", "cols", "row_bytes", "fingerprint"],
+    )
+    size = GaugeMetricFamily(
+        "ple_table_size_bytes", "Bytes of the table on disk.", labels=TABLE_LABELS
+    )
+    resident = GaugeMetricFamily(
+        "ple_table_resident_ratio",
+        "Fraction of the table in the page cache, 0 to 1.",
+        labels=TABLE_LABELS,
+    )
     for t in tables:
         labels = [str(t["layer"]), t["name"]]
         requests.add_metric(labels, t["requests"])
@@ -242,8 +314,17 @@ def _tables(tables: list[dict]) -> Iterator[Metric]:
             errors.add_metric([*labels, kind], t["errors"].get(kind, 0))
         server_time.add_metric(labels, _buckets(t["server_time"]), t["server_time"]["sum_s"])
         queue_time.add_metric(labels, _buckets(t["queue_time"]), t["queue_time"]["sum_s"])
-        info.add_metric([*labels, t["dtype"], str(t["rows_total"]), str(t["cols"]),
-                         str(t["row_bytes"]), t["fingerprint"]], 1)
+        info.add_metric(
+            [
+                *labels,
+                t["dtype"],
+                str(t["rows_total"]),
+                str(t["cols"]),
+                str(t["row_bytes"]),
+                t["fingerprint"],
+            ],
+            1,
+        )
         size.add_metric(labels, t["table_bytes"])
         if t.get("resident_fraction") is not None:
             resident.add_metric(labels, t["resident_fraction"])
@@ -288,9 +369,11 @@ class MetricsEndpoint:
         try:
             self._httpd, self._thread = start_http_server(port, host, registry=self.registry)
         except OSError as exc:
-            raise MetricsError(f"cannot serve metrics on {self.address}: "
-                               f"{exc.strerror or exc}; choose a free port or another "
-                               "address for metrics_address (or leave it out)") from None
+            raise MetricsError(
+                f"cannot serve metrics on {self.address}: "
+                f"{exc.strerror or exc}; choose a free port or another "
+                "address for metrics_address (or leave it out)"
+            ) from None
         shown = f"[{host}]" if ":" in host else host
         log.info("metrics on http://%s:%d/metrics", shown, self.port)
 

@@ -44,8 +44,9 @@ class Prewarm:
     (see the module docstring); stops early below ``reserve_bytes`` of
     MemAvailable."""
 
-    def __init__(self, tables: list[Table], budget_bytes: int | None,
-                 reserve_bytes: int = 4 << 30) -> None:
+    def __init__(
+        self, tables: list[Table], budget_bytes: int | None, reserve_bytes: int = 4 << 30
+    ) -> None:
         self.tables = tables
         self.total = sum(t.spec.nbytes for t in tables)
         self.target = self.total if budget_bytes is None else min(self.total, budget_bytes)
@@ -70,17 +71,24 @@ class Prewarm:
         return self.done_bytes / self.target if self.target else 1.0
 
     def snapshot(self) -> dict:
-        return {"state": self.state, "done_bytes": self.done_bytes,
-                "target_bytes": self.target, "total_bytes": self.total,
-                "fraction": round(self.fraction, 4)}
+        return {
+            "state": self.state,
+            "done_bytes": self.done_bytes,
+            "target_bytes": self.target,
+            "total_bytes": self.total,
+            "fraction": round(self.fraction, 4),
+        }
 
     def _run(self) -> None:
         self.state = "running"
         started = time.monotonic()
         last_report = 0.0
         buf = bytearray(PREWARM_BLOCK)
-        log.info("prewarm: reading %s of %s into the page cache",
-                 format_bytes(self.target), format_bytes(self.total))
+        log.info(
+            "prewarm: reading %s of %s into the page cache",
+            format_bytes(self.target),
+            format_bytes(self.total),
+        )
         try:
             for table in self.tables:
                 complete = True
@@ -95,8 +103,10 @@ class Prewarm:
                             self.state = "budget"
                             return
                         if mem_available() < self.reserve_bytes:
-                            log.warning("prewarm: stopping, MemAvailable below the %.1f GiB "
-                                        "reserve", self.reserve_bytes / 2**30)
+                            log.warning(
+                                "prewarm: stopping, MemAvailable below the %.1f GiB reserve",
+                                self.reserve_bytes / 2**30,
+                            )
                             self.state = "memory"
                             return
                         n = min(PREWARM_BLOCK, end - pos, self.target - self.done_bytes)
@@ -109,8 +119,10 @@ class Prewarm:
                         now = time.monotonic()
                         if now - last_report >= 2.0:
                             last_report = now
-                            log.info("prewarm: %s", format_progress(
-                                self.done_bytes, self.target, self.fraction))
+                            log.info(
+                                "prewarm: %s",
+                                format_progress(self.done_bytes, self.target, self.fraction),
+                            )
                             if self.on_progress:
                                 self.on_progress(self)
                     complete = complete and pos >= end
@@ -122,8 +134,12 @@ class Prewarm:
         finally:
             if self.on_progress:
                 self.on_progress(self)
-            log.info("prewarm %s: %s in %.1f s", self.state, format_bytes(self.done_bytes),
-                     time.monotonic() - started)
+            log.info(
+                "prewarm %s: %s in %.1f s",
+                self.state,
+                format_bytes(self.done_bytes),
+                time.monotonic() - started,
+            )
 
 
 def _populate(mapped: MappedFile, offset: int, length: int) -> None:
@@ -146,9 +162,14 @@ def resident_bytes(table: Table) -> int | None:
         start = offset - offset % page
         npages = -(-(offset + length - start) // page)
         vec = np.zeros(npages, dtype=np.uint8)
-        if _libc.mincore(ctypes.c_void_p(f.address + start),
-                         ctypes.c_size_t(npages * page),
-                         ctypes.c_void_p(vec.ctypes.data)) != 0:
+        if (
+            _libc.mincore(
+                ctypes.c_void_p(f.address + start),
+                ctypes.c_size_t(npages * page),
+                ctypes.c_void_p(vec.ctypes.data),
+            )
+            != 0
+        ):
             err = ctypes.get_errno()
             raise OSError(err, f"mincore on {f.path}: {os.strerror(err)}")
         total += int(np.count_nonzero(vec & 1)) * page

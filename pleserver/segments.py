@@ -38,15 +38,22 @@ def create_segment(name: str, layout: p.ChannelLayout) -> tuple[int, ChannelMap]
             os.ftruncate(fd, layout.size)
             os.posix_fallocate(fd, 0, layout.size)
         except OSError as exc:
-            limit = (": over this server's file size limit (ulimit -f, LimitFSIZE=)"
-                     if exc.errno == errno.EFBIG else "")
-            raise OSError(exc.errno, f"cannot reserve {layout.size / 2**20:.1f} MiB for "
-                          f"a channel ({exc.strerror}{limit}); ask for a smaller "
-                          "capacity or depth, or free memory") from None
+            limit = (
+                ": over this server's file size limit (ulimit -f, LimitFSIZE=)"
+                if exc.errno == errno.EFBIG
+                else ""
+            )
+            raise OSError(
+                exc.errno,
+                f"cannot reserve {layout.size / 2**20:.1f} MiB for "
+                f"a channel ({exc.strerror}{limit}); ask for a smaller "
+                "capacity or depth, or free memory",
+            ) from None
         # The client may not shrink or grow it: a shrunk segment would SIGBUS
         # the server on its next access.
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
-                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        fcntl.fcntl(
+            fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        )
         return fd, ChannelMap(fd, layout, format_header=True)
     except BaseException:
         os.close(fd)
@@ -81,8 +88,14 @@ class Reserver:
         self._lanes: list[tuple[queue.SimpleQueue, threading.Thread]] = []
         for lane in ("small", "large"):
             jobs: queue.SimpleQueue[Reservation | None] = queue.SimpleQueue()
-            self._lanes.append((jobs, threading.Thread(target=self._run, args=(jobs,),
-                                                       name=f"reserve-{lane}", daemon=True)))
+            self._lanes.append(
+                (
+                    jobs,
+                    threading.Thread(
+                        target=self._run, args=(jobs,), name=f"reserve-{lane}", daemon=True
+                    ),
+                )
+            )
 
     def start(self) -> None:
         for _jobs, thread in self._lanes:

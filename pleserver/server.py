@@ -103,24 +103,37 @@ class Server:
     def start(self) -> None:
         cfg = self.config
         if cfg.model and os.path.isdir(cfg.model) and not os.access(cfg.model, os.R_OK | os.X_OK):
-            raise StartupError(f"cannot read the model directory {cfg.model} (Permission "
-                               f"denied for uid {os.geteuid()}): let the server's user read "
-                               "it and its files")
+            raise StartupError(
+                f"cannot read the model directory {cfg.model} (Permission "
+                f"denied for uid {os.geteuid()}): let the server's user read "
+                "it and its files"
+            )
         specs = discover_tables(cfg.model) if cfg.model else []
         if not specs:
-            raise StartupError("no model directory given: pass --model DIR (or `model` in "
-                               "the config file)")
+            raise StartupError(
+                "no model directory given: pass --model DIR (or `model` in the config file)"
+            )
         self.plane = DataPlane.open(specs, PlaneOptions.from_config(cfg))
         self.tables = self.plane.tables
         self.table_stats = [TableStats(t.spec.name, t.spec.layer) for t in self.tables]
         self._miss_rates = [RateMeter() for _ in self.tables]
         for t in self.tables:
             s = t.spec
-            log.info("table %s: layer %d, %d rows × %d %s (%d B/row), %d shards, %s, "
-                     "fingerprint %s", s.name, s.layer, s.rows, s.cols, s.dtype, s.row_bytes,
-                     s.parts, format_bytes(s.nbytes), s.fingerprint)
+            log.info(
+                "table %s: layer %d, %d rows × %d %s (%d B/row), %d shards, %s, fingerprint %s",
+                s.name,
+                s.layer,
+                s.rows,
+                s.cols,
+                s.dtype,
+                s.row_bytes,
+                s.parts,
+                format_bytes(s.nbytes),
+                s.fingerprint,
+            )
         if cfg.metrics_address:  # before the socket: a bad address fails the start cleanly
             from pleserver.metrics import MetricsEndpoint, MetricsError
+
             self.metrics = MetricsEndpoint(cfg.metrics_address, self.snapshot)
             try:
                 self.metrics.start()
@@ -130,30 +143,51 @@ class Server:
         self._set_budget()
         interval = cfg.watchdog_s or watchdog_interval()
         try:
-            self.loop = ServingLoop(self.tables, self.table_stats, cfg.spin_us * 1e-6,
-                                    heartbeat=self.notifier.watchdog if interval else None,
-                                    heartbeat_every_s=min(interval or 1.0, 1.0),
-                                    chunk_rows=cfg.chunk_rows, on_drop=self._on_channel_dropped,
-                                    workers=cfg.gather_workers, idle_wait=cfg.idle_wait)
+            self.loop = ServingLoop(
+                self.tables,
+                self.table_stats,
+                cfg.spin_us * 1e-6,
+                heartbeat=self.notifier.watchdog if interval else None,
+                heartbeat_every_s=min(interval or 1.0, 1.0),
+                chunk_rows=cfg.chunk_rows,
+                on_drop=self._on_channel_dropped,
+                workers=cfg.gather_workers,
+                idle_wait=cfg.idle_wait,
+            )
         except ValueError as exc:  # idle_wait = futex_waitv on a kernel without it
             raise StartupError(str(exc)) from None
-        log.info("serving loop: spins %d µs after a request, then %s", cfg.spin_us,
-                 "sleeps on every channel at once (futex_waitv)"
-                 if self.loop.idle_wait == "futex_waitv" else
-                 f"polls the channels every {POLL_S * 1e3:.1f} ms (idle_wait = {cfg.idle_wait}"
-                 + (", no futex_waitv in this kernel)" if cfg.idle_wait == "auto" else ")"))
+        log.info(
+            "serving loop: spins %d µs after a request, then %s",
+            cfg.spin_us,
+            "sleeps on every channel at once (futex_waitv)"
+            if self.loop.idle_wait == "futex_waitv"
+            else f"polls the channels every {POLL_S * 1e3:.1f} ms (idle_wait = {cfg.idle_wait}"
+            + (", no futex_waitv in this kernel)" if cfg.idle_wait == "auto" else ")"),
+        )
         try:
             self.loop.start()
             self.reserver.start()
         except RuntimeError as exc:  # no thread to be had: at a task limit already
-            raise StartupError(f"cannot start the serving threads ({exc}): the service is "
-                               "at its task limit (TasksMax=, ulimit -u); raise it") from None
-        self.sessions = Sessions(cfg, self._selector, self.instance, self.tables, self.loop,
-                                 self.budget, self.reserver, self.snapshot)
+            raise StartupError(
+                f"cannot start the serving threads ({exc}): the service is "
+                "at its task limit (TasksMax=, ulimit -u); raise it"
+            ) from None
+        self.sessions = Sessions(
+            cfg,
+            self._selector,
+            self.instance,
+            self.tables,
+            self.loop,
+            self.budget,
+            self.reserver,
+            self.snapshot,
+        )
         self._listen()
-        for signum, handler in ((signal.SIGTERM, self.handle_sigterm),
-                                (signal.SIGINT, self.handle_sigint),
-                                (signal.SIGHUP, self.handle_sighup)):
+        for signum, handler in (
+            (signal.SIGTERM, self.handle_sigterm),
+            (signal.SIGINT, self.handle_sigint),
+            (signal.SIGHUP, self.handle_sighup),
+        ):
             signal.signal(signum, handler)
         self._wake_w.setblocking(False)
         signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
@@ -165,27 +199,40 @@ class Server:
         # at once, while the tables are read into the page cache (or the row
         # cache is refilled from the hot set).
         if cfg.prewarm == "full" and self.plane.mode != "mmap":
-            log.info("prewarm = full applies to io = mmap; with io = %s the row cache is "
-                     "refilled from the saved hot set instead", self.plane.mode)
+            log.info(
+                "prewarm = full applies to io = mmap; with io = %s the row cache is "
+                "refilled from the saved hot set instead",
+                self.plane.mode,
+            )
         elif cfg.prewarm == "full":
             self.prewarm = Prewarm(self.tables, cfg.prewarm_budget, cfg.prewarm_reserve)
             self.prewarm.on_progress = self._report_prewarm
             self.prewarm.start()
         if self.plane.cache is not None:
             if os.path.isdir(cfg.state_dir):
-                self.hotset = HotSet(cfg.state_dir, self.tables, self.plane.cache,
-                                     cfg.hotset_save_interval, self._report_hotset)
+                self.hotset = HotSet(
+                    cfg.state_dir,
+                    self.tables,
+                    self.plane.cache,
+                    cfg.hotset_save_interval,
+                    self._report_hotset,
+                )
                 self.hotset.start()
             else:
-                log.info("state_dir %s does not exist: the hot set is neither saved nor "
-                         "restored (the unit's StateDirectory= creates it)", cfg.state_dir)
+                log.info(
+                    "state_dir %s does not exist: the hot set is neither saved nor "
+                    "restored (the unit's StateDirectory= creates it)",
+                    cfg.state_dir,
+                )
 
     def _set_budget(self) -> None:
         cfg = self.config
         if cfg.max_channel_memory is not None:
             self.budget = ChannelBudget(cfg.max_channel_memory)
-            log.info("channel memory budget: %.0f MiB (max_channel_memory)",
-                     cfg.max_channel_memory / 2**20)
+            log.info(
+                "channel memory budget: %.0f MiB (max_channel_memory)",
+                cfg.max_channel_memory / 2**20,
+            )
             return
         room = memory_room()
         pending = 0
@@ -195,19 +242,25 @@ class Server:
         limit = default_channel_budget(room, pending)
         self.budget = ChannelBudget(limit)
         if limit is None:
-            log.warning("channel memory budget: none (%s); set max_channel_memory",
-                        room.describe())
+            log.warning("channel memory budget: none (%s); set max_channel_memory", room.describe())
         else:
             beside = f", less the row cache's {pending / 2**20:.0f} MiB to come" if pending else ""
-            log.info("channel memory budget: %.0f MiB, 3/4 of the room at start (%s%s); "
-                     "max_channel_memory overrides it", limit / 2**20, room.describe(), beside)
+            log.info(
+                "channel memory budget: %.0f MiB, 3/4 of the room at start (%s%s); "
+                "max_channel_memory overrides it",
+                limit / 2**20,
+                room.describe(),
+                beside,
+            )
 
     def _listen(self) -> None:
         path = self.config.socket
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise StartupError(f"{path} exists and is not a socket; ple-server removes only "
-                               "stale sockets: move it away or choose another --socket")
+            raise StartupError(
+                f"{path} exists and is not a socket; ple-server removes only "
+                "stale sockets: move it away or choose another --socket"
+            )
         if os.path.exists(path):
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -217,12 +270,16 @@ class Server:
                 log.info("removing stale socket %s (no server listens on it)", path)
                 os.unlink(path)
             except OSError as exc:
-                raise StartupError(f"socket path {path} exists and cannot be probed ({exc}); "
-                                   "remove it or choose another --socket") from None
+                raise StartupError(
+                    f"socket path {path} exists and cannot be probed ({exc}); "
+                    "remove it or choose another --socket"
+                ) from None
             else:
-                raise StartupError(f"socket {path} is in use by a live ple-server; stop it "
-                                   "first (`systemctl stop ple-server`) or choose another "
-                                   "--socket")
+                raise StartupError(
+                    f"socket {path} is in use by a live ple-server; stop it "
+                    "first (`systemctl stop ple-server`) or choose another "
+                    "--socket"
+                )
             finally:
                 probe.close()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -230,8 +287,10 @@ class Server:
             listener.bind(path)
         except OSError as exc:
             listener.close()
-            raise StartupError(f"cannot bind {path}: {exc.strerror}; check that the "
-                               "directory exists and this user may write it") from None
+            raise StartupError(
+                f"cannot bind {path}: {exc.strerror}; check that the "
+                "directory exists and this user may write it"
+            ) from None
         os.chmod(path, self.config.socket_mode)
         listener.listen(128)
         listener.setblocking(False)
@@ -245,8 +304,9 @@ class Server:
         self.request_stop("SIGINT")
 
     def handle_sighup(self, signum, frame) -> None:
-        log.info("SIGHUP: configuration reload is not supported; restart the service "
-                 "to apply changes")
+        log.info(
+            "SIGHUP: configuration reload is not supported; restart the service to apply changes"
+        )
 
     def request_stop(self, reason: str) -> None:
         self._stopping = True
@@ -352,40 +412,55 @@ class Server:
                     resident: float | None = resident_bytes(t)
                 except OSError:
                     resident = None
-                fractions.append(None if resident is None else
-                                 resident / t.spec.nbytes if t.spec.nbytes else 1.0)
+                fractions.append(
+                    None if resident is None else resident / t.spec.nbytes if t.spec.nbytes else 1.0
+                )
             self._residency = (now, fractions)
         tables = []
-        for t, st, resident, rate in zip(self.tables, self.table_stats, self._residency[1],
-                                         self._miss_rates, strict=True):
+        for t, st, resident, rate in zip(
+            self.tables, self.table_stats, self._residency[1], self._miss_rates, strict=True
+        ):
             snap = st.snapshot()
             source = t.source.stats()
-            snap.update(dtype=t.spec.dtype, rows_total=t.spec.rows, cols=t.spec.cols,
-                        row_bytes=t.row_bytes, table_bytes=t.spec.nbytes,
-                        fingerprint=t.spec.fingerprint, resident_fraction=resident,
-                        io_mode=t.mode,
-                        io=io_snapshot(source, rate.rate(source.get("misses", 0), now)))
+            snap.update(
+                dtype=t.spec.dtype,
+                rows_total=t.spec.rows,
+                cols=t.spec.cols,
+                row_bytes=t.row_bytes,
+                table_bytes=t.spec.nbytes,
+                fingerprint=t.spec.fingerprint,
+                resident_fraction=resident,
+                io_mode=t.mode,
+                io=io_snapshot(source, rate.rate(source.get("misses", 0), now)),
+            )
             tables.append(snap)
-        return {"pid": os.getpid(), "version": __version__, "model": self.config.model,
-                "socket": self.config.socket, "uptime_s": now - self.started,
-                "clients": len(self.sessions) if self.sessions is not None else 0,
-                "channels": self.loop.channel_count if self.loop else 0,
-                "idle_wait": self.loop.idle_wait if self.loop else None,
-                "prewarm": self.prewarm.snapshot() if self.prewarm else None,
-                "dataplane": self.plane.snapshot() if self.plane else None,
-                "hotset": self.hotset.snapshot() if self.hotset else None,
-                "tables": tables}
+        return {
+            "pid": os.getpid(),
+            "version": __version__,
+            "model": self.config.model,
+            "socket": self.config.socket,
+            "uptime_s": now - self.started,
+            "clients": len(self.sessions) if self.sessions is not None else 0,
+            "channels": self.loop.channel_count if self.loop else 0,
+            "idle_wait": self.loop.idle_wait if self.loop else None,
+            "prewarm": self.prewarm.snapshot() if self.prewarm else None,
+            "dataplane": self.plane.snapshot() if self.plane else None,
+            "hotset": self.hotset.snapshot() if self.hotset else None,
+            "tables": tables,
+        }
 
     def _report_prewarm(self, prewarm: Prewarm) -> None:
         # STATUS= replaces the whole line: keep what is served in front.
-        self.notifier.status(f"{self._serving_status}; prewarm {prewarm.state}: "
-                             + format_progress(prewarm.done_bytes, prewarm.target,
-                                               prewarm.fraction))
+        self.notifier.status(
+            f"{self._serving_status}; prewarm {prewarm.state}: "
+            + format_progress(prewarm.done_bytes, prewarm.target, prewarm.fraction)
+        )
 
     def _report_hotset(self, hotset: HotSet) -> None:
         if hotset.state in ("none", "ignored"):
             return
-        self.notifier.status(f"{self._serving_status}; hot set refill {hotset.state}: "
-                             f"{100 * hotset.fraction:.1f}% ({hotset.done_rows} of "
-                             f"{hotset.target_rows} rows)")
-
+        self.notifier.status(
+            f"{self._serving_status}; hot set refill {hotset.state}: "
+            f"{100 * hotset.fraction:.1f}% ({hotset.done_rows} of "
+            f"{hotset.target_rows} rows)"
+        )

@@ -90,8 +90,14 @@ class Channel:
     the pages even while the client keeps its mapping; ``on_destroy`` runs
     after that (the server returns the bytes to its channel memory budget)."""
 
-    def __init__(self, session_id: int, peer: str, mapping: ChannelMap, fd: int | None = None,
-                 on_destroy: Callable[[Channel], None] | None = None) -> None:
+    def __init__(
+        self,
+        session_id: int,
+        peer: str,
+        mapping: ChannelMap,
+        fd: int | None = None,
+        on_destroy: Callable[[Channel], None] | None = None,
+    ) -> None:
         self.session_id = session_id
         self.peer = peer
         self.map = mapping
@@ -115,10 +121,18 @@ class Channel:
         charged to it, not to us."""
         self.map.close()
         if self.fd is not None:
-            if self.free_pages and _libc.fallocate(
-                    self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, self.size) != 0:
-                log.warning("session %d: cannot free its channel's pages: %s", self.session_id,
-                            os.strerror(ctypes.get_errno()))
+            if (
+                self.free_pages
+                and _libc.fallocate(
+                    self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, self.size
+                )
+                != 0
+            ):
+                log.warning(
+                    "session %d: cannot free its channel's pages: %s",
+                    self.session_id,
+                    os.strerror(ctypes.get_errno()),
+                )
             os.close(self.fd)
             self.fd = None
         if self.on_destroy is not None:
@@ -156,18 +170,26 @@ class HostileChannel(Exception):
 
 
 class ServingLoop:
-    def __init__(self, tables: list[Table], stats: list[TableStats], spin_s: float,
-                 heartbeat: Callable[[], None] | None = None,
-                 heartbeat_every_s: float = 1.0, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-                 on_drop: Callable[[Channel, str], None] | None = None,
-                 workers: int = 4, idle_wait: str = "auto") -> None:
+    def __init__(
+        self,
+        tables: list[Table],
+        stats: list[TableStats],
+        spin_s: float,
+        heartbeat: Callable[[], None] | None = None,
+        heartbeat_every_s: float = 1.0,
+        chunk_rows: int = DEFAULT_CHUNK_ROWS,
+        on_drop: Callable[[Channel, str], None] | None = None,
+        workers: int = 4,
+        idle_wait: str = "auto",
+    ) -> None:
         if idle_wait not in IDLE_WAITS:
-            raise ValueError(f"idle_wait must be one of {', '.join(IDLE_WAITS)}, "
-                             f"not {idle_wait!r}")
+            raise ValueError(f"idle_wait must be one of {', '.join(IDLE_WAITS)}, not {idle_wait!r}")
         if idle_wait == "futex_waitv" and not _sync.HAVE_FUTEX_WAITV:
-            raise ValueError(f"idle_wait = futex_waitv, but this kernel ({os.uname().release}) "
-                             "has no futex_waitv system call (Linux 5.16 or later), or a "
-                             "seccomp filter refuses it: use idle_wait = auto or poll")
+            raise ValueError(
+                f"idle_wait = futex_waitv, but this kernel ({os.uname().release}) "
+                "has no futex_waitv system call (Linux 5.16 or later), or a "
+                "seccomp filter refuses it: use idle_wait = auto or poll"
+            )
         self.tables = tables
         self.stats = stats
         self.spin_s = spin_s
@@ -183,8 +205,11 @@ class ServingLoop:
         # Bumped (and its futex woken) to wake the sleeping loop: word 0 the
         # count, word 1 unused by wake() (wait_while's waiters count).
         self._wake_words = _sync.Words(bytearray(8))
-        self.idle_wait = idle_wait if idle_wait != "auto" else (
-            "futex_waitv" if _sync.HAVE_FUTEX_WAITV else "poll")
+        self.idle_wait = (
+            idle_wait
+            if idle_wait != "auto"
+            else ("futex_waitv" if _sync.HAVE_FUTEX_WAITV else "poll")
+        )
         self._stop = threading.Event()
         self._draining = False
         self._inflight = 0  # handed-off requests not yet answered
@@ -193,8 +218,10 @@ class ServingLoop:
         # Started with the loop, all of them: a server's thread count does not
         # change with its load.
         self._handed: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
-        self.workers = [threading.Thread(target=self._worker, name=f"gather-{i}", daemon=True)
-                        for i in range(max(1, workers))]
+        self.workers = [
+            threading.Thread(target=self._worker, name=f"gather-{i}", daemon=True)
+            for i in range(max(1, workers))
+        ]
         self.thread = threading.Thread(target=self._run, name="serving", daemon=True)
 
     # --------------------------------------------------------------- channels
@@ -262,8 +289,9 @@ class ServingLoop:
         self._reap(force=True)
 
     def _pending_work(self) -> bool:
-        return any(c.queued or c.map.submit_counter != c.seen
-                   for c in self.channels if not c.closing)
+        return any(
+            c.queued or c.map.submit_counter != c.seen for c in self.channels if not c.closing
+        )
 
     # ------------------------------------------------------------------- loop
     def _run(self) -> None:
@@ -291,8 +319,11 @@ class ServingLoop:
                 continue
             # Idle: sleep (idle_since stays: a wake-up without work sleeps again
             # at once, it does not spin again).
-            self._sleep(min(self.heartbeat_every_s, max(0.0, next_beat - now))
-                        if not self._draining else 0.002)
+            self._sleep(
+                min(self.heartbeat_every_s, max(0.0, next_beat - now))
+                if not self._draining
+                else 0.002
+            )
 
     def _sleep(self, timeout: float) -> None:
         """Sleep until a channel's submit counter moves, ``wake`` is called, or
@@ -310,12 +341,18 @@ class ServingLoop:
             for c in channels:
                 c.map.set_server_sleeping(True)
             try:
-                _sync.futex_waitv([(self._wake_words, 0, wake_seen)]
-                                  + [(c.map.sync, COUNTER_AT, c.seen) for c in channels],
-                                  timeout)
+                _sync.futex_waitv(
+                    [(self._wake_words, 0, wake_seen)]
+                    + [(c.map.sync, COUNTER_AT, c.seen) for c in channels],
+                    timeout,
+                )
             except OSError as exc:  # ENOSYS/EPERM: refused after all (seccomp)
-                log.warning("futex_waitv failed (%s): the serving loop polls its channels "
-                            "every %.1f ms from now on", exc.strerror or exc, POLL_S * 1e3)
+                log.warning(
+                    "futex_waitv failed (%s): the serving loop polls its channels "
+                    "every %.1f ms from now on",
+                    exc.strerror or exc,
+                    POLL_S * 1e3,
+                )
                 self.idle_wait = "poll"
             finally:
                 for c in channels:
@@ -334,8 +371,11 @@ class ServingLoop:
             except HostileChannel as exc:
                 self._drop(ch, str(exc))
             except Exception:  # one channel never stops the loop
-                log.exception("session %d (%s): serving its channel failed; "
-                              "dropping the channel", ch.session_id, ch.peer)
+                log.exception(
+                    "session %d (%s): serving its channel failed; dropping the channel",
+                    ch.session_id,
+                    ch.peer,
+                )
                 self._drop(ch, "internal error while serving this channel")
         return did
 
@@ -351,7 +391,8 @@ class ServingLoop:
         if pending > ch.depth:
             raise HostileChannel(
                 f"its submit counter ran {pending} submits ahead of the server, over its "
-                f"{ch.depth} slots: the channel's words were overwritten")
+                f"{ch.depth} slots: the channel's words were overwritten"
+            )
         ch.seen = counter
         for slot in ch.map.slots:
             if slot.state != p.SlotState.SUBMITTED or slot.index in ch.busy:
@@ -377,29 +418,42 @@ class ServingLoop:
         table_index = words[p.SL_TABLE]
         count = words[p.SL_COUNT]  # copied once: the client may rewrite the slot
         if table_index >= len(self.tables):  # no table's statistics can count it
-            self._answer_error(ch, slot, p.ErrorCode.BAD_TABLE,
-                               f"table index {table_index} out of range: this server has "
-                               f"{len(self.tables)} tables (indexes 0..{len(self.tables) - 1})")
+            self._answer_error(
+                ch,
+                slot,
+                p.ErrorCode.BAD_TABLE,
+                f"table index {table_index} out of range: this server has "
+                f"{len(self.tables)} tables (indexes 0..{len(self.tables) - 1})",
+            )
             return None
         table = self.tables[table_index]
-        r = Request(ch, slot, table, self.stats[table_index], started,
-                    slot.words64[p.SL_SUBMIT_NS // 2])
+        r = Request(
+            ch, slot, table, self.stats[table_index], started, slot.words64[p.SL_SUBMIT_NS // 2]
+        )
         if table.problem:  # its file changed on disk: reading it could SIGBUS us
             self._fail(r, p.ErrorCode.INTERNAL, "internal", table.problem)
             return None
         capacity = ch.map.layout.capacity
         if count > capacity:
-            self._fail(r, p.ErrorCode.BAD_COUNT, "bad_count",
-                       f"row count {count} exceeds the channel capacity {capacity}")
+            self._fail(
+                r,
+                p.ErrorCode.BAD_COUNT,
+                "bad_count",
+                f"row count {count} exceeds the channel capacity {capacity}",
+            )
             return None
         ids = slot.ids[:count].copy()
         if count:
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= table.rows:
                 bad = int(np.flatnonzero((ids < 0) | (ids >= table.rows))[0])
-                self._fail(r, p.ErrorCode.ID_OUT_OF_RANGE, "id_out_of_range",
-                           f"id {int(ids[bad])} at position {bad} is out of range for "
-                           f"{table.spec.name} ({table.rows} rows: valid ids 0..{table.rows - 1})")
+                self._fail(
+                    r,
+                    p.ErrorCode.ID_OUT_OF_RANGE,
+                    "id_out_of_range",
+                    f"id {int(ids[bad])} at position {bad} is out of range for "
+                    f"{table.spec.name} ({table.rows} rows: valid ids 0..{table.rows - 1})",
+                )
                 return None
         r.ids = ids
         r.out = slot.rows_view(count, table.row_bytes)
@@ -515,8 +569,12 @@ class ServingLoop:
         # A submit time from before the channel opened, or after the request was
         # admitted, is not a time this client could have had: not recorded.
         believable = r.channel.opened_ns <= r.submitted_ns <= r.started_ns
-        r.stats.record(r.count, r.table.row_bytes, (done - r.started_ns) * 1e-9,
-                       (r.started_ns - r.submitted_ns) * 1e-9 if believable else -1)
+        r.stats.record(
+            r.count,
+            r.table.row_bytes,
+            (done - r.started_ns) * 1e-9,
+            (r.started_ns - r.submitted_ns) * 1e-9 if believable else -1,
+        )
 
     def _fail(self, r: Request, code: p.ErrorCode, kind: str, text: str) -> None:
         """Answer ``r`` with an error, counted as ``kind`` in its table's stats."""

@@ -92,10 +92,17 @@ class Sessions:
     ``loop``, their memory counted in ``budget``, their segments reserved by
     ``reserver``."""
 
-    def __init__(self, config: ServerConfig, selector: selectors.BaseSelector,
-                 instance: str, tables: list[Table], loop: ServingLoop,
-                 budget: ChannelBudget, reserver: Reserver,
-                 snapshot: Callable[[], dict]) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        selector: selectors.BaseSelector,
+        instance: str,
+        tables: list[Table],
+        loop: ServingLoop,
+        budget: ChannelBudget,
+        reserver: Reserver,
+        snapshot: Callable[[], dict],
+    ) -> None:
         self.config = config
         self.instance = instance
         self.tables = tables
@@ -127,18 +134,33 @@ class Sessions:
         for s in list(self.by_socket.values()):
             started = s.reader.incomplete_since
             if started is not None and now - started > cfg.frame_timeout_s:
-                self._reject(s, p.ErrorCode.BAD_MESSAGE,
-                             f"a frame stayed incomplete for {now - started:.0f} s "
-                             f"(frame_timeout_s = {cfg.frame_timeout_s:g})", close=True)
+                self._reject(
+                    s,
+                    p.ErrorCode.BAD_MESSAGE,
+                    f"a frame stayed incomplete for {now - started:.0f} s "
+                    f"(frame_timeout_s = {cfg.frame_timeout_s:g})",
+                    close=True,
+                )
             elif not s.greeted and now - s.opened_at > cfg.hello_timeout_s:
-                self._reject(s, p.ErrorCode.BAD_MESSAGE,
-                             f"no 'hello' within {cfg.hello_timeout_s:g} s of connecting "
-                             "(hello_timeout_s)", close=True)
-            elif (s.greeted and s.channel is None and not s.opening
-                    and now - s.last_active > cfg.idle_timeout_s):
-                self._reject(s, p.ErrorCode.BAD_MESSAGE,
-                             f"idle for {now - s.last_active:.0f} s without a channel "
-                             f"(idle_timeout_s = {cfg.idle_timeout_s:g})", close=True)
+                self._reject(
+                    s,
+                    p.ErrorCode.BAD_MESSAGE,
+                    f"no 'hello' within {cfg.hello_timeout_s:g} s of connecting (hello_timeout_s)",
+                    close=True,
+                )
+            elif (
+                s.greeted
+                and s.channel is None
+                and not s.opening
+                and now - s.last_active > cfg.idle_timeout_s
+            ):
+                self._reject(
+                    s,
+                    p.ErrorCode.BAD_MESSAGE,
+                    f"idle for {now - s.last_active:.0f} s without a channel "
+                    f"(idle_timeout_s = {cfg.idle_timeout_s:g})",
+                    close=True,
+                )
 
     def end_for_channel(self, session_id: int, reason: str) -> None:
         """The serving loop dropped this session's channel: the session ends too."""
@@ -168,19 +190,28 @@ class Sessions:
             self._peer_log.log("accept-failed", logging.ERROR, "accept failed: %s", exc)
             time.sleep(0.05)
             return
-        pid, uid, gid = struct.unpack("3i", sock.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        pid, uid, gid = struct.unpack(
+            "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        )
         session = Session(self._next_id, sock, pid, uid, gid)
         self._next_id += 1
         reason = self._refusal(session)
         if reason:
             code, text = reason
-            self._peer_log.log(f"refused ({code.name})", logging.WARNING,
-                               "refused connection from %s: %s", session.peer, text)
+            self._peer_log.log(
+                f"refused ({code.name})",
+                logging.WARNING,
+                "refused connection from %s: %s",
+                session.peer,
+                text,
+            )
             sock.setblocking(False)  # one try: the buffer of a new socket is empty
             try:
-                sock.send(p.encode_frame({"type": p.MessageType.ERROR.value,
-                                          "code": int(code), "message": text}))
+                sock.send(
+                    p.encode_frame(
+                        {"type": p.MessageType.ERROR.value, "code": int(code), "message": text}
+                    )
+                )
             except OSError:
                 pass
             sock.close()
@@ -192,18 +223,25 @@ class Sessions:
 
     def _refusal(self, s: Session) -> tuple[p.ErrorCode, str] | None:
         cfg = self.config
-        if not (s.uid in (0, os.geteuid()) or s.uid in cfg.allow_uids
-                or (cfg.allow_gids and set(cfg.allow_gids) & _groups_of(s.pid, s.gid))):
-            return (p.ErrorCode.NOT_ALLOWED,
-                    f"uid {s.uid} (pid {s.pid}) may not use this ple-server; add the uid "
-                    "to allow_uids or one of its groups to allow_gids in the server config")
+        if not (
+            s.uid in (0, os.geteuid())
+            or s.uid in cfg.allow_uids
+            or (cfg.allow_gids and set(cfg.allow_gids) & _groups_of(s.pid, s.gid))
+        ):
+            return (
+                p.ErrorCode.NOT_ALLOWED,
+                f"uid {s.uid} (pid {s.pid}) may not use this ple-server; add the uid "
+                "to allow_uids or one of its groups to allow_gids in the server config",
+            )
         # One session beyond max_clients, so that `pleserver stats` gets in when
         # every client slot is taken; only max_clients of them may open channels.
         if len(self.by_socket) >= cfg.max_clients + 1:
-            return (p.ErrorCode.TOO_MANY_CLIENTS,
-                    f"ple-server already has {len(self.by_socket)} sessions (max_clients = "
-                    f"{cfg.max_clients}, plus one for `pleserver stats`); close idle "
-                    "clients or raise max_clients")
+            return (
+                p.ErrorCode.TOO_MANY_CLIENTS,
+                f"ple-server already has {len(self.by_socket)} sessions (max_clients = "
+                f"{cfg.max_clients}, plus one for `pleserver stats`); close idle "
+                "clients or raise max_clients",
+            )
         return None
 
     # -------------------------------------------------------------- messages
@@ -221,8 +259,10 @@ class Sessions:
         session.last_active = time.monotonic()
         try:
             messages = session.reader.feed(
-                data, session.last_active,
-                p.MAX_FRAME_BYTES if session.greeted else p.MAX_HELLO_FRAME_BYTES)
+                data,
+                session.last_active,
+                p.MAX_FRAME_BYTES if session.greeted else p.MAX_HELLO_FRAME_BYTES,
+            )
         except p.FrameError as exc:
             self._reject(session, p.ErrorCode.BAD_MESSAGE, str(exc), close=True)
             return
@@ -232,18 +272,17 @@ class Sessions:
             try:
                 self._dispatch(session, msg)
             except Exception as exc:  # one client's message never takes the server down
-                log.exception("session %d (%s): error handling %r", session.id,
-                              session.peer, msg.get("type"))
-                self._reject(session, p.ErrorCode.INTERNAL, f"internal error: {exc}",
-                             close=True)
+                log.exception(
+                    "session %d (%s): error handling %r", session.id, session.peer, msg.get("type")
+                )
+                self._reject(session, p.ErrorCode.INTERNAL, f"internal error: {exc}", close=True)
 
     def _dispatch(self, s: Session, msg: dict) -> None:
         kind = msg["type"]
         if kind == p.MessageType.HELLO.value:
             return self._on_hello(s, msg)
         if not s.greeted:
-            return self._reject(s, p.ErrorCode.BAD_MESSAGE,
-                                f"{kind!r} before 'hello'", close=True)
+            return self._reject(s, p.ErrorCode.BAD_MESSAGE, f"{kind!r} before 'hello'", close=True)
         if kind == p.MessageType.OPEN_CHANNEL.value:
             return self._on_open_channel(s, msg)
         if kind == p.MessageType.STATS.value:
@@ -255,50 +294,80 @@ class Sessions:
     def _on_hello(self, s: Session, msg: dict) -> None:
         version = msg.get("version")
         if version != p.PROTOCOL_VERSION:
-            return self._reject(s, p.ErrorCode.VERSION_MISMATCH,
-                                f"client speaks protocol {version!r}, this ple-server "
-                                f"{__version__} speaks {p.PROTOCOL_VERSION}; install "
-                                "matching pleserver versions", close=True)
+            return self._reject(
+                s,
+                p.ErrorCode.VERSION_MISMATCH,
+                f"client speaks protocol {version!r}, this ple-server "
+                f"{__version__} speaks {p.PROTOCOL_VERSION}; install "
+                "matching pleserver versions",
+                close=True,
+            )
         name = msg.get("name")
         s.name = name[:64] if isinstance(name, str) else ""
         s.greeted = True
-        self._send(s, {"type": p.MessageType.WELCOME.value, "version": p.PROTOCOL_VERSION,
-                       "server": __version__, "instance": self.instance, "pid": os.getpid(),
-                       "tables": [t.spec.info() for t in self.tables]})
+        self._send(
+            s,
+            {
+                "type": p.MessageType.WELCOME.value,
+                "version": p.PROTOCOL_VERSION,
+                "server": __version__,
+                "instance": self.instance,
+                "pid": os.getpid(),
+                "tables": [t.spec.info() for t in self.tables],
+            },
+        )
 
     def _on_open_channel(self, s: Session, msg: dict) -> None:
         cfg = self.config
         if s.channel is not None or s.opening:
-            return self._reject(s, p.ErrorCode.CHANNEL_LIMIT,
-                                "this session already has its channel (one per session)")
-        capacity, depth = msg.get("capacity", cfg.default_capacity), \
-            msg.get("depth", cfg.default_depth)
+            return self._reject(
+                s,
+                p.ErrorCode.CHANNEL_LIMIT,
+                "this session already has its channel (one per session)",
+            )
+        capacity, depth = (
+            msg.get("capacity", cfg.default_capacity),
+            msg.get("depth", cfg.default_depth),
+        )
         if not (isinstance(capacity, int) and 1 <= capacity <= cfg.max_capacity):
-            return self._reject(s, p.ErrorCode.CHANNEL_LIMIT,
-                                f"capacity {capacity!r} out of range 1..{cfg.max_capacity}")
+            return self._reject(
+                s,
+                p.ErrorCode.CHANNEL_LIMIT,
+                f"capacity {capacity!r} out of range 1..{cfg.max_capacity}",
+            )
         if not (isinstance(depth, int) and 1 <= depth <= cfg.max_depth):
-            return self._reject(s, p.ErrorCode.CHANNEL_LIMIT,
-                                f"depth {depth!r} out of range 1..{cfg.max_depth}")
+            return self._reject(
+                s, p.ErrorCode.CHANNEL_LIMIT, f"depth {depth!r} out of range 1..{cfg.max_depth}"
+            )
         layout = p.ChannelLayout(depth, capacity, max(t.row_bytes for t in self.tables))
         if layout.size > cfg.max_channel_bytes:
-            return self._reject(s, p.ErrorCode.CHANNEL_LIMIT,
-                                f"a channel of depth {depth} × capacity {capacity} needs "
-                                f"{layout.size / 2**20:.0f} MiB, over max_channel_bytes "
-                                f"({cfg.max_channel_bytes / 2**20:.0f} MiB)")
+            return self._reject(
+                s,
+                p.ErrorCode.CHANNEL_LIMIT,
+                f"a channel of depth {depth} × capacity {capacity} needs "
+                f"{layout.size / 2**20:.0f} MiB, over max_channel_bytes "
+                f"({cfg.max_channel_bytes / 2**20:.0f} MiB)",
+            )
         with_channel = sum(1 for o in self.by_socket.values() if o.channel or o.opening)
         if with_channel >= cfg.max_clients:
-            return self._reject(s, p.ErrorCode.TOO_MANY_CLIENTS,
-                                f"ple-server already has {with_channel} clients "
-                                f"(max_clients = {cfg.max_clients}), each with its channel; "
-                                "close idle clients or raise max_clients", close=True)
+            return self._reject(
+                s,
+                p.ErrorCode.TOO_MANY_CLIENTS,
+                f"ple-server already has {with_channel} clients "
+                f"(max_clients = {cfg.max_clients}), each with its channel; "
+                "close idle clients or raise max_clients",
+                close=True,
+            )
         if not self.budget.take(layout.size):
             return self._reject(
-                s, p.ErrorCode.NO_RESOURCES,
+                s,
+                p.ErrorCode.NO_RESOURCES,
                 f"no memory for a channel of {layout.size / 2**20:.1f} MiB: channels hold "
                 f"{self.budget.used / 2**20:.1f} MiB of the {(self.budget.limit or 0) / 2**20:.0f} "
                 "MiB budget (max_channel_memory); ask for a smaller capacity or depth, "
                 "wait for other clients to close, or raise max_channel_memory (and the "
-                "service's MemoryMax=)")
+                "service's MemoryMax=)",
+            )
         s.opening = True
         self.reserver.submit(Reservation(s.id, f"{self.instance}.{s.id}", layout))
 
@@ -310,29 +379,41 @@ class Sessions:
             self.budget.give_back(job.layout.size)
             if s is not None and job.error is not None:  # (s is there: the job failed)
                 s.opening = False
-                log.warning("session %d (%s): cannot create its channel: %s", s.id, s.peer,
-                            job.error)
+                log.warning(
+                    "session %d (%s): cannot create its channel: %s", s.id, s.peer, job.error
+                )
                 self._reject(s, p.ErrorCode.NO_RESOURCES, job.error)
             return
         s.opening = False
         assert job.mapping is not None and job.fd is not None  # (no error: it has both)
-        channel = Channel(s.id, s.peer, job.mapping, job.fd,
-                          on_destroy=lambda ch: self.budget.give_back(ch.size))
+        channel = Channel(
+            s.id, s.peer, job.mapping, job.fd, on_destroy=lambda ch: self.budget.give_back(ch.size)
+        )
         try:
             self.loop.add(channel)  # served (and logged) before the client has the fd
             client_fd = os.dup(job.fd)
         except OSError as exc:  # no descriptor left (a channel needs no thread)
             self.loop.remove(channel)
-            return self._reject(s, p.ErrorCode.NO_RESOURCES,
-                                f"cannot serve a channel now ({exc}): the server is at its "
-                                "descriptor limit (LimitNOFILE=); close idle clients or "
-                                "raise the limit")
+            return self._reject(
+                s,
+                p.ErrorCode.NO_RESOURCES,
+                f"cannot serve a channel now ({exc}): the server is at its "
+                "descriptor limit (LimitNOFILE=); close idle clients or "
+                "raise the limit",
+            )
         s.channel = channel
         layout = job.layout
-        log.info("session %d open: %s, channel depth %d × capacity %d (%.1f MiB)", s.id,
-                 s.peer, layout.depth, layout.capacity, layout.size / 2**20)
-        self._send(s, {"type": p.MessageType.CHANNEL.value, "layout": layout.to_wire()},
-                   fds=[client_fd])
+        log.info(
+            "session %d open: %s, channel depth %d × capacity %d (%.1f MiB)",
+            s.id,
+            s.peer,
+            layout.depth,
+            layout.capacity,
+            layout.size / 2**20,
+        )
+        self._send(
+            s, {"type": p.MessageType.CHANNEL.value, "layout": layout.to_wire()}, fds=[client_fd]
+        )
 
     # --------------------------------------------------------------- sending
     def _send(self, s: Session, msg: dict, fds: list[int] | None = None) -> None:
@@ -347,8 +428,13 @@ class Sessions:
         s.outbox.append(Outgoing(memoryview(data), list(fds or ())))
         s.outbox_bytes += len(data)
         if s.outbox_bytes > OUTBOX_LIMIT_BYTES:
-            log.warning("session %d (%s): dropped: %d bytes of replies it does not read "
-                        "(limit %d)", s.id, s.peer, s.outbox_bytes, OUTBOX_LIMIT_BYTES)
+            log.warning(
+                "session %d (%s): dropped: %d bytes of replies it does not read (limit %d)",
+                s.id,
+                s.peer,
+                s.outbox_bytes,
+                OUTBOX_LIMIT_BYTES,
+            )
             self._close_session(s, "replies not read")
             return
         self._flush(s)
@@ -376,12 +462,19 @@ class Sessions:
         want = bool(s.outbox)
         if want != s.writing and s.sock in self.by_socket:
             s.writing = want
-            self._selector.modify(s.sock, selectors.EVENT_READ | (
-                selectors.EVENT_WRITE if want else 0), s)
+            self._selector.modify(
+                s.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0), s
+            )
 
     def _reject(self, s: Session, code: p.ErrorCode, text: str, close: bool = False) -> None:
-        self._peer_log.log(f"session error ({code.name})", logging.WARNING,
-                           "session %d (%s): %s", s.id, s.peer, text)
+        self._peer_log.log(
+            f"session error ({code.name})",
+            logging.WARNING,
+            "session %d (%s): %s",
+            s.id,
+            s.peer,
+            text,
+        )
         self._send(s, {"type": p.MessageType.ERROR.value, "code": int(code), "message": text})
         if close:
             self._close_session(s, text)
@@ -405,9 +498,14 @@ class Sessions:
         s.sock.close()
         # Sessions that never opened a channel (`pleserver stats`, probes) close
         # at DEBUG: `pleserver stats --watch` must not log a line per poll.
-        log.log(logging.INFO if had_channel else logging.DEBUG,
-                "session %d closed: %s, %.1f s, %s", s.id, s.peer,
-                time.monotonic() - s.opened_at, why)
+        log.log(
+            logging.INFO if had_channel else logging.DEBUG,
+            "session %d closed: %s, %.1f s, %s",
+            s.id,
+            s.peer,
+            time.monotonic() - s.opened_at,
+            why,
+        )
 
 
 def _groups_of(pid: int, gid: int) -> set[int]:

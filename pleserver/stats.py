@@ -48,9 +48,14 @@ class Histogram:
         return self.max_s
 
     def snapshot(self) -> dict:
-        return {"count": self.total, "sum_s": self.sum_s, "max_s": self.max_s,
-                "p50_s": self.quantile(0.5), "p99_s": self.quantile(0.99),
-                "buckets": list(self.counts)}
+        return {
+            "count": self.total,
+            "sum_s": self.sum_s,
+            "max_s": self.max_s,
+            "p50_s": self.quantile(0.5),
+            "p99_s": self.quantile(0.99),
+            "buckets": list(self.counts),
+        }
 
 
 class RateMeter:
@@ -75,14 +80,18 @@ class RateMeter:
 def io_snapshot(source: dict, misses_per_s: float) -> dict:
     """A table's row-cache and disk numbers, from its native source's stats."""
     hits, misses = source.get("hits", 0), source.get("misses", 0)
-    return {"hits": hits, "misses": misses,
-            "hit_rate": hits / (hits + misses) if hits + misses else None,
-            "misses_per_s": misses_per_s, "reads": source.get("reads", 0),
-            "read_bytes": source.get("read_bytes", 0),
-            "read_errors": source.get("read_errors", 0),
-            "read_p50_s": source.get("read_ns_p50", 0) * 1e-9,
-            "read_p99_s": source.get("read_ns_p99", 0) * 1e-9,
-            "evictions": source.get("evictions")}
+    return {
+        "hits": hits,
+        "misses": misses,
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "misses_per_s": misses_per_s,
+        "reads": source.get("reads", 0),
+        "read_bytes": source.get("read_bytes", 0),
+        "read_errors": source.get("read_errors", 0),
+        "read_p50_s": source.get("read_ns_p50", 0) * 1e-9,
+        "read_p99_s": source.get("read_ns_p99", 0) * 1e-9,
+        "evictions": source.get("evictions"),
+    }
 
 
 @dataclass
@@ -114,11 +123,17 @@ class TableStats:
 
     def snapshot(self) -> dict:
         with self.lock:
-            return {"name": self.name, "layer": self.layer, "requests": self.requests,
-                    "rows": self.rows, "bytes": self.bytes, "errors": dict(self.errors),
-                    "error_count": sum(self.errors.values()),
-                    "server_time": self.server_time.snapshot(),
-                    "queue_time": self.queue_time.snapshot()}
+            return {
+                "name": self.name,
+                "layer": self.layer,
+                "requests": self.requests,
+                "rows": self.rows,
+                "bytes": self.bytes,
+                "errors": dict(self.errors),
+                "error_count": sum(self.errors.values()),
+                "server_time": self.server_time.snapshot(),
+                "queue_time": self.queue_time.snapshot(),
+            }
 
 
 def format_bytes(n: float) -> str:
@@ -141,39 +156,56 @@ def format_progress(done: int, target: int, fraction: float) -> str:
 
 def format_human(stats: dict) -> str:
     """The ``pleserver stats`` text view of a snapshot."""
-    lines = [f"ple-server pid {stats['pid']}  up {stats['uptime_s']:.0f} s  "
-             f"clients {stats['clients']}  channels {stats['channels']}  "
-             f"model {stats['model']}"]
+    lines = [
+        f"ple-server pid {stats['pid']}  up {stats['uptime_s']:.0f} s  "
+        f"clients {stats['clients']}  channels {stats['channels']}  "
+        f"model {stats['model']}"
+    ]
     plane = stats.get("dataplane") or {}
     if plane:
         lines.append(f"io {plane['io']} ({plane['io_reason']})")
     cache, engine = plane.get("cache"), plane.get("engine")
     if cache:
-        lines.append(f"row cache {cache['used_rows']} / {cache['capacity_rows']} rows "
-                     f"({100 * cache['occupancy']:.1f} %), {cache['budget_bytes'] / 2**20:.1f} "
-                     f"MiB, evictions {cache['evictions']}, policy {cache.get('policy', '?')}, "
-                     f"huge pages {'yes' if cache.get('hugepages') else 'no'}, "
-                     f"mlock {'yes' if cache.get('mlocked') else 'no'}")
+        lines.append(
+            f"row cache {cache['used_rows']} / {cache['capacity_rows']} rows "
+            f"({100 * cache['occupancy']:.1f} %), {cache['budget_bytes'] / 2**20:.1f} "
+            f"MiB, evictions {cache['evictions']}, policy {cache.get('policy', '?')}, "
+            f"huge pages {'yes' if cache.get('hugepages') else 'no'}, "
+            f"mlock {'yes' if cache.get('mlocked') else 'no'}"
+        )
     if engine:
-        lines.append(f"miss engine {engine['kind']}, queue depth {engine['queue_depth']}"
-                     + (f" (io_uring not used: {engine['fallback_reason']})"
-                        if engine.get("fallback_reason") else ""))
+        lines.append(
+            f"miss engine {engine['kind']}, queue depth {engine['queue_depth']}"
+            + (
+                f" (io_uring not used: {engine['fallback_reason']})"
+                if engine.get("fallback_reason")
+                else ""
+            )
+        )
     hs = stats.get("hotset") or {}
     if hs:
-        refill = (f"{hs['done_rows']} / {hs['target_rows']} rows ({100 * hs['fraction']:.1f} %)"
-                  if hs["state"] not in ("none", "ignored") else
-                  "no saved file" if hs["state"] == "none" else "saved file not trusted")
-        lines.append(f"hot set {hs['state']}: {refill}, {hs['file']}"
-                     + (f" in {hs['refill_seconds']:.1f} s" if hs.get("refill_seconds")
-                        is not None else "")
-                     + (f", last save {hs['saved_rows']} rows" if hs.get("saved_rows")
-                        is not None else ""))
+        refill = (
+            f"{hs['done_rows']} / {hs['target_rows']} rows ({100 * hs['fraction']:.1f} %)"
+            if hs["state"] not in ("none", "ignored")
+            else "no saved file"
+            if hs["state"] == "none"
+            else "saved file not trusted"
+        )
+        lines.append(
+            f"hot set {hs['state']}: {refill}, {hs['file']}"
+            + (f" in {hs['refill_seconds']:.1f} s" if hs.get("refill_seconds") is not None else "")
+            + (f", last save {hs['saved_rows']} rows" if hs.get("saved_rows") is not None else "")
+        )
     pw = stats.get("prewarm") or {}
     if pw:
-        lines.append(f"prewarm {pw['state']}: "
-                     + format_progress(pw["done_bytes"], pw["target_bytes"], pw["fraction"]))
-    lines.append(f"{'layer':>5} {'requests':>10} {'rows':>12} {'GiB':>8} {'errors':>7} "
-                 f"{'p50 µs':>8} {'p99 µs':>8} {'max µs':>9} {'resident':>9}  dtype")
+        lines.append(
+            f"prewarm {pw['state']}: "
+            + format_progress(pw["done_bytes"], pw["target_bytes"], pw["fraction"])
+        )
+    lines.append(
+        f"{'layer':>5} {'requests':>10} {'rows':>12} {'GiB':>8} {'errors':>7} "
+        f"{'p50 µs':>8} {'p99 µs':>8} {'max µs':>9} {'resident':>9}  dtype"
+    )
     for t in stats["tables"]:
         st = t["server_time"]
         resident = t.get("resident_fraction")
@@ -182,17 +214,22 @@ def format_human(stats: dict) -> str:
             f"{t['error_count']:>7} {st['p50_s'] * 1e6:>8.1f} {st['p99_s'] * 1e6:>8.1f} "
             f"{st['max_s'] * 1e6:>9.1f} "
             f"{'' if resident is None else f'{100 * resident:.1f} %':>9}  "
-            f"{t['dtype']} {t['rows_total']}×{t['cols']}")
+            f"{t['dtype']} {t['rows_total']}×{t['cols']}"
+        )
     io_tables = [t for t in stats["tables"] if t.get("io")]
     if io_tables and cache:
-        lines.append(f"{'layer':>5} {'hit rate':>9} {'misses/s':>10} {'reads':>12} "
-                     f"{'read GiB':>9} {'read p50 µs':>12} {'read p99 µs':>12} "
-                     f"{'read errors':>12}")
+        lines.append(
+            f"{'layer':>5} {'hit rate':>9} {'misses/s':>10} {'reads':>12} "
+            f"{'read GiB':>9} {'read p50 µs':>12} {'read p99 µs':>12} "
+            f"{'read errors':>12}"
+        )
         for t in io_tables:
             io = t["io"]
             rate = "" if io["hit_rate"] is None else f"{100 * io['hit_rate']:.2f} %"
-            lines.append(f"{t['layer']:>5} {rate:>9} {io['misses_per_s']:>10.0f} "
-                         f"{io['reads']:>12} {io['read_bytes'] / 2**30:>9.3f} "
-                         f"{io['read_p50_s'] * 1e6:>12.1f} {io['read_p99_s'] * 1e6:>12.1f} "
-                         f"{io['read_errors']:>12}")
+            lines.append(
+                f"{t['layer']:>5} {rate:>9} {io['misses_per_s']:>10.0f} "
+                f"{io['reads']:>12} {io['read_bytes'] / 2**30:>9.3f} "
+                f"{io['read_p50_s'] * 1e6:>12.1f} {io['read_p99_s'] * 1e6:>12.1f} "
+                f"{io['read_errors']:>12}"
+            )
     return "\n".join(lines)

@@ -81,8 +81,11 @@ def write_safetensors(path: str, tensors: list[tuple[str, str, tuple[int, ...], 
     offset = 0
     for name, dtype, shape, _ in tensors:
         nbytes = math.prod(shape) * ITEMSIZE[dtype]
-        header[name] = {"dtype": dtype, "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -91,16 +94,23 @@ def write_safetensors(path: str, tensors: list[tuple[str, str, tuple[int, ...], 
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for _name, _dtype, _shape, producer in tensors:
-            chunks = [producer] if isinstance(producer, (bytes, bytearray, memoryview)) \
-                else producer()
+            chunks = (
+                [producer] if isinstance(producer, (bytes, bytearray, memoryview)) else producer()
+            )
             for chunk in chunks:
                 f.write(chunk)
     os.replace(tmp, path)
 
 
-def write_checkpoint(model_dir: str, tables: tuple[SyntheticTable, ...] | list[SyntheticTable]
-                     = DEMO_TABLES, *, files: int = 2, seed: int = 0, index: bool = True,
-                     extra_tensor: bool = True) -> str:
+def write_checkpoint(
+    model_dir: str,
+    tables: tuple[SyntheticTable, ...] | list[SyntheticTable] = DEMO_TABLES,
+    *,
+    files: int = 2,
+    seed: int = 0,
+    index: bool = True,
+    extra_tensor: bool = True,
+) -> str:
     """Write a checkpoint with ``tables`` spread over ``files`` safetensors files.
 
     The first file also holds a small non-PLE tensor (as real checkpoints mix
@@ -114,11 +124,11 @@ def write_checkpoint(model_dir: str, tables: tuple[SyntheticTable, ...] | list[S
         for i, rows in enumerate(table.shard_rows()):
             name = f"{table.name}.shard_{i}.weight"
             per_file[i * files // table.parts].append(
-                (name, table.dtype, (rows, table.cols), _shard_producer(table, i, seed)))
+                (name, table.dtype, (rows, table.cols), _shard_producer(table, i, seed))
+            )
         if table.dtype.startswith("F8"):
             scale = table.scale if table.scale is not None else 0.0125
-            per_file[-1].append((f"{table.name}.weight_scale", "F32", (),
-                                 struct.pack("<f", scale)))
+            per_file[-1].append((f"{table.name}.weight_scale", "F32", (), struct.pack("<f", scale)))
     weight_map = {}
     for n, tensors in enumerate(per_file):
         filename = f"model-{n + 1:05d}-of-{files:05d}.safetensors"
@@ -128,9 +138,22 @@ def write_checkpoint(model_dir: str, tables: tuple[SyntheticTable, ...] | list[S
         with open(os.path.join(model_dir, INDEX_FILE), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump({"ple_tables": [{"layer": t.layer, "rows": t.rows, "cols": t.cols,
-                                   "dtype": t.dtype, "parts": t.parts} for t in tables]},
-                  f, indent=1)
+        json.dump(
+            {
+                "ple_tables": [
+                    {
+                        "layer": t.layer,
+                        "rows": t.rows,
+                        "cols": t.cols,
+                        "dtype": t.dtype,
+                        "parts": t.parts,
+                    }
+                    for t in tables
+                ]
+            },
+            f,
+            indent=1,
+        )
     return model_dir
 
 
@@ -161,12 +184,12 @@ def read_reference(model_dir: str, table_name: str) -> np.ndarray:
             assert not problems, problems
             entries.update(tensors)
     prefix = table_name + ".shard_"
-    shards = sorted((int(n[len(prefix):].split(".")[0]), e) for n, e in entries.items()
-                    if n.startswith(prefix))
+    shards = sorted(
+        (int(n[len(prefix) :].split(".")[0]), e) for n, e in entries.items() if n.startswith(prefix)
+    )
     parts = []
     for _, e in shards:
         with open(e.path, "rb") as f:
             f.seek(e.offset)
-            parts.append(np.frombuffer(f.read(e.nbytes), dtype=np.uint8)
-                         .reshape(e.shape[0], -1))
+            parts.append(np.frombuffer(f.read(e.nbytes), dtype=np.uint8).reshape(e.shape[0], -1))
     return np.concatenate(parts)

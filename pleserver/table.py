@@ -32,9 +32,11 @@ from pleclient.checkpoint import TableSpec
 try:
     from pleserver import _native as nat
 except ImportError as _exc:  # a source tree whose extension was never built
-    raise ImportError(f"pleserver's native module is not built ({_exc}): install the "
-                      "package (pip install .), or in a source tree run "
-                      "`python setup.py build_ext --inplace`") from _exc
+    raise ImportError(
+        f"pleserver's native module is not built ({_exc}): install the "
+        "package (pip install .), or in a source tree run "
+        "`python setup.py build_ext --inplace`"
+    ) from _exc
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +90,24 @@ class CheckpointFile:
                 st = os.fstat(self.fd)
             except OSError as exc:
                 st, error = None, exc.strerror
-            if st is None or (st.st_size, st.st_mtime_ns) != (self.stat.st_size,
-                                                             self.stat.st_mtime_ns):
-                what = f"cannot stat it ({error})" if st is None else (
-                    f"size {self.stat.st_size} → {st.st_size} bytes" if st.st_size !=
-                    self.stat.st_size else "rewritten in place, same size")
-                self.problem = (f"checkpoint file {self.path} changed on disk while "
-                                f"ple-server had it {self.HELD} ({what}); its tables are no "
-                                "longer served: restore the file, then restart ple-server")
+            if st is None or (st.st_size, st.st_mtime_ns) != (
+                self.stat.st_size,
+                self.stat.st_mtime_ns,
+            ):
+                what = (
+                    f"cannot stat it ({error})"
+                    if st is None
+                    else (
+                        f"size {self.stat.st_size} → {st.st_size} bytes"
+                        if st.st_size != self.stat.st_size
+                        else "rewritten in place, same size"
+                    )
+                )
+                self.problem = (
+                    f"checkpoint file {self.path} changed on disk while "
+                    f"ple-server had it {self.HELD} ({what}); its tables are no "
+                    "longer served: restore the file, then restart ple-server"
+                )
                 log.error("%s", self.problem)
         if not self.replaced:
             try:
@@ -104,9 +116,13 @@ class CheckpointFile:
                 st = None
             if st is None or (st.st_dev, st.st_ino) != (self.stat.st_dev, self.stat.st_ino):
                 self.replaced = True
-                log.warning("checkpoint file %s was %s on disk; ple-server keeps serving the "
-                            "file it had %s at start: restart it to serve the new one",
-                            self.path, "removed" if st is None else "replaced", self.HELD)
+                log.warning(
+                    "checkpoint file %s was %s on disk; ple-server keeps serving the "
+                    "file it had %s at start: restart it to serve the new one",
+                    self.path,
+                    "removed" if st is None else "replaced",
+                    self.HELD,
+                )
         return self.problem
 
     def close(self) -> None:
@@ -142,8 +158,7 @@ class MappedFile(CheckpointFile):
         try:
             self.mm.close()
         except BufferError:  # a view is still alive somewhere: the GC unmaps later
-            log.debug("mapping of %s still referenced; left to the garbage collector",
-                      self.path)
+            log.debug("mapping of %s still referenced; left to the garbage collector", self.path)
         os.close(self.fd)
 
 
@@ -153,10 +168,18 @@ class Table:
     ``key``: the table's number in the row cache's keys (and the hot-set file).
     ``cache`` and ``engine`` are None in mmap mode."""
 
-    def __init__(self, spec: TableSpec, key: int, files: dict[str, CheckpointFile],
-                 mode: str, cache: nat.RowCache | None = None,
-                 engine: nat.ReadEngine | None = None, threads: int = 4,
-                 parallel_min_rows: int = 16384, dedup_min_rows: int = 4096) -> None:
+    def __init__(
+        self,
+        spec: TableSpec,
+        key: int,
+        files: dict[str, CheckpointFile],
+        mode: str,
+        cache: nat.RowCache | None = None,
+        engine: nat.ReadEngine | None = None,
+        threads: int = 4,
+        parallel_min_rows: int = 16384,
+        dedup_min_rows: int = 4096,
+    ) -> None:
         self.spec = spec
         self.key = key
         self.mode = mode
@@ -168,11 +191,13 @@ class Table:
         self.fully_resident = False  # mmap mode: set by a completed full prewarm
         self.problem: str | None = None  # set by check_files: requests then fail
         self._files = [files[p] for p in spec.files]
-        shards = [(files[s.path].fd, s.offset, s.rows, s.path, files[s.path].address)
-                  for s in spec.shards]
+        shards = [
+            (files[s.path].fd, s.offset, s.rows, s.path, files[s.path].address) for s in spec.shards
+        ]
         direct = any(files[p].direct for p in spec.files)
-        self.source = nat.TableSource(key, self.row_bytes, spec.shard_size, shards, cache,
-                                      engine, direct)
+        self.source = nat.TableSource(
+            key, self.row_bytes, spec.shard_size, shards, cache, engine, direct
+        )
 
     def check_files(self) -> str | None:
         """Check this table's files (``CheckpointFile.check``); the first problem
@@ -228,5 +253,6 @@ class Table:
     def shard_ranges(self) -> list[tuple[CheckpointFile, int, int]]:
         """(file, start offset, length) of every non-empty shard."""
         by_path = {f.path: f for f in self._files}
-        return [(by_path[s.path], s.offset, s.rows * self.row_bytes)
-                for s in self.spec.shards if s.rows]
+        return [
+            (by_path[s.path], s.offset, s.rows * self.row_bytes) for s in self.spec.shards if s.rows
+        ]

@@ -58,6 +58,7 @@ def start_server():
     options)`` → a LaunchedServer, ready (it sent READY=1) unless ``wait`` is
     False; reaped and its files removed at teardown."""
     with ExitStack() as servers:  # each closed, even when closing another fails
+
         def start(model: Path, *extra: str, wait: bool = True, **options) -> LaunchedServer:
             return servers.enter_context(server_launcher(model, *extra, **options).start(wait=wait))
 

@@ -64,10 +64,14 @@ def footprint(pid: int) -> Footprint:
     with open(f"/proc/{pid}/status") as f:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     with open(f"/proc/{pid}/maps") as f:
-        segments = {line.split()[-2] if line.rstrip().endswith("(deleted)") else
-                    line.split()[-1] for line in f if "/memfd:ple." in line}
-    return Footprint(len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task")),
-                     rss, len(segments))
+        segments = {
+            line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+            for line in f
+            if "/memfd:ple." in line
+        }
+    return Footprint(
+        len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task")), rss, len(segments)
+    )
 
 
 def settles_to(pid: int, baseline: Footprint, timeout: float = 10.0) -> Footprint:
@@ -79,15 +83,17 @@ def settles_to(pid: int, baseline: Footprint, timeout: float = 10.0) -> Footprin
     def settled() -> bool:
         nonlocal last
         last = footprint(pid)
-        return (last.fds <= baseline.fds and last.threads <= baseline.threads
-                and last.segments <= baseline.segments)
+        return (
+            last.fds <= baseline.fds
+            and last.threads <= baseline.threads
+            and last.segments <= baseline.segments
+        )
 
     wait_until(settled, timeout)
     return last
 
 
-def quiet_footprint(pid: int, timeout: float = 10.0, segments: int | None = None
-                    ) -> Footprint:
+def quiet_footprint(pid: int, timeout: float = 10.0, segments: int | None = None) -> Footprint:
     """A footprint once two samples a waiter slice apart agree (sessions that
     were closing have finished) — and, given ``segments``, once that many
     channels are mapped — as a baseline."""
@@ -96,16 +102,22 @@ def quiet_footprint(pid: int, timeout: float = 10.0, segments: int | None = None
     while time.monotonic() < deadline:
         time.sleep(0.3)
         now = footprint(pid)
-        if (now.fds, now.threads, now.segments) == (last.fds, last.threads, last.segments) \
-                and segments in (None, now.segments):
+        if (now.fds, now.threads, now.segments) == (
+            last.fds,
+            last.threads,
+            last.segments,
+        ) and segments in (None, now.segments):
             return now
         last = now
     return last
 
 
 def no_growth(baseline: Footprint, now: Footprint) -> bool:
-    return (now.fds <= baseline.fds and now.threads <= baseline.threads
-            and now.segments <= baseline.segments)
+    return (
+        now.fds <= baseline.fds
+        and now.threads <= baseline.threads
+        and now.segments <= baseline.segments
+    )
 
 
 def cpu_seconds(pid: int) -> float:
@@ -159,8 +171,8 @@ class Bystander:
         with self._progress:
             target = self.lookups + count
             assert self._progress.wait_for(
-                lambda: self.lookups >= target or self.failure is not None, timeout), \
-                f"the bystander made {self.lookups} of {target} lookups in {timeout} s"
+                lambda: self.lookups >= target or self.failure is not None, timeout
+            ), f"the bystander made {self.lookups} of {target} lookups in {timeout} s"
 
     def __enter__(self) -> Bystander:
         self._thread.start()
@@ -198,8 +210,9 @@ class RawSession:
             return None, []
 
     def hello(self) -> dict:
-        self.send({"type": "hello", "version": p.PROTOCOL_VERSION, "pid": os.getpid(),
-                   "name": "raw"})
+        self.send(
+            {"type": "hello", "version": p.PROTOCOL_VERSION, "pid": os.getpid(), "name": "raw"}
+        )
         msg, _ = self.recv()
         assert msg is not None and msg["type"] == "welcome", msg
         return msg
@@ -218,7 +231,7 @@ class RawSession:
                 data, ancdata, _, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(64))
                 for _level, _kind, cdata in ancdata:  # close any fd we were handed
                     for i in range(0, len(cdata) - len(cdata) % 4, 4):
-                        os.close(int.from_bytes(cdata[i:i + 4], "little"))
+                        os.close(int.from_bytes(cdata[i : i + 4], "little"))
                 if not data:
                     return True
         except (ConnectionResetError, BrokenPipeError):
@@ -270,12 +283,16 @@ if os.environ.get("PLE_TEST_AS"):
     _become(os.environ["PLE_TEST_AS"])
 """
 
-SERVER_MAIN = """\
+SERVER_MAIN = (
+    """\
 from pleserver import cli, config, server, serving, table, stats, systemd
 from pleclient import checkpoint
-""" + PRELUDE + """
+"""
+    + PRELUDE
+    + """
 sys.exit(cli.main(sys.argv[1:]))
 """
+)
 
 
 def child_env(user: OtherUser | None = None, env: dict | None = None) -> dict[str, str]:
@@ -286,18 +303,24 @@ def child_env(user: OtherUser | None = None, env: dict | None = None) -> dict[st
     return out
 
 
-def python_child(code: str, *args: str, user: OtherUser | None = None,
-                 env: dict | None = None, **popen) -> subprocess.Popen:
+def python_child(
+    code: str, *args: str, user: OtherUser | None = None, env: dict | None = None, **popen
+) -> subprocess.Popen:
     """Run ``code`` (after ``PRELUDE``) in a child Python; text pipes by default."""
     popen.setdefault("stdout", subprocess.PIPE)
     popen.setdefault("stderr", subprocess.PIPE)
     popen.setdefault("text", True)
-    return subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args],
-                            cwd=REPO, env=child_env(user, env), **popen)
+    return subprocess.Popen(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args],
+        cwd=REPO,
+        env=child_env(user, env),
+        **popen,
+    )
 
 
-def run_child(code: str, *args: str, timeout: float = 60.0, **kwargs
-              ) -> subprocess.CompletedProcess:
+def run_child(
+    code: str, *args: str, timeout: float = 60.0, **kwargs
+) -> subprocess.CompletedProcess:
     child = python_child(code, *args, **kwargs)
     try:
         out, err = child.communicate(timeout=timeout)
@@ -311,29 +334,45 @@ def run_child(code: str, *args: str, timeout: float = 60.0, **kwargs
 def child_report(result: subprocess.CompletedProcess) -> dict:
     """The JSON object a child printed last."""
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"child printed no report (exit {result.returncode}):\n" \
-                  f"{result.stdout}\n{result.stderr}"
+    assert lines, (
+        f"child printed no report (exit {result.returncode}):\n{result.stdout}\n{result.stderr}"
+    )
     return json.loads(lines[-1])
 
 
 # ------------------------------------------------------------------- servers
-def server_launcher(model: Path, *extra: str, socket_path: str | None = None,
-                    user: OtherUser | None = None, prefix: tuple[str, ...] = (),
-                    env: dict | None = None) -> ServerLauncher:
+def server_launcher(
+    model: Path,
+    *extra: str,
+    socket_path: str | None = None,
+    user: OtherUser | None = None,
+    prefix: tuple[str, ...] = (),
+    env: dict | None = None,
+) -> ServerLauncher:
     """How the tests start ``pleserver serve``: DEBUG log, from the checkout;
     as another ``user`` (``SERVER_MAIN`` drops to it after its imports), under
     a command ``prefix`` (``prlimit``, ``unshare``) or on a ``socket_path`` of
     the caller's choosing."""
-    return ServerLauncher(model, *extra, socket_path=socket_path, log_level="DEBUG",
-                          env={**(user.as_env() if user else {}), **(env or {})}, cwd=REPO,
-                          prefix=prefix,
-                          program=[sys.executable, "-c", SERVER_MAIN] if user else None)
+    return ServerLauncher(
+        model,
+        *extra,
+        socket_path=socket_path,
+        log_level="DEBUG",
+        env={**(user.as_env() if user else {}), **(env or {})},
+        cwd=REPO,
+        prefix=prefix,
+        program=[sys.executable, "-c", SERVER_MAIN] if user else None,
+    )
 
 
 def shm_env(server: LaunchedServer, checkpoint: Path, **extra: str) -> dict[str, str]:
     """The environment of a vLLM worker using ``server``."""
-    return {"VLLM_PLE_BACKEND": "shm", "VLLM_PLE_SHM_SOCKET": server.socket,
-            "VLLM_PLE_SHM_CHECKPOINT": str(checkpoint), **extra}
+    return {
+        "VLLM_PLE_BACKEND": "shm",
+        "VLLM_PLE_SHM_SOCKET": server.socket,
+        "VLLM_PLE_SHM_CHECKPOINT": str(checkpoint),
+        **extra,
+    }
 
 
 # ------------------------------------------------------------------ cgroups
@@ -412,24 +451,39 @@ def other_users(names: list[str], group: str):
     """System users ``names`` (each in its own primary group) and a shared
     supplementary ``group`` holding the first two; removed afterwards. Skips
     the test unless root with useradd."""
-    if os.geteuid() != 0 or not all(os.path.exists(f"/usr/sbin/{tool}") for tool in
-                                   ("useradd", "userdel", "groupadd", "groupdel")):
+    if os.geteuid() != 0 or not all(
+        os.path.exists(f"/usr/sbin/{tool}")
+        for tool in ("useradd", "userdel", "groupadd", "groupdel")
+    ):
         pytest.skip("needs root and useradd/groupadd to create users of other uids")
     created_users, created_group = [], False
     try:
         if _run_ok(["getent", "group", group]) is False:
             subprocess.run(["groupadd", "--system", group], check=True)
             created_group = True
-        shared_gid = int(subprocess.run(["getent", "group", group], capture_output=True,
-                                        text=True, check=True).stdout.split(":")[2])
+        shared_gid = int(
+            subprocess.run(
+                ["getent", "group", group], capture_output=True, text=True, check=True
+            ).stdout.split(":")[2]
+        )
         users = []
         for i, name in enumerate(names):
             try:
                 pwd.getpwnam(name)
             except KeyError:
-                subprocess.run(["useradd", "--system", "--no-create-home", "--user-group",
-                                "--shell", "/usr/sbin/nologin",
-                                *(["--groups", group] if i < 2 else []), name], check=True)
+                subprocess.run(
+                    [
+                        "useradd",
+                        "--system",
+                        "--no-create-home",
+                        "--user-group",
+                        "--shell",
+                        "/usr/sbin/nologin",
+                        *(["--groups", group] if i < 2 else []),
+                        name,
+                    ],
+                    check=True,
+                )
                 created_users.append(name)
             entry = pwd.getpwnam(name)
             groups = (shared_gid,) if i < 2 else ()

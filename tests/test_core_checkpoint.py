@@ -37,7 +37,9 @@ def test_discovers_every_table_with_geometry(tmp_path):
     write_checkpoint(str(tmp_path), [FP8, BF16], files=3)
     tables = discover_tables(str(tmp_path))
     assert [(t.layer, t.rows, t.cols, t.dtype, t.parts, t.row_bytes) for t in tables] == [
-        (2, 1001, 16, "F8_E4M3", 4, 16), (5, 999, 16, "BF16", 3, 32)]
+        (2, 1001, 16, "F8_E4M3", 4, 16),
+        (5, 999, 16, "BF16", 3, 32),
+    ]
     assert tables[0].scale == 0.5 and tables[1].scale is None
     assert tables[0].shard_size == 251
     assert [s.rows for s in tables[0].shards] == [251, 251, 251, 248]
@@ -58,8 +60,9 @@ def test_fingerprint_ignores_file_packing_but_not_content(tmp_path):
 
 
 def test_missing_shard_index(tmp_path):
-    write_safetensors(str(tmp_path / "a.safetensors"),
-                      [shard(0, 251), shard(1, 251), shard(3, 248), SCALE])
+    write_safetensors(
+        str(tmp_path / "a.safetensors"), [shard(0, 251), shard(1, 251), shard(3, 248), SCALE]
+    )
     assert "missing shard indices 2 of 0..3" in problems_of(tmp_path)
 
 
@@ -77,8 +80,9 @@ def test_row_counts_must_follow_the_ceil_layout(tmp_path):
 
 
 def test_mixed_dtypes(tmp_path):
-    write_safetensors(str(tmp_path / "a.safetensors"),
-                      [shard(0, 5), shard(1, 5, dtype="BF16"), SCALE])
+    write_safetensors(
+        str(tmp_path / "a.safetensors"), [shard(0, 5), shard(1, 5, dtype="BF16"), SCALE]
+    )
     assert "mixed dtypes ['BF16', 'F8_E4M3']" in problems_of(tmp_path)
 
 
@@ -92,9 +96,9 @@ def test_data_size_must_match_shape(tmp_path):
     write_safetensors(str(path), [shard(0, 5), SCALE])
     raw = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     header[f"{PREFIX}.shard_0.weight"]["shape"] = [6, 16]
-    write_raw_header(path, header, bytes(raw[8 + n:]))
+    write_raw_header(path, header, bytes(raw[8 + n :]))
     assert "80 data bytes, but shape [6, 16] × 1 bytes is 96" in problems_of(tmp_path)
 
 
@@ -144,8 +148,9 @@ def test_directory_without_tables(tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pleserver.cli", *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "pleserver.cli", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_inspect_prints_tables_and_json(tmp_path):

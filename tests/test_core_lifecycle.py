@@ -61,8 +61,21 @@ def test_a_session_creates_no_name_another_process_could_open(server):
 
 def test_demo_runs_end_to_end(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "pleserver.cli", "demo", "--json", "--seconds", "1",
-         "--cache-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "pleserver.cli",
+            "demo",
+            "--json",
+            "--seconds",
+            "1",
+            "--cache-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["ok"] and report["mismatches"] == 0 and report["requests"] > 0
@@ -76,6 +89,7 @@ def test_stats_cli_human_and_json(server):
     run = [sys.executable, "-m", "pleserver.cli", "stats", "--socket", server.socket]
     human = subprocess.run(run, capture_output=True, text=True, timeout=30)
     assert human.returncode == 0 and "F8_E4M3" in human.stdout and "p50" in human.stdout
-    data = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True,
-                                     timeout=30).stdout)
+    data = json.loads(
+        subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=30).stdout
+    )
     assert data["tables"][0]["requests"] == 1 and data["tables"][0]["rows"] == 10

@@ -63,8 +63,9 @@ def test_request_of_exactly_capacity_and_larger_than_capacity(server, references
 def test_several_tickets_in_flight_are_zero_copy_views(server, references):
     with server.client(depth=4) as client:
         rng = np.random.default_rng(3)
-        batches = [(layer, rng.integers(0, client.table(layer).rows, 500))
-                   for layer in (1, 3, 1, 3)]
+        batches = [
+            (layer, rng.integers(0, client.table(layer).rows, 500)) for layer in (1, 3, 1, 3)
+        ]
         tickets = [client.submit(layer, ids) for layer, ids in batches]
         views = [t.wait() for t in tickets]
         for (layer, ids), view in zip(batches, views, strict=True):
@@ -133,8 +134,9 @@ def _client_process(socket_path: str, model: str, seed: int, rounds: int) -> int
 def test_concurrent_client_processes_get_their_own_rows(server, checkpoint):
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(4) as pool:
-        mismatches = pool.starmap(_client_process, [(server.socket, str(checkpoint), s, 150)
-                                                    for s in range(4)])
+        mismatches = pool.starmap(
+            _client_process, [(server.socket, str(checkpoint), s, 150) for s in range(4)]
+        )
     assert mismatches == [0, 0, 0, 0]
     with server.client() as client:
         stats = client.stats()
@@ -181,8 +183,9 @@ def test_every_gather_path_is_bit_exact(start_server, tmp_path_factory, files, p
 
 
 @pytest.mark.parametrize("idle_wait", ["futex_waitv", "poll"])
-def test_requests_after_idle_gaps_are_served_by_either_idle_wait(start_server, checkpoint,
-                                                                 references, idle_wait):
+def test_requests_after_idle_gaps_are_served_by_either_idle_wait(
+    start_server, checkpoint, references, idle_wait
+):
     """Each request comes after the loop has gone to sleep (its spin is 0):
     woken through futex_waitv on the channel's counter, or found by polling."""
     server = start_server(checkpoint, "--idle-wait", idle_wait, "--spin-us", "0")
@@ -197,5 +200,8 @@ def test_requests_after_idle_gaps_are_served_by_either_idle_wait(start_server, c
             ids = np.arange(i, i + 16)
             assert np.array_equal(client.lookup(1, ids), references[1][ids])
         assert client.stats()["idle_wait"] == idle_wait
-    assert ("sleeps on every channel at once" if idle_wait == "futex_waitv"
-            else "polls the channels every 0.5 ms") in server.log()
+    assert (
+        "sleeps on every channel at once"
+        if idle_wait == "futex_waitv"
+        else "polls the channels every 0.5 ms"
+    ) in server.log()

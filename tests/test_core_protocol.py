@@ -18,8 +18,15 @@ def test_a_protocol_1_hello_gets_an_error_naming_both_versions(server):
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(10)
         sock.connect(server.socket)
-        p.send_message(sock, {"type": p.MessageType.HELLO.value, "version": 1,
-                              "pid": os.getpid(), "name": "v1-client"})
+        p.send_message(
+            sock,
+            {
+                "type": p.MessageType.HELLO.value,
+                "version": 1,
+                "pid": os.getpid(),
+                "name": "v1-client",
+            },
+        )
         reply, _ = p.recv_message(sock)
         closed, _ = p.recv_message(sock)
     assert reply["type"] == p.MessageType.ERROR.value
@@ -36,8 +43,9 @@ def test_a_segment_of_protocol_1_is_refused_naming_both_versions():
         os.ftruncate(fd, layout.size)
         server_side = ChannelMap(fd, layout, format_header=True)
         server_side.header[p.CH_VERSION] = 1  # what a protocol 1 server writes there
-        with pytest.raises(ProtocolMismatch,
-                           match=f"speaks protocol 1, this client speaks {p.PROTOCOL_VERSION}"):
+        with pytest.raises(
+            ProtocolMismatch, match=f"speaks protocol 1, this client speaks {p.PROTOCOL_VERSION}"
+        ):
             ChannelMap(fd, layout)
         assert server_side.close()
     finally:

@@ -12,12 +12,13 @@ GIB = 1 << 30
 def test_the_default_cache_is_a_share_of_available_memory_less_the_reserve():
     # Qwen3.8-Flash-Next geometry: 44 GiB of FP8 rows, on a machine with 24 GiB free.
     table = TableSpec("t", 1, "F8_E4M3", 160, 320_000_000, 16, 20_000_000, [])
-    budget = plan([table], "auto", None, reserve=4 * GIB,
-                  memory=MemoryRoom(None, None, 24 * GIB))
+    budget = plan([table], "auto", None, reserve=4 * GIB, memory=MemoryRoom(None, None, 24 * GIB))
     assert budget.cache_bytes == int(20 * GIB * CACHE_SHARE)
-    assert budget.cache_reason == ("default: 25% of the memory available at start "
-                                   "(MemAvailable 24.00 GiB) less the 4.00 GiB reserve "
-                                   "(prewarm_reserve)")
+    assert budget.cache_reason == (
+        "default: 25% of the memory available at start "
+        "(MemAvailable 24.00 GiB) less the 4.00 GiB reserve "
+        "(prewarm_reserve)"
+    )
     assert budget.io == "direct" and "exceed" in budget.io_reason
 
 

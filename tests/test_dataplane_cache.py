@@ -49,15 +49,16 @@ def run_clients(code: str, *args: str, count: int) -> list[dict]:
     reports = []
     for child in children:
         out, err = child.communicate(timeout=180)
-        reports.append(child_report(subprocess.CompletedProcess(child.args, child.returncode,
-                                                                out, err)))
+        reports.append(
+            child_report(subprocess.CompletedProcess(child.args, child.returncode, out, err))
+        )
     return reports
 
 
-def test_a_tiny_cache_evicts_and_stays_exact_under_parallel_clients(start_server, model,
-                                                                     tmp_path):
-    server = start_server(model, "--io", "direct", "--cache-size", "256K",
-                          "--state-dir", str(tmp_path))
+def test_a_tiny_cache_evicts_and_stays_exact_under_parallel_clients(start_server, model, tmp_path):
+    server = start_server(
+        model, "--io", "direct", "--cache-size", "256K", "--state-dir", str(tmp_path)
+    )
     reports = run_clients(PRESSURE_CLIENT, str(model), server.socket, count=4)
     assert all(r["requests"] == 80 and r["bad"] == 0 for r in reports), reports
     with server.client() as client:
@@ -74,21 +75,36 @@ def test_a_tiny_cache_evicts_and_stays_exact_under_parallel_clients(start_server
 
 
 def test_the_thread_engine_serves_when_chosen_and_says_so(start_server, model, tmp_path):
-    server = start_server(model, "--io", "direct", "--read-engine", "threads",
-                          "--read-threads", "3", "--state-dir", str(tmp_path))
+    server = start_server(
+        model,
+        "--io",
+        "direct",
+        "--read-engine",
+        "threads",
+        "--read-threads",
+        "3",
+        "--state-dir",
+        str(tmp_path),
+    )
     rng = np.random.default_rng(3)
     with server.client() as client:
         for t in client.tables:
             ids = rng.integers(0, t.rows, 2000)
-            assert np.array_equal(client.lookup(t.layer, ids),
-                                  read_reference(str(model), t.name)[ids])
+            assert np.array_equal(
+                client.lookup(t.layer, ids), read_reference(str(model), t.name)[ids]
+            )
         stats = client.stats()
     assert stats["dataplane"]["engine"]["kind"] == "threads", stats["dataplane"]
     assert all(t["io"]["reads"] > 0 for t in stats["tables"])
     assert "miss engine: threads" in server.log()
-    human = subprocess.run([sys.executable, "-m", "pleserver.cli", "stats", "--socket",
-                            server.socket], capture_output=True, text=True, cwd=REPO,
-                           env=child_env(), timeout=30)
+    human = subprocess.run(
+        [sys.executable, "-m", "pleserver.cli", "stats", "--socket", server.socket],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=child_env(),
+        timeout=30,
+    )
     assert "miss engine threads" in human.stdout, human.stdout + human.stderr
 
 
@@ -98,8 +114,15 @@ def one_table_per_file(model_dir: str, tables) -> list[str]:
     weight_map, paths = {}, []
     for n, table in enumerate(tables):
         filename = f"model-{n + 1:05d}-of-{len(tables):05d}.safetensors"
-        tensors = [(f"{table.name}.shard_{i}.weight", table.dtype, (rows, table.cols),
-                    shard_bytes(table, i).tobytes()) for i, rows in enumerate(table.shard_rows())]
+        tensors = [
+            (
+                f"{table.name}.shard_{i}.weight",
+                table.dtype,
+                (rows, table.cols),
+                shard_bytes(table, i).tobytes(),
+            )
+            for i, rows in enumerate(table.shard_rows())
+        ]
         if table.dtype.startswith("F8"):
             tensors.append((f"{table.name}.weight_scale", "F32", (), struct.pack("<f", 0.0125)))
         paths.append(os.path.join(model_dir, filename))
@@ -111,7 +134,8 @@ def one_table_per_file(model_dir: str, tables) -> list[str]:
 
 
 def test_a_file_truncated_under_a_direct_server_fails_its_reads_not_the_server(
-        start_server, tmp_path):
+    start_server, tmp_path
+):
     model = str(tmp_path / "model")
     _, bf16_file = one_table_per_file(model, SMALL_TABLES)
     server = start_server(model, "--io", "direct", "--state-dir", str(tmp_path))

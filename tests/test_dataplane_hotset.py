@@ -32,8 +32,9 @@ def direct(start_server, model, state_dir, *extra):
 
 
 def refill_over(client) -> dict:
-    assert wait_until(lambda: client.stats()["hotset"]["state"] not in ("pending", "refilling"),
-                      timeout=30)
+    assert wait_until(
+        lambda: client.stats()["hotset"]["state"] not in ("pending", "refilling"), timeout=30
+    )
     return client.stats()
 
 
@@ -46,8 +47,7 @@ def warm_and_stop(start_server, model, state_dir) -> None:
     assert "hot set: saved" in server.log() or (state_dir / "hotset.bin").exists()
 
 
-def test_the_hot_set_is_saved_at_stop_and_refilled_after_a_restart(start_server, model,
-                                                                   state_dir):
+def test_the_hot_set_is_saved_at_stop_and_refilled_after_a_restart(start_server, model, state_dir):
     warm_and_stop(start_server, model, state_dir)
     assert (state_dir / "hotset.bin").exists()
     assert not [n for n in os.listdir(state_dir) if n != "hotset.bin"]  # no temp file left
@@ -60,8 +60,9 @@ def test_the_hot_set_is_saved_at_stop_and_refilled_after_a_restart(start_server,
         assert stats["dataplane"]["cache"]["used_rows"] == rows
         before = {t["layer"]: t["io"] for t in stats["tables"]}
         for t in client.tables:  # every hot row is a hit now, and exact
-            assert np.array_equal(client.lookup(t.layer, HOT_IDS),
-                                  read_reference(model, t.name)[HOT_IDS])
+            assert np.array_equal(
+                client.lookup(t.layer, HOT_IDS), read_reference(model, t.name)[HOT_IDS]
+            )
         after = {t["layer"]: t["io"] for t in client.stats()["tables"]}
     for layer in before:
         assert after[layer]["misses"] == before[layer]["misses"], (before, after)
@@ -69,8 +70,7 @@ def test_the_hot_set_is_saved_at_stop_and_refilled_after_a_restart(start_server,
     assert "hot set: refilling the row cache" in server.log()
 
 
-def test_a_hot_set_larger_than_the_cache_refills_only_what_fits(start_server, model,
-                                                                state_dir):
+def test_a_hot_set_larger_than_the_cache_refills_only_what_fits(start_server, model, state_dir):
     warm_and_stop(start_server, model, state_dir)
     server = direct(start_server, model, state_dir, "--cache-size", "64K")
     with server.client() as client:
@@ -80,15 +80,14 @@ def test_a_hot_set_larger_than_the_cache_refills_only_what_fits(start_server, mo
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated", "garbage", "empty"])
-def test_a_corrupt_hot_set_file_is_ignored_with_a_warning(start_server, model, state_dir,
-                                                          damage):
+def test_a_corrupt_hot_set_file_is_ignored_with_a_warning(start_server, model, state_dir, damage):
     warm_and_stop(start_server, model, state_dir)
     path = state_dir / "hotset.bin"
     data = bytearray(path.read_bytes())
     if damage == "flipped byte":
         data[len(data) // 2] ^= 0x40
     elif damage == "truncated":
-        data = data[:len(data) - 100]
+        data = data[: len(data) - 100]
     elif damage == "garbage":
         data = bytearray(os.urandom(len(data)))
     else:
@@ -100,14 +99,16 @@ def test_a_corrupt_hot_set_file_is_ignored_with_a_warning(start_server, model, s
         assert stats["hotset"]["state"] == "ignored" and stats["hotset"]["done_rows"] == 0
         assert stats["dataplane"]["cache"]["used_rows"] == 0
         t = client.tables[0]
-        assert np.array_equal(client.lookup(t.layer, HOT_IDS),
-                              read_reference(model, t.name)[HOT_IDS])
+        assert np.array_equal(
+            client.lookup(t.layer, HOT_IDS), read_reference(model, t.name)[HOT_IDS]
+        )
     log = server.log()
     assert f"WARNING pleserver.hotset: hot set: ignoring {path}" in log, log[-3000:]
 
 
-def test_a_hot_set_of_another_checkpoint_is_ignored_with_a_warning(start_server, model,
-                                                                   state_dir, tmp_path):
+def test_a_hot_set_of_another_checkpoint_is_ignored_with_a_warning(
+    start_server, model, state_dir, tmp_path
+):
     other = write_checkpoint(str(tmp_path / "other"), SMALL_TABLES, files=2, seed=1)
     warm_and_stop(start_server, other, state_dir)
     server = direct(start_server, model, state_dir)

@@ -46,8 +46,9 @@ def expect_mode(client, io: str) -> None:
 
 @pytest.mark.parametrize("io", MODES)
 def test_rows_are_bit_exact_in_every_mode(start_server, model, tmp_path, io):
-    server = start_server(model, "--io", io, "--state-dir", str(tmp_path),
-                          "--parallel-min-rows", "4096")
+    server = start_server(
+        model, "--io", io, "--state-dir", str(tmp_path), "--parallel-min-rows", "4096"
+    )
     rng = np.random.default_rng(9)
     with server.client(capacity=20_000, depth=2) as client:
         expect_mode(client, io)
@@ -87,16 +88,17 @@ print(json.dumps({"requests": requests, "bad": bad}))
 
 
 @pytest.mark.parametrize("io", ["direct", "mmap"])
-def test_ids_repeated_across_concurrent_clients_are_bit_exact(start_server, model, tmp_path,
-                                                              io):
+def test_ids_repeated_across_concurrent_clients_are_bit_exact(start_server, model, tmp_path, io):
     server = start_server(model, "--io", io, "--state-dir", str(tmp_path))
-    children = [python_child(CONCURRENT_CLIENT, str(model), server.socket, str(seed))
-                for seed in range(4)]
+    children = [
+        python_child(CONCURRENT_CLIENT, str(model), server.socket, str(seed)) for seed in range(4)
+    ]
     reports = []
     for child in children:
         out, err = child.communicate(timeout=120)
-        reports.append(child_report(subprocess.CompletedProcess(child.args, child.returncode,
-                                                                out, err)))
+        reports.append(
+            child_report(subprocess.CompletedProcess(child.args, child.returncode, out, err))
+        )
     assert all(r["requests"] == 120 and r["bad"] == 0 for r in reports), reports
     with server.client() as client:
         stats = client.stats()
@@ -120,8 +122,7 @@ def test_auto_reads_tables_larger_than_the_cache_directly(start_server, model, t
         plane = client.stats()["dataplane"]
         t = client.tables[0]
         ids = np.arange(0, t.rows, 97)
-        assert np.array_equal(client.lookup(t.layer, ids),
-                              read_reference(str(model), t.name)[ids])
+        assert np.array_equal(client.lookup(t.layer, ids), read_reference(str(model), t.name)[ids])
     assert plane["io"] == "direct" and "exceed" in plane["io_reason"], plane
     assert plane["cache"]["budget_bytes"] == 1 << 20
     assert plane["cache"]["budget_reason"] == "cache_size setting"

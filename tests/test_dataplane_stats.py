@@ -15,17 +15,28 @@ from tests.test_ops_metrics import Scrape, metrics_url
 
 
 def pleserver_stats(socket: str, *flags: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "pleserver.cli", "stats", "--socket",
-                             socket, *flags], capture_output=True, text=True, cwd=REPO,
-                            env=child_env(), timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-m", "pleserver.cli", "stats", "--socket", socket, *flags],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=child_env(),
+        timeout=30,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 
 
-def test_data_plane_numbers_agree_in_stats_cli_and_metrics(start_server, checkpoint,
-                                                           tmp_path):
-    server = start_server(checkpoint, "--io", "direct", "--state-dir", str(tmp_path),
-                          "--metrics-address", "127.0.0.1:0")
+def test_data_plane_numbers_agree_in_stats_cli_and_metrics(start_server, checkpoint, tmp_path):
+    server = start_server(
+        checkpoint,
+        "--io",
+        "direct",
+        "--state-dir",
+        str(tmp_path),
+        "--metrics-address",
+        "127.0.0.1:0",
+    )
     ids = np.arange(0, 3000, 3)
     with server.client() as client:
         for t in client.tables:
@@ -43,8 +54,14 @@ def test_data_plane_numbers_agree_in_stats_cli_and_metrics(start_server, checkpo
     assert scrape.value("ple_io_mode", io="mmap") == 0
     engine = plane["engine"]
     assert engine["kind"] in ("io_uring", "threads") and engine["queue_depth"] == 128
-    assert scrape.value("ple_read_engine_info", kind=engine["kind"],
-                        fallback_reason=engine["fallback_reason"] or "") == 1
+    assert (
+        scrape.value(
+            "ple_read_engine_info",
+            kind=engine["kind"],
+            fallback_reason=engine["fallback_reason"] or "",
+        )
+        == 1
+    )
     assert scrape.value("ple_cache_capacity_rows") == plane["cache"]["capacity_rows"] > 0
     assert scrape.value("ple_cache_budget_bytes") == plane["cache"]["budget_bytes"]
     assert scrape.value("ple_hotset_state", state="none") == 1  # nothing saved before

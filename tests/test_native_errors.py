@@ -19,8 +19,11 @@ from tests.test_native_gather import Opened, file_rows, opened, specs  # noqa: F
 @pytest.fixture
 def own_copy(tmp_path):
     """A checkpoint of its own (one file) that a test may truncate."""
-    write_checkpoint(str(tmp_path), (SyntheticTable(layer=2, rows=5000, cols=160,
-                                                    dtype="BF16", parts=2),), files=1)
+    write_checkpoint(
+        str(tmp_path),
+        (SyntheticTable(layer=2, rows=5000, cols=160, dtype="BF16", parts=2),),
+        files=1,
+    )
     return discover_tables(str(tmp_path), fingerprint=False)[0]
 
 
@@ -59,8 +62,7 @@ def test_read_error_from_the_kernel_carries_its_errno(tmp_path, kind):
     engine = nat.ReadEngine(queue_depth=4, kind=kind, threads=2)
     try:
         assert os.fstat(fd).st_size >= 10 * 160
-        src = nat.TableSource(5, 160, 10, [(fd, 0, 10, str(tmp_path), 0)], cache, engine,
-                              False)
+        src = nat.TableSource(5, 160, 10, [(fd, 0, 10, str(tmp_path), 0)], cache, engine, False)
         with pytest.raises(nat.ReadError) as caught:
             src.gather(np.array([4], dtype=np.int64), np.empty((1, 160), np.uint8))
         assert caught.value.errno == errno.EISDIR
@@ -70,8 +72,9 @@ def test_read_error_from_the_kernel_carries_its_errno(tmp_path, kind):
         data = tmp_path / "rows"
         data.write_bytes(bytes(range(160)) * 10)
         with open(data, "rb") as f:
-            src = nat.TableSource(6, 160, 10, [(f.fileno(), 0, 10, str(data), 0)], cache,
-                                  engine, False)
+            src = nat.TableSource(
+                6, 160, 10, [(f.fileno(), 0, 10, str(data), 0)], cache, engine, False
+            )
         out = np.empty((2, 160), np.uint8)
         src.gather(np.array([9, 0], dtype=np.int64), out)
         assert (out == np.arange(160, dtype=np.uint8)).all()
@@ -89,9 +92,14 @@ def fp8(specs, opened):
 
 def test_ids_of_the_wrong_type_raise_type_error(fp8):
     out = np.empty((4, 160), np.uint8)
-    for ids in (np.arange(4, dtype=np.int32), np.arange(4, dtype=np.float64),
-                np.arange(8, dtype=np.int64)[::2], np.arange(4, dtype=np.int64).reshape(2, 2),
-                [0, 1, 2, 3], "abcd"):
+    for ids in (
+        np.arange(4, dtype=np.int32),
+        np.arange(4, dtype=np.float64),
+        np.arange(8, dtype=np.int64)[::2],
+        np.arange(4, dtype=np.int64).reshape(2, 2),
+        [0, 1, 2, 3],
+        "abcd",
+    ):
         with pytest.raises(TypeError):
             fp8.source.gather(ids, out)
 
@@ -116,12 +124,16 @@ def test_out_of_the_wrong_shape_or_kind_raises(fp8):
         fp8.source.gather(ids, np.empty((4, 160), np.uint8), 0)
 
 
-@pytest.mark.parametrize("bad", [-1, 20_011, 2**62, -2**63])
+@pytest.mark.parametrize("bad", [-1, 20_011, 2**62, -(2**63)])
 def test_ids_out_of_range_raise_value_error(fp8, bad):
     ids = np.array([0, 1, bad], dtype=np.int64)
     out = np.empty((3, 160), np.uint8)
-    for call in (lambda: fp8.source.gather(ids, out), lambda: fp8.source.gather_hits(ids, out),
-                 lambda: fp8.source.fill(ids), lambda: fp8.source.gather(ids, out, 4)):
+    for call in (
+        lambda: fp8.source.gather(ids, out),
+        lambda: fp8.source.gather_hits(ids, out),
+        lambda: fp8.source.fill(ids),
+        lambda: fp8.source.gather(ids, out, 4),
+    ):
         with pytest.raises(ValueError, match="not in the table"):
             call()
     big = np.full(10_000, bad, dtype=np.int64)

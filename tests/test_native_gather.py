@@ -47,9 +47,15 @@ def file_rows(spec: TableSpec) -> np.ndarray:
 class Opened:
     """A TableSource over a table in one mode, with what it needs kept alive."""
 
-    def __init__(self, spec: TableSpec, mode: str, key: int = 1,
-                 cache: nat.RowCache | None = None, engine: nat.ReadEngine | None = None,
-                 cache_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        spec: TableSpec,
+        mode: str,
+        key: int = 1,
+        cache: nat.RowCache | None = None,
+        engine: nat.ReadEngine | None = None,
+        cache_bytes: int = 64 << 20,
+    ) -> None:
         self.maps: list[mmap.mmap] = []
         self.views: list[np.ndarray] = []
         if mode != "mmap":
@@ -68,10 +74,18 @@ class Opened:
                     self.maps.append(mm)
                     self.views.append(view)
                     addresses[p] = view.ctypes.data
-            shards = [(fds[s.path], s.offset, s.rows, s.path, addresses[s.path])
-                      for s in spec.shards]
-            self.source = nat.TableSource(key, spec.row_bytes, spec.shard_size, shards,
-                                          self.cache, self.engine, mode == "direct")
+            shards = [
+                (fds[s.path], s.offset, s.rows, s.path, addresses[s.path]) for s in spec.shards
+            ]
+            self.source = nat.TableSource(
+                key,
+                spec.row_bytes,
+                spec.shard_size,
+                shards,
+                self.cache,
+                self.engine,
+                mode == "direct",
+            )
         finally:
             for fd in fds.values():  # the source keeps duplicates of its own
                 os.close(fd)
@@ -125,8 +139,11 @@ def test_rows_are_bit_exact_cold_and_warm(specs, opened, mode, dtype):
     spec = specs[dtype]
     expected = file_rows(spec)
     rng = np.random.default_rng(7)
-    edges = [0, spec.rows - 1] + [s.index * spec.shard_size for s in spec.shards] + [
-        s.index * spec.shard_size + s.rows - 1 for s in spec.shards]
+    edges = (
+        [0, spec.rows - 1]
+        + [s.index * spec.shard_size for s in spec.shards]
+        + [s.index * spec.shard_size + s.rows - 1 for s in spec.shards]
+    )
     ids = np.concatenate([edges, rng.integers(0, spec.rows, 3000)]).astype(np.int64)
     o = opened(spec, mode)
     cold = o.gather(ids)
@@ -285,8 +302,9 @@ def test_fill_reads_rows_into_the_cache_only(specs, opened):
     assert o.source.fill(ids) == 5
     assert o.source.fill(ids) == 0  # all there already
     keys = np.sort(o.cache.keys())
-    np.testing.assert_array_equal(keys, (np.uint64(1) << np.uint64(40)) + np.unique(ids)
-                                  .astype(np.uint64))
+    np.testing.assert_array_equal(
+        keys, (np.uint64(1) << np.uint64(40)) + np.unique(ids).astype(np.uint64)
+    )
     out = np.empty((ids.size, spec.row_bytes), np.uint8)
     assert o.source.gather_hits(ids, out) == 0
     np.testing.assert_array_equal(out, file_rows(spec)[ids])
@@ -328,9 +346,18 @@ def test_request_read_in_several_rounds_is_exact(tmp_path, kind):
     engine = nat.ReadEngine(queue_depth=32, kind=kind, threads=4)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
-        src = nat.TableSource(0, row_bytes, 40_000, [
-            (fd, offset + i * 40_000 * row_bytes, min(40_000, rows - i * 40_000), str(path), 0)
-            for i in range(4)], cache, engine, True)
+        src = nat.TableSource(
+            0,
+            row_bytes,
+            40_000,
+            [
+                (fd, offset + i * 40_000 * row_bytes, min(40_000, rows - i * 40_000), str(path), 0)
+                for i in range(4)
+            ],
+            cache,
+            engine,
+            True,
+        )
     finally:
         os.close(fd)
     try:
@@ -362,8 +389,9 @@ def test_a_split_request_whose_ranges_read_in_rounds_never_deadlocks(tmp_path):
     engine = nat.ReadEngine(queue_depth=32, kind="auto", threads=4)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
-        src = nat.TableSource(0, row_bytes, rows, [(fd, 0, rows, str(path), 0)], cache,
-                              engine, True)
+        src = nat.TableSource(
+            0, row_bytes, rows, [(fd, 0, rows, str(path), 0)], cache, engine, True
+        )
     finally:
         os.close(fd)
     try:

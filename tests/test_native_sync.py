@@ -41,18 +41,26 @@ def child(code: str, fd: int) -> subprocess.Popen:
         mm = mmap.mmap(int(sys.argv[1]), 4096)
         words = _sync.Words(mm)
     """)
-    return subprocess.Popen([sys.executable, "-c", prelude + textwrap.dedent(code), str(fd)],
-                            cwd=REPO, pass_fds=(fd,), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", prelude + textwrap.dedent(code), str(fd)],
+        cwd=REPO,
+        pass_fds=(fd,),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_a_sleeper_in_another_process_is_woken_by_publish_and_sees_the_payload(shared):
     fd, words = shared
-    sleeper = child("""
+    sleeper = child(
+        """
         words.store(12, 1)  # "about to wait"
         value = words.wait_while(0, 0, 4, 30.0)
         print(value, words.load(8), flush=True)  # the payload, published before the word
-    """, fd)
+    """,
+        fd,
+    )
     deadline = time.monotonic() + 30
     while words.load(12) != 1 or words.load(WAITERS) == 0:  # asleep: registered
         assert time.monotonic() < deadline and sleeper.poll() is None, sleeper.stderr.read()
@@ -91,11 +99,14 @@ def test_futex_waitv_wakes_on_whichever_word_moves(shared):
     own = _sync.Words(bytearray(8))
     entries = [(own, 0, 0)] + [(words, 4 * i, 0) for i in range(1, 64)]
     for moved in (1, 40, 63):
-        mover = child(f"""
+        mover = child(
+            f"""
             time.sleep(0.05)
             words.store({4 * moved}, 1)
             words.wake({4 * moved})
-        """, fd)
+        """,
+            fd,
+        )
         woken = _sync.futex_waitv(entries, 30.0)
         assert mover.wait(30) == 0
         assert woken == moved or (woken == -1 and words.load(4 * moved) == 1)
@@ -121,11 +132,16 @@ def test_futex_waitv_is_available_on_this_kernel():
 @pytest.mark.parametrize("offset", [-4, 2, 4094, 4096, 1 << 40])
 def test_offsets_outside_the_buffer_or_unaligned_are_refused(shared, offset):
     _, words = shared
-    for call in (lambda: words.load(offset), lambda: words.store(offset, 1),
-                 lambda: words.publish(offset, 1, 0), lambda: words.publish(0, 1, offset),
-                 lambda: words.wait_while(offset, 0, 4, 0.0),
-                 lambda: words.wake(offset), lambda: words.add(offset, 1),
-                 lambda: _sync.futex_waitv([(words, offset, 0)], 0.0)):
+    for call in (
+        lambda: words.load(offset),
+        lambda: words.store(offset, 1),
+        lambda: words.publish(offset, 1, 0),
+        lambda: words.publish(0, 1, offset),
+        lambda: words.wait_while(offset, 0, 4, 0.0),
+        lambda: words.wake(offset),
+        lambda: words.add(offset, 1),
+        lambda: _sync.futex_waitv([(words, offset, 0)], 0.0),
+    ):
         with pytest.raises((ValueError, OverflowError)):
             call()
 

@@ -21,10 +21,16 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "config.toml"
 EX_CONFIG = 78
 
 
-def pleserver(*args: str, env: dict[str, str] | None = None,
-              timeout: float = 60.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pleserver.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+def pleserver(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60.0
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pleserver.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture
@@ -39,6 +45,7 @@ def write(tmp_path, checkpoint):
         model = model and not text.startswith("model")
         path.write_text((f'model = "{checkpoint}"\n' if model else "") + text + "\n")
         return path
+
     return write
 
 
@@ -64,8 +71,9 @@ def test_none_on_the_command_line_drops_an_optional_value_the_file_sets(write):
 
 
 def test_missing_default_file_means_defaults_and_flags(tmp_path, checkpoint):
-    loaded = load_config(None, {"model": str(checkpoint)},
-                         default_path=str(tmp_path / "absent.toml"))
+    loaded = load_config(
+        None, {"model": str(checkpoint)}, default_path=str(tmp_path / "absent.toml")
+    )
     assert loaded.file is None and loaded.config.max_clients == 64
 
 
@@ -84,10 +92,19 @@ def test_names_of_users_and_groups_resolve_to_numbers(write):
 
 
 def test_sizes_and_modes_accept_their_written_forms(write):
-    cfg = load_config(str(write('max_channel_bytes = "64M"\nprewarm_reserve = "1.5G"\n'
-                                'prewarm_budget = 4096\nsocket_mode = 0o660'))).config
-    assert (cfg.max_channel_bytes, cfg.prewarm_reserve, cfg.prewarm_budget) == \
-        (64 << 20, 3 << 29, 4096)
+    cfg = load_config(
+        str(
+            write(
+                'max_channel_bytes = "64M"\nprewarm_reserve = "1.5G"\n'
+                "prewarm_budget = 4096\nsocket_mode = 0o660"
+            )
+        )
+    ).config
+    assert (cfg.max_channel_bytes, cfg.prewarm_reserve, cfg.prewarm_budget) == (
+        64 << 20,
+        3 << 29,
+        4096,
+    )
     assert cfg.socket_mode == 0o660
     assert load_config(str(write('socket_mode = "0640"'))).config.socket_mode == 0o640
 
@@ -147,13 +164,17 @@ def test_a_bad_value_is_an_error_naming_the_file_and_key(write, text, key, probl
     path = write(text)
     with pytest.raises(ConfigError) as err:
         load_config(str(path))
-    assert any(line.startswith(f"{path}: {key}: ") and problem in line
-               for line in err.value.problems), err.value.problems
+    assert any(
+        line.startswith(f"{path}: {key}: ") and problem in line for line in err.value.problems
+    ), err.value.problems
 
 
-ADDRESSES = [("127.0.0.1:9478", ("127.0.0.1", 9478)), ("[::1]:9400", ("::1", 9400)),
-             ("localhost:0", ("localhost", 0)),
-             (" ple.example.com:65535 ", ("ple.example.com", 65535))]
+ADDRESSES = [
+    ("127.0.0.1:9478", ("127.0.0.1", 9478)),
+    ("[::1]:9400", ("::1", 9400)),
+    ("localhost:0", ("localhost", 0)),
+    (" ple.example.com:65535 ", ("ple.example.com", 65535)),
+]
 
 
 @pytest.mark.parametrize("text,parsed", ADDRESSES, ids=[a[0] for a in ADDRESSES])
@@ -161,10 +182,17 @@ def test_host_port_addresses_parse_to_host_and_port(text, parsed):
     assert parse_host_port(text) == parsed
 
 
-BAD_ADDRESSES = [("localhost", "no port"), ("[::1]", "no port"), ("host:", "no port"),
-                 (":9400", "no host"), ("::1:9400", "goes in brackets: [::1]:9400"),
-                 ("[::1:9400", "unbalanced brackets"), ("host:65536", "port '65536'"),
-                 ("host:-1", "port '-1'"), ("host:http", "port 'http'")]
+BAD_ADDRESSES = [
+    ("localhost", "no port"),
+    ("[::1]", "no port"),
+    ("host:", "no port"),
+    (":9400", "no host"),
+    ("::1:9400", "goes in brackets: [::1]:9400"),
+    ("[::1:9400", "unbalanced brackets"),
+    ("host:65536", "port '65536'"),
+    ("host:-1", "port '-1'"),
+    ("host:http", "port 'http'"),
+]
 
 
 @pytest.mark.parametrize("text,why", BAD_ADDRESSES, ids=[a[0] for a in BAD_ADDRESSES])
@@ -177,12 +205,13 @@ def test_an_unknown_key_is_an_error_suggesting_the_known_one(write):
     path = write("max_clinets = 3")
     with pytest.raises(ConfigError) as err:
         load_config(str(path))
-    assert err.value.problems == [f"{path}: unknown key 'max_clinets' (did you mean "
-                                  "'max_clients'?)"]
+    assert err.value.problems == [
+        f"{path}: unknown key 'max_clinets' (did you mean 'max_clients'?)"
+    ]
 
 
 def test_a_table_section_is_an_error_saying_keys_are_top_level(write):
-    path = write('[server]\nmax_clients = 3')
+    path = write("[server]\nmax_clients = 3")
     with pytest.raises(ConfigError, match=r"unknown key 'server' \(settings are top-level"):
         load_config(str(path))
 
@@ -200,7 +229,8 @@ def test_a_bad_flag_value_is_an_error_naming_the_flag(write):
     assert sorted(err.value.problems) == [
         "--allow-gid: no group named 'no-such-group-ple' on this host; create it or give its "
         "number",
-        "--max-clients: must be an integer, got 'abc'"]
+        "--max-clients: must be an integer, got 'abc'",
+    ]
 
 
 def test_model_is_required(write):
@@ -248,10 +278,18 @@ def test_config_check_prints_the_effective_config_with_sources(write):
     path = write('max_clients = 3\nprewarm_budget = "1G"\nallow_uids = ["root"]')
     result = pleserver("config", "check", str(path))
     assert result.returncode == 0, result.stderr
-    lines = {line.split(" = ")[0]: line for line in result.stdout.splitlines()
-             if " = " in line and not line.startswith("#")}
-    assert set(lines) | {"max_channel_memory", "prewarm_budget", "cache_size", "watchdog_s",
-                         "metrics_address"} >= set(SETTINGS)
+    lines = {
+        line.split(" = ")[0]: line
+        for line in result.stdout.splitlines()
+        if " = " in line and not line.startswith("#")
+    }
+    assert set(lines) | {
+        "max_channel_memory",
+        "prewarm_budget",
+        "cache_size",
+        "watchdog_s",
+        "metrics_address",
+    } >= set(SETTINGS)
     assert re.fullmatch(rf"max_clients = 3 +# {re.escape(str(path))}", lines["max_clients"])
     assert re.fullmatch(r"prewarm_budget = 1073741824 +# .*", lines["prewarm_budget"])
     assert re.fullmatch(r"allow_uids = \[0\] +# .*", lines["allow_uids"])
@@ -268,7 +306,7 @@ def test_config_check_output_is_itself_a_valid_config(write, tmp_path):
 
 
 def test_config_check_json_lists_every_problem(write):
-    path = write('max_clients = 0\nbogus = 1')
+    path = write("max_clients = 0\nbogus = 1")
     result = pleserver("config", "check", str(path), "--json")
     assert result.returncode == 1
     report = json.loads(result.stdout)

@@ -45,11 +45,19 @@ SECCOMP_LAUNCHER = textwrap.dedent("""
 
 
 def doctor(*args: str, seccomp: bool = False) -> subprocess.CompletedProcess:
-    prefix = [sys.executable, "-c", SECCOMP_LAUNCHER] if seccomp else \
-        [sys.executable, "-m", "pleserver.cli"]
+    prefix = (
+        [sys.executable, "-c", SECCOMP_LAUNCHER]
+        if seccomp
+        else [sys.executable, "-m", "pleserver.cli"]
+    )
     # PLE_SERVER_CONFIG=/dev/null: never this host's config file.
-    return subprocess.run([*prefix, "doctor", *args], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PLE_SERVER_CONFIG": os.devnull})
+    return subprocess.run(
+        [*prefix, "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PLE_SERVER_CONFIG": os.devnull},
+    )
 
 
 def as_json(result: subprocess.CompletedProcess) -> dict:
@@ -73,11 +81,18 @@ def test_doctor_checks_this_host_and_recommends_settings(checkpoint):
     assert all(c["status"] in STATUSES and c["summary"] for c in checks.values())
     assert (checks["io_uring"]["status"] == "ok") == io_uring_here()
     # The tables are inspect's.
-    inspect = json.loads(subprocess.run(
-        [sys.executable, "-m", "pleserver.cli", "inspect", str(checkpoint), "--json"],
-        capture_output=True, text=True, check=True, timeout=60).stdout)
-    assert [(t["name"], t["fingerprint"], t["bytes"]) for t in report["tables"]] == \
-        [(t["name"], t["fingerprint"], t["bytes"]) for t in inspect["tables"]]
+    inspect = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "pleserver.cli", "inspect", str(checkpoint), "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    )
+    assert [(t["name"], t["fingerprint"], t["bytes"]) for t in report["tables"]] == [
+        (t["name"], t["fingerprint"], t["bytes"]) for t in inspect["tables"]
+    ]
     # The probe read at every queue depth.
     disk = checks["disk"]["results"]
     assert [r["queue_depth"] for r in disk] == [1, 64, 128]
@@ -109,8 +124,9 @@ def test_doctor_prints_a_readable_report(checkpoint):
 
 
 def test_doctor_where_seccomp_refuses_io_uring(checkpoint):
-    report = as_json(doctor("--model", str(checkpoint), "--json", "--probe-seconds", "0.1",
-                            seccomp=True))
+    report = as_json(
+        doctor("--model", str(checkpoint), "--json", "--probe-seconds", "0.1", seccomp=True)
+    )
     io_uring = report["checks"]["io_uring"]
     assert io_uring["status"] == "warn", io_uring
     assert "EPERM" in io_uring["reason"] or "not permitted" in io_uring["reason"], io_uring

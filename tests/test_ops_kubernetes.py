@@ -27,8 +27,12 @@ ROW_BYTES = 320  # BF16 rows: the widest the formula's example assumes
 
 
 def documents() -> list[tuple[str, dict]]:
-    return [(path.name, doc) for path in MANIFESTS
-            for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return [
+        (path.name, doc)
+        for path in MANIFESTS
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
 
 
 def find(kind: str) -> dict:
@@ -48,8 +52,11 @@ def server_config(tmp_path_factory):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("name,doc", documents(), ids=lambda v: v if isinstance(v, str) else
-                         v.get("kind") if isinstance(v, dict) else None)
+@pytest.mark.parametrize(
+    "name,doc",
+    documents(),
+    ids=lambda v: v if isinstance(v, str) else v.get("kind") if isinstance(v, dict) else None,
+)
 def test_manifest_validates_against_the_kubernetes_schema(name, doc, version):
     kubernetes_validate.validate(doc, version, strict=True)
 
@@ -57,8 +64,9 @@ def test_manifest_validates_against_the_kubernetes_schema(name, doc, version):
 def test_the_validator_rejects_a_misspelled_field():
     """The check above can fail: a field the schema does not know is an error."""
     daemonset = copy.deepcopy(find("DaemonSet"))
-    pod_spec(daemonset)["containers"][0]["readinesProbe"] = \
-        pod_spec(daemonset)["containers"][0]["readinessProbe"]
+    pod_spec(daemonset)["containers"][0]["readinesProbe"] = pod_spec(daemonset)["containers"][0][
+        "readinessProbe"
+    ]
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(daemonset, VERSIONS[-1], strict=True)
 
@@ -69,10 +77,10 @@ def test_config_map_is_a_valid_config_whose_socket_the_pods_share(server_config)
     for doc in (daemonset, vllm):
         spec = pod_spec(doc)
         assert not spec.get("hostIPC") and not spec.get("hostPID")
-        (volume,) = [v for v in spec["volumes"] if v.get("hostPath", {}).get("path") ==
-                     socket_dir]
-        mounts = [m for c in spec["containers"] for m in c["volumeMounts"]
-                  if m["name"] == volume["name"]]
+        (volume,) = [v for v in spec["volumes"] if v.get("hostPath", {}).get("path") == socket_dir]
+        mounts = [
+            m for c in spec["containers"] for m in c["volumeMounts"] if m["name"] == volume["name"]
+        ]
         assert [m["mountPath"] for m in mounts] == [socket_dir]
     # The vLLM pod's uid is one the server admits.
     assert pod_spec(vllm)["securityContext"]["runAsUser"] in server_config.allow_uids
@@ -91,8 +99,11 @@ def test_memory_request_and_limit_follow_the_documented_formula(server_config):
     assert resources["requests"]["memory"] == resources["limits"]["memory"]
     layout = p.ChannelLayout(p.DEFAULT_DEPTH, p.DEFAULT_CAPACITY, ROW_BYTES)
     # The memory the tables take is fixed by the config, not by what is free.
-    held = server_config.cache_size if server_config.io in ("direct", "buffered") else \
-        server_config.prewarm_budget
+    held = (
+        server_config.cache_size
+        if server_config.io in ("direct", "buffered")
+        else server_config.prewarm_budget
+    )
     assert held is not None, "set cache_size (or, for io = mmap, prewarm_budget)"
     needed = held + server_config.max_clients * layout.size + PROCESS_OVERHEAD
     limit = parse_size(resources["limits"]["memory"].removesuffix("i"))
@@ -110,9 +121,11 @@ def probe_command(kind: str, socket: str) -> list[str]:
 
 @pytest.mark.parametrize("kind", ["readinessProbe", "livenessProbe"])
 def test_the_probe_passes_on_a_serving_server_and_fails_without_one(kind, server, tmp_path):
-    ok = subprocess.run(probe_command(kind, server.socket), capture_output=True, text=True,
-                        timeout=30)
+    ok = subprocess.run(
+        probe_command(kind, server.socket), capture_output=True, text=True, timeout=30
+    )
     assert ok.returncode == 0, ok.stderr
-    missing = subprocess.run(probe_command(kind, str(tmp_path / "none.sock")),
-                             capture_output=True, text=True, timeout=30)
+    missing = subprocess.run(
+        probe_command(kind, str(tmp_path / "none.sock")), capture_output=True, text=True, timeout=30
+    )
     assert missing.returncode != 0 and "not found" in missing.stderr

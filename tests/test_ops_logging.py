@@ -20,14 +20,15 @@ TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 
 def wait_for_line(server, pattern: str, timeout: float = 10.0) -> str:
     """The first line matching ``pattern`` in the server's log, once there is one."""
+
     def search():
         return re.search(pattern, server.log(), re.MULTILINE)
+
     assert wait_until(search, timeout), f"no line matching {pattern!r} in:\n{server.log()}"
     return search().group(0)
 
 
-def test_a_session_logs_one_line_when_it_opens_and_one_when_it_closes(start_server,
-                                                                      checkpoint):
+def test_a_session_logs_one_line_when_it_opens_and_one_when_it_closes(start_server, checkpoint):
     server = start_server(checkpoint, "--log-level", "INFO")
     peer = f"pid {os.getpid()} uid {os.getuid()}"
     with server.client(name="ops-test") as client:
@@ -48,14 +49,19 @@ def test_requests_and_stats_queries_add_no_log_lines(start_server, checkpoint):
         for _ in range(300):
             client.lookup(1, np.arange(32))
         for _ in range(5):
-            subprocess.run([sys.executable, "-m", "pleserver.cli", "stats", "--socket",
-                            server.socket], check=True, capture_output=True, timeout=60)
+            subprocess.run(
+                [sys.executable, "-m", "pleserver.cli", "stats", "--socket", server.socket],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
             PleClient.query_stats(server.socket)
         assert len(server.log().splitlines()) == settled, server.log()
 
 
-def run_server(model, env: dict[str, str], log_path: Path, journal: bool,
-               ready: bool = True) -> str:
+def run_server(
+    model, env: dict[str, str], log_path: Path, journal: bool, ready: bool = True
+) -> str:
     """Run `pleserver serve` with stderr on ``log_path`` (announced as the
     journal stream when ``journal``) until it is ready — or, unless ``ready``,
     until it exits with status 2 — then stop it; its log."""
@@ -70,24 +76,28 @@ def run_server(model, env: dict[str, str], log_path: Path, journal: bool,
 
 
 def test_on_the_journal_lines_carry_a_priority_and_no_timestamp(checkpoint, tmp_path):
-    text = run_server(checkpoint, {"INVOCATION_ID": "0" * 32}, tmp_path / "journal.log",
-                      journal=True)
+    text = run_server(
+        checkpoint, {"INVOCATION_ID": "0" * 32}, tmp_path / "journal.log", journal=True
+    )
     lines = text.splitlines()
-    assert any(re.match(r"<6>INFO pleserver\.server: ple-server .* ready: serving", line)
-               for line in lines), text
+    assert any(
+        re.match(r"<6>INFO pleserver\.server: ple-server .* ready: serving", line) for line in lines
+    ), text
     assert all(re.match(r"<\d>", line) and not TIMESTAMP.match(line[3:]) for line in lines), text
 
 
 def test_errors_reach_the_journal_with_error_priority(checkpoint, tmp_path):
-    text = run_server(tmp_path / "no-such-model", {}, tmp_path / "journal.log", journal=True,
-                      ready=False)
+    text = run_server(
+        tmp_path / "no-such-model", {}, tmp_path / "journal.log", journal=True, ready=False
+    )
     assert re.search(r"^<3>ERROR pleserver: .*no-such-model", text, re.MULTILINE), text
 
 
 def test_off_the_journal_lines_carry_timestamps(checkpoint, tmp_path):
     # INVOCATION_ID alone (a systemd service whose stderr is not the journal)
     # keeps the timestamps: only $JOURNAL_STREAM matching stderr drops them.
-    text = run_server(checkpoint, {"INVOCATION_ID": "0" * 32}, tmp_path / "plain.log",
-                      journal=False)
+    text = run_server(
+        checkpoint, {"INVOCATION_ID": "0" * 32}, tmp_path / "plain.log", journal=False
+    )
     assert "ready: serving" in text
     assert all(TIMESTAMP.match(line) for line in text.splitlines()), text

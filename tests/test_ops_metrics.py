@@ -37,16 +37,23 @@ class Scrape:
             assert response.status == 200
             self.text = response.read().decode()
         self.families = {f.name: f for f in text_string_to_metric_families(self.text)}
-        self.samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                        for f in self.families.values() for s in f.samples}
+        self.samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in self.families.values()
+            for s in f.samples
+        }
 
     def value(self, name: str, **labels: str) -> float:
         return self.samples[(name, tuple(sorted(labels.items())))]
 
     def table(self, name: str, layer: int, **labels: str) -> float:
-        matches = [v for (n, ls), v in self.samples.items()
-                   if n == name and dict(ls).get("layer") == str(layer)
-                   and all(dict(ls).get(k) == v2 for k, v2 in labels.items())]
+        matches = [
+            v
+            for (n, ls), v in self.samples.items()
+            if n == name
+            and dict(ls).get("layer") == str(layer)
+            and all(dict(ls).get(k) == v2 for k, v2 in labels.items())
+        ]
         assert len(matches) == 1, (name, layer, labels, matches)
         return matches[0]
 
@@ -61,8 +68,11 @@ def test_every_documented_series_is_served_and_nothing_undocumented(start_server
     with server.client() as client:
         client.lookup(1, [0, 1])
         scrape = Scrape(metrics_url(server))
-    served = {name + "_total" if f.type == "counter" else name
-              for name, f in scrape.families.items() if name.startswith("ple_")}
+    served = {
+        name + "_total" if f.type == "counter" else name
+        for name, f in scrape.families.items()
+        if name.startswith("ple_")
+    }
     assert documented_series() == served
     assert "process_resident_memory_bytes" in scrape.families
 
@@ -81,6 +91,7 @@ def test_counters_and_histograms_move_with_traffic(metrics_server):
 
     def delta(name: str, **labels: str) -> float:
         return during.table(name, 3, **labels) - before.table(name, 3, **labels)
+
     assert delta("ple_requests_total") == 5
     assert delta("ple_rows_total") == 500
     assert delta("ple_bytes_total") == 500 * row_bytes
@@ -111,11 +122,20 @@ def test_metrics_show_the_numbers_of_pleserver_stats(metrics_server):
         assert scrape.table("ple_requests_total", t["layer"]) == t["requests"]
         assert scrape.table("ple_rows_total", t["layer"]) == t["rows"]
         assert scrape.table("ple_bytes_total", t["layer"]) == t["bytes"]
-        assert scrape.table("ple_server_time_seconds_count", t["layer"]) == \
-            t["server_time"]["count"]
+        assert (
+            scrape.table("ple_server_time_seconds_count", t["layer"]) == t["server_time"]["count"]
+        )
         assert scrape.table("ple_table_size_bytes", t["layer"]) == t["table_bytes"]
-        assert scrape.table("ple_table_info", t["layer"], dtype=t["dtype"],
-                            fingerprint=t["fingerprint"], rows=str(t["rows_total"])) == 1
+        assert (
+            scrape.table(
+                "ple_table_info",
+                t["layer"],
+                dtype=t["dtype"],
+                fingerprint=t["fingerprint"],
+                rows=str(t["rows_total"]),
+            )
+            == 1
+        )
 
 
 def test_latency_buckets_are_cumulative_in_seconds_up_to_the_count(metrics_server):
@@ -124,8 +144,11 @@ def test_latency_buckets_are_cumulative_in_seconds_up_to_the_count(metrics_serve
             client.lookup(1, np.arange(n))
     scrape = Scrape(metrics_url(metrics_server))
     for name in ("ple_server_time_seconds_bucket", "ple_queue_time_seconds_bucket"):
-        buckets = sorted((float(dict(ls)["le"]), v) for (n, ls), v in scrape.samples.items()
-                         if n == name and dict(ls)["layer"] == "1")
+        buckets = sorted(
+            (float(dict(ls)["le"]), v)
+            for (n, ls), v in scrape.samples.items()
+            if n == name and dict(ls)["layer"] == "1"
+        )
         bounds, counts = zip(*buckets, strict=True)
         assert bounds[0] == BUCKETS_S[0] and bounds[-2] == BUCKETS_S[-1]
         assert bounds[-1] == float("inf") and counts[-1] == 3
@@ -162,7 +185,6 @@ def test_an_address_in_use_is_a_clear_startup_error(start_server, checkpoint):
 
 
 def test_an_unknown_host_is_a_clear_startup_error(start_server, checkpoint):
-    server = start_server(checkpoint, "--metrics-address", "no-such-host.invalid:9478",
-                          wait=False)
+    server = start_server(checkpoint, "--metrics-address", "no-such-host.invalid:9478", wait=False)
     assert server.proc.wait(60) == 2
     assert "cannot serve metrics on no-such-host.invalid:9478" in server.log()

@@ -46,6 +46,7 @@ def real_systemd(test):
     the install); the README check below runs everywhere."""
     return pytest.mark.real_systemd(pytest.mark.timeout(1200)(test))
 
+
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "deploy" / "README.md"
 RUN_SECTIONS = ("## Install on a fresh host", "## Several models on one host")
@@ -54,9 +55,10 @@ PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 VENV_PY = "/opt/ple-server/bin/python3"
 # The checkpoints the README's examples name, and what the test puts there.
 MODELS = {
-    "/models/Qwen3.8-Flash-Next": (SyntheticTable(layer=1, rows=20_000, cols=160, dtype="F8_E4M3",
-                                                  parts=4),
-                                   SyntheticTable(layer=3, rows=12_000, cols=160, parts=4)),
+    "/models/Qwen3.8-Flash-Next": (
+        SyntheticTable(layer=1, rows=20_000, cols=160, dtype="F8_E4M3", parts=4),
+        SyntheticTable(layer=3, rows=12_000, cols=160, parts=4),
+    ),
     "/models/Qwen4-Exp": (SyntheticTable(layer=2, rows=9_000, cols=128, parts=2),),
 }
 INSTANCES = {"flash-next": "/models/Qwen3.8-Flash-Next", "qwen4-exp": "/models/Qwen4-Exp"}
@@ -71,21 +73,30 @@ def readme_commands() -> str:
     for heading in RUN_SECTIONS:
         start = text.index(heading)
         end = text.find("\n## ", start + len(heading))
-        section = text[start:end if end >= 0 else len(text)]
-        blocks += [textwrap.dedent(b) for b in
-                   re.findall(r"^[ \t]*```sh\n(.*?)^[ \t]*```$", section, re.M | re.S)]
+        section = text[start : end if end >= 0 else len(text)]
+        blocks += [
+            textwrap.dedent(b)
+            for b in re.findall(r"^[ \t]*```sh\n(.*?)^[ \t]*```$", section, re.M | re.S)
+        ]
     return "\n".join(blocks)
 
 
 def test_the_readme_sections_hold_the_whole_install():
     """Cheap and always run: the extraction finds every step it must run."""
     commands = readme_commands()
-    for step in ("pip install .", "systemd-sysusers", "systemd-tmpfiles --create",
-                 "pleserver inspect", "pleserver doctor --model", "/etc/ple-server/config.toml",
-                 "config check",
-                 "systemctl enable --now ple-server\n", "pleserver stats",
-                 "ple-server@.service", "enable --now ple-server@flash-next "
-                 "ple-server@qwen4-exp"):
+    for step in (
+        "pip install .",
+        "systemd-sysusers",
+        "systemd-tmpfiles --create",
+        "pleserver inspect",
+        "pleserver doctor --model",
+        "/etc/ple-server/config.toml",
+        "config check",
+        "systemctl enable --now ple-server\n",
+        "pleserver stats",
+        "ple-server@.service",
+        "enable --now ple-server@flash-next ple-server@qwen4-exp",
+    ):
         assert step in commands, f"deploy/README.md no longer runs {step!r}"
     # Nothing a stock Debian lacks, nothing that waits for ever.
     assert not re.search(r"^\s*(sudo )?(setfacl|curl|sudoedit)\b", commands, re.M)
@@ -100,16 +111,20 @@ def fail(message: str) -> None:
 def require_host() -> None:
     if os.geteuid() != 0:
         fail("the real-systemd test boots a container: run it as root (.ci/run does)")
-    missing = [tool for tool in ("systemd-nspawn", "debootstrap", "nsenter")
-               if shutil.which(tool) is None]
+    missing = [
+        tool for tool in ("systemd-nspawn", "debootstrap", "nsenter") if shutil.which(tool) is None
+    ]
     if missing:
-        fail(f"missing {', '.join(missing)}: apt-get install --no-install-recommends "
-             "systemd-container debootstrap (.ci/run installs them)")
+        fail(
+            f"missing {', '.join(missing)}: apt-get install --no-install-recommends "
+            "systemd-container debootstrap (.ci/run installs them)"
+        )
 
 
 def debian_root() -> Path:
-    result = subprocess.run([str(REPO / ".ci" / "debian-root")], capture_output=True,
-                            text=True, timeout=1800)
+    result = subprocess.run(
+        [str(REPO / ".ci" / "debian-root")], capture_output=True, text=True, timeout=1800
+    )
     if result.returncode != 0:
         fail(f".ci/debian-root failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return Path(result.stdout.strip().splitlines()[-1])
@@ -119,8 +134,7 @@ def wheelhouse() -> Path:
     """Wheels of pleserver's build and run dependencies for the container's
     Python (Debian 12: CPython 3.11), cached by the dependency spec."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    wanted = project["build-system"]["requires"] + project["project"]["dependencies"] + \
-        ["wheel"]
+    wanted = project["build-system"]["requires"] + project["project"]["dependencies"] + ["wheel"]
     machine = platform.machine()
     key = hashlib.sha256(json.dumps([wanted, machine]).encode()).hexdigest()[:16]
     path = CACHE / f"wheels-{key}"
@@ -129,12 +143,32 @@ def wheelhouse() -> Path:
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "--dest", str(path),
-         "--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp",
-         "--abi", "cp311", *(arg for tag in ("manylinux_2_28", "manylinux_2_17",
-                                             "manylinux2014")
-                             for arg in ("--platform", f"{tag}_{machine}")), *wanted],
-        capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--dest",
+            str(path),
+            "--only-binary=:all:",
+            "--python-version",
+            "3.11",
+            "--implementation",
+            "cp",
+            "--abi",
+            "cp311",
+            *(
+                arg
+                for tag in ("manylinux_2_28", "manylinux_2_17", "manylinux2014")
+                for arg in ("--platform", f"{tag}_{machine}")
+            ),
+            *wanted,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if result.returncode != 0:
         fail(f"pip download of {wanted} failed:\n{result.stderr[-4000:]}")
     (path / ".complete").touch()
@@ -147,13 +181,25 @@ class Machine:
     def __init__(self, root: Path, binds: dict[str, str], workdir: Path) -> None:
         self.name = f"ple-ci-{os.getpid()}"
         self.log_path = workdir / "boot.log"
-        args = ["systemd-nspawn", "--quiet", "--directory", str(root), "--boot",
-                "--register=no", "--keep-unit", "--volatile=overlay",
-                f"--machine={self.name}"]
+        args = [
+            "systemd-nspawn",
+            "--quiet",
+            "--directory",
+            str(root),
+            "--boot",
+            "--register=no",
+            "--keep-unit",
+            "--volatile=overlay",
+            f"--machine={self.name}",
+        ]
         args += [f"--bind={host}:{inside}" for host, inside in binds.items()]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL,
-                                     stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=open(self.log_path, "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.leader = self._wait_for_leader()
         self._wait_until_booted()
 
@@ -184,30 +230,55 @@ class Machine:
     def boot_log(self) -> str:
         return self.log_path.read_bytes().decode(errors="replace")[-4000:]
 
-    def run(self, script: str, *, user: str | None = None, check: bool = True,
-            timeout: float = 120) -> subprocess.CompletedProcess:
+    def run(
+        self, script: str, *, user: str | None = None, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
         """``script`` in bash inside the container, as root (or ``user``), from
         the source tree's root."""
         command = ["bash", "-c", "cd /root/pleserver 2>/dev/null; " + script]
         if user:
-            command = ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups",
-                       "--reset-env", "bash", "-c", f"cd /tmp; {script}"]
+            command = [
+                "setpriv",
+                f"--reuid={user}",
+                f"--regid={user}",
+                "--init-groups",
+                "--reset-env",
+                "bash",
+                "-c",
+                f"cd /tmp; {script}",
+            ]
         result = subprocess.run(
-            ["nsenter", f"--target={self.leader}", "--all", "env", "-i", f"PATH={PATH}",
-             "HOME=/root", "LANG=C.UTF-8", "SYSTEMD_PAGER=", *command],
-            capture_output=True, text=True, timeout=timeout)
+            [
+                "nsenter",
+                f"--target={self.leader}",
+                "--all",
+                "env",
+                "-i",
+                f"PATH={PATH}",
+                "HOME=/root",
+                "LANG=C.UTF-8",
+                "SYSTEMD_PAGER=",
+                *command,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check and result.returncode != 0:
-            fail(f"in the container, `{script}` exited {result.returncode}:\n"
-                 f"{result.stdout[-6000:]}\n{result.stderr[-6000:]}")
+            fail(
+                f"in the container, `{script}` exited {result.returncode}:\n"
+                f"{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
+            )
         return result
 
     def python(self, code: str, *, user: str, check: bool = True) -> subprocess.CompletedProcess:
-        return self.run(f"{VENV_PY} - <<'PY'\n{textwrap.dedent(code)}\nPY", user=user,
-                        check=check)
+        return self.run(f"{VENV_PY} - <<'PY'\n{textwrap.dedent(code)}\nPY", user=user, check=check)
 
     def show(self, unit: str) -> dict[str, str]:
-        out = self.run(f"systemctl show {unit} -p ActiveState -p SubState -p Result "
-                       "-p MainPID -p NRestarts -p ExecMainStatus -p StatusText").stdout
+        out = self.run(
+            f"systemctl show {unit} -p ActiveState -p SubState -p Result "
+            "-p MainPID -p NRestarts -p ExecMainStatus -p StatusText"
+        ).stdout
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
     def wait_for(self, unit: str, predicate, what: str, timeout: float) -> dict[str, str]:
@@ -218,12 +289,10 @@ class Machine:
                 return state
             time.sleep(0.5)
             state = self.show(unit)
-        fail(f"{unit}: no {what} in {timeout:.0f} s; state {state}\n"
-             f"{self.journal(unit)}")
+        fail(f"{unit}: no {what} in {timeout:.0f} s; state {state}\n{self.journal(unit)}")
 
     def journal(self, unit: str, lines: int = 60) -> str:
-        return self.run(f"journalctl -u {unit} -n {lines} --no-pager -o cat",
-                        check=False).stdout
+        return self.run(f"journalctl -u {unit} -n {lines} --no-pager -o cat", check=False).stdout
 
     def shutdown(self) -> None:
         if self.proc.poll() is None:
@@ -245,9 +314,16 @@ def machine():
     try:
         # The source tree as a user's checkout holds it (tracked and new files).
         src = work / "pleserver"
-        files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
-                                "--exclude-standard"], cwd=REPO, capture_output=True,
-                               check=True).stdout.decode().split("\0")
+        files = (
+            subprocess.run(
+                ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                cwd=REPO,
+                capture_output=True,
+                check=True,
+            )
+            .stdout.decode()
+            .split("\0")
+        )
         for name in filter(None, files):
             if (REPO / name).is_file():
                 (src / name).parent.mkdir(parents=True, exist_ok=True)
@@ -266,8 +342,10 @@ def machine():
         try:
             # What the host has before the README: the vLLM workers' user, and
             # another user who must be refused.
-            box.run("useradd --system --no-create-home vllm && "
-                    "useradd --system --no-create-home intruder")
+            box.run(
+                "useradd --system --no-create-home vllm && "
+                "useradd --system --no-create-home intruder"
+            )
             yield box
         finally:
             box.shutdown()
@@ -321,10 +399,14 @@ def test_readme_install_gives_a_ready_service_with_its_status(installed):
     assert "installed" in output and "ple_server_info{" in output, output[-3000:]
     assert "doctor: OK" in output and "Recommended settings" in output, output[-3000:]
     # The status line keeps what is served while and after the prewarm.
-    done = machine.wait_for("ple-server", lambda s: "prewarm done" in s["StatusText"],
-                            "finished prewarm", 60)
-    assert re.fullmatch(r"serving 2 tables on /run/ple-server/ple\.sock; prewarm done: "
-                        r"100\.0% \([0-9.]+ MiB of [0-9.]+ MiB\)", done["StatusText"]), done
+    done = machine.wait_for(
+        "ple-server", lambda s: "prewarm done" in s["StatusText"], "finished prewarm", 60
+    )
+    assert re.fullmatch(
+        r"serving 2 tables on /run/ple-server/ple\.sock; prewarm done: "
+        r"100\.0% \([0-9.]+ MiB of [0-9.]+ MiB\)",
+        done["StatusText"],
+    ), done
     journal = machine.journal("ple-server")
     assert journal.index("ready: serving 2 tables") < journal.index("prewarm: reading"), journal
 
@@ -332,14 +414,18 @@ def test_readme_install_gives_a_ready_service_with_its_status(installed):
 @real_systemd
 def test_an_allowed_uid_gets_rows_and_another_is_refused(installed):
     machine, _, _ = installed
-    ok = machine.python(client_code("/run/ple-server/ple.sock", "/models/Qwen3.8-Flash-Next"),
-                        user="vllm")
+    ok = machine.python(
+        client_code("/run/ple-server/ple.sock", "/models/Qwen3.8-Flash-Next"), user="vllm"
+    )
     assert "rows ok 2" in ok.stdout
-    refused = machine.python(client_code("/run/ple-server/ple.sock",
-                                         "/models/Qwen3.8-Flash-Next"),
-                             user="intruder", check=False)
-    assert refused.returncode != 0 and "may not use this ple-server" in refused.stderr, \
+    refused = machine.python(
+        client_code("/run/ple-server/ple.sock", "/models/Qwen3.8-Flash-Next"),
+        user="intruder",
+        check=False,
+    )
+    assert refused.returncode != 0 and "may not use this ple-server" in refused.stderr, (
         refused.stderr[-2000:]
+    )
 
 
 def signal_and_wait_for_restart(machine, signame: str, why: str, timeout: float) -> None:
@@ -347,8 +433,11 @@ def signal_and_wait_for_restart(machine, signame: str, why: str, timeout: float)
     before = machine.show("ple-server")
     machine.run(f"kill -{signame} {before['MainPID']}")
     after = machine.wait_for(
-        "ple-server", lambda s: s["ActiveState"] == "active" and s["MainPID"] not in
-        ("0", before["MainPID"]), why, timeout)
+        "ple-server",
+        lambda s: s["ActiveState"] == "active" and s["MainPID"] not in ("0", before["MainPID"]),
+        why,
+        timeout,
+    )
     assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1, after
 
 
@@ -361,8 +450,9 @@ def test_sigkill_restarts_the_server(installed):
 @real_systemd
 def test_a_wedged_server_is_killed_by_the_watchdog_and_restarted(installed):
     machine, _, _ = installed
-    signal_and_wait_for_restart(machine, "STOP",
-                                "restart after the watchdog timeout (WatchdogSec=30)", 75)
+    signal_and_wait_for_restart(
+        machine, "STOP", "restart after the watchdog timeout (WatchdogSec=30)", 75
+    )
     assert "Watchdog timeout" in machine.run("journalctl -u ple-server --no-pager").stdout
 
 
@@ -372,15 +462,18 @@ def test_manual_restarts_do_not_hit_the_start_limit(installed):
     for _ in range(6):  # with the restarts above, more than StartLimitBurst=5 used to allow
         machine.run("systemctl restart ple-server")
     assert machine.show("ple-server")["ActiveState"] == "active"
-    machine.python(client_code("/run/ple-server/ple.sock", "/models/Qwen3.8-Flash-Next"),
-                   user="vllm")
+    machine.python(
+        client_code("/run/ple-server/ple.sock", "/models/Qwen3.8-Flash-Next"), user="vllm"
+    )
 
 
 @real_systemd
 def test_a_config_error_exits_78_without_a_restart_loop(installed):
     machine, _, _ = installed
-    machine.run("cp /etc/ple-server/config.toml /root/config.good && "
-                "echo 'max_clients = \"many\"' >> /etc/ple-server/config.toml")
+    machine.run(
+        "cp /etc/ple-server/config.toml /root/config.good && "
+        "echo 'max_clients = \"many\"' >> /etc/ple-server/config.toml"
+    )
     start = machine.run("systemctl restart ple-server", check=False)
     assert start.returncode != 0
     failed = machine.show("ple-server")
@@ -390,8 +483,10 @@ def test_a_config_error_exits_78_without_a_restart_loop(installed):
     assert later["ActiveState"] == "failed" and later["NRestarts"] == failed["NRestarts"], later
     assert "max_clients" in machine.journal("ple-server", 20)
     # The README's way back.
-    machine.run("cp /root/config.good /etc/ple-server/config.toml && "
-                "systemctl reset-failed ple-server && systemctl start ple-server")
+    machine.run(
+        "cp /root/config.good /etc/ple-server/config.toml && "
+        "systemctl reset-failed ple-server && systemctl start ple-server"
+    )
     assert machine.show("ple-server")["ActiveState"] == "active"
 
 
@@ -417,7 +512,8 @@ def test_two_template_instances_serve_their_models_and_the_single_unit_stops_cle
         state = machine.show(f"ple-server@{name}")
         assert state["ActiveState"] == "active", (name, state)
         assert state["StatusText"].startswith(
-            f"serving {len(MODELS[model])} tables on /run/ple-server/{name}.sock"), state
+            f"serving {len(MODELS[model])} tables on /run/ple-server/{name}.sock"
+        ), state
         out = machine.python(client_code(f"/run/ple-server/{name}.sock", model), user="vllm")
         assert f"rows ok {len(MODELS[model])}" in out.stdout
         machine.run(f"test -d /var/lib/ple-server/{name}")
@@ -425,10 +521,13 @@ def test_two_template_instances_serve_their_models_and_the_single_unit_stops_cle
     assert f"model {INSTANCES['qwen4-exp']}" in result.stdout, result.stdout[-3000:]
     # The vLLM plugin's socket choice, by the checkpoint it loads.
     for name, model in INSTANCES.items():
-        chosen = machine.python(f"""
+        chosen = machine.python(
+            f"""
             from pleclient.vllm_plugin.discovery import find_socket
             print(find_socket("{model}"))
-        """, user="vllm").stdout.strip()
+        """,
+            user="vllm",
+        ).stdout.strip()
         assert chosen == f"/run/ple-server/{name}.sock", (model, chosen)
     # A clean stop of one instance leaves the other serving.
     machine.run("systemctl stop ple-server@qwen4-exp")

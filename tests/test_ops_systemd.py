@@ -24,8 +24,7 @@ def require_tool(name: str) -> str:
     where .ci/run installs it, and is skipped elsewhere."""
     path = shutil.which(name)
     if path is None:
-        message = (f"{name} is not installed: `apt-get install systemd` (.ci/run installs "
-                   "it in CI)")
+        message = f"{name} is not installed: `apt-get install systemd` (.ci/run installs it in CI)"
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
@@ -44,8 +43,9 @@ def unit_settings(unit: Path = UNIT) -> dict[str, list[str]]:
     return settings
 
 
-@pytest.mark.parametrize("source,name", [(UNIT, "ple-server.service"),
-                                         (TEMPLATE, "ple-server@flash-next.service")])
+@pytest.mark.parametrize(
+    "source,name", [(UNIT, "ple-server.service"), (TEMPLATE, "ple-server@flash-next.service")]
+)
 def test_unit_file_passes_systemd_analyze_verify(tmp_path, source, name):
     analyze = require_tool("systemd-analyze")
     # verify also checks that ExecStart's program exists: stand one in for the
@@ -57,10 +57,18 @@ def test_unit_file_passes_systemd_analyze_verify(tmp_path, source, name):
     assert text.count(UNIT_EXEC) == 1
     (tmp_path / source.name).write_text(text.replace(UNIT_EXEC, str(program)))
     # A template is verified through an instance of it.
-    result = subprocess.run([analyze, "verify", "--man=no", str(tmp_path / source.name)
-                             if source is UNIT else f"{tmp_path}/{name}"],
-                            capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "SYSTEMD_UNIT_PATH": f"{tmp_path}:"})
+    result = subprocess.run(
+        [
+            analyze,
+            "verify",
+            "--man=no",
+            str(tmp_path / source.name) if source is UNIT else f"{tmp_path}/{name}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SYSTEMD_UNIT_PATH": f"{tmp_path}:"},
+    )
     ours = [line for line in result.stderr.splitlines() if "ple-server" in line]
     assert result.returncode == 0 and not ours, result.stderr
 
@@ -80,11 +88,14 @@ def test_unit_is_notify_type_with_watchdog_restart_and_directories():
 def test_template_is_the_unit_with_per_instance_config_socket_and_state():
     single, template = unit_settings(), unit_settings(TEMPLATE)
     per_instance = {"Description", "ExecStart", "StateDirectory", "SyslogIdentifier"}
-    assert {k: v for k, v in single.items() if k not in per_instance} == \
-        {k: v for k, v in template.items() if k not in per_instance}
-    assert template["ExecStart"] == [f"{UNIT_EXEC} serve --config /etc/ple-server/%i.toml "
-                                     "--socket /run/ple-server/%i.sock "
-                                     "--state-dir /var/lib/ple-server/%i"]
+    assert {k: v for k, v in single.items() if k not in per_instance} == {
+        k: v for k, v in template.items() if k not in per_instance
+    }
+    assert template["ExecStart"] == [
+        f"{UNIT_EXEC} serve --config /etc/ple-server/%i.toml "
+        "--socket /run/ple-server/%i.sock "
+        "--state-dir /var/lib/ple-server/%i"
+    ]
     assert template["StateDirectory"] == ["ple-server/%i"]
     assert template["RuntimeDirectory"] == ["ple-server"]  # shared: every socket in one place
 
@@ -99,20 +110,32 @@ def test_manual_restarts_leave_room_before_the_start_limit():
 
 def test_unit_keeps_dev_shm_and_proc_visible():
     s = unit_settings()
-    for isolating in ("PrivateDevices", "PrivateIPC", "PrivateUsers", "ProtectProc",
-                      "ProcSubset", "DynamicUser"):
+    for isolating in (
+        "PrivateDevices",
+        "PrivateIPC",
+        "PrivateUsers",
+        "ProtectProc",
+        "ProcSubset",
+        "DynamicUser",
+    ):
         assert isolating not in s, f"{isolating}= breaks clients or the server: see the unit"
 
 
 def test_sysusers_snippet_creates_the_user_and_client_group(tmp_path):
     sysusers = require_tool("systemd-sysusers")
     (tmp_path / "etc").mkdir()
-    result = subprocess.run([sysusers, f"--root={tmp_path}", "-"],
-                            input=(DEPLOY / "ple-server.sysusers").read_text(),
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sysusers, f"--root={tmp_path}", "-"],
+        input=(DEPLOY / "ple-server.sysusers").read_text(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
-    users = {line.split(":")[0]: line.split(":")
-             for line in (tmp_path / "etc/passwd").read_text().splitlines()}
+    users = {
+        line.split(":")[0]: line.split(":")
+        for line in (tmp_path / "etc/passwd").read_text().splitlines()
+    }
     groups = {line.split(":")[0] for line in (tmp_path / "etc/group").read_text().splitlines()}
     assert "ple-server" in users and {"ple-server", "ple-clients"} <= groups
     assert users["ple-server"][5] == "/var/lib/ple-server"
@@ -124,16 +147,28 @@ def test_tmpfiles_snippet_creates_the_socket_directory(tmp_path):
     sysusers = require_tool("systemd-sysusers")
     tmpfiles = require_tool("systemd-tmpfiles")
     (tmp_path / "etc").mkdir()
-    subprocess.run([sysusers, f"--root={tmp_path}", "-"], check=True, capture_output=True,
-                   input=(DEPLOY / "ple-server.sysusers").read_text(), text=True, timeout=60)
-    result = subprocess.run([tmpfiles, f"--root={tmp_path}", "--create", "-"],
-                            input=(DEPLOY / "ple-server.tmpfiles").read_text(),
-                            capture_output=True, text=True, timeout=60)
+    subprocess.run(
+        [sysusers, f"--root={tmp_path}", "-"],
+        check=True,
+        capture_output=True,
+        input=(DEPLOY / "ple-server.sysusers").read_text(),
+        text=True,
+        timeout=60,
+    )
+    result = subprocess.run(
+        [tmpfiles, f"--root={tmp_path}", "--create", "-"],
+        input=(DEPLOY / "ple-server.tmpfiles").read_text(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "run/ple-server"
-    uid = next(int(line.split(":")[2])
-               for line in (tmp_path / "etc/passwd").read_text().splitlines()
-               if line.startswith("ple-server:"))
+    uid = next(
+        int(line.split(":")[2])
+        for line in (tmp_path / "etc/passwd").read_text().splitlines()
+        if line.startswith("ple-server:")
+    )
     assert run_dir.is_dir() and run_dir.stat().st_uid == uid
     assert run_dir.stat().st_mode & 0o777 == 0o755
 
@@ -162,11 +197,16 @@ def test_status_reports_prewarm_progress_after_ready(start_server, checkpoint):
     # The prewarm starts after READY=1, and the status line keeps what is served.
     assert prewarm_at and min(prewarm_at) > ready_at, statuses
     lines = [f for f in server.notify.fields("STATUS=") if "; prewarm " in f]
-    assert all(f.startswith(f"STATUS=serving 2 tables on {server.socket}; prewarm ")
-               for f in lines), lines
+    assert all(
+        f.startswith(f"STATUS=serving 2 tables on {server.socket}; prewarm ") for f in lines
+    ), lines
     # 4 MiB reads as MiB, never as "0.00 GiB".
-    assert "STATUS=serving 2 tables on " + server.socket + \
-        "; prewarm budget: 100.0% (4.00 MiB of 4.00 MiB)" in final, final
+    assert (
+        "STATUS=serving 2 tables on "
+        + server.socket
+        + "; prewarm budget: 100.0% (4.00 MiB of 4.00 MiB)"
+        in final
+    ), final
     assert not any("0.00 GiB" in f for f in lines), lines
 
 
@@ -182,10 +222,10 @@ def test_watchdog_pings_arrive_at_the_configured_interval(start_server, checkpoi
     assert server.running
 
 
-def test_no_watchdog_pings_when_the_watchdog_is_meant_for_another_process(
-        start_server, checkpoint):
-    server = start_server(checkpoint, env={"WATCHDOG_USEC": "600000",
-                                           "WATCHDOG_PID": str(os.getpid())})
+def test_no_watchdog_pings_when_the_watchdog_is_meant_for_another_process(start_server, checkpoint):
+    server = start_server(
+        checkpoint, env={"WATCHDOG_USEC": "600000", "WATCHDOG_PID": str(os.getpid())}
+    )
     server.notify.collect(1.5)  # several ping intervals
     assert "WATCHDOG=1" not in server.notify.fields()
 

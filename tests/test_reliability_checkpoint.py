@@ -23,8 +23,9 @@ def model(tmp_path):
 
 
 def second_file(model: str) -> str:
-    return sorted(os.path.join(model, f) for f in os.listdir(model)
-                  if f.endswith(".safetensors"))[1]
+    return sorted(os.path.join(model, f) for f in os.listdir(model) if f.endswith(".safetensors"))[
+        1
+    ]
 
 
 def test_a_truncated_shard_file_is_refused_at_start(start_server, model):
@@ -56,8 +57,11 @@ def test_a_shard_truncated_under_an_idle_server_fails_its_requests_clearly(start
         os.truncate(path, os.path.getsize(path) // 2)
         assert wait_until(lambda: "changed on disk" in server.log()), server.log()[-2000:]
         for layer in (1, 3):  # both tables have shards in that file
-            with pytest.raises(RequestError, match="changed on disk while ple-server had it "
-                               r"mapped \(size .* bytes\).*restart ple-server"):
+            with pytest.raises(
+                RequestError,
+                match="changed on disk while ple-server had it "
+                r"mapped \(size .* bytes\).*restart ple-server",
+            ):
                 client.lookup(layer, [1, 10_000])
         assert client.stats()["tables"][0]["errors"]["internal"] == 1
     assert server.proc.poll() is None
@@ -92,8 +96,9 @@ def test_a_shard_replaced_while_serving_keeps_serving_the_mapped_rows(start_serv
     reference = read_reference(model, SMALL_TABLES[1].name)
     server = start_server(model)
     path = second_file(model)
-    other = write_checkpoint(str(os.path.join(os.path.dirname(model), "other")),
-                             SMALL_TABLES, files=2, seed=1)
+    other = write_checkpoint(
+        str(os.path.join(os.path.dirname(model), "other")), SMALL_TABLES, files=2, seed=1
+    )
     shutil.copy(second_file(other), path + ".new")
     os.replace(path + ".new", path)  # as downloads and rsync do
     assert wait_until(lambda: "was replaced on disk" in server.log())
@@ -110,7 +115,9 @@ def test_a_shard_rewritten_in_place_fails_its_requests_clearly(start_server, mod
         f.seek(size - 4096)
         f.write(bytes(4096))
     assert wait_until(lambda: "changed on disk" in server.log())
-    with server.client() as client, pytest.raises(RequestError,
-                                                  match="rewritten in place, same size"):
+    with (
+        server.client() as client,
+        pytest.raises(RequestError, match="rewritten in place, same size"),
+    ):
         client.lookup(3, [1])
     assert PleClient.query_stats(server.socket)["clients"] >= 1  # still up

@@ -54,8 +54,9 @@ def sessions(server) -> int:
 
 def requests_answered(server, layer: int) -> int:
     """Requests the server has answered on ``layer``'s table so far."""
-    return next(t["requests"] for t in PleClient.query_stats(server.socket)["tables"]
-                if t["layer"] == layer)
+    return next(
+        t["requests"] for t in PleClient.query_stats(server.socket)["tables"] if t["layer"] == layer
+    )
 
 
 CHILD = """
@@ -80,15 +81,18 @@ time.sleep(120)  # alive, in its phase, until the test kills it
 
 @pytest.mark.parametrize("phase", ["before", "during", "after"])
 def test_client_killed_before_during_or_after_a_request_frees_its_session(
-        served, references, phase):
+    served, references, phase
+):
     with served.client(name="bystander") as bystander:
         baseline = quiet_footprint(served.pid, segments=1)
         answered = requests_answered(served, 3)
         victim = python_child(CHILD, phase, served.socket)
         try:
             assert victim.stdout.readline().strip() == "ready", victim.stderr.read()
-            assert wait_until(lambda: footprint(served.pid).segments > baseline.segments), \
-                (baseline, footprint(served.pid))
+            assert wait_until(lambda: footprint(served.pid).segments > baseline.segments), (
+                baseline,
+                footprint(served.pid),
+            )
             if phase == "during":  # its loop is running: a request always in flight
                 assert wait_until(lambda: requests_answered(served, 3) >= answered + 3)
             check_rows(bystander, references)  # served beside the victim
@@ -97,8 +101,10 @@ def test_client_killed_before_during_or_after_a_request_frees_its_session(
             victim.wait()
         killed_at = time.monotonic()
         after = settles_to(served.pid, baseline)
-        print(f"killed {phase}: settled in {time.monotonic() - killed_at:.2f} s, "
-              f"{baseline} -> {after}")
+        print(
+            f"killed {phase}: settled in {time.monotonic() - killed_at:.2f} s, "
+            f"{baseline} -> {after}"
+        )
         assert no_growth(baseline, after)
         assert sessions(served) == 1  # the bystander
         check_rows(bystander, references, seed=2)
@@ -113,8 +119,7 @@ client.close()
 """
 
 
-def test_channel_opened_and_never_used_costs_nothing_and_is_freed_on_close(
-        served, references):
+def test_channel_opened_and_never_used_costs_nothing_and_is_freed_on_close(served, references):
     baseline = quiet_footprint(served.pid, segments=0)
     idle = python_child(IDLE, served.socket, stdin=subprocess.PIPE)
     assert idle.stdout.readline().strip() == "ready"
@@ -148,8 +153,11 @@ def test_tickets_submitted_and_never_collected_are_answered_then_freed(served, r
     child = python_child(NEVER_COLLECTS, served.socket, stdin=subprocess.PIPE)
     assert child.stdout.readline().strip() == "ready"
     # The server answers all four though nobody waits for them.
-    assert wait_until(lambda: sum(t["requests"] for t in PleClient.query_stats(
-        served.socket)["tables"]) >= before + 4)
+    assert wait_until(
+        lambda: (
+            sum(t["requests"] for t in PleClient.query_stats(served.socket)["tables"]) >= before + 4
+        )
+    )
     with served.client() as other:
         check_rows(other, references)
     child.stdin.close()
@@ -185,8 +193,9 @@ def test_hundreds_of_connect_disconnect_cycles_leave_nothing(served, references,
         if kind == "stats":
             PleClient.query_stats(served.socket)
             continue
-        client = served.client(capacity=int(rng.choice([1, 64, 1024])), depth=int(
-            rng.integers(1, 5)), name=f"cycle{i}")
+        client = served.client(
+            capacity=int(rng.choice([1, 64, 1024])), depth=int(rng.integers(1, 5)), name=f"cycle{i}"
+        )
         if kind == "lookup":
             ids = rng.integers(0, references[3].shape[0], 100)
             assert np.array_equal(client.lookup(3, ids), references[3][ids])
@@ -223,13 +232,15 @@ def test_a_closed_sessions_segment_is_unmapped_promptly(served, references):
                     check_rows(closing, references, rounds=1, seed=i)
                 # The server has taken the bye while still busy.
                 closed = re.compile(rf"session \d+ closed: .*\(closing{i}\)")
-                assert wait_until(lambda closed=closed: closed.search(served.log()),
-                                  timeout=5.0)
+                assert wait_until(lambda closed=closed: closed.search(served.log()), timeout=5.0)
             finally:
                 quiet.set()
                 worker.join()
-            assert wait_until(lambda: footprint(served.pid).segments <= baseline.segments,
-                              timeout=2.0, interval=0.01), f"segment still mapped (round {i})"
+            assert wait_until(
+                lambda: footprint(served.pid).segments <= baseline.segments,
+                timeout=2.0,
+                interval=0.01,
+            ), f"segment still mapped (round {i})"
 
 
 def test_a_ticket_released_unanswered_does_not_fail_the_next_lookup(served, references):

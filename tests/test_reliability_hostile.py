@@ -38,17 +38,27 @@ def error_counts(server) -> dict[str, int]:
 # ------------------------------------------------------------ control plane
 KINDS = [m.value for m in p.MessageType] + ["", "HELLO", "x" * 300]
 anything = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats()
-    | st.text(max_size=20) | st.binary(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                               max_size=4),
-    max_leaves=12)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 message = st.fixed_dictionaries(
     {"type": st.sampled_from(KINDS) | anything},
-    optional={"version": st.sampled_from([p.PROTOCOL_VERSION, True]) | anything,
-              "capacity": st.integers(-5, 2**40) | anything,
-              "depth": st.integers(-5, 100) | anything,
-              "name": anything, "pid": anything})
+    optional={
+        "version": st.sampled_from([p.PROTOCOL_VERSION, True]) | anything,
+        "capacity": st.integers(-5, 2**40) | anything,
+        "depth": st.integers(-5, 100) | anything,
+        "name": anything,
+        "pid": anything,
+    },
+)
 
 
 def as_frame(msg) -> bytes:
@@ -61,12 +71,18 @@ frame = st.one_of(
     anything.map(as_frame),  # not a map, or a map without a string type
     st.binary(max_size=64),  # not even a frame
     st.tuples(st.integers(0, 2**32 - 1), st.binary(max_size=64)).map(  # lying length
-        lambda t: struct.pack("<I", t[0]) + t[1]),
+        lambda t: struct.pack("<I", t[0]) + t[1]
+    ),
 )
 
 
-@settings(max_examples=250, deadline=None, database=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=250,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(greet=st.booleans(), frames=st.lists(frame, min_size=1, max_size=4))
 def test_fuzzed_control_messages_get_an_error_or_a_closed_session(served, greet, frames):
     with RawSession(served.socket) as raw:
@@ -101,17 +117,25 @@ def test_frame_longer_than_the_limit_closes_the_session(served):
         assert raw.closed_by_server()
 
 
-@pytest.mark.parametrize("fields", [
-    {"capacity": "many"}, {"capacity": -1}, {"capacity": 0}, {"capacity": 2**40},
-    {"capacity": 1.5}, {"depth": 0}, {"depth": p.MAX_DEPTH + 1}, {"depth": None},
-    {"capacity": 1 << 18, "depth": p.MAX_DEPTH},  # over max_channel_bytes
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"capacity": "many"},
+        {"capacity": -1},
+        {"capacity": 0},
+        {"capacity": 2**40},
+        {"capacity": 1.5},
+        {"depth": 0},
+        {"depth": p.MAX_DEPTH + 1},
+        {"depth": None},
+        {"capacity": 1 << 18, "depth": p.MAX_DEPTH},  # over max_channel_bytes
+    ],
+)
 def test_bad_channel_geometry_is_refused_and_the_session_survives(served, fields):
     with RawSession(served.socket) as raw:
         raw.hello()
         msg, fds = raw.open_channel(**fields)
-        assert not fds and msg["type"] == "error" and \
-            msg["code"] == p.ErrorCode.CHANNEL_LIMIT, msg
+        assert not fds and msg["type"] == "error" and msg["code"] == p.ErrorCode.CHANNEL_LIMIT, msg
         msg, fds = raw.open_channel(capacity=16, depth=1)  # the session still works
         assert msg["type"] == "channel" and len(fds) == 1
         os.close(fds[0])
@@ -223,8 +247,7 @@ os._exit(0)
 """
 
 
-def test_slot_rewritten_while_the_server_works_never_crashes_it_or_leaks_rows(
-        served, references):
+def test_slot_rewritten_while_the_server_works_never_crashes_it_or_leaks_rows(served, references):
     baseline = quiet_footprint(served.pid, segments=0)
     before = error_counts(served)
     with Bystander(served, references) as bystander:
@@ -238,19 +261,23 @@ def test_slot_rewritten_while_the_server_works_never_crashes_it_or_leaks_rows(
     # but no table's counters can count them).
     assert rejected["bad_count"] and rejected["id_out_of_range"], rejected
     assert no_growth(baseline, settles_to(served.pid, baseline))
-    print(f"tamperer {out.strip()}, rejected {rejected}, bystander {bystander.lookups} "
-          f"lookups all exact")
+    print(
+        f"tamperer {out.strip()}, rejected {rejected}, bystander {bystander.lookups} "
+        f"lookups all exact"
+    )
 
 
-@pytest.mark.parametrize("table, count, ids, code, text", [
-    (7, 3, [1, 2, 3], p.ErrorCode.BAD_TABLE, "table index 7 out of range"),
-    (2**32 - 1, 3, [1, 2, 3], p.ErrorCode.BAD_TABLE, "out of range"),
-    (0, 2**32 - 1, [1, 2, 3], p.ErrorCode.BAD_COUNT, "exceeds the channel capacity"),
-    (1, 2, [5, -1], p.ErrorCode.ID_OUT_OF_RANGE, "id -1 at position 1"),
-    (1, 2, [5, 2**62], p.ErrorCode.ID_OUT_OF_RANGE, f"id {2**62} at position 1"),
-])
-def test_raw_slot_words_out_of_range_get_an_error_status(served, table, count, ids, code,
-                                                          text):
+@pytest.mark.parametrize(
+    "table, count, ids, code, text",
+    [
+        (7, 3, [1, 2, 3], p.ErrorCode.BAD_TABLE, "table index 7 out of range"),
+        (2**32 - 1, 3, [1, 2, 3], p.ErrorCode.BAD_TABLE, "out of range"),
+        (0, 2**32 - 1, [1, 2, 3], p.ErrorCode.BAD_COUNT, "exceeds the channel capacity"),
+        (1, 2, [5, -1], p.ErrorCode.ID_OUT_OF_RANGE, "id -1 at position 1"),
+        (1, 2, [5, 2**62], p.ErrorCode.ID_OUT_OF_RANGE, f"id {2**62} at position 1"),
+    ],
+)
+def test_raw_slot_words_out_of_range_get_an_error_status(served, table, count, ids, code, text):
     """What a client writes past the library's checks: the server answers with
     an error status and the session goes on."""
     from pleclient import RequestError
@@ -261,7 +288,7 @@ def test_raw_slot_words_out_of_range_get_an_error_status(served, table, count, i
         ticket.release()
         ch = client._channel
         slot = ch.slots[0]
-        slot.ids[:len(ids)] = ids
+        slot.ids[: len(ids)] = ids
         w = slot.words
         w[p.SL_TABLE], w[p.SL_COUNT] = table, count
         w[p.SL_SEQUENCE] = ch.submit_counter
@@ -270,6 +297,7 @@ def test_raw_slot_words_out_of_range_get_an_error_status(served, table, count, i
         client._sequence = (ch.submit_counter + 1) & 0xFFFFFFFF
         ch.publish_submit(client._sequence)
         from pleclient.client import Ticket
+
         with pytest.raises(RequestError, match=text) as caught:
             Ticket(client, slot, client.table(1), 1).wait()
         assert caught.value.code == code
@@ -322,20 +350,25 @@ os._exit(0)
 """
 
 
-@pytest.mark.parametrize("attack, outcome", [
-    ("waiters-max", "served"),  # only its own answers cost a wake call more
-    ("wakes", "served"),  # each costs the loop a pass over its counters
-    ("counter-max", "closed"),  # proof of a scribbled header: the session is closed
-    ("state-garbage", "ProtocolMismatch"),  # its own request, its own error
-])
+@pytest.mark.parametrize(
+    "attack, outcome",
+    [
+        ("waiters-max", "served"),  # only its own answers cost a wake call more
+        ("wakes", "served"),  # each costs the loop a pass over its counters
+        ("counter-max", "closed"),  # proof of a scribbled header: the session is closed
+        ("state-garbage", "ProtocolMismatch"),  # its own request, its own error
+    ],
+)
 def test_a_client_scribbling_on_its_sync_words_cannot_stop_the_server(
-        served, references, attack, outcome):
+    served, references, attack, outcome
+):
     baseline = quiet_footprint(served.pid, segments=0)
     with Bystander(served, references):
         attacker = python_child(SYNC_WORD_ATTACK, served.socket, attack)
         out, err = attacker.communicate(timeout=60)
-        assert served.proc.poll() is None, \
+        assert served.proc.poll() is None, (
             f"the server died ({served.proc.returncode}):\n{served.log()[-2000:]}"
+        )
         assert out.strip() == outcome, err
     assert no_growth(baseline, settles_to(served.pid, baseline))
 
@@ -366,8 +399,10 @@ def test_the_client_cannot_resize_its_segment_under_the_server(served, reference
     result = python_child(SHRINK, served.socket)
     out, err = result.communicate(timeout=60)
     lines = out.splitlines()
-    assert lines[0] == '["Operation not permitted", "Operation not permitted", ' \
-                       '"Operation not permitted"]', (out, err)
+    assert (
+        lines[0] == '["Operation not permitted", "Operation not permitted", '
+        '"Operation not permitted"]'
+    ), (out, err)
     assert lines[1] == "true"
     assert served.proc.poll() is None
 
@@ -399,8 +434,7 @@ os._exit(0)
 
 
 @pytest.mark.parametrize("mode", ["requests", "wakes"])
-def test_requests_faster_than_the_server_serves_do_not_starve_others(
-        served, references, mode):
+def test_requests_faster_than_the_server_serves_do_not_starve_others(served, references, mode):
     baseline = quiet_footprint(served.pid, segments=0)
     with Bystander(served, references) as bystander:
         flood = python_child(FLOOD, served.socket, "3", mode)
@@ -408,5 +442,7 @@ def test_requests_faster_than_the_server_serves_do_not_starve_others(
         assert flood.returncode == 0, err
     assert bystander.worst_s < 10.0  # the client timeout: served all along
     assert no_growth(baseline, settles_to(served.pid, baseline))
-    print(f"flood of {mode}: {out.strip()} submits; bystander {bystander.lookups} lookups, "
-          f"worst {bystander.worst_s * 1e3:.1f} ms")
+    print(
+        f"flood of {mode}: {out.strip()} submits; bystander {bystander.lookups} lookups, "
+        f"worst {bystander.worst_s * 1e3:.1f} ms"
+    )

@@ -49,8 +49,9 @@ def stops_in_budget(server) -> int:
     try:
         return server.proc.wait(STOP_BUDGET_S)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"still running {STOP_BUDGET_S} s after SIGTERM:\n"
-                             f"{server.log()[-3000:]}") from None
+        raise AssertionError(
+            f"still running {STOP_BUDGET_S} s after SIGTERM:\n{server.log()[-3000:]}"
+        ) from None
 
 
 # ------------------------------------------------- 1: runaway submit counter
@@ -75,7 +76,8 @@ os._exit(0)
 
 @pytest.mark.parametrize("attack", ["behind", "ahead"])
 def test_a_runaway_channel_is_closed_and_the_others_keep_being_served(
-        start_server, checkpoint, references, attack):
+    start_server, checkpoint, references, attack
+):
     server = start_server(checkpoint)
     baseline = quiet_footprint(server.pid, segments=0)
     with Bystander(server, references) as bystander:
@@ -87,19 +89,23 @@ def test_a_runaway_channel_is_closed_and_the_others_keep_being_served(
     report = json.loads(out.strip().splitlines()[-1])
     assert report["closed"], report
     assert report["message"]["code"] == p.ErrorCode.BAD_MESSAGE
-    assert re.search(r"channel closed: its submit counter ran \d+ submits ahead",
-                     report["message"]["message"]), report
+    assert re.search(
+        r"channel closed: its submit counter ran \d+ submits ahead", report["message"]["message"]
+    ), report
     assert no_growth(baseline, settles_to(server.pid, baseline))
     started = time.monotonic()
     assert stops_in_budget(server) == 0
-    print(f"{attack}: closed with {report['message']['message']!r}; bystander "
-          f"{bystander.lookups} lookups all exact, worst {bystander.worst_s * 1e3:.1f} ms; "
-          f"SIGTERM to exit {time.monotonic() - started:.2f} s")
+    print(
+        f"{attack}: closed with {report['message']['message']!r}; bystander "
+        f"{bystander.lookups} lookups all exact, worst {bystander.worst_s * 1e3:.1f} ms; "
+        f"SIGTERM to exit {time.monotonic() - started:.2f} s"
+    )
 
 
 # ------------------------------------------------------- 2: memory budget
-def test_channels_past_the_memory_budget_are_refused_not_oom_killed(start_server, checkpoint,
-                                                                    references):
+def test_channels_past_the_memory_budget_are_refused_not_oom_killed(
+    start_server, checkpoint, references
+):
     """The server runs in a memory cgroup of 400 MiB, as under MemoryMax=400M.
     Without the budget the fifth or so 43 MiB channel gets it OOM-killed; with
     the default budget (3/4 of the room left at start) the channel that does
@@ -108,8 +114,11 @@ def test_channels_past_the_memory_budget_are_refused_not_oom_killed(start_server
     with child_cgroup("memory") as cgroup:
         cgroup_write(cgroup, "memory.max", "memory.limit_in_bytes", str(400 << 20))
         server = start_server(checkpoint, "--max-clients", "32", prefix=in_cgroup(cgroup))
-        assert re.search(r"channel memory budget: \d+ MiB, 3/4 of the room at start "
-                         r"\(cgroup limit 400.00 MiB", server.log()), server.log()
+        assert re.search(
+            r"channel memory budget: \d+ MiB, 3/4 of the room at start "
+            r"\(cgroup limit 400.00 MiB",
+            server.log(),
+        ), server.log()
         clients, refusal = [], None
         try:
             for _ in range(16):  # 16 × 43 MiB: far over the limit
@@ -146,7 +155,8 @@ def _opens(server) -> bool:
 
 # ------------------------------------------- 3: a peer that never reads
 def test_sessions_that_never_read_their_replies_are_dropped_and_stall_no_one(
-        start_server, checkpoint, references):
+    start_server, checkpoint, references
+):
     server = start_server(checkpoint)
     baseline = quiet_footprint(server.pid, segments=0)
     stats_frame = p.encode_frame({"type": "stats"})
@@ -159,15 +169,19 @@ def test_sessions_that_never_read_their_replies_are_dropped_and_stall_no_one(
             assert PleClient.query_stats(server.socket)["pid"] == server.pid
             with server.client(name="newcomer") as newcomer:
                 assert np.array_equal(newcomer.lookup(3, [5, 6]), references[3][[5, 6]])
-        assert wait_until(lambda: server.log().count("replies it does not read") == 20), \
+        assert wait_until(lambda: server.log().count("replies it does not read") == 20), (
             server.log()[-3000:]
+        )
         for raw in stuck:
             assert raw.closed_by_server(timeout=10)
     finally:
         for raw in stuck:
             raw.close()
-    assert re.search(r"WARNING .*session \d+ .*dropped: \d+ bytes of replies it does not "
-                     r"read", server.log())
+    assert re.search(
+        r"WARNING .*session \d+ .*dropped: \d+ bytes of replies it does not "
+        r"read",
+        server.log(),
+    )
     assert no_growth(baseline, settles_to(server.pid, baseline))
     started = time.monotonic()
     assert stops_in_budget(server) == 0
@@ -175,8 +189,9 @@ def test_sessions_that_never_read_their_replies_are_dropped_and_stall_no_one(
 
 
 # ------------------------------------------------- 4: no thread to start
-def test_a_server_at_its_task_limit_still_opens_and_serves_channels(start_server, checkpoint,
-                                                                   references):
+def test_a_server_at_its_task_limit_still_opens_and_serves_channels(
+    start_server, checkpoint, references
+):
     """The server in a pids cgroup at its task limit (TasksMax=): no thread can
     start. A channel costs no thread (the serving loop sleeps on every channel
     at once), so new clients are still served, and bit-exact."""
@@ -197,10 +212,12 @@ def test_a_server_at_its_task_limit_still_opens_and_serves_channels(start_server
 
 
 # --------------------------------------- 5: hello deadline, idle, stats slot
-def test_sessions_that_never_say_hello_are_closed_and_stats_always_gets_in(start_server,
-                                                                           checkpoint):
-    server = start_server(checkpoint, "--max-clients", "2", "--hello-timeout-s", "1",
-                    "--idle-timeout-s", "1")
+def test_sessions_that_never_say_hello_are_closed_and_stats_always_gets_in(
+    start_server, checkpoint
+):
+    server = start_server(
+        checkpoint, "--max-clients", "2", "--hello-timeout-s", "1", "--idle-timeout-s", "1"
+    )
     assert wait_until(lambda: PleClient.query_stats(server.socket)["clients"] <= 1)
     silent = [RawSession(server.socket) for _ in range(3)]  # every slot, and the spare
     try:
@@ -222,8 +239,7 @@ def test_sessions_that_never_say_hello_are_closed_and_stats_always_gets_in(start
 
 
 # ------------------------------------------------------- 6: fairness by rows
-def test_a_small_request_waits_for_a_chunk_not_for_a_backlog(start_server, checkpoint,
-                                                             references):
+def test_a_small_request_waits_for_a_chunk_not_for_a_backlog(start_server, checkpoint, references):
     """Two clients queue 16 requests of 16 383 rows each, then a bystander 16
     rows, while the server is stopped (SIGSTOP): everything is pending at once.
     Served by rows, the bystander's answer comes after at most a chunk of each,
@@ -245,8 +261,9 @@ def test_a_small_request_waits_for_a_chunk_not_for_a_backlog(start_server, check
             answered = sum(t._slot.state == p.SlotState.DONE for t in tickets)
             assert np.array_equal(rows, references[1][small_ids])
             ticket.release()
-            assert answered < len(tickets) // 2, \
+            assert answered < len(tickets) // 2, (
                 f"the 16-row request waited for {answered} of {len(tickets)} large ones"
+            )
             print(f"answered before the 16-row request: {answered} of {len(tickets)}")
             for t in tickets:
                 assert np.array_equal(t.wait(), references[1][ids])
@@ -365,13 +382,14 @@ def test_submit_times_a_client_could_not_have_are_not_recorded(server, monkeypat
     with server.client() as client:
         client.lookup(3, [1])
         count, _ = queue_count()
-        for submit_ns in (lambda: 1,  # before the session
-                          lambda: time.monotonic_ns() + 10**12,  # in the future
-                          time.monotonic_ns):  # honest
+        for submit_ns in (
+            lambda: 1,  # before the session
+            lambda: time.monotonic_ns() + 10**12,  # in the future
+            time.monotonic_ns,
+        ):  # honest
             monkeypatch.setattr(client_module, "time", _ClientClock(submit_ns))
             assert client.lookup(3, [2, 3]).shape == (2, 320)
         monkeypatch.undo()
     after, worst = queue_count()
     assert after == count + 1, "an impossible submit time was recorded"
     assert worst < 60, f"queue time max {worst} s"
-

@@ -52,8 +52,9 @@ def _connect_when_admitted(server, timeout: float = 10.0) -> PleClient:
     return admitted[0]
 
 
-def test_a_refusal_is_read_even_when_the_hello_finds_the_socket_closed(start_server, checkpoint,
-                                                                       monkeypatch):
+def test_a_refusal_is_read_even_when_the_hello_finds_the_socket_closed(
+    start_server, checkpoint, monkeypatch
+):
     """The server refuses at accept: it sends its reason and closes. A client
     whose hello then meets the closed socket still reports that reason."""
     from pleclient import client as client_module
@@ -82,8 +83,9 @@ def test_a_refusal_is_read_even_when_the_hello_finds_the_socket_closed(start_ser
 def test_a_channel_over_max_channel_bytes_is_refused_with_the_numbers(start_server, checkpoint):
     server = start_server(checkpoint, "--max-channel-bytes", "16M")
     baseline = quiet_footprint(server.pid, segments=0)
-    with pytest.raises(RequestError, match=r"needs 21 MiB, over max_channel_bytes \(16 MiB\)"
-                       ) as refused:
+    with pytest.raises(
+        RequestError, match=r"needs 21 MiB, over max_channel_bytes \(16 MiB\)"
+    ) as refused:
         server.client(capacity=16384, depth=4)
     assert refused.value.code == p.ErrorCode.CHANNEL_LIMIT
     assert no_growth(baseline, settles_to(server.pid, baseline))
@@ -96,8 +98,11 @@ def test_no_room_for_a_channel_is_a_clear_error_and_leaves_nothing(start_server,
     would): a 21 MiB channel cannot be made, a 1.3 MiB one can."""
     server = start_server(checkpoint, prefix=("prlimit", f"--fsize={8 << 20}", "--"))
     baseline = quiet_footprint(server.pid, segments=0)
-    with pytest.raises(RequestError, match=r"cannot reserve 20\.5 MiB for a channel \(File "
-                       r"too large.*ask for a smaller capacity or depth") as refused:
+    with pytest.raises(
+        RequestError,
+        match=r"cannot reserve 20\.5 MiB for a channel \(File "
+        r"too large.*ask for a smaller capacity or depth",
+    ) as refused:
         server.client()
     assert refused.value.code == p.ErrorCode.NO_RESOURCES
     assert no_growth(baseline, settles_to(server.pid, baseline))
@@ -105,13 +110,23 @@ def test_no_room_for_a_channel_is_a_clear_error_and_leaves_nothing(start_server,
         assert client.lookup(1, np.arange(1024)).shape == (1024, 160)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
-                    reason="needs root and unshare(1) for a private mount namespace")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"),
+    reason="needs root and unshare(1) for a private mount namespace",
+)
 def test_a_tiny_dev_shm_does_not_matter(start_server, checkpoint):
     """Channels are memfds with their synchronization words inside: a server whose
     /dev/shm (in its own mount namespace) has room for nothing serves as usual."""
-    serve = ("unshare", "--mount", "--propagation", "private", "sh", "-c",
-             'mount -t tmpfs -o size=4k,nr_inodes=2 tmpfs /dev/shm && exec "$@"', "sh")
+    serve = (
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        'mount -t tmpfs -o size=4k,nr_inodes=2 tmpfs /dev/shm && exec "$@"',
+        "sh",
+    )
     server = start_server(checkpoint, prefix=serve)
     with server.client() as client:
         rows = client.lookup(3, np.arange(20_000) % 10_007)
@@ -122,7 +137,8 @@ def test_a_tiny_dev_shm_does_not_matter(start_server, checkpoint):
 
 
 def test_a_socket_in_use_by_a_live_server_is_refused_and_the_live_one_goes_on(
-        start_server, checkpoint):
+    start_server, checkpoint
+):
     live = start_server(checkpoint)
     second = start_server(checkpoint, socket_path=live.socket, wait=False)
     assert second.exit_code() == 2

@@ -57,15 +57,17 @@ def last_report(out: str, err: str) -> dict:
 
 
 def start_loopers(server, checkpoint, n: int) -> list:
-    children = [python_child(LOOPER, server.socket, str(checkpoint), str(seed))
-                for seed in range(n)]
+    children = [
+        python_child(LOOPER, server.socket, str(checkpoint), str(seed)) for seed in range(n)
+    ]
     for child in children:
         assert child.stdout.readline().strip() == "ready", child.stderr.read()
     return children
 
 
 def test_server_killed_with_requests_in_flight_gives_every_client_server_gone(
-        start_server, checkpoint, references):
+    start_server, checkpoint, references
+):
     server = start_server(checkpoint)
     loopers = start_loopers(server, checkpoint, 3)
     for child in loopers:  # in its loop: a request in the server's hands most of the time
@@ -91,8 +93,10 @@ def test_server_killed_with_requests_in_flight_gives_every_client_server_gone(
         assert report["error"] == "ServerGone", report
         assert report["at"] - killed_at < TIMEOUT, report
         assert report["done"] > 0
-        print(f"looper: ServerGone {report['at'] - killed_at:.3f} s after the kill, "
-              f"{report['done']} lookups verified before")
+        print(
+            f"looper: ServerGone {report['at'] - killed_at:.3f} s after the kill, "
+            f"{report['done']} lookups verified before"
+        )
     client.close()
     assert not shm_entries()
 
@@ -134,7 +138,8 @@ print(json.dumps({"gone": gone, "verified_after": verified,
 
 
 def test_a_new_server_on_the_same_socket_is_picked_up_by_a_reconnecting_client(
-        start_server, checkpoint, tmp_path):
+    start_server, checkpoint, tmp_path
+):
     first = start_server(checkpoint)
     child = python_child(RECONNECTING, first.socket, str(checkpoint))
     assert child.stdout.readline().strip() == "ready"
@@ -155,8 +160,10 @@ def test_sigterm_with_requests_in_flight_completes_them(start_server, checkpoint
     loopers = start_loopers(server, checkpoint, 2)
     client = server.client(timeout=TIMEOUT)
     rng = np.random.default_rng(11)
-    wanted = [(layer, rng.integers(0, references[layer].shape[0], client.capacity))
-              for layer in (1, 3, 1, 3)]
+    wanted = [
+        (layer, rng.integers(0, references[layer].shape[0], client.capacity))
+        for layer in (1, 3, 1, 3)
+    ]
     tickets = [client.submit(layer, ids) for layer, ids in wanted]
     server.proc.send_signal(signal.SIGTERM)
     for (layer, ids), ticket in zip(wanted, tickets, strict=True):
@@ -188,9 +195,18 @@ def test_stats_on_a_departed_server_raises_server_gone(start_server, checkpoint,
 
 # A server's side of one session, written by hand, so that its SHUTDOWN can be
 # sent in two pieces: the real server sends each frame in one piece.
-TABLE = {"name": "model.layers.1.ple.ple_embedding.ngram_embedding", "layer": 1,
-         "rows": 16, "cols": 160, "dtype": "F8_E4M3", "row_bytes": 160, "scale": 1.0,
-         "fingerprint": "0" * 32, "shard_size": 16, "parts": 1}
+TABLE = {
+    "name": "model.layers.1.ple.ple_embedding.ngram_embedding",
+    "layer": 1,
+    "rows": 16,
+    "cols": 160,
+    "dtype": "F8_E4M3",
+    "row_bytes": 160,
+    "scale": 1.0,
+    "fingerprint": "0" * 32,
+    "shard_size": 16,
+    "parts": 1,
+}
 
 
 def unread_bytes(sock: socket.socket) -> int:
@@ -206,21 +222,29 @@ def shut_down_in_two_pieces(listener: socket.socket, go: threading.Event) -> Non
     with conn:
         conn.settimeout(TIMEOUT)
         p.recv_message(conn)  # hello
-        p.send_message(conn, {"type": p.MessageType.WELCOME.value,
-                              "version": p.PROTOCOL_VERSION, "server": "by hand",
-                              "instance": "pieces", "pid": os.getpid(), "tables": [TABLE]})
+        p.send_message(
+            conn,
+            {
+                "type": p.MessageType.WELCOME.value,
+                "version": p.PROTOCOL_VERSION,
+                "server": "by hand",
+                "instance": "pieces",
+                "pid": os.getpid(),
+                "tables": [TABLE],
+            },
+        )
         p.recv_message(conn)  # open_channel
         layout = p.ChannelLayout(2, 16, TABLE["row_bytes"])
         fd, segment = create_segment("pieces", layout)
         try:
-            p.send_message(conn, {"type": p.MessageType.CHANNEL.value,
-                                  "layout": layout.to_wire()}, fds=[fd])
+            p.send_message(
+                conn, {"type": p.MessageType.CHANNEL.value, "layout": layout.to_wire()}, fds=[fd]
+            )
             assert go.wait(TIMEOUT)
-            frame = p.encode_frame({"type": p.MessageType.SHUTDOWN.value,
-                                    "reason": "SIGTERM"})
-            conn.sendall(frame[:len(frame) // 2])
+            frame = p.encode_frame({"type": p.MessageType.SHUTDOWN.value, "reason": "SIGTERM"})
+            conn.sendall(frame[: len(frame) // 2])
             assert wait_until(lambda: unread_bytes(conn) == 0, TIMEOUT, 0.005)
-            conn.sendall(frame[len(frame) // 2:])
+            conn.sendall(frame[len(frame) // 2 :])
             conn.recv(1)  # returns when the client closes
         finally:
             segment.close()
@@ -230,8 +254,10 @@ def shut_down_in_two_pieces(listener: socket.socket, go: threading.Event) -> Non
 def test_a_shutdown_read_in_two_pieces_is_still_a_shutdown(tmp_path):
     path = str(tmp_path / "pieces.sock")
     go = threading.Event()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, \
-            ThreadPoolExecutor(1) as pool:
+    with (
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener,
+        ThreadPoolExecutor(1) as pool,
+    ):
         listener.bind(path)
         listener.listen(1)
         listener.settimeout(TIMEOUT)
@@ -239,7 +265,7 @@ def test_a_shutdown_read_in_two_pieces_is_still_a_shutdown(tmp_path):
         client = PleClient.connect(path, timeout=TIMEOUT)
         try:
             ticket = client.submit(1, [0])  # never answered: the client waits, checking
-            go.set()                        # the control socket between two waits
+            go.set()  # the control socket between two waits
             with pytest.raises(ServerGone, match=r"shutting down \(SIGTERM\)"):
                 ticket.wait()
         finally:

@@ -33,8 +33,9 @@ class Kit:
         self.plane = DataPlane.open(discover_tables(str(checkpoint)))
         self.tables = self.plane.tables
         self.stats = [TableStats(t.spec.name, t.spec.layer) for t in self.tables]
-        self.loop = ServingLoop(self.tables, self.stats, spin_s=0.002,
-                                heartbeat_every_s=heartbeat_s)
+        self.loop = ServingLoop(
+            self.tables, self.stats, spin_s=0.002, heartbeat_every_s=heartbeat_s
+        )
         self.loop.start()
         self.fds: list[int] = []
         self.client_maps: list[ChannelMap] = []
@@ -76,8 +77,9 @@ def kit(checkpoint):
 def submit(client: ChannelMap, slot_index: int, table: int, ids) -> None:
     """What PleClient.submit does: the slot's submit, then the doorbell."""
     sequence = client.submit_counter  # this test is the channel's only client
-    client.slots[slot_index].submit(table, np.asarray(ids, dtype=np.int64), sequence,
-                                    time.monotonic_ns())
+    client.slots[slot_index].submit(
+        table, np.asarray(ids, dtype=np.int64), sequence, time.monotonic_ns()
+    )
     client.publish_submit((sequence + 1) & 0xFFFFFFFF)
 
 
@@ -104,8 +106,9 @@ def test_a_slot_reused_the_moment_its_large_answer_lands_is_served(kit, size):
         assert answered(slot)
         slot.release()
         submit(client, 0, 0, [1, 2, 3])  # the same slot, at once
-        assert answered(slot, 3.0), \
+        assert answered(slot, 3.0), (
             "a request on a slot reused right after a large answer was never served"
+        )
         slot.release()
 
 
@@ -119,8 +122,7 @@ def test_a_closed_channel_is_unmapped_at_once_not_a_heartbeat_later(kit):
         closing, _ = k.channel(10 + round_, capacity=64)
         quiet, serving = threading.Event(), threading.Event()
 
-        def keep_busy(quiet: threading.Event = quiet,
-                      serving: threading.Event = serving) -> None:
+        def keep_busy(quiet: threading.Event = quiet, serving: threading.Event = serving) -> None:
             slot = busy.slots[0]
             while not quiet.is_set():
                 submit(busy, 0, 0, [1, 2, 3])

@@ -25,7 +25,9 @@ def users():
     """(server, client, other): the server's own uid, an allowed client's, a
     stranger's; server and client share the group ``ple-t-shared``."""
     with other_users(["ple-t-server", "ple-t-client", "ple-t-other"], "ple-t-shared") as (
-            found, shared_gid):
+        found,
+        shared_gid,
+    ):
         yield found, shared_gid
 
 
@@ -80,15 +82,21 @@ def lookup_as(user: OtherUser, server, public) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
-def test_a_uid_not_allowed_is_refused_before_it_sees_anything(start_server, users, public,
-                                                              socket_dir):
+def test_a_uid_not_allowed_is_refused_before_it_sees_anything(
+    start_server, users, public, socket_dir
+):
     (_, client_user, other), _ = users
-    server = start_server(public / "model", "--allow-uid", str(client_user.uid),
-                    socket_path=str(socket_dir / "ple.sock"))
+    server = start_server(
+        public / "model",
+        "--allow-uid",
+        str(client_user.uid),
+        socket_path=str(socket_dir / "ple.sock"),
+    )
     refused = lookup_as(other, server, public)
     assert refused["error"] == "AccessDenied"
     assert f"uid {other.uid} " in refused["message"] and "allow_uids" in refused["message"]
-    raw = run_child("""
+    raw = run_child(
+        """
         s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])
         try:
             s.sendall(p.encode_frame({"type": "stats"}))
@@ -100,7 +108,10 @@ def test_a_uid_not_allowed_is_refused_before_it_sees_anything(start_server, user
         except ConnectionResetError:  # closed with our frame unread
             second = None
         print(json.dumps([first, second]))
-    """, server.socket, user=other)
+    """,
+        server.socket,
+        user=other,
+    )
     assert raw.returncode == 0, raw.stderr
     first, second = json.loads(raw.stdout)
     assert first["type"] == "error" and first["code"] == ErrorCode.NOT_ALLOWED
@@ -111,17 +122,24 @@ def test_a_uid_not_allowed_is_refused_before_it_sees_anything(start_server, user
 
 def test_allow_gid_admits_the_groups_members_only(start_server, users, public, socket_dir):
     (_, client_user, other), shared_gid = users
-    server = start_server(public / "model", "--allow-gid", str(shared_gid),
-                    socket_path=str(socket_dir / "ple.sock"))
+    server = start_server(
+        public / "model", "--allow-gid", str(shared_gid), socket_path=str(socket_dir / "ple.sock")
+    )
     assert lookup_as(client_user, server, public)["exact_tables"] == 2
     assert lookup_as(other, server, public)["error"] == "AccessDenied"
 
 
 def test_a_server_of_its_own_uid_serves_an_allowed_uid_and_refuses_others(
-        start_server, users, public, socket_dir):
+    start_server, users, public, socket_dir
+):
     server_user, client_user, other = users[0]
-    server = start_server(public / "model", "--allow-uid", str(client_user.uid),
-                    socket_path=str(socket_dir / "ple.sock"), user=server_user)
+    server = start_server(
+        public / "model",
+        "--allow-uid",
+        str(client_user.uid),
+        socket_path=str(socket_dir / "ple.sock"),
+        user=server_user,
+    )
     with open(f"/proc/{server.pid}/status") as f:
         status = dict(line.split(":", 1) for line in f)
     assert status["Uid"].split()[0] == str(server_user.uid)
@@ -196,8 +214,15 @@ def test_another_uid_cannot_reach_a_sessions_segment(start_server, users, public
     """A second uid — itself allowed to connect — finds no name to open, and no
     way into the descriptors or memory of the server or of the session's peer."""
     server_user, client_user, other = users[0]
-    server = start_server(public / "model", "--allow-uid", str(client_user.uid), "--allow-uid",
-                    str(other.uid), socket_path=str(socket_dir / "ple.sock"), user=server_user)
+    server = start_server(
+        public / "model",
+        "--allow-uid",
+        str(client_user.uid),
+        "--allow-uid",
+        str(other.uid),
+        socket_path=str(socket_dir / "ple.sock"),
+        user=server_user,
+    )
     holder = python_child(HOLD, server.socket, user=client_user, stdin=subprocess.PIPE)
     try:
         assert holder.stdout.readline().strip() == "ready", holder.stderr.read()
@@ -212,18 +237,21 @@ def test_another_uid_cannot_reach_a_sessions_segment(start_server, users, public
 
 
 def test_an_unreadable_model_directory_is_a_clear_startup_error(
-        start_server, users, public, socket_dir):
+    start_server, users, public, socket_dir
+):
     server_user = users[0][0]
     private = public / "private-model"
     shutil.copytree(public / "model", private)
     os.chmod(private, 0o700)  # root's alone
     try:
-        server = start_server(private, socket_path=str(socket_dir / "ple.sock"), user=server_user,
-                        wait=False)
+        server = start_server(
+            private, socket_path=str(socket_dir / "ple.sock"), user=server_user, wait=False
+        )
         assert server.exit_code() == 2
         log = server.log()
-        assert f"cannot read the model directory {private}" in log and "Permission denied" in \
-            log, log[-1500:]
+        assert f"cannot read the model directory {private}" in log and "Permission denied" in log, (
+            log[-1500:]
+        )
         assert not os.path.exists(socket_dir / "ple.sock")
     finally:
         shutil.rmtree(private)
@@ -236,8 +264,9 @@ def test_an_unreadable_shard_file_is_a_clear_startup_error(start_server, users, 
     shard = sorted(private.glob("*.safetensors"))[0]
     os.chmod(shard, 0o600)
     try:
-        server = start_server(private, socket_path=str(socket_dir / "ple.sock"), user=server_user,
-                        wait=False)
+        server = start_server(
+            private, socket_path=str(socket_dir / "ple.sock"), user=server_user, wait=False
+        )
         assert server.exit_code() == 2
         assert f"{shard}: cannot read (Permission denied)" in server.log()
     finally:
@@ -245,9 +274,11 @@ def test_an_unreadable_shard_file_is_a_clear_startup_error(start_server, users, 
 
 
 def test_a_socket_directory_the_server_may_not_write_is_a_clear_startup_error(
-        start_server, users, public):
+    start_server, users, public
+):
     server_user = users[0][0]
-    server = start_server(public / "model", socket_path=str(public / "ple.sock"), user=server_user,
-                    wait=False)  # `public` is root's, 0755
+    server = start_server(
+        public / "model", socket_path=str(public / "ple.sock"), user=server_user, wait=False
+    )  # `public` is root's, 0755
     assert server.exit_code() == 2
     assert "cannot bind" in server.log() and "Permission denied" in server.log()

@@ -36,8 +36,7 @@ def test_unknown_backend_stops_vllm_with_a_clear_error():
 
 
 def test_bad_setting_is_reported_by_name():
-    result = run_scenario("bad_backend", env={"VLLM_PLE_BACKEND": "shm",
-                                              "VLLM_PLE_SHM_DEPTH": "1"})
+    result = run_scenario("bad_backend", env={"VLLM_PLE_BACKEND": "shm", "VLLM_PLE_SHM_DEPTH": "1"})
     assert result["error"] == "SettingsError"
     assert "VLLM_PLE_SHM_DEPTH=1" in result["message"]
 
@@ -53,25 +52,30 @@ def test_entry_point_patches_modules_as_vllm_imports_them_and_is_reentrant():
         assert "vllm::qwen4_exp_amd_ple_ngram_embedding" in ops
     assert "vllm::unified_attention_with_output" in result["splitting_ops"]
     assert result["explicit_splitting_ops"][0] == "vllm::my_attention"
-    assert result["model_classes"] == {"Qwen4ExpForCausalLM": True,
-                                       "Qwen4ExpForConditionalGeneration": True,
-                                       "scale_unused": False}
+    assert result["model_classes"] == {
+        "Qwen4ExpForCausalLM": True,
+        "Qwen4ExpForConditionalGeneration": True,
+        "scale_unused": False,
+    }
 
 
 # ------------------------------------------------------------------- the loader
 def test_loader_never_reads_shard_tensors(vllm_checkpoint):
-    result = run_scenario("loader_reads", {"model": str(vllm_checkpoint)},
-                          env={"VLLM_PLE_BACKEND": "shm"})
+    result = run_scenario(
+        "loader_reads", {"model": str(vllm_checkpoint)}, env={"VLLM_PLE_BACKEND": "shm"}
+    )
     reads = result["reads"]
     # The middle file holds shards only: not opened for any tensor.
     assert "model-00002-of-00003.safetensors" not in reads
     # The mixed files: only their non-shard tensors are read.
     assert reads["model-00001-of-00003.safetensors"] == ["model.embed_tokens.weight"]
     assert reads["model-00003-of-00003.safetensors"] == [
-        "model.layers.1.ple.ple_embedding.ngram_embedding.weight_scale"]
+        "model.layers.1.ple.ple_embedding.ngram_embedding.weight_scale"
+    ]
     assert sorted(result["yielded"]) == [
         "model.embed_tokens.weight",
-        "model.layers.1.ple.ple_embedding.ngram_embedding.weight_scale"]
+        "model.layers.1.ple.ple_embedding.ngram_embedding.weight_scale",
+    ]
 
 
 def test_loader_without_plugin_reads_the_shards(vllm_checkpoint):
@@ -84,9 +88,14 @@ def test_loader_without_plugin_reads_the_shards(vllm_checkpoint):
 # ------------------------------------------------------------------- startup
 def test_missing_server_fails_fast_naming_socket_and_service(vllm_checkpoint, tmp_path):
     socket = str(tmp_path / "absent.sock")
-    result = run_scenario("startup_checks", env={
-        "VLLM_PLE_BACKEND": "shm", "VLLM_PLE_SHM_SOCKET": socket,
-        "VLLM_PLE_SHM_CHECKPOINT": str(vllm_checkpoint)})
+    result = run_scenario(
+        "startup_checks",
+        env={
+            "VLLM_PLE_BACKEND": "shm",
+            "VLLM_PLE_SHM_SOCKET": socket,
+            "VLLM_PLE_SHM_CHECKPOINT": str(vllm_checkpoint),
+        },
+    )
     assert result["error"] == "PleBackendError"
     assert socket in result["message"]
     assert "systemctl start ple-server" in result["message"]
@@ -103,7 +112,8 @@ def test_fingerprint_mismatch_stops_startup_naming_both(vllm_server, vllm_other_
 
 
 def test_geometry_mismatch_between_checkpoint_and_model_stops_startup(
-        start_server, checkpoint, tmp_path):
+    start_server, checkpoint, tmp_path
+):
     """The core tests' checkpoint has 160-column rows; the model wants 16."""
     server = start_server(checkpoint)
     result = run_scenario("startup_checks", env=shm_env(server, Path(checkpoint)))
@@ -112,26 +122,35 @@ def test_geometry_mismatch_between_checkpoint_and_model_stops_startup(
 
 
 def test_dummy_load_format_needs_the_explicit_opt_in(vllm_checkpoint, tmp_path):
-    env = {"VLLM_PLE_BACKEND": "shm", "VLLM_PLE_SHM_SOCKET": str(tmp_path / "none.sock"),
-           "VLLM_PLE_SHM_CHECKPOINT": str(vllm_checkpoint)}
+    env = {
+        "VLLM_PLE_BACKEND": "shm",
+        "VLLM_PLE_SHM_SOCKET": str(tmp_path / "none.sock"),
+        "VLLM_PLE_SHM_CHECKPOINT": str(vllm_checkpoint),
+    }
     refused = run_scenario("startup_checks", {"load_format": "dummy"}, env=env)
     assert refused["error"] == "PleBackendError"
     assert "VLLM_PLE_SHM_ALLOW_DUMMY=1" in refused["message"]
-    allowed = run_scenario("startup_checks", {"load_format": "dummy"},
-                           env={**env, "VLLM_PLE_SHM_ALLOW_DUMMY": "1"})
+    allowed = run_scenario(
+        "startup_checks", {"load_format": "dummy"}, env={**env, "VLLM_PLE_SHM_ALLOW_DUMMY": "1"}
+    )
     assert allowed["error"] is None and allowed["rows_all_zero"]
 
 
 # ------------------------------------------------------------------- mid-run
 def test_server_killed_mid_run_reconnects_within_the_window_then_fails_clearly(
-        vllm_checkpoint, tmp_path):
+    vllm_checkpoint, tmp_path
+):
     socket = str(tmp_path / "restart.sock")
     result = run_scenario(
-        "server_restarts", {"model": str(vllm_checkpoint), "log": str(tmp_path / "s.log"),
-                            "window": 2.0},
-        env={"VLLM_PLE_BACKEND": "shm", "VLLM_PLE_SHM_SOCKET": socket,
-             "VLLM_PLE_SHM_CHECKPOINT": str(vllm_checkpoint),
-             "VLLM_PLE_SHM_RECONNECT_S": "60"})
+        "server_restarts",
+        {"model": str(vllm_checkpoint), "log": str(tmp_path / "s.log"), "window": 2.0},
+        env={
+            "VLLM_PLE_BACKEND": "shm",
+            "VLLM_PLE_SHM_SOCKET": socket,
+            "VLLM_PLE_SHM_CHECKPOINT": str(vllm_checkpoint),
+            "VLLM_PLE_SHM_RECONNECT_S": "60",
+        },
+    )
     assert result["asked_while_away"] == [True, True]  # both asked of a server away
     assert result["after_restart_equal"]
     assert result["prefetch_resubmitted_equal"]

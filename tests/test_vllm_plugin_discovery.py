@@ -43,35 +43,46 @@ def serve_on(start_server, model, path):
 @pytest.fixture
 def two_servers(start_server, checkpoint, other_checkpoint, socket_dir):
     """Two models, as ple-server@flash-next and ple-server@other would serve them."""
-    return (serve_on(start_server, checkpoint, socket_dir / "flash-next.sock"),
-            serve_on(start_server, other_checkpoint, socket_dir / "other.sock"))
+    return (
+        serve_on(start_server, checkpoint, socket_dir / "flash-next.sock"),
+        serve_on(start_server, other_checkpoint, socket_dir / "other.sock"),
+    )
 
 
 def expected(table: SyntheticTable) -> Expected:
-    return Expected(prefix=table.name.removesuffix(".ngram_embedding"), rows=table.rows,
-                    cols=table.cols, dtypes=(table.dtype,), parts=table.parts)
+    return Expected(
+        prefix=table.name.removesuffix(".ngram_embedding"),
+        rows=table.rows,
+        cols=table.cols,
+        dtypes=(table.dtype,),
+        parts=table.parts,
+    )
 
 
-def test_each_checkpoint_finds_the_server_that_serves_it(two_servers, checkpoint,
-                                                         other_checkpoint, socket_dir):
+def test_each_checkpoint_finds_the_server_that_serves_it(
+    two_servers, checkpoint, other_checkpoint, socket_dir
+):
     first, second = two_servers
     assert find_socket(str(checkpoint), str(socket_dir)) == first.socket
     assert find_socket(str(other_checkpoint), str(socket_dir)) == second.socket
 
 
-def test_stale_sockets_and_other_files_are_passed_over(two_servers, other_checkpoint,
-                                                       socket_dir):
+def test_stale_sockets_and_other_files_are_passed_over(two_servers, other_checkpoint, socket_dir):
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(socket_dir / "a-stale.sock"))  # sorts first; nothing listens
     stale.close()
     (socket_dir / "b-notes.txt").write_text("not a socket")
     assert [p.rsplit("/", 1)[1] for p in sockets_in(str(socket_dir))] == [
-        "a-stale.sock", "flash-next.sock", "other.sock"]
+        "a-stale.sock",
+        "flash-next.sock",
+        "other.sock",
+    ]
     assert find_socket(str(other_checkpoint), str(socket_dir)) == two_servers[1].socket
 
 
-def test_a_checkpoint_no_server_serves_is_an_error_naming_each_socket(two_servers, tmp_path,
-                                                                      socket_dir):
+def test_a_checkpoint_no_server_serves_is_an_error_naming_each_socket(
+    two_servers, tmp_path, socket_dir
+):
     third = tmp_path / "third"
     write_checkpoint(str(third), (OTHER_TABLE,), files=1, seed=8)
     with pytest.raises(PleBackendError) as err:
@@ -90,11 +101,13 @@ def test_no_socket_at_all_says_how_to_start_or_point_at_one(checkpoint, socket_d
 
 
 def test_a_single_server_of_another_checkpoint_gets_the_identity_check(
-        start_server, other_checkpoint, checkpoint, socket_dir):
+    start_server, other_checkpoint, checkpoint, socket_dir
+):
     only = serve_on(start_server, other_checkpoint, socket_dir / "ple.sock")
     assert find_socket(str(checkpoint), str(socket_dir)) == only.socket
-    service = RowService(settings.ShmSettings(socket=None, socket_dir=str(socket_dir),
-                                              checkpoint=str(checkpoint)))
+    service = RowService(
+        settings.ShmSettings(socket=None, socket_dir=str(socket_dir), checkpoint=str(checkpoint))
+    )
     try:
         with pytest.raises(IdentityMismatch):
             service.bind(expected(SMALL_TABLES[1]))
@@ -103,7 +116,8 @@ def test_a_single_server_of_another_checkpoint_gets_the_identity_check(
 
 
 def test_the_row_service_binds_and_reads_from_the_discovered_server(
-        two_servers, other_checkpoint, socket_dir, monkeypatch):
+    two_servers, other_checkpoint, socket_dir, monkeypatch
+):
     for name in ("VLLM_PLE_SHM_SOCKET", "PLE_SERVER_SOCKET"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VLLM_PLE_SHM_SOCKET_DIR", str(socket_dir))

@@ -45,16 +45,28 @@ def test_shm_storage_holds_no_table_and_keeps_the_fp8_scale(identical):
     assert identical["shm_scale"] == 0.0625
 
 
-def test_tensor_parallel_2_with_and_without_sequence_parallel(vllm_server, vllm_checkpoint,
-                                                             tmp_path):
+def test_tensor_parallel_2_with_and_without_sequence_parallel(
+    vllm_server, vllm_checkpoint, tmp_path
+):
     env = shm_env(vllm_server, vllm_checkpoint)
     init_file = str(tmp_path / "dist-init")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        ranks = list(pool.map(
-            lambda rank: run_scenario("tensor_parallel", {
-                "model": str(vllm_checkpoint), "world": 2, "rank": rank,
-                "init_file": init_file}, env=env, timeout=280),
-            range(2)))
+        ranks = list(
+            pool.map(
+                lambda rank: run_scenario(
+                    "tensor_parallel",
+                    {
+                        "model": str(vllm_checkpoint),
+                        "world": 2,
+                        "rank": rank,
+                        "init_file": init_file,
+                    },
+                    env=env,
+                    timeout=280,
+                ),
+                range(2),
+            )
+        )
     for result in ranks:
         assert result["etp"] == 2
         assert result["stock_weight_rows"] == 10520 // 2  # stock: vocab split over ranks
@@ -65,12 +77,11 @@ def test_tensor_parallel_2_with_and_without_sequence_parallel(vllm_server, vllm_
         assert result["rows_sp1"][0][0] * 2 == result["rows_sp0"][0][0]  # SP shards tokens
 
 
-def test_amd_ngram_embedding_is_patched_and_its_storage_calls_match(vllm_server,
-                                                                   vllm_checkpoint):
-    result = run_scenario("amd_storage", {"model": str(vllm_checkpoint)},
-                          env=shm_env(vllm_server, vllm_checkpoint))
+def test_amd_ngram_embedding_is_patched_and_its_storage_calls_match(vllm_server, vllm_checkpoint):
+    result = run_scenario(
+        "amd_storage", {"model": str(vllm_checkpoint)}, env=shm_env(vllm_server, vllm_checkpoint)
+    )
     assert result["storage"] == "Qwen4ExpPLEShmEmbedding"
     assert result["forward_equal"] and result["sync_lookup_equal"]
     assert result["dequant_equal"]
     assert result["use_reduce_scatter"] is False
-

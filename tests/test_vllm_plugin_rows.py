@@ -29,16 +29,28 @@ FP8, BF16 = SMALL_TABLES
 
 
 def expected(table, **changes) -> Expected:
-    fields = dict(prefix=f"{table.name.removesuffix('.ngram_embedding')}", rows=table.rows,
-                  cols=table.cols, dtypes=(table.dtype,), parts=table.parts)
+    fields = dict(
+        prefix=f"{table.name.removesuffix('.ngram_embedding')}",
+        rows=table.rows,
+        cols=table.cols,
+        dtypes=(table.dtype,),
+        parts=table.parts,
+    )
     fields.update(changes)
     return Expected(**fields)
 
 
 @pytest.fixture
 def service(server, checkpoint):
-    rows = RowService(settings.ShmSettings(socket=server.socket, checkpoint=str(checkpoint),
-                                           capacity=100, depth=2, reconnect_window=0))
+    rows = RowService(
+        settings.ShmSettings(
+            socket=server.socket,
+            checkpoint=str(checkpoint),
+            capacity=100,
+            depth=2,
+            reconnect_window=0,
+        )
+    )
     yield rows
     rows.close()
 
@@ -64,7 +76,12 @@ def test_settings_defaults_follow_the_service(monkeypatch):
             monkeypatch.delenv(name)
     s = settings.ShmSettings.from_env()
     assert (s.socket, s.depth, s.capacity, s.prefetch, s.allow_dummy) == (
-        None, 4, None, True, False)
+        None,
+        4,
+        None,
+        True,
+        False,
+    )
     assert s.socket_dir == "/run/ple-server"
     monkeypatch.setenv("PLE_SERVER_SOCKET", "/tmp/a.sock")
     assert settings.ShmSettings.from_env().socket == "/tmp/a.sock"
@@ -74,10 +91,15 @@ def test_settings_defaults_follow_the_service(monkeypatch):
     assert s.socket == "/tmp/b.sock" and s.prefetch is False
 
 
-@pytest.mark.parametrize("name,value", [("VLLM_PLE_SHM_CAPACITY", "lots"),
-                                        ("VLLM_PLE_SHM_LOOKUP_TIMEOUT", "-1"),
-                                        ("VLLM_PLE_SHM_PREFETCH", "maybe"),
-                                        ("VLLM_PLE_SHM_DEPTH", "99")])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("VLLM_PLE_SHM_CAPACITY", "lots"),
+        ("VLLM_PLE_SHM_LOOKUP_TIMEOUT", "-1"),
+        ("VLLM_PLE_SHM_PREFETCH", "maybe"),
+        ("VLLM_PLE_SHM_DEPTH", "99"),
+    ],
+)
 def test_bad_settings_name_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(SettingsError, match=name):
@@ -109,8 +131,11 @@ def test_shard_names_and_nothing_else_count_as_unused():
 
 # ------------------------------------------------------------------- identity
 def test_identity_reports_both_sides(checkpoint):
-    spec = identity.select(identity.checkpoint_tables(str(checkpoint)),
-                           "layers.1.ple.ple_embedding.ngram_embedding", "ckpt")
+    spec = identity.select(
+        identity.checkpoint_tables(str(checkpoint)),
+        "layers.1.ple.ple_embedding.ngram_embedding",
+        "ckpt",
+    )
     server = TableInfo(**{**spec.info(), "fingerprint": "0" * 32, "rows": spec.rows + 1})
     with pytest.raises(IdentityMismatch) as err:
         identity.verify(server, "/run/x.sock", spec, str(checkpoint), expected(FP8))
@@ -178,17 +203,27 @@ def test_server_gone_with_no_reconnect_window_fails_at_once(server, service):
 
 
 def test_a_server_back_within_the_window_answers_the_lookup_that_waited(
-        start_server, checkpoint, reference, caplog):
+    start_server, checkpoint, reference, caplog
+):
     first = start_server(checkpoint)
-    rows = RowService(settings.ShmSettings(socket=first.socket, checkpoint=str(checkpoint),
-                                           capacity=100, depth=2, reconnect_window=60))
+    rows = RowService(
+        settings.ShmSettings(
+            socket=first.socket,
+            checkpoint=str(checkpoint),
+            capacity=100,
+            depth=2,
+            reconnect_window=60,
+        )
+    )
     try:
         binding = rows.bind(expected(BF16))
         first.stop()
         ids = torch.arange(0, BF16.rows, 61)
         out = typed(BF16, ids.numel())
-        with caplog.at_level("WARNING", logger="pleclient.vllm_plugin"), \
-                ThreadPoolExecutor(1) as pool:  # the next server starts while the lookup waits
+        with (
+            caplog.at_level("WARNING", logger="pleclient.vllm_plugin"),
+            ThreadPoolExecutor(1) as pool,
+        ):  # the next server starts while the lookup waits
             second = pool.submit(start_server, checkpoint, socket_path=first.socket)
             rows.lookup(binding, ids, out)
             second.result()
@@ -199,7 +234,8 @@ def test_a_server_back_within_the_window_answers_the_lookup_that_waited(
 
 
 def test_missing_server_names_the_socket(tmp_path, checkpoint):
-    rows = RowService(settings.ShmSettings(socket=str(tmp_path / "no.sock"),
-                                           checkpoint=str(checkpoint)))
+    rows = RowService(
+        settings.ShmSettings(socket=str(tmp_path / "no.sock"), checkpoint=str(checkpoint))
+    )
     with pytest.raises(PleBackendError, match=r"no\.sock.*systemctl start ple-server"):
         rows.bind(expected(FP8))

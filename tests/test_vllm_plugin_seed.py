@@ -13,8 +13,9 @@ from tests.vllm_helpers import run_scenario
 
 @pytest.fixture(scope="module")
 def seed(vllm_server, vllm_checkpoint) -> dict:
-    return run_scenario("seed_interface", {"model": str(vllm_checkpoint)},
-                        env=shm_env(vllm_server, vllm_checkpoint))
+    return run_scenario(
+        "seed_interface", {"model": str(vllm_checkpoint)}, env=shm_env(vllm_server, vllm_checkpoint)
+    )
 
 
 def test_seed_interface_rows_are_bit_identical_to_the_stock_class(seed):

@@ -42,8 +42,9 @@ def patch_compilation_module(module: ModuleType) -> None:
             added = [op for op in SPLITTING_OPS if op not in ops]
             ops.extend(added)
             if added:
-                log.info("PLE backend shm: PLE lookups split out of CUDA graphs (%s)",
-                         ", ".join(added))
+                log.info(
+                    "PLE backend shm: PLE lookups split out of CUDA graphs (%s)", ", ".join(added)
+                )
         return result
 
     set_splitting_ops_for_v1._ple_shm_wrapped = True  # type: ignore[attr-defined]

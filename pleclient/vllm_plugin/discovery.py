@@ -35,9 +35,11 @@ def sockets_in(directory: str) -> list[str]:
     except FileNotFoundError:
         return []
     except OSError as exc:
-        raise PleBackendError(f"VLLM_PLE_BACKEND=shm cannot list the ple-server socket "
-                              f"directory {directory}: {exc}; set {ENV_SOCKET} to the "
-                              "server's socket") from None
+        raise PleBackendError(
+            f"VLLM_PLE_BACKEND=shm cannot list the ple-server socket "
+            f"directory {directory}: {exc}; set {ENV_SOCKET} to the "
+            "server's socket"
+        ) from None
     found = []
     for name in names:
         path = os.path.join(directory, name)
@@ -49,8 +51,9 @@ def sockets_in(directory: str) -> list[str]:
     return found
 
 
-def find_socket(checkpoint_dir: str, directory: str = DEFAULT_SOCKET_DIR,
-                timeout: float = 5.0) -> str:
+def find_socket(
+    checkpoint_dir: str, directory: str = DEFAULT_SOCKET_DIR, timeout: float = 5.0
+) -> str:
     """The socket of the server serving ``checkpoint_dir``'s PLE tables."""
     wanted = {t.fingerprint for t in identity.checkpoint_tables(checkpoint_dir)}
     answers: dict[str, list[TableInfo] | str] = {}
@@ -60,12 +63,17 @@ def find_socket(checkpoint_dir: str, directory: str = DEFAULT_SOCKET_DIR,
         except PleError as exc:  # stale socket, not allowed, another protocol
             answers[path] = str(exc)
     serving = {path: tables for path, tables in answers.items() if not isinstance(tables, str)}
-    matches = [path for path, tables in serving.items()
-               if {t.fingerprint for t in tables} == wanted]
+    matches = [
+        path for path, tables in serving.items() if {t.fingerprint for t in tables} == wanted
+    ]
     if matches:
         if len(matches) > 1:
-            log.info("PLE backend shm: %s all serve %s; using %s", ", ".join(matches),
-                     checkpoint_dir, matches[0])
+            log.info(
+                "PLE backend shm: %s all serve %s; using %s",
+                ", ".join(matches),
+                checkpoint_dir,
+                matches[0],
+            )
         log.info("PLE backend shm: %s serves %s", matches[0], checkpoint_dir)
         return matches[0]
     if len(serving) == 1:
@@ -74,13 +82,18 @@ def find_socket(checkpoint_dir: str, directory: str = DEFAULT_SOCKET_DIR,
         raise PleBackendError(
             f"VLLM_PLE_BACKEND=shm: no ple-server socket in {directory}. Start the server "
             "(`systemctl start ple-server`, or ple-server@NAME for one of several models), "
-            f"or set {ENV_SOCKET} to its socket ({ENV_SOCKET_DIR} to the directory).")
+            f"or set {ENV_SOCKET} to its socket ({ENV_SOCKET_DIR} to the directory)."
+        )
     seen = "; ".join(
-        f"{path}: {answer}" if isinstance(answer, str) else
-        f"{path}: {len(answer)} tables, fingerprints "
-        + ", ".join(t.fingerprint[:11] for t in answer) for path, answer in answers.items())
+        f"{path}: {answer}"
+        if isinstance(answer, str)
+        else f"{path}: {len(answer)} tables, fingerprints "
+        + ", ".join(t.fingerprint[:11] for t in answer)
+        for path, answer in answers.items()
+    )
     raise PleBackendError(
         f"VLLM_PLE_BACKEND=shm: no ple-server in {directory} serves the checkpoint vLLM "
         f"loads ({checkpoint_dir}: fingerprints "
         f"{', '.join(sorted(f[:11] for f in wanted))}). Seen: {seen}. Start a server "
-        f"with --model {checkpoint_dir}, or set {ENV_SOCKET} to its socket.")
+        f"with --model {checkpoint_dir}, or set {ENV_SOCKET} to its socket."
+    )

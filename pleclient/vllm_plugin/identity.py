@@ -49,7 +49,8 @@ class Expected:
         if m is None:
             raise PleBackendError(
                 f"cannot tell which PLE layer {self.prefix!r} is (no 'layers.<L>.ple."
-                "ple_embedding' in its name); this model layout is not supported")
+                "ple_embedding' in its name); this model layout is not supported"
+            )
         return f"{m.group(1)}.ngram_embedding"
 
     @property
@@ -70,31 +71,39 @@ def select(tables: list[_Table], suffix: str, where: str) -> _Table:
     raise IdentityMismatch(f"{where} has {what} for {suffix}; its tables: {known}")
 
 
-def verify(server: TableInfo, socket: str, checkpoint: TableSpec, checkpoint_dir: str,
-           expected: Expected) -> None:
+def verify(
+    server: TableInfo, socket: str, checkpoint: TableSpec, checkpoint_dir: str, expected: Expected
+) -> None:
     """Raise IdentityMismatch naming both sides unless all three agree."""
-    fields = ("layer", "rows", "cols", "dtype", "parts", "shard_size", "scale",
-              "fingerprint")
-    diffs = [f"{f}: server {getattr(server, f)!r} ≠ checkpoint {getattr(checkpoint, f)!r}"
-             for f in fields if getattr(server, f) != getattr(checkpoint, f)]
+    fields = ("layer", "rows", "cols", "dtype", "parts", "shard_size", "scale", "fingerprint")
+    diffs = [
+        f"{f}: server {getattr(server, f)!r} ≠ checkpoint {getattr(checkpoint, f)!r}"
+        for f in fields
+        if getattr(server, f) != getattr(checkpoint, f)
+    ]
     if diffs:
         raise IdentityMismatch(
             f"ple-server at {socket} serves {server.name} from another checkpoint than "
             f"the one vLLM loads ({checkpoint_dir}): " + "; ".join(diffs) + ". Restart "
             f"ple-server with --model {checkpoint_dir} (the checkpoint vLLM loads), or "
-            "start vLLM on the checkpoint the server serves.")
+            "start vLLM on the checkpoint the server serves."
+        )
     model: list[tuple[str, object, object]] = [
-        (f, getattr(checkpoint, f), want) for f, want in
-        (("rows", expected.rows), ("cols", expected.cols), ("parts", expected.parts))
-        if getattr(checkpoint, f) != want]
+        (f, getattr(checkpoint, f), want)
+        for f, want in (("rows", expected.rows), ("cols", expected.cols), ("parts", expected.parts))
+        if getattr(checkpoint, f) != want
+    ]
     if checkpoint.dtype not in expected.dtypes:
         model.append(("dtype", checkpoint.dtype, " or ".join(expected.dtypes)))
     if model:
         raise IdentityMismatch(
             f"{checkpoint.name} in {checkpoint_dir} does not fit the model vLLM built for "
-            f"{expected.prefix}: " + "; ".join(f"{f}: checkpoint {have!r}, model expects "
-                                              f"{want!r}" for f, have, want in model)
-            + ". The checkpoint and the model config disagree; check --model.")
+            f"{expected.prefix}: "
+            + "; ".join(
+                f"{f}: checkpoint {have!r}, model expects {want!r}" for f, have, want in model
+            )
+            + ". The checkpoint and the model config disagree; check --model."
+        )
 
 
 def checkpoint_dir(override: str | None = None) -> str:
@@ -112,7 +121,8 @@ def checkpoint_dir(override: str | None = None) -> str:
         raise PleBackendError(
             f"VLLM_PLE_BACKEND=shm cannot find the checkpoint to check the server "
             f"against ({source} is {path!r}, not a local directory); set "
-            f"{ENV_CHECKPOINT} to the model's local snapshot directory")
+            f"{ENV_CHECKPOINT} to the model's local snapshot directory"
+        )
     return os.path.abspath(path)
 
 
@@ -132,6 +142,7 @@ def checkpoint_tables(model_dir: str) -> list[TableSpec]:
 def load_format() -> str | None:
     try:
         from vllm.config import get_current_vllm_config
+
         load_config = get_current_vllm_config().load_config
     except Exception:  # no config context: not a vLLM run
         return None
@@ -141,6 +152,7 @@ def load_format() -> str | None:
 def _vllm_model() -> tuple[str | None, str | None]:
     try:
         from vllm.config import get_current_vllm_config
+
         model_config = get_current_vllm_config().model_config
     except Exception:
         return None, None
@@ -152,8 +164,13 @@ def _vllm_model() -> tuple[str | None, str | None]:
 def _hf_snapshot(repo: str, revision: str | None) -> str | None:
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(repo, revision=revision, local_files_only=True,
-                                 allow_patterns=["*.json", "*.safetensors"])
+
+        return snapshot_download(
+            repo,
+            revision=revision,
+            local_files_only=True,
+            allow_patterns=["*.json", "*.safetensors"],
+        )
     except Exception as exc:  # any failure means "not local"
         log.debug("PLE shm: %s is not in the local Hugging Face cache: %s", repo, exc)
         return None

@@ -29,8 +29,7 @@ import torch.nn as nn
 
 log = logging.getLogger("pleclient.vllm_plugin")
 
-SHARD_WEIGHT_RE = re.compile(
-    r"(?:^|\.)ple\.ple_embedding\.ngram_embedding\.shard_[0-9]+\.weight$")
+SHARD_WEIGHT_RE = re.compile(r"(?:^|\.)ple\.ple_embedding\.ngram_embedding\.shard_[0-9]+\.weight$")
 """A PLE shard tensor's name, as in the checkpoint and (relative) in the module."""
 
 
@@ -45,9 +44,12 @@ MODEL_CLASS_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "MTP")
 def patch_model_module(module: ModuleType) -> None:
     """Declare the shard tensors unused on every model class of ``module``."""
     for obj in list(vars(module).values()):
-        if (isinstance(obj, type) and issubclass(obj, nn.Module)
-                and obj.__module__ == module.__name__
-                and obj.__name__.endswith(MODEL_CLASS_SUFFIXES)):
+        if (
+            isinstance(obj, type)
+            and issubclass(obj, nn.Module)
+            and obj.__module__ == module.__name__
+            and obj.__name__.endswith(MODEL_CLASS_SUFFIXES)
+        ):
             declare_shards_unused(obj)
 
 
@@ -57,11 +59,13 @@ def declare_shards_unused(cls: Any) -> None:  # a vLLM class, patched in place
     previous = cls.__dict__.get("is_unused_checkpoint_weight")
 
     if previous is None:
+
         def is_unused_checkpoint_weight(self, name: str) -> bool:
             parent = super(cls, self)
             inherited = getattr(parent, "is_unused_checkpoint_weight", None)
             return is_ple_shard(name) or bool(inherited and inherited(name))
     else:
+
         @functools.wraps(previous)
         def is_unused_checkpoint_weight(self, name: str) -> bool:
             return is_ple_shard(name) or bool(previous(self, name))

@@ -73,8 +73,9 @@ class ShmVocabEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.binding is None:
             raise PleBackendError("the shm PLE embedding was never bound to a table")
-        out = torch.empty((*ids.shape, self.embedding_dim),
-                          dtype=self.binding.storage_dtype, device=ids.device)
+        out = torch.empty(
+            (*ids.shape, self.embedding_dim), dtype=self.binding.storage_dtype, device=ids.device
+        )
         self._rows.lookup(self.binding, ids, out)
         return out
 
@@ -86,8 +87,10 @@ def patch_module(module: ModuleType) -> None:
     """``vllm.models.qwen3_8_flash_next.<platform>.ple_layer``."""
     cls = getattr(module, "Qwen3_8FlashNextNGramEmbedding", None)
     if cls is None:
-        log.warning("PLE backend shm: %s has no Qwen3_8FlashNextNGramEmbedding; not "
-                    "patched", module.__name__)
+        log.warning(
+            "PLE backend shm: %s has no Qwen3_8FlashNextNGramEmbedding; not patched",
+            module.__name__,
+        )
         return
     apply(cls)
 
@@ -111,9 +114,9 @@ def apply(cls: Any) -> None:  # a vLLM class, patched in place: Any to mypy
             bound.arguments["quant_config"] = None  # no FP8 weight parameter
         prefix = bound.arguments["prefix"]
         real = module.VocabParallelEmbedding
-        module.VocabParallelEmbedding = (
-            lambda num_embeddings, embedding_dim, *_a, **_kw:
-            ShmVocabEmbedding(num_embeddings, embedding_dim))
+        module.VocabParallelEmbedding = lambda num_embeddings, embedding_dim, *_a, **_kw: (
+            ShmVocabEmbedding(num_embeddings, embedding_dim)
+        )
         try:
             original_init(*bound.args, **bound.kwargs)
         finally:
@@ -121,9 +124,15 @@ def apply(cls: Any) -> None:  # a vLLM class, patched in place: Any to mypy
         self._ple_shm_prefix = prefix
         _LAYERS[prefix] = self
         storage = self.ngram_embedding
-        storage.binding = storage._rows.bind(Expected(
-            prefix=prefix, rows=storage.org_vocab_size, cols=storage.embedding_dim,
-            dtypes=ROW_DTYPES, parts=int(self.split_ngram_parts)))
+        storage.binding = storage._rows.bind(
+            Expected(
+                prefix=prefix,
+                rows=storage.org_vocab_size,
+                cols=storage.embedding_dim,
+                dtypes=ROW_DTYPES,
+                parts=int(self.split_ngram_parts),
+            )
+        )
 
     @functools.wraps(original_load_weights)
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -139,20 +148,29 @@ def apply(cls: Any) -> None:  # a vLLM class, patched in place: Any to mypy
                 rest.append((name, tensor))
         loaded.update(original_load_weights(self, rest))
         binding = self.ngram_embedding.binding
-        if (not hasattr(self, "_offload_weight_scale") and binding is not None
-                and binding.checkpoint is not None and binding.checkpoint.scale is not None):
+        if (
+            not hasattr(self, "_offload_weight_scale")
+            and binding is not None
+            and binding.checkpoint is not None
+            and binding.checkpoint.scale is not None
+        ):
             _set_scale(self, torch.tensor(binding.checkpoint.scale, dtype=torch.float32))
         return loaded
 
-    def forward_impl(self, hidden_states, input_ids, query_start_loc, ngram_context,
-                     *args, **kwargs) -> torch.Tensor:
+    def forward_impl(
+        self, hidden_states, input_ids, query_start_loc, ngram_context, *args, **kwargs
+    ) -> torch.Tensor:
         del hidden_states, args, kwargs
         num_tokens = input_ids.reshape(-1).shape[0]
         storage = self.ngram_embedding
-        output = torch.empty((num_tokens, self.embedding_dim),
-                             dtype=storage.binding.storage_dtype, device=input_ids.device)
-        getattr(torch.ops.vllm, OP_NAME)(input_ids, query_start_loc, ngram_context,
-                                         output, self._ple_shm_prefix)
+        output = torch.empty(
+            (num_tokens, self.embedding_dim),
+            dtype=storage.binding.storage_dtype,
+            device=input_ids.device,
+        )
+        getattr(torch.ops.vllm, OP_NAME)(
+            input_ids, query_start_loc, ngram_context, output, self._ple_shm_prefix
+        )
         return output
 
     _register_op()
@@ -165,22 +183,37 @@ def apply(cls: Any) -> None:  # a vLLM class, patched in place: Any to mypy
 
 
 def _set_scale(layer: nn.Module, scale: torch.Tensor) -> None:
-    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() \
+    device = (
+        torch.accelerator.current_accelerator()
+        if torch.accelerator.is_available()
         else torch.device("cpu")
-    layer.register_buffer("_offload_weight_scale", scale.detach().to(device=device),
-                          persistent=False)
+    )
+    layer.register_buffer(
+        "_offload_weight_scale", scale.detach().to(device=device), persistent=False
+    )
 
 
-def _lookup(input_ids: torch.Tensor, query_start_loc: torch.Tensor,
-            ngram_context: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+def _lookup(
+    input_ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ngram_context: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: str,
+) -> None:
     layer = _LAYERS[layer_name]
-    rows = layer._ple_shm_original_forward_impl(None, input_ids, query_start_loc,
-                                                ngram_context)  # bound: the stock method
+    rows = layer._ple_shm_original_forward_impl(
+        None, input_ids, query_start_loc, ngram_context
+    )  # bound: the stock method
     output[: rows.shape[0]].copy_(rows.reshape(rows.shape[0], -1))
 
 
-def _lookup_fake(input_ids: torch.Tensor, query_start_loc: torch.Tensor,
-                 ngram_context: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+def _lookup_fake(
+    input_ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ngram_context: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: str,
+) -> None:
     return None
 
 
@@ -189,5 +222,6 @@ def _register_op() -> None:
         return
     from vllm.utils.torch_utils import direct_register_custom_op
 
-    direct_register_custom_op(op_name=OP_NAME, op_func=_lookup, mutates_args=["output"],
-                              fake_impl=_lookup_fake)
+    direct_register_custom_op(
+        op_name=OP_NAME, op_func=_lookup, mutates_args=["output"], fake_impl=_lookup_fake
+    )

@@ -54,8 +54,7 @@ def patch_ngram_embedding(module: ModuleType, cls: Any) -> None:  # patched in p
 
     @functools.wraps(original_init)
     def __init__(self, *args, **kwargs) -> None:
-        saved = {name: module.__dict__[name] for name in STORAGE_NAMES
-                 if name in module.__dict__}
+        saved = {name: module.__dict__[name] for name in STORAGE_NAMES if name in module.__dict__}
         for name in saved:
             setattr(module, name, Qwen4ExpPLEShmEmbedding)
         try:
@@ -85,8 +84,11 @@ def patch_ngram_embedding(module: ModuleType, cls: Any) -> None:  # patched in p
 
         loaded = original_load_weights(self, without_shards())
         if dropped:
-            log.info("PLE backend shm: dropped %d shard tensor(s) the loader read anyway "
-                     "(mixed safetensors files with a whole-file load format)", len(dropped))
+            log.info(
+                "PLE backend shm: dropped %d shard tensor(s) the loader read anyway "
+                "(mixed safetensors files with a whole-file load format)",
+                len(dropped),
+            )
         return loaded
 
     cls.__init__ = __init__

@@ -29,8 +29,9 @@ class ReconnectPolicy:
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
 
-    def reconnect(self, connect: Callable[[], T], *, socket: str | None, cause: Exception,
-                  failed_since: float) -> T:
+    def reconnect(
+        self, connect: Callable[[], T], *, socket: str | None, cause: Exception, failed_since: float
+    ) -> T:
         """``connect()`` until it succeeds, sleeping between tries; a try that
         fails with a transient error or another protocol (a server being
         replaced) is tried again. Past the window raises ``PleBackendError``
@@ -49,6 +50,7 @@ class ReconnectPolicy:
                     f"and did not come back within {self.window_s:.0f} s (last error: "
                     f"{last}). PLE rows cannot be served, so this step fails rather than "
                     "use wrong rows. Restart it: `systemctl start ple-server`; raise "
-                    "VLLM_PLE_SHM_RECONNECT_S to wait longer.") from None
+                    "VLLM_PLE_SHM_RECONNECT_S to wait longer."
+                ) from None
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, MAX_DELAY_S)

@@ -36,15 +36,14 @@ TARGETS: dict[str, str] = {
     "vllm.models.qwen4_exp.nvidia.mtp": f"{_ADAPTERS}.loader:patch_model_module",
     "vllm.models.qwen4_exp.amd.mtp": f"{_ADAPTERS}.loader:patch_model_module",
     # Shards in files shared with other tensors: skipped before they are read.
-    "vllm.model_executor.model_loader.weight_utils":
-        f"{_ADAPTERS}.loader:patch_weight_utils",
+    "vllm.model_executor.model_loader.weight_utils": f"{_ADAPTERS}.loader:patch_weight_utils",
     # Lookups outside piecewise CUDA graphs.
     "vllm.config.compilation": f"{_ADAPTERS}.compilation:patch_compilation_module",
     # The seed's interface (qwen38-flash-next vLLM builds).
-    "vllm.models.qwen3_8_flash_next.nvidia.ple_layer":
-        f"{_ADAPTERS}.qwen38_flash_next:patch_module",
-    "vllm.models.qwen3_8_flash_next.amd.ple_layer":
-        f"{_ADAPTERS}.qwen38_flash_next:patch_module",
+    "vllm.models.qwen3_8_flash_next.nvidia.ple_layer": (
+        f"{_ADAPTERS}.qwen38_flash_next:patch_module"
+    ),
+    "vllm.models.qwen3_8_flash_next.amd.ple_layer": f"{_ADAPTERS}.qwen38_flash_next:patch_module",
 }
 
 _lock = threading.RLock()

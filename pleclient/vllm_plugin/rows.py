@@ -144,51 +144,75 @@ class RowService:
         fmt = identity.load_format()
         if fmt == "dummy" and self.settings.allow_dummy:
             if not self._dummy_warned:
-                log.warning("PLE backend shm with --load-format dummy and %s=1: no "
-                            "ple-server is used, every PLE row is zero", ENV_ALLOW_DUMMY)
+                log.warning(
+                    "PLE backend shm with --load-format dummy and %s=1: no "
+                    "ple-server is used, every PLE row is zero",
+                    ENV_ALLOW_DUMMY,
+                )
                 self._dummy_warned = True
             binding = TableBinding(expected, None)
             self._bindings.append(binding)
             return binding
         model_dir = identity.checkpoint_dir(self.settings.checkpoint)
-        spec = identity.select(identity.checkpoint_tables(model_dir),
-                               expected.table_suffix, model_dir)
+        spec = identity.select(
+            identity.checkpoint_tables(model_dir), expected.table_suffix, model_dir
+        )
         if self.settings.socket is None:  # several servers per host: ask them
-            self.settings = dataclasses.replace(self.settings, socket=discovery.find_socket(
-                model_dir, self.settings.socket_dir, self.settings.connect_timeout))
+            self.settings = dataclasses.replace(
+                self.settings,
+                socket=discovery.find_socket(
+                    model_dir, self.settings.socket_dir, self.settings.connect_timeout
+                ),
+            )
         client = self._client or self._connect_at_startup(fmt)
-        info = identity.select(client.tables, expected.table_suffix,
-                               f"ple-server at {client.socket_path}")
+        info = identity.select(
+            client.tables, expected.table_suffix, f"ple-server at {client.socket_path}"
+        )
         identity.verify(info, client.socket_path, spec, model_dir, expected)
         binding = TableBinding(expected, info, spec, model_dir)
         self._bindings.append(binding)
-        log.info("PLE backend shm: %s <- ple-server table %s (%d rows x %d B, %s, "
-                 "fingerprint %s)", expected.prefix, info.name, info.rows, info.row_bytes,
-                 info.dtype, info.fingerprint)
+        log.info(
+            "PLE backend shm: %s <- ple-server table %s (%d rows x %d B, %s, fingerprint %s)",
+            expected.prefix,
+            info.name,
+            info.rows,
+            info.row_bytes,
+            info.dtype,
+            info.fingerprint,
+        )
         return binding
 
     def _connect_at_startup(self, fmt: str | None) -> PleClient:
         try:
             return self._connect()
         except TRANSIENT as exc:
-            hint = (f" (or, with --load-format dummy, set {ENV_ALLOW_DUMMY}=1 to run "
-                    "without PLE rows)" if fmt == "dummy" else "")
+            hint = (
+                f" (or, with --load-format dummy, set {ENV_ALLOW_DUMMY}=1 to run without PLE rows)"
+                if fmt == "dummy"
+                else ""
+            )
             raise PleBackendError(
                 f"VLLM_PLE_BACKEND=shm: no ple-server on {self.settings.socket}: {exc}. "
                 f"Start it with `systemctl start ple-server`, or point {ENV_SOCKET} at "
                 f"the socket it listens on, or unset {ENV_BACKEND} to keep the table in "
-                f"vLLM{hint}.") from None
+                f"vLLM{hint}."
+            ) from None
         except ProtocolMismatch as exc:
             raise PleBackendError(
                 f"VLLM_PLE_BACKEND=shm: ple-server on {self.settings.socket} speaks "
                 f"another protocol ({exc}); install the same pleserver version in vLLM's "
-                "environment and on the server") from None
+                "environment and on the server"
+            ) from None
 
     def _connect(self) -> PleClient:
         s = self.settings
-        client = PleClient.connect(s.socket, timeout=s.connect_timeout,
-                                   name=f"vllm-pid{os.getpid()}", capacity=s.capacity,
-                                   depth=s.depth)
+        client = PleClient.connect(
+            s.socket,
+            timeout=s.connect_timeout,
+            name=f"vllm-pid{os.getpid()}",
+            capacity=s.capacity,
+            depth=s.depth,
+        )
         client.timeout = s.lookup_timeout
         self._client = client
         self._generation += 1
@@ -199,8 +223,9 @@ class RowService:
         """Rows of ``ids`` (any shape, int64) into ``out`` (``ids.numel()`` rows)."""
         self.collect(self.submit(binding, ids, reserve=0), out)
 
-    def submit(self, binding: TableBinding, ids: torch.Tensor, *, reserve: int = 1
-               ) -> PendingLookup:
+    def submit(
+        self, binding: TableBinding, ids: torch.Tensor, *, reserve: int = 1
+    ) -> PendingLookup:
         """Start a lookup; the server works on it until ``collect``. Its first
         chunk is always submitted; further chunks only while more than
         ``reserve`` slots stay free (for the request that follows)."""
@@ -223,8 +248,10 @@ class RowService:
         binding = pending.binding
         n = pending.count
         if out.numel() != n * binding.expected.cols:
-            raise ValueError(f"PLE rows for {n} ids need {n * binding.expected.cols} "
-                             f"elements, the output holds {out.numel()}")
+            raise ValueError(
+                f"PLE rows for {n} ids need {n * binding.expected.cols} "
+                f"elements, the output holds {out.numel()}"
+            )
         if binding.info is None:  # dummy
             out.zero_()
             return
@@ -242,7 +269,7 @@ class RowService:
                     assert ticket is not None  # _feed submitted it
                     rows = ticket.wait(self.settings.lookup_timeout)
                     self._ensure_pinned(target.device)
-                    copy = copy_rows(rows, target[chunk.start:chunk.end])
+                    copy = copy_rows(rows, target[chunk.start : chunk.end])
                     self._retiring.append((ticket, copy))
                     chunk.ticket = None
                     index += 1
@@ -255,7 +282,8 @@ class RowService:
             raise PleBackendError(
                 f"ple-server rejected a lookup in {binding.info.name}: {exc}. The server "
                 "and vLLM disagree about the table; restart both on the same "
-                "checkpoint") from None
+                "checkpoint"
+            ) from None
         except BaseException:
             self.discard(pending)
             raise
@@ -288,8 +316,10 @@ class RowService:
         chunks = pending.chunks
         cap = client.capacity
         if any(c.end - c.start > cap for c in chunks[first:]):
-            chunks[first:] = [_Chunk(s, min(s + cap, pending.count))
-                              for s in range(chunks[first].start, pending.count, cap)]
+            chunks[first:] = [
+                _Chunk(s, min(s + cap, pending.count))
+                for s in range(chunks[first].start, pending.count, cap)
+            ]
         for i in range(first, len(chunks)):
             chunk = chunks[i]
             if chunk.ticket is not None and chunk.generation == self._generation:
@@ -301,7 +331,7 @@ class RowService:
                     return
             elif client.free_slots == 0:
                 self._retire(block=True)
-            chunk.ticket = client.submit(info, pending.ids[chunk.start:chunk.end])
+            chunk.ticket = client.submit(info, pending.ids[chunk.start : chunk.end])
             chunk.generation = self._generation
 
     def _retire(self, *, block: bool) -> None:
@@ -321,7 +351,8 @@ class RowService:
             raise PleBackendError(
                 f"all {self._client.depth if self._client else '?'} ple-server channel "
                 "slots hold lookups that were started and not yet used; raise "
-                "VLLM_PLE_SHM_DEPTH")
+                "VLLM_PLE_SHM_DEPTH"
+            )
 
     def _ensure_pinned(self, device: torch.device) -> None:
         if device.type != "cuda" or self._pinned is not None or self._client is None:
@@ -346,16 +377,24 @@ class RowService:
         """Reconnect within the window (counted from the first failure) and
         verify the new server, or raise."""
         socket = self.settings.socket
-        log.warning("PLE backend shm: lost ple-server at %s (%s); reconnecting for up "
-                    "to %.0f s", socket, cause, self.settings.reconnect_window)
+        log.warning(
+            "PLE backend shm: lost ple-server at %s (%s); reconnecting for up to %.0f s",
+            socket,
+            cause,
+            self.settings.reconnect_window,
+        )
         self._drop_session()
         # The policy of the settings in force now (they may be replaced).
         policy = ReconnectPolicy(self.settings.reconnect_window)
-        client = policy.reconnect(self._connect, socket=socket, cause=cause,
-                                  failed_since=failed_since)
+        client = policy.reconnect(
+            self._connect, socket=socket, cause=cause, failed_since=failed_since
+        )
         self._verify_again(client)
-        log.warning("PLE backend shm: reconnected to ple-server at %s after %.1f s",
-                    socket, time.monotonic() - failed_since)
+        log.warning(
+            "PLE backend shm: reconnected to ple-server at %s after %.1f s",
+            socket,
+            time.monotonic() - failed_since,
+        )
 
     def _verify_again(self, client: PleClient) -> None:
         """A restarted server must still serve the checkpoint every layer loaded."""
@@ -363,10 +402,18 @@ class RowService:
             for binding in self._bindings:
                 if binding.dummy or binding.checkpoint is None:  # a bound table has its spec
                     continue
-                info = identity.select(client.tables, binding.expected.table_suffix,
-                                       f"ple-server at {client.socket_path}")
-                identity.verify(info, client.socket_path, binding.checkpoint,
-                                binding.checkpoint_dir, binding.expected)
+                info = identity.select(
+                    client.tables,
+                    binding.expected.table_suffix,
+                    f"ple-server at {client.socket_path}",
+                )
+                identity.verify(
+                    info,
+                    client.socket_path,
+                    binding.checkpoint,
+                    binding.checkpoint_dir,
+                    binding.expected,
+                )
                 binding.info = info
         except PleBackendError:
             self._drop_session()
@@ -399,8 +446,9 @@ def _host_ids(ids: torch.Tensor) -> tuple[np.ndarray, object]:
     return host.numpy(), host
 
 
-def _byte_target(out: torch.Tensor, binding: TableBinding
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _byte_target(
+    out: torch.Tensor, binding: TableBinding
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The uint8 ``[n, row_bytes]`` tensor rows are copied into: ``out`` itself when
     it has the table's dtype, else a staging tensor converted afterwards."""
     if not out.is_contiguous():
@@ -408,8 +456,9 @@ def _byte_target(out: torch.Tensor, binding: TableBinding
     rows = out.numel() // binding.expected.cols
     if out.dtype == binding.storage_dtype:
         return out.view(torch.uint8).view(rows, binding.row_bytes), None
-    staging = torch.empty((rows, binding.expected.cols), dtype=binding.storage_dtype,
-                          device=out.device)
+    staging = torch.empty(
+        (rows, binding.expected.cols), dtype=binding.storage_dtype, device=out.device
+    )
     return staging.view(torch.uint8).view(rows, binding.row_bytes), staging
 
 
@@ -419,7 +468,8 @@ def _refuse_graph_capture() -> None:
             "VLLM_PLE_BACKEND=shm: a PLE lookup ran inside a captured CUDA graph; host "
             "work cannot be captured. Use -cc.cudagraph_mode=PIECEWISE (breakable CUDA "
             "graphs, the default for Qwen4Exp on CUDA) or --enforce-eager; for the "
-            "seed interface list vllm::ple_shm_lookup in -cc.splitting_ops")
+            "seed interface list vllm::ple_shm_lookup in -cc.splitting_ops"
+        )
 
 
 __all__ = ["RowService", "TableBinding", "PendingLookup", "TORCH_DTYPES"]

@@ -76,7 +76,8 @@ def backend() -> str:
     raise SettingsError(
         f"{ENV_BACKEND}={os.environ[ENV_BACKEND]!r} is not a PLE backend; use "
         f"{ENV_BACKEND}=shm to serve PLE rows from ple-server, or unset it (or "
-        f"{ENV_BACKEND}=vllm) to keep vLLM's own table")
+        f"{ENV_BACKEND}=vllm) to keep vLLM's own table"
+    )
 
 
 @dataclass(frozen=True)
@@ -97,12 +98,16 @@ class ShmSettings:
         socket = os.environ.get(ENV_SOCKET) or os.environ.get(protocol.SOCKET_ENV) or None
         depth = _int(ENV_DEPTH, protocol.DEFAULT_DEPTH)
         if not MIN_DEPTH <= depth <= protocol.MAX_DEPTH:
-            raise SettingsError(f"{ENV_DEPTH}={depth}: the channel depth must lie in "
-                                f"[{MIN_DEPTH}, {protocol.MAX_DEPTH}]")
+            raise SettingsError(
+                f"{ENV_DEPTH}={depth}: the channel depth must lie in "
+                f"[{MIN_DEPTH}, {protocol.MAX_DEPTH}]"
+            )
         capacity = _int(ENV_CAPACITY, None)
         if capacity is not None and capacity < 1:
-            raise SettingsError(f"{ENV_CAPACITY}={capacity}: must be a positive number "
-                                "of rows (or unset for the server's default)")
+            raise SettingsError(
+                f"{ENV_CAPACITY}={capacity}: must be a positive number "
+                "of rows (or unset for the server's default)"
+            )
         return cls(
             socket=socket,
             connect_timeout=_float(ENV_CONNECT_TIMEOUT, 10.0, minimum=0.1),

@@ -67,7 +67,8 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
             raise PleBackendError(
                 f"{prefix}: VLLM_PLE_BACKEND=shm serves BF16 and FP8 PLE tables, not "
                 "NVFP4 ones (rows and block scales are separate tensors); unset "
-                "VLLM_PLE_BACKEND for this checkpoint")
+                "VLLM_PLE_BACKEND for this checkpoint"
+            )
         del reduce_results  # full rows on every rank: nothing to reduce
         super().__init__(
             num_embeddings,
@@ -106,20 +107,29 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
             dtypes: tuple[str, ...] = ("F8_E4M3",)
         else:
             dtypes = ("BF16",)  # converted to the params dtype if that differs
-        self._binding = self._rows.bind(Expected(
-            prefix=self.prefix, rows=self.org_vocab_size, cols=self.embedding_dim,
-            dtypes=dtypes, parts=split_ngram_parts))
+        self._binding = self._rows.bind(
+            Expected(
+                prefix=self.prefix,
+                rows=self.org_vocab_size,
+                cols=self.embedding_dim,
+                dtypes=dtypes,
+                parts=split_ngram_parts,
+            )
+        )
 
     @property
     def binding(self) -> TableBinding:
         if self._binding is None:
-            raise PleBackendError(f"{self.prefix}: the shm PLE embedding was never bound "
-                                  "to a ple-server table")
+            raise PleBackendError(
+                f"{self.prefix}: the shm PLE embedding was never bound to a ple-server table"
+            )
         return self._binding
 
     def extra_repr(self) -> str:
-        return (f"rows={self.org_vocab_size}, cols={self.embedding_dim}, "
-                f"dtype={self.weight.dtype}, backend=ple-server")
+        return (
+            f"rows={self.org_vocab_size}, cols={self.embedding_dim}, "
+            f"dtype={self.weight.dtype}, backend=ple-server"
+        )
 
     # --------------------------------------------------------------- lookups
     def forward(self, ngram_ids: torch.Tensor) -> torch.Tensor:
@@ -162,11 +172,11 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
     def _finalize_into(self, output: torch.Tensor) -> None:
         pending, self._pending = self._pending, None
         if pending is None:
-            raise RuntimeError(f"{self.prefix}: shm PLE lookup requires a prior "
-                               "start_prefetch()")
+            raise RuntimeError(f"{self.prefix}: shm PLE lookup requires a prior start_prefetch()")
         if pending.count != output.shape[0] * self._num_ngram_heads:
             self._rows.discard(pending)
             raise RuntimeError(
                 f"{self.prefix}: prefetched {pending.count} ids, but finalize asks for "
-                f"{output.shape[0]} tokens x {self._num_ngram_heads} heads")
+                f"{output.shape[0]} tokens x {self._num_ngram_heads} heads"
+            )
         self._rows.collect(pending, output)

@@ -45,8 +45,10 @@ class PleLayer:
         from vllm.utils.math_utils import round_up
 
         _, _, total = Qwen4ExpNGramEmbedding._make_vocab_layout(
-            ngram_vocab_size_base=NGRAM_VOCAB_BASE, ngram_heads=HEADS,
-            ple_dense_layer_id=self.dense_id)
+            ngram_vocab_size_base=NGRAM_VOCAB_BASE,
+            ngram_heads=HEADS,
+            ple_dense_layer_id=self.dense_id,
+        )
         return round_up(total, DIVISOR)
 
 
@@ -58,9 +60,17 @@ LAYERS = (FP8_LAYER, BF16_LAYER)
 def synthetic_tables(layers=LAYERS, parts: int = PARTS) -> list:
     from pleserver.synthetic import SyntheticTable
 
-    return [SyntheticTable(layer=p.layer, rows=p.rows, cols=COLS, dtype=p.dtype,
-                           parts=parts, scale=FP8_SCALE if p.dtype != "BF16" else None)
-            for p in layers]
+    return [
+        SyntheticTable(
+            layer=p.layer,
+            rows=p.rows,
+            cols=COLS,
+            dtype=p.dtype,
+            parts=parts,
+            scale=FP8_SCALE if p.dtype != "BF16" else None,
+        )
+        for p in layers
+    ]
 
 
 def write_test_checkpoint(path: str, *, seed: int = 0, files: int = 3) -> str:
@@ -75,23 +85,32 @@ def text_config(layer: PleLayer):
     from transformers import Qwen4ExpTextConfig
 
     return Qwen4ExpTextConfig(
-        vocab_size=UNIGRAM_VOCAB, ngram_vocab_size_base=NGRAM_VOCAB_BASE,
-        ngram_size=NGRAM_SIZE, heads_per_ngram=HEADS_PER_NGRAM, split_ngram_parts=PARTS,
-        make_ngram_vocab_size_divisible_by=DIVISOR, eos_token_id=EOS,
-        ple_embedding_dtype="float8_e4m3fn" if layer.dtype.startswith("F8") else None)
+        vocab_size=UNIGRAM_VOCAB,
+        ngram_vocab_size_base=NGRAM_VOCAB_BASE,
+        ngram_size=NGRAM_SIZE,
+        heads_per_ngram=HEADS_PER_NGRAM,
+        split_ngram_parts=PARTS,
+        make_ngram_vocab_size_divisible_by=DIVISOR,
+        eos_token_id=EOS,
+        ple_embedding_dtype="float8_e4m3fn" if layer.dtype.startswith("F8") else None,
+    )
 
 
 @contextmanager
-def vllm_context(world_size: int = 1, rank: int = 0, init_file: str | None = None,
-                 *, load_format: str | None = None):
+def vllm_context(
+    world_size: int = 1,
+    rank: int = 0,
+    init_file: str | None = None,
+    *,
+    load_format: str | None = None,
+):
     """A VllmConfig context with gloo model-parallel groups (TP = world size)."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
     if init_file is None:
         init_file = tempfile.mktemp(prefix="vllm-dist-")
-    init_distributed_environment(world_size, rank, f"file://{init_file}", rank,
-                                 backend="gloo")
+    init_distributed_environment(world_size, rank, f"file://{init_file}", rank, backend="gloo")
     config = VllmConfig()
     if load_format is not None:
         config.load_config.load_format = load_format
@@ -100,22 +119,42 @@ def vllm_context(world_size: int = 1, rank: int = 0, init_file: str | None = Non
         yield config
 
 
-def build_ngram_embedding(layer: PleLayer, *, max_tokens: int = 512,
-                          sequence_parallel: bool = False, platform: str = "nvidia"):
+def build_ngram_embedding(
+    layer: PleLayer,
+    *,
+    max_tokens: int = 512,
+    sequence_parallel: bool = False,
+    platform: str = "nvidia",
+):
     """The real ``Qwen4ExpNGramEmbedding`` of one PLE layer (stock or patched,
     whatever the class is at the time of the call)."""
     config = text_config(layer)
     if platform == "nvidia":
         from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
+
         return Qwen4ExpNGramEmbedding(
-            config, HEADS * COLS, layer.dense_id, max_tokens, data_parallel_rank=0,
-            prefix=layer.prefix, params_dtype=torch.bfloat16,
-            use_sequence_parallel=sequence_parallel)
+            config,
+            HEADS * COLS,
+            layer.dense_id,
+            max_tokens,
+            data_parallel_rank=0,
+            prefix=layer.prefix,
+            params_dtype=torch.bfloat16,
+            use_sequence_parallel=sequence_parallel,
+        )
     from vllm.models.qwen4_exp.amd.ple_layer import Qwen4ExpNGramEmbedding
+
     return Qwen4ExpNGramEmbedding(
-        config, HEADS * COLS, layer.dense_id, max_tokens, layer.prefix, layer.prefix,
-        data_parallel_rank=0, params_dtype=torch.bfloat16,
-        use_sequence_parallel=sequence_parallel)
+        config,
+        HEADS * COLS,
+        layer.dense_id,
+        max_tokens,
+        layer.prefix,
+        layer.prefix,
+        data_parallel_rank=0,
+        params_dtype=torch.bfloat16,
+        use_sequence_parallel=sequence_parallel,
+    )
 
 
 def checkpoint_weights(model_dir: str, layer: PleLayer) -> list[tuple[str, torch.Tensor]]:
@@ -125,9 +164,11 @@ def checkpoint_weights(model_dir: str, layer: PleLayer) -> list[tuple[str, torch
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     prefix = layer.prefix + "."
-    return [(name[len(prefix):], tensor)
-            for name, tensor in safetensors_weights_iterator(files, False)
-            if name.startswith(prefix)]
+    return [
+        (name[len(prefix) :], tensor)
+        for name, tensor in safetensors_weights_iterator(files, False)
+        if name.startswith(prefix)
+    ]
 
 
 @dataclass(frozen=True)
@@ -139,8 +180,7 @@ class Batch:
     ngram_context: torch.Tensor
 
 
-def mixed_batch(seed: int, *, prefills: int = 2, decodes: int = 3,
-                prefill_len: int = 11) -> Batch:
+def mixed_batch(seed: int, *, prefills: int = 2, decodes: int = 3, prefill_len: int = 11) -> Batch:
     """Decodes first (one token, context from earlier steps), then prefills (new
     requests: EOS context; a chunked one continuing with real context)."""
     g = torch.Generator().manual_seed(seed)
@@ -159,8 +199,11 @@ def mixed_batch(seed: int, *, prefills: int = 2, decodes: int = 3,
 def big_batch(tokens: int, seed: int = 99) -> Batch:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, UNIGRAM_VOCAB, (tokens,), generator=g)
-    return Batch(ids, torch.tensor([0, tokens], dtype=torch.int32),
-                 torch.full((1, NGRAM_SIZE - 1), EOS, dtype=torch.long))
+    return Batch(
+        ids,
+        torch.tensor([0, tokens], dtype=torch.int32),
+        torch.full((1, NGRAM_SIZE - 1), EOS, dtype=torch.long),
+    )
 
 
 def run_forward(module, batch: Batch, *, prefetch: bool) -> torch.Tensor:

@@ -33,8 +33,11 @@ def scenario(fn: Callable[[dict], dict]) -> Callable[[dict], dict]:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 def check(condition: bool, message: str) -> None:
@@ -44,17 +47,23 @@ def check(condition: bool, message: str) -> None:
 
 def register_plugin() -> None:
     from pleclient.vllm_plugin import register
+
     register()
 
 
 def shm_storage_type() -> type:
     from pleclient.vllm_plugin.storage import Qwen4ExpPLEShmEmbedding
+
     return Qwen4ExpPLEShmEmbedding
 
 
 def batches() -> list[m.Batch]:
-    return [m.mixed_batch(0), m.mixed_batch(1, prefills=0, decodes=4),
-            m.mixed_batch(2, prefills=3, decodes=0, prefill_len=6), m.big_batch(70)]
+    return [
+        m.mixed_batch(0),
+        m.mixed_batch(1, prefills=0, decodes=4),
+        m.mixed_batch(2, prefills=3, decodes=0, prefill_len=6),
+        m.big_batch(70),
+    ]
 
 
 def outputs(modules: dict, *, prefetch: bool) -> dict[str, list[torch.Tensor]]:
@@ -65,8 +74,7 @@ def outputs(modules: dict, *, prefetch: bool) -> dict[str, list[torch.Tensor]]:
     for batch in batches():
         if prefetch:
             for module in modules.values():
-                module.start_prefetch(batch.input_ids, batch.query_start_loc,
-                                      batch.ngram_context)
+                module.start_prefetch(batch.input_ids, batch.query_start_loc, batch.ngram_context)
         for name, module in modules.items():
             hidden = torch.zeros(batch.input_ids.shape[0], 8, dtype=torch.bfloat16)
             rows = module(hidden, batch.input_ids, batch.query_start_loc, batch.ngram_context)
@@ -79,8 +87,10 @@ def build_loaded(model_dir: str, **kwargs) -> dict:
     for layer in m.LAYERS:
         module = m.build_ngram_embedding(layer, **kwargs)
         loaded = module.load_weights(m.checkpoint_weights(model_dir, layer))
-        check("ngram_embedding.weight_scale" in loaded or layer.dtype == "BF16",
-              f"weight_scale not loaded: {loaded}")
+        check(
+            "ngram_embedding.weight_scale" in loaded or layer.dtype == "BF16",
+            f"weight_scale not loaded: {loaded}",
+        )
         modules[layer.dtype] = module
     return modules
 
@@ -92,12 +102,17 @@ def compare(stock: dict, shm: dict, *, signed_zeros: bool = False) -> dict:
     diffs = {}
     for name in stock:
         for i, (a, b) in enumerate(zip(stock[name], shm[name], strict=True)):
-            if signed_zeros and a.dtype == b.dtype and a.is_floating_point() \
-                    and a.element_size() > 1:
+            if (
+                signed_zeros
+                and a.dtype == b.dtype
+                and a.is_floating_point()
+                and a.element_size() > 1
+            ):
                 a, b = _plus_zero(a), _plus_zero(b)
             if not same_bits(a, b):
-                diffs[f"{name}[{i}]"] = (f"stock {a.dtype} {tuple(a.shape)} vs shm {b.dtype} "
-                                         f"{tuple(b.shape)}")
+                diffs[f"{name}[{i}]"] = (
+                    f"stock {a.dtype} {tuple(a.shape)} vs shm {b.dtype} {tuple(b.shape)}"
+                )
     return diffs
 
 
@@ -127,8 +142,10 @@ def bit_identical(args: dict) -> dict:
         register_plugin()
         shm = build_loaded(args["model"])
         storage = {k: v.ngram_embedding for k, v in shm.items()}
-        check(all(isinstance(s, shm_storage_type()) for s in storage.values()),
-              f"storage not swapped: {[type(s) for s in storage.values()]}")
+        check(
+            all(isinstance(s, shm_storage_type()) for s in storage.values()),
+            f"storage not swapped: {[type(s) for s in storage.values()]}",
+        )
         got_pre = outputs(shm, prefetch=True)
         for s in storage.values():
             s.supports_prefetch = False  # what VLLM_PLE_SHM_PREFETCH=0 sets
@@ -139,8 +156,9 @@ def bit_identical(args: dict) -> dict:
             "forward_diffs": compare(expected_fwd, got_fwd),
             "prefetch_diffs": compare(expected_pre, got_pre),
             "stock_paths_agree": not compare(expected_fwd, expected_pre),
-            "outputs_nonzero": all(bool(t.float().abs().sum() > 0)
-                                   for ts in got_pre.values() for t in ts),
+            "outputs_nonzero": all(
+                bool(t.float().abs().sum() > 0) for ts in got_pre.values() for t in ts
+            ),
             "matches_file_reference": same_bits(got_fwd["F8_E4M3"][0], reference),
             "shm_parameters": sorted(n for n, _ in shm["F8_E4M3"].named_parameters()),
             "shm_weight_numel": {k: v.weight.numel() for k, v in storage.items()},
@@ -152,15 +170,16 @@ def bit_identical(args: dict) -> dict:
 
 def _reference_rows(model_dir: str, module, batch: m.Batch) -> torch.Tensor:
     from pleserver.synthetic import read_reference
+
     table = read_reference(model_dir, f"{m.FP8_LAYER.prefix}.ngram_embedding")
-    ids = module.compute_ngram_ids(batch.input_ids, batch.query_start_loc,
-                                   batch.ngram_context)
+    ids = module.compute_ngram_ids(batch.input_ids, batch.query_start_loc, batch.ngram_context)
     rows = torch.from_numpy(table[ids.reshape(-1).numpy()])
     return rows.view(torch.float8_e4m3fn).reshape(ids.shape[0], -1)
 
 
 def _server_requests() -> int:
     from pleclient import PleClient
+
     stats = PleClient.query_stats(os.environ["VLLM_PLE_SHM_SOCKET"])
     return sum(int(table["requests"]) for table in stats["tables"])
 
@@ -171,6 +190,7 @@ def tensor_parallel(args: dict) -> dict:
     world, rank = args["world"], args["rank"]
     with m.vllm_context(world, rank, args["init_file"]):
         from vllm.distributed import get_etp_group
+
         result: dict = {"rank": rank, "etp": get_etp_group().world_size}
         stock = {sp: build_loaded(args["model"], sequence_parallel=sp) for sp in (False, True)}
         expected = {sp: outputs(stock[sp], prefetch=True) for sp in (False, True)}
@@ -184,7 +204,8 @@ def tensor_parallel(args: dict) -> dict:
             result[f"signed_zero_flips_sp{int(sp)}"] = signed_zero_flips(expected[sp], got)
             result[f"reduce_scatter_sp{int(sp)}"] = {
                 "stock": stock[sp]["BF16"].use_reduce_scatter,
-                "shm": shm[sp]["BF16"].use_reduce_scatter}
+                "shm": shm[sp]["BF16"].use_reduce_scatter,
+            }
             result[f"rows_sp{int(sp)}"] = [tuple(t.shape) for t in got["BF16"][:2]]
         return result
 
@@ -202,16 +223,16 @@ def amd_storage(args: dict) -> dict:
         shm = m.build_ngram_embedding(layer, platform="amd")
         shm.load_weights(m.checkpoint_weights(args["model"], layer))
         batch = m.mixed_batch(5)
-        ids = hasher.compute_ngram_ids(batch.input_ids, batch.query_start_loc,
-                                       batch.ngram_context)
+        ids = hasher.compute_ngram_ids(batch.input_ids, batch.query_start_loc, batch.ngram_context)
         want = stock.ngram_embedding(ids)
         return {
             "storage": type(shm.ngram_embedding).__name__,
             "forward_equal": same_bits(want, shm.ngram_embedding(ids)),
             "sync_lookup_equal": same_bits(want, shm.ngram_embedding.sync_lookup(ids)),
-            "dequant_equal": same_bits(stock.ngram_embedding.dequantize(want, torch.bfloat16),
-                                       shm.ngram_embedding.dequantize(
-                                           shm.ngram_embedding(ids), torch.bfloat16)),
+            "dequant_equal": same_bits(
+                stock.ngram_embedding.dequantize(want, torch.bfloat16),
+                shm.ngram_embedding.dequantize(shm.ngram_embedding(ids), torch.bfloat16),
+            ),
             "use_reduce_scatter": shm.use_reduce_scatter,
         }
 
@@ -222,8 +243,10 @@ def plugin_off(args: dict) -> dict:
     import importlib
 
     from vllm.plugins import load_general_plugins
+
     load_general_plugins()
     from pleclient.vllm_plugin import registration
+
     modules = {}
     for name in registration.TARGETS:
         try:
@@ -237,6 +260,7 @@ def plugin_off(args: dict) -> dict:
             if isinstance(obj, type) and any(k.startswith("_ple_shm") for k in vars(obj)):
                 classes.append(obj.__qualname__)
     from vllm.model_executor.model_loader import weight_utils
+
     with m.vllm_context():
         module = m.build_ngram_embedding(m.BF16_LAYER)
     return {
@@ -244,8 +268,9 @@ def plugin_off(args: dict) -> dict:
         "imported": sorted(modules),
         "touched_modules": touched,
         "touched_classes": classes,
-        "import_hooks": [type(f).__name__ for f in sys.meta_path
-                         if type(f).__module__.startswith("pleclient")],
+        "import_hooks": [
+            type(f).__name__ for f in sys.meta_path if type(f).__module__.startswith("pleclient")
+        ],
         "registered": registration.is_registered(),
         "should_skip_weight_module": weight_utils.should_skip_weight.__module__,
         "storage": type(module.ngram_embedding).__name__,
@@ -256,6 +281,7 @@ def plugin_off(args: dict) -> dict:
 @scenario
 def bad_backend(args: dict) -> dict:
     from vllm.plugins import load_general_plugins
+
     try:
         load_general_plugins()
     except Exception as exc:  # reported to the test
@@ -268,13 +294,17 @@ def entry_point_hook(args: dict) -> dict:
     """vLLM's own plugin loading runs register(); modules imported afterwards are
     patched as they load; register() again changes nothing."""
     from vllm.plugins import load_general_plugins
-    check("vllm.models.qwen4_exp.nvidia.ngram_embedding" not in sys.modules,
-          "target imported too early")
+
+    check(
+        "vllm.models.qwen4_exp.nvidia.ngram_embedding" not in sys.modules,
+        "target imported too early",
+    )
     load_general_plugins()
     import vllm.models.qwen4_exp.nvidia.ngram_embedding as ne
     from vllm.model_executor.model_loader import weight_utils
 
     from pleclient.vllm_plugin import registration
+
     init_before = ne.Qwen4ExpNGramEmbedding.__init__
     register_plugin()
     register_plugin()
@@ -282,12 +312,15 @@ def entry_point_hook(args: dict) -> dict:
     model_classes = {}
     try:
         import vllm.models.qwen4_exp.nvidia.model as nm
+
         for cls_name in ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"):
             cls = getattr(nm, cls_name)
             model_classes[cls_name] = cls.is_unused_checkpoint_weight(
-                None, "model.layers.3.ple.ple_embedding.ngram_embedding.shard_11.weight")
+                None, "model.layers.3.ple.ple_embedding.ngram_embedding.shard_11.weight"
+            )
         model_classes["scale_unused"] = nm.Qwen4ExpForCausalLM.is_unused_checkpoint_weight(
-            None, "model.layers.3.ple.ple_embedding.ngram_embedding.weight_scale")
+            None, "model.layers.3.ple.ple_embedding.ngram_embedding.weight_scale"
+        )
     except ImportError as exc:
         model_classes["import_error"] = str(exc)
     return {
@@ -298,9 +331,11 @@ def entry_point_hook(args: dict) -> dict:
         "init_stable": ne.Qwen4ExpNGramEmbedding.__init__ is init_before,
         "finders": len(finders),
         "skips_shards": weight_utils.should_skip_weight(
-            "model.layers.1.ple.ple_embedding.ngram_embedding.shard_0.weight", None),
+            "model.layers.1.ple.ple_embedding.ngram_embedding.shard_0.weight", None
+        ),
         "keeps_scale": not weight_utils.should_skip_weight(
-            "model.layers.1.ple.ple_embedding.ngram_embedding.weight_scale", None),
+            "model.layers.1.ple.ple_embedding.ngram_embedding.weight_scale", None
+        ),
         "model_classes": model_classes,
     }
 
@@ -309,6 +344,7 @@ def _piecewise_splitting_ops(explicit: list[str] | None = None) -> list[str]:
     """The splitting ops vLLM settles on for a piecewise-compiled model."""
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CompilationMode
+
     config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, splitting_ops=explicit)
     config.set_splitting_ops_for_v1("allgather_reducescatter")
     return list(config.splitting_ops)
@@ -358,8 +394,12 @@ def loader_reads(args: dict) -> dict:
     nn.Module.__init__(model)
     loader = DefaultModelLoader(LoadConfig(load_format=args.get("load_format", "auto")))
     with m.vllm_context():
-        names = [name for name, _ in loader.get_all_weights(
-            SimpleNamespace(model=args["model"], revision=None), model)]
+        names = [
+            name
+            for name, _ in loader.get_all_weights(
+                SimpleNamespace(model=args["model"], revision=None), model
+            )
+        ]
     return {"yielded": names, "reads": reads}
 
 
@@ -372,12 +412,18 @@ def startup_checks(args: dict) -> dict:
         try:
             module = m.build_ngram_embedding(m.FP8_LAYER)
         except Exception as exc:  # reported to the test
-            return {"error": type(exc).__name__, "message": str(exc),
-                    "seconds": time.monotonic() - started}
+            return {
+                "error": type(exc).__name__,
+                "message": str(exc),
+                "seconds": time.monotonic() - started,
+            }
         batch = m.mixed_batch(3)
         rows = m.run_forward(module, batch, prefetch=True)
-        return {"error": None, "rows_all_zero": bool((rows.float() == 0).all()),
-                "rows_shape": list(rows.shape)}
+        return {
+            "error": None,
+            "rows_all_zero": bool((rows.float() == 0).all()),
+            "rows_shape": list(rows.shape),
+        }
 
 
 class Server:
@@ -418,6 +464,7 @@ def server_restarts(args: dict) -> dict:
 
     from pleclient.vllm_plugin import PleBackendError
     from pleclient.vllm_plugin.rows import RowService
+
     socket_path = os.environ["VLLM_PLE_SHM_SOCKET"]
     window = args["window"]
     server = Server(args["model"], socket_path, args["log"]).start()
@@ -445,8 +492,7 @@ def server_restarts(args: dict) -> dict:
             restarter = server.restart_after(0.3)
             asked_at = time.monotonic()
             hidden = torch.zeros(batch.input_ids.shape[0], 8, dtype=torch.bfloat16)
-            third = module(hidden, batch.input_ids, batch.query_start_loc,
-                           batch.ngram_context)
+            third = module(hidden, batch.input_ids, batch.query_start_loc, batch.ngram_context)
             restarter.join()
             result["prefetch_resubmitted_equal"] = same_bits(first, third)
             result["asked_while_away"].append(asked_at < server.started_at)
@@ -483,25 +529,35 @@ def seed_interface(args: dict) -> dict:
 
     result: dict = {}
     with m.vllm_context():
+
         def build(layer: m.PleLayer):
             config = m.text_config(layer)
             module = standin.Qwen3_8FlashNextNGramEmbedding(
-                config, m.HEADS * m.COLS, layer.dense_id, 256, 8, layer.prefix,
-                quant_config=None, params_dtype=torch.bfloat16)
+                config,
+                m.HEADS * m.COLS,
+                layer.dense_id,
+                256,
+                8,
+                layer.prefix,
+                quant_config=None,
+                params_dtype=torch.bfloat16,
+            )
             module.load_weights(m.checkpoint_weights(args["model"], layer))
             return module
 
         def run(module) -> list[torch.Tensor]:
             rows = []
             for batch in batches():
-                raw = module.forward_impl(None, batch.input_ids, batch.query_start_loc,
-                                          batch.ngram_context)
+                raw = module.forward_impl(
+                    None, batch.input_ids, batch.query_start_loc, batch.ngram_context
+                )
                 rows += [raw, standin.dequantize(module, raw)]
             return rows
 
         stock = {layer.dtype: build(layer) for layer in m.LAYERS}
         expected = {k: run(v) for k, v in stock.items()}
         from pleclient.vllm_plugin import qwen38_flash_next
+
         qwen38_flash_next.patch_module(standin)
         qwen38_flash_next.apply(standin.Qwen3_8FlashNextNGramEmbedding)  # idempotent
         shm = {layer.dtype: build(layer) for layer in m.LAYERS}
@@ -521,7 +577,8 @@ def seed_interface(args: dict) -> dict:
         compiled = torch.compile(step, backend="eager", fullgraph=True)
         result["compiled_equal"] = bool(
             compiled(batch.input_ids, batch.query_start_loc, batch.ngram_context)
-            == step(batch.input_ids, batch.query_start_loc, batch.ngram_context))
+            == step(batch.input_ids, batch.query_start_loc, batch.ngram_context)
+        )
         del Qwen4ExpTextConfig
     return result
 
