@@ -430,7 +430,13 @@ class PleClient:
                 "or crashed); reconnect with PleClient.connect()"
             )
         else:
-            for msg in self._reader.feed(data):
+            try:
+                messages = self._reader.feed(data)
+            except p.FrameError as exc:  # the session cannot be read any further
+                raise ProtocolMismatch(
+                    f"ple-server at {self.socket_path} sent a malformed frame: {exc}"
+                ) from None
+            for msg in messages:
                 if msg["type"] == p.MessageType.SHUTDOWN.value:
                     self._gone = (
                         f"ple-server at {self.socket_path} is shutting down "

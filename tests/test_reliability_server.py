@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from pleclient import PleClient, ServerGone
+from pleclient import PleClient, ProtocolMismatch, ServerGone
 from pleclient import protocol as p
 from pleserver.segments import create_segment
 from tests.harness import python_child, shm_entries, wait_until
@@ -214,10 +214,10 @@ def unread_bytes(sock: socket.socket) -> int:
     return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0]
 
 
-def shut_down_in_two_pieces(listener: socket.socket, go: threading.Event) -> None:
+def serve_by_hand(listener: socket.socket, go: threading.Event, pieces: list[bytes]) -> None:
     """Answer hello and open_channel (with a real channel segment); once ``go``
-    is set, send SHUTDOWN in two pieces, the second after the client has read
-    the first; then wait for the client to hang up."""
+    is set, send ``pieces`` one at a time, each after the client has read the
+    one before; then wait for the client to hang up."""
     conn, _ = listener.accept()
     with conn:
         conn.settimeout(TIMEOUT)
@@ -241,17 +241,18 @@ def shut_down_in_two_pieces(listener: socket.socket, go: threading.Event) -> Non
                 conn, {"type": p.MessageType.CHANNEL.value, "layout": layout.to_wire()}, fds=[fd]
             )
             assert go.wait(TIMEOUT)
-            frame = p.encode_frame({"type": p.MessageType.SHUTDOWN.value, "reason": "SIGTERM"})
-            conn.sendall(frame[: len(frame) // 2])
-            assert wait_until(lambda: unread_bytes(conn) == 0, TIMEOUT, 0.005)
-            conn.sendall(frame[len(frame) // 2 :])
+            for piece in pieces:
+                assert wait_until(lambda: unread_bytes(conn) == 0, TIMEOUT, 0.005)
+                conn.sendall(piece)
             conn.recv(1)  # returns when the client closes
         finally:
             segment.close()
             os.close(fd)
 
 
-def test_a_shutdown_read_in_two_pieces_is_still_a_shutdown(tmp_path):
+def wait_on_a_server_by_hand(tmp_path, pieces: list[bytes]) -> None:
+    """A client's ticket that the hand-made server never answers, waited on
+    while the server sends ``pieces`` on the control socket."""
     path = str(tmp_path / "pieces.sock")
     go = threading.Event()
     with (
@@ -261,14 +262,24 @@ def test_a_shutdown_read_in_two_pieces_is_still_a_shutdown(tmp_path):
         listener.bind(path)
         listener.listen(1)
         listener.settimeout(TIMEOUT)
-        server = pool.submit(shut_down_in_two_pieces, listener, go)
+        server = pool.submit(serve_by_hand, listener, go, pieces)
         client = PleClient.connect(path, timeout=TIMEOUT)
         try:
             ticket = client.submit(1, [0])  # never answered: the client waits, checking
             go.set()  # the control socket between two waits
-            with pytest.raises(ServerGone, match=r"shutting down \(SIGTERM\)"):
-                ticket.wait()
+            ticket.wait()
         finally:
             go.set()
             client.close()
-        server.result(TIMEOUT)
+            server.result(TIMEOUT)
+
+
+def test_a_shutdown_read_in_two_pieces_is_still_a_shutdown(tmp_path):
+    frame = p.encode_frame({"type": p.MessageType.SHUTDOWN.value, "reason": "SIGTERM"})
+    with pytest.raises(ServerGone, match=r"shutting down \(SIGTERM\)"):
+        wait_on_a_server_by_hand(tmp_path, [frame[: len(frame) // 2], frame[len(frame) // 2 :]])
+
+
+def test_a_malformed_frame_on_the_control_socket_is_a_protocol_error(tmp_path):
+    with pytest.raises(ProtocolMismatch, match=r"malformed frame.*exceeds"):
+        wait_on_a_server_by_hand(tmp_path, [b"\xff\xff\xff\xff"])
