@@ -162,7 +162,7 @@ class Server:
             "sleeps on every channel at once (futex_waitv)"
             if self.loop.idle_wait == "futex_waitv"
             else f"polls the channels every {POLL_S * 1e3:.1f} ms (idle_wait = {cfg.idle_wait}"
-            + (", no futex_waitv in this kernel)" if cfg.idle_wait == "auto" else ")"),
+            + (": futex_waitv unavailable)" if cfg.idle_wait == "auto" else ")"),
         )
         try:
             self.loop.start()

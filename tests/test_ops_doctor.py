@@ -9,25 +9,29 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
+from pleclient import _sync
 from pleserver import _native
+from pleserver.launcher import ServerLauncher
 
-CHECKS = ("io_uring", "tables", "o_direct", "memlock", "thp", "memory", "disk")
+CHECKS = ("io_uring", "futex_waitv", "tables", "o_direct", "memlock", "thp", "memory", "disk")
 STATUSES = {"ok", "warn", "fail", "info"}
 
-# A seccomp filter refusing io_uring_setup (system call 425 on x86_64 and
-# aarch64 alike) with EPERM, installed in a child that then execs the doctor:
-# what a container runtime's default profile does.
+# A seccomp filter refusing io_uring_setup and futex_waitv (system calls 425
+# and 449 on x86_64 and aarch64 alike) with EPERM, installed in a child that
+# then execs the doctor: what a container runtime's default profile does.
 SECCOMP_LAUNCHER = textwrap.dedent("""
     import ctypes, os, platform, struct, sys
     ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}[platform.machine()]
     LD_ABS, JEQ, RET = 0x20, 0x15, 0x06
     RET_ALLOW, RET_ERRNO, EPERM = 0x7FFF0000, 0x00050000, 1
     program = [(LD_ABS, 0, 0, 4),            # the system call's architecture
-               (JEQ, 0, 3, ARCH),            # another one: allow
+               (JEQ, 0, 4, ARCH),            # another one: allow
                (LD_ABS, 0, 0, 0),            # the system call number
-               (JEQ, 0, 1, 425),             # io_uring_setup ...
+               (JEQ, 1, 0, 425),             # io_uring_setup ...
+               (JEQ, 0, 1, 449),             # ... or futex_waitv ...
                (RET, 0, 0, RET_ERRNO | EPERM),   # ... fails with EPERM
                (RET, 0, 0, RET_ALLOW)]
     filters = b"".join(struct.pack("HBBI", *insn) for insn in program)
@@ -80,6 +84,7 @@ def test_doctor_checks_this_host_and_recommends_settings(checkpoint):
     assert set(checks) == set(CHECKS)
     assert all(c["status"] in STATUSES and c["summary"] for c in checks.values())
     assert (checks["io_uring"]["status"] == "ok") == io_uring_here()
+    assert (checks["futex_waitv"]["status"] == "ok") == bool(_sync.HAVE_FUTEX_WAITV)
     # The tables are inspect's.
     inspect = json.loads(
         subprocess.run(
@@ -131,6 +136,9 @@ def test_doctor_where_seccomp_refuses_io_uring(checkpoint):
     assert io_uring["status"] == "warn", io_uring
     assert "EPERM" in io_uring["reason"] or "not permitted" in io_uring["reason"], io_uring
     assert "seccomp" in io_uring["summary"]
+    futex_waitv = report["checks"]["futex_waitv"]
+    assert futex_waitv["status"] == "warn", futex_waitv
+    assert "polls its channels every 0.5 ms" in futex_waitv["summary"]
     # The probe and the advice fall back to the pread threads.
     assert {r["kind"] for r in report["checks"]["disk"]["results"]} == {"threads"}
     advice = report["recommendation"]
@@ -170,3 +178,23 @@ def test_doctor_starts_from_the_config_it_is_given(checkpoint, tmp_path, io):
     assert report["checks"]["o_direct"]["status"] == "ok"
     assert advice["io"]["value"] == "direct"
     assert f'the config sets io = "{io}"' in advice["io"]["reason"]
+
+
+def test_a_server_where_seccomp_refuses_futex_waitv_polls_and_serves(checkpoint, references):
+    """What the doctor warns about, as the server lives it: idle_wait = auto
+    finds no futex_waitv (nor io_uring) and falls back to polling; requests
+    after idle spells are still served, bit-exact."""
+    launcher = ServerLauncher(
+        checkpoint,
+        "--spin-us",
+        "0",
+        log_level="DEBUG",
+        program=[sys.executable, "-c", SECCOMP_LAUNCHER],
+    )
+    with launcher.start() as server:
+        with server.client() as client:
+            for i in range(10):
+                ids = np.arange(i, i + 16)
+                assert np.array_equal(client.lookup(1, ids), references[1][ids])
+            assert client.stats()["idle_wait"] == "poll"
+        assert "(idle_wait = auto: futex_waitv unavailable)" in server.log()
