@@ -298,6 +298,9 @@ class ServingLoop:
         idle_since = time.monotonic()
         next_beat = 0.0
         while not self._stop.is_set():
+            # Read before the pass looks at anything: a wake() from here on
+            # (a channel added or retired, a hand-off answered) ends the sleep.
+            wake_seen = self._wake_words.load(0)
             did = self._admit_all()
             did |= self._serve_turn()
             now = time.monotonic()
@@ -320,17 +323,17 @@ class ServingLoop:
             # Idle: sleep (idle_since stays: a wake-up without work sleeps again
             # at once, it does not spin again).
             self._sleep(
+                wake_seen,
                 min(self.heartbeat_every_s, max(0.0, next_beat - now))
                 if not self._draining
-                else 0.002
+                else 0.002,
             )
 
-    def _sleep(self, timeout: float) -> None:
-        """Sleep until a channel's submit counter moves, ``wake`` is called, or
-        ``timeout`` passes (in poll mode: ``POLL_S``)."""
-        wake_seen = self._wake_words.load(0)  # first: a wake() after this read ends the sleep
-        if self._retired or self._stop.is_set():
-            return
+    def _sleep(self, wake_seen: int, timeout: float) -> None:
+        """Sleep until a channel's submit counter moves, the wake word moves
+        from ``wake_seen`` (``wake``), or ``timeout`` passes (in poll mode:
+        ``POLL_S``). A retired channel a gather worker still holds does not
+        keep the loop awake: the worker's answer wakes it."""
         channels = [c for c in self.channels if not c.closing]
         # One call takes at most FUTEX_WAITV_MAX words, the loop's own among
         # them: past 127 channels (max_clients) the loop polls instead.
