@@ -7,7 +7,10 @@ copies more than the protocol requires. The synchronization words (the submit
 counter, each slot's state and their sleepers) are read and written only
 through ``pleclient._sync``, and every slot transition has its one home here:
 ``SlotView.submit`` / ``release`` (the client's), ``SlotView.complete`` /
-``fail`` (the server's), ``ChannelMap.publish_submit`` (the client's doorbell).
+``fail`` (the server's), ``ChannelMap.publish_submit`` (the client's doorbell);
+on GPU-driven channels ``ring`` / ``reset_done`` (what the GPU writes; its CPU
+stand-in calls them), ``claim`` / ``answer_gpu`` (the server's) and
+``abandon`` (the client's watchdog).
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class SlotView:
         "_sync",
         "_state_at",
         "_waiters_at",
+        "_doorbell_at",
+        "_done_at",
+        "_answers_at",
     )
 
     def __init__(self, buf: memoryview, sync: Words, layout: p.ChannelLayout, index: int) -> None:
@@ -54,6 +60,9 @@ class SlotView:
         self._sync = sync
         self._state_at = base + p.SL_STATE * WORD
         self._waiters_at = base + p.SL_WAITERS * WORD
+        self._doorbell_at = base + p.SL_DOORBELL * WORD
+        self._done_at = base + p.SL_DONE * WORD
+        self._answers_at = base + p.SL_ANSWERS * WORD
         self.words = buf[base : base + p.SLOT_HEADER_BYTES].cast("I")
         self.words64 = buf[base : base + p.SLOT_HEADER_BYTES].cast("Q")
         self.message = buf[base + p.SLOT_HEADER_BYTES : base + p.SLOT_PRELUDE_BYTES]
@@ -110,6 +119,73 @@ class SlotView:
         self.words[p.SL_ERROR] = code
         self._sync.publish(self._state_at, p.SlotState.ERROR, self._waiters_at)
 
+    # ------------------------------------------ GPU-driven slots (protocol.py)
+    @property
+    def doorbell(self) -> int:
+        """The doorbell word (acquire: a RUNG request's ids are visible)."""
+        return self._sync.load(self._doorbell_at)
+
+    @property
+    def done(self) -> int:
+        """The done word (acquire: the rows or error text before it are visible)."""
+        return self._sync.load(self._done_at)
+
+    @property
+    def answers(self) -> int:
+        """How many requests the server answered in this slot (mod 2³²)."""
+        return self._sync.load(self._answers_at)
+
+    def word_address(self, word: int, base_address: int) -> int:
+        """Address of header word ``word`` where the segment starts at
+        ``base_address`` (a GPU writes and waits on it by address)."""
+        return base_address + self._state_at + word * WORD  # (state is word 0)
+
+    def ring(self, table: int, ids: np.ndarray) -> None:
+        """IDLE → RUNG, as a GPU rings: ids, table and count, then the doorbell
+        (release: the request before it). The CPU stand-in of the stream's
+        copy and writes (``pleclient.gpu.HostStream``)."""
+        n = ids.shape[0]
+        self.ids[:n] = ids
+        self.words[p.SL_TABLE] = table
+        self.words[p.SL_COUNT] = n
+        self._sync.store(self._doorbell_at, p.Doorbell.RUNG)
+
+    def wait_done(self, timeout: float, spin: float = 0.0) -> int:
+        """Wait while the done word is WAITING (the stand-in of the stream's
+        wait); the word, read with acquire. WAITING on timeout."""
+        return self._sync.wait_while(self._done_at, p.Done.WAITING, self._waiters_at, timeout, spin)
+
+    def reset_done(self) -> None:
+        """OK/ERROR → WAITING, after the wait: the next ring waits again."""
+        self._sync.store(self._done_at, p.Done.WAITING)
+
+    def claim(self) -> None:
+        """RUNG → CLAIMED: the server has taken the request."""
+        self._sync.store(self._doorbell_at, p.Doorbell.CLAIMED)
+
+    def answer_gpu(self, code: int, text: str, server_ns: int) -> None:
+        """The server's answer to a rung request, once the rows are in place
+        (or ``code`` says why not): the result words, the doorbell back to
+        IDLE, then the done word published (release: rows and words before it;
+        a CPU stand-in sleeping on it is woken, a GPU polls it)."""
+        if code != p.ErrorCode.OK:
+            self.message[:] = p.encode_error_text(text)
+        self.words[p.SL_ERROR] = code
+        self.words64[p.SL_SERVER_NS // 2] = server_ns
+        self._sync.add(self._answers_at, 1)
+        self._sync.store(self._doorbell_at, p.Doorbell.IDLE)
+        done = p.Done.OK if code == p.ErrorCode.OK else p.Done.ERROR
+        self._sync.publish(self._done_at, done, self._waiters_at)
+
+    def abandon(self, code: int, text: str) -> None:
+        """The client's watchdog ends a wait the server will not answer: the
+        text and code, the doorbell back to IDLE, then done = ERROR published,
+        so the stream's wait ends and its check fails the step."""
+        self.message[:] = p.encode_error_text(text)
+        self.words[p.SL_ERROR] = code
+        self._sync.store(self._doorbell_at, p.Doorbell.IDLE)
+        self._sync.publish(self._done_at, p.Done.ERROR, self._waiters_at)
+
     # ------------------------------------------------------------------ views
     def rows_view(self, count: int, row_bytes: int) -> np.ndarray:
         """The first ``count`` rows of ``row_bytes`` each, packed, as a view."""
@@ -164,6 +240,9 @@ class ChannelMap:
         for slot in self.slots:
             slot.words[p.SL_STATE] = p.SlotState.FREE
             slot.words[p.SL_WAITERS] = 0
+            slot.words[p.SL_DOORBELL] = p.Doorbell.IDLE
+            slot.words[p.SL_DONE] = p.Done.WAITING
+            slot.words[p.SL_ANSWERS] = 0
         self.sync.store(p.CH_MAGIC * WORD, p.CHANNEL_MAGIC)  # release: the header before it
 
     # ------------------------------------------------------- the submit words

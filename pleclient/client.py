@@ -135,6 +135,7 @@ class PleClient:
         self._by_name = {t.name: t for t in self.tables}
         self._index = {t.name: i for i, t in enumerate(self.tables)}
         self._channel: ChannelMap | None = None
+        self.gpu_driven = False  # set by _open_channel
         self._slot_owner: list[str] = []  # free | ticket | abandoned
         self._sequence = 0
         self._lock = threading.Lock()
@@ -154,9 +155,12 @@ class PleClient:
         name: str | None = None,
         capacity: int | None = None,
         depth: int | None = None,
+        gpu_driven: bool = False,
     ) -> PleClient:
         """Connect, say hello, open the channel. ``socket_path`` defaults to
-        ``$PLE_SERVER_SOCKET`` or ``/run/ple-server/ple.sock``."""
+        ``$PLE_SERVER_SOCKET`` or ``/run/ple-server/ple.sock``. A
+        ``gpu_driven`` channel is rung by a CUDA stream (``pleclient.gpu``), not
+        by ``submit``; ProtocolMismatch if the server does not offer it."""
         path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
         sock = _connect_socket(path, timeout)
         try:
@@ -168,7 +172,12 @@ class PleClient:
                     f"client speaks {p.PROTOCOL_VERSION}; install matching pleserver versions"
                 )
             client = cls(sock, path, welcome, timeout)
-            client._open_channel(capacity, depth)
+            if gpu_driven and p.FEATURE_GPU_DRIVEN not in client.features:
+                raise ProtocolMismatch(
+                    f"ple-server {client.server_info.get('server', '?')} at {path} does "
+                    "not serve GPU-driven channels; upgrade it, or use the host path"
+                )
+            client._open_channel(capacity, depth, gpu_driven)
             return client
         except BaseException:
             sock.close()
@@ -202,8 +211,18 @@ class PleClient:
                 f"ple-server at {path} sent an unusable table list: {exc}"
             ) from None
 
-    def _open_channel(self, capacity: int | None, depth: int | None) -> None:
-        request: dict[str, str | int] = {"type": p.MessageType.OPEN_CHANNEL.value}
+    @property
+    def features(self) -> tuple[str, ...]:
+        """What the server offers beyond the base protocol (WELCOME ``features``)."""
+        features = self.server_info.get("features")
+        return (
+            tuple(f for f in features if isinstance(f, str)) if isinstance(features, list) else ()
+        )
+
+    def _open_channel(self, capacity: int | None, depth: int | None, gpu_driven: bool) -> None:
+        request: dict[str, str | int | bool] = {"type": p.MessageType.OPEN_CHANNEL.value}
+        if gpu_driven:
+            request["gpu_driven"] = True
         if capacity is not None:
             request["capacity"] = int(capacity)
         if depth is not None:
@@ -223,6 +242,13 @@ class PleClient:
             ) from None
         finally:
             os.close(fds[0])
+        if bool(reply.get("gpu_driven", False)) != gpu_driven:
+            self.close()
+            raise ProtocolMismatch(
+                f"ple-server at {self.socket_path} opened a channel that is "
+                f"{'not ' if gpu_driven else ''}GPU-driven, as this client did not ask"
+            )
+        self.gpu_driven = gpu_driven
         self._slot_owner = ["free"] * layout.depth
         self._sequence = self._channel.submit_counter
         self._sock.setblocking(False)
@@ -263,6 +289,11 @@ class PleClient:
             f"ple-server at {self.socket_path} serves no single table {key!r}; it serves: {known}"
         )
 
+    def table_index(self, table: str | int | TableInfo) -> int:
+        """The index a request names ``table`` by (its place in WELCOME's list)."""
+        info = table if isinstance(table, TableInfo) else self.table(table)
+        return self._index[info.name]
+
     def submit(self, table: str | int | TableInfo, ids) -> Ticket:
         """Queue a lookup of ``ids`` (≤ capacity) and return its ticket."""
         info = table if isinstance(table, TableInfo) else self.table(table)
@@ -271,6 +302,11 @@ class PleClient:
             ids = ids.reshape(-1)
         n = ids.shape[0]
         channel = self._require_channel()
+        if self.gpu_driven:
+            raise PleError(
+                "this client's channel is GPU-driven: its slots are rung by a CUDA "
+                "stream (pleclient.gpu.GpuLookups), not by submit()"
+            )
         if n > channel.layout.capacity:
             raise ValueError(
                 f"{n} ids exceed the channel capacity of "
@@ -450,6 +486,23 @@ class PleClient:
                     )
         if self._gone:
             raise ServerGone(self._gone)
+
+    def poll_gone(self) -> str | None:
+        """Why the server is gone, or None while the session stands (reads
+        what the server sent, never blocks; for a watchdog thread)."""
+        with self._lock:
+            try:
+                self._check_alive()
+            except ServerGone as exc:
+                return str(exc)
+            except PleError as exc:  # malformed frames: the session is unusable
+                return str(exc)
+        return None
+
+    @property
+    def channel(self) -> ChannelMap:
+        """The mapped channel (GPU-driven lookups ring its slots directly)."""
+        return self._require_channel()
 
     def _require_channel(self) -> ChannelMap:
         if self._channel is None:

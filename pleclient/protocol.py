@@ -13,9 +13,12 @@ order::
 
     client                                   server
     HELLO {version, pid, name}        ─►
-                                      ◄─     WELCOME {version, server, instance, tables}
-    OPEN_CHANNEL {capacity, depth}    ─►
-                                      ◄─     CHANNEL {layout} + the segment's fd (SCM_RIGHTS)
+                                      ◄─     WELCOME {version, server, instance, pid,
+                                                      tables, features}
+    OPEN_CHANNEL {capacity, depth,    ─►
+                  gpu_driven}
+                                      ◄─     CHANNEL {layout, gpu_driven} + the
+                                                      segment's fd (SCM_RIGHTS)
     STATS {}                          ─►
                                       ◄─     STATS {snapshot}
     BYE {}                            ─►     (session ends; closing the socket does too)
@@ -58,7 +61,8 @@ Slot header (uint32 words):
   5 **waiters**: how many of the client's threads sleep on ``state``, written
   by the client · 6-7 server time in ns (uint64) · 8-9 submit time,
   CLOCK_MONOTONIC ns (uint64, written by the client; the clock is system-wide,
-  so the server derives queue time from it)
+  so the server derives queue time from it) · 10 **doorbell**, 11 **done**,
+  12 answers (GPU-driven channels only, below)
 followed by the message area: a UTF-8 error text, NUL-padded.
 
 Synchronization words (protocol 2)
@@ -94,6 +98,68 @@ Slot state machine
 3. DONE/ERROR → the client owns the slot again. It reads the state with
    *acquire* (spinning, then sleeping on the futex), uses the rows, and stores
    FREE when it releases the ticket.
+
+GPU-driven channels
+-------------------
+A channel opened with ``OPEN_CHANNEL {gpu_driven: true}`` (offered when WELCOME
+lists ``"gpu_driven"`` in its ``features``) is driven by a CUDA stream, not by
+a CPU thread: a GPU can write and wait on a 32-bit word in host memory (the
+driver's stream memory operations, ``cuStreamWriteValue32`` /
+``cuStreamWaitValue32``) but cannot make a ``futex`` call, and a captured CUDA
+graph replays exactly the same operations with exactly the same values each
+time. So such a channel ignores the submit counter and the slot state, and
+each slot has three more words (slot header words 10-12):
+
+* **doorbell** — IDLE 0, RUNG 1 (written by the GPU), CLAIMED 2 (written by
+  the server when it takes the request);
+* **done** — WAITING 0 (written by the GPU after it has waited), OK 1 or
+  ERROR 2 (written by the server, or by the client's watchdog);
+* **answers** — how many requests the server answered in this slot, so a
+  watchdog that samples the doorbell can tell one long wait from many short
+  ones.
+
+One lookup, as the stream runs it (every replay the same)::
+
+    GPU (stream order)                         server
+    ids → ids area        (async copy)
+    table, count          (write, no fence)
+    doorbell = RUNG       (write, fenced)  ─►  sees RUNG (acquire load)
+                                               doorbell = CLAIMED
+                                               validates, gathers rows
+                                               error word, answers + 1,
+                                               doorbell = IDLE
+    wait done ≥ OK        (wait)           ◄─  done = OK | ERROR (release store)
+    rows → device         (async copy)
+    done → device word    (async copy)
+    done = WAITING        (write)
+    assert done == OK     (kernel)
+
+*Wait-then-reset*: the GPU itself returns ``done`` to WAITING after its wait,
+so the next replay's wait waits again, and the server returned the doorbell
+to IDLE before it wrote ``done``, so the next RUNG is a new request. A slot is
+never rung again before the same stream has reset it (stream order), so one
+slot serves one call site of the graph.
+
+Ordering (x86-64 and aarch64 alike): ``cuStreamWriteValue32`` without
+``CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER`` is preceded by a fence scoped to
+the stream (like ``__threadfence_system``): the ids copy and the table and
+count words, written before it in stream order, are visible before the
+doorbell (those two are written with ``NO_MEMORY_BARRIER``: the doorbell's
+fence orders them). The server's acquire load of RUNG pairs with that fence.
+The server writes the rows and the error word, then ``done`` with a release
+store (``stlr`` on aarch64), so a GPU that sees OK reads the rows written
+before it: the copies that follow the wait in stream order start only after
+the wait is satisfied, and host memory read over PCIe or NVLink-C2C is
+coherent with the CPU's caches.
+
+Failure: a GPU waiting on a server that died would wait forever, and a
+graph cannot raise. The client's watchdog (``pleclient.gpu``) watches every
+slot whose doorbell is not IDLE; when the server is gone, or a request waited
+longer than the timeout, it writes the error text and code, then ``done`` =
+ERROR (release). The stream's wait ends, the device-side check traps, and the
+step fails: the GPU never uses zeros or stale rows. (A device-side trap ends
+the CUDA context, so the worker must restart; its log holds the watchdog's
+reason.)
 
 A client follows the protocol only if it never has more than ``depth``
 submits unanswered, so the counter never runs more than ``depth`` ahead of
@@ -146,6 +212,12 @@ CH_SERVER_SLEEPING = 17
 SL_STATE, SL_TABLE, SL_COUNT, SL_ERROR, SL_SEQUENCE, SL_WAITERS = range(6)
 SL_SERVER_NS = 6  # uint64 over words 6-7
 SL_SUBMIT_NS = 8  # uint64 over words 8-9
+# GPU-driven channels only (see "GPU-driven channels" above).
+SL_DOORBELL, SL_DONE, SL_ANSWERS = 10, 11, 12
+
+FEATURE_GPU_DRIVEN = "gpu_driven"
+"""Listed in WELCOME's ``features`` by a server that serves GPU-driven channels."""
+SERVER_FEATURES = (FEATURE_GPU_DRIVEN,)
 
 # Limits the server enforces on OPEN_CHANNEL (also its defaults).
 DEFAULT_CAPACITY = 16384
@@ -158,6 +230,22 @@ class SlotState(enum.IntEnum):
     SUBMITTED = 1
     DONE = 2
     ERROR = 3
+
+
+class Doorbell(enum.IntEnum):
+    """A GPU-driven slot's doorbell word."""
+
+    IDLE = 0
+    RUNG = 1  # the GPU's: a request is in the slot
+    CLAIMED = 2  # the server's: it is being served
+
+
+class Done(enum.IntEnum):
+    """A GPU-driven slot's done word."""
+
+    WAITING = 0  # the GPU's reset after its wait
+    OK = 1  # the rows are in place
+    ERROR = 2  # the error word and text say why (server or watchdog)
 
 
 class ErrorCode(enum.IntEnum):

@@ -274,6 +274,14 @@ class ServerConfig:
         "How long (µs) the serving loop spins after the last request before it blocks.",
         minimum=0,
     )
+    gpu_poll_us: int = _setting(
+        50,
+        "int",
+        "How often (µs) the serving loop looks at the doorbells of GPU-driven "
+        "channels once it stops spinning (a GPU cannot wake it); after a second "
+        "without a doorbell, every millisecond.",
+        minimum=1,
+    )
     idle_wait: str = _setting(
         "auto",
         "choice",

@@ -153,6 +153,7 @@ class Server:
                 on_drop=self._on_channel_dropped,
                 workers=cfg.gather_workers,
                 idle_wait=cfg.idle_wait,
+                gpu_poll_s=cfg.gpu_poll_us * 1e-6,
             )
         except ValueError as exc:  # idle_wait = futex_waitv on a kernel without it
             raise StartupError(str(exc)) from None

@@ -67,6 +67,17 @@ log = logging.getLogger(__name__)
 POLL_S = 0.0005
 """Without ``futex_waitv``, an idle loop looks at the submit counters this
 often (what a request arriving after an idle gap may wait, at most)."""
+DEFAULT_GPU_POLL_S = 0.00005
+"""While GPU-driven channels are active, the loop looks at their doorbells at
+least this often when it does not spin (a GPU cannot wake a sleeper)."""
+GPU_ACTIVE_S = 1.0
+GPU_IDLE_POLL_S = 0.001
+"""After ``GPU_ACTIVE_S`` without a doorbell, GPU-driven channels are looked
+at every millisecond: an idle server does not keep a core awake."""
+TIMER_SLACK_NS = 1000
+"""The serving thread's timer slack (Linux's default is 50 µs, which would
+stretch every short poll of a GPU-driven channel to ≈ 100 µs)."""
+_PR_SET_TIMERSLACK = 29
 DEFAULT_CHUNK_ROWS = 4096
 """Rows gathered in one turn: ≈ 0.2 ms of page-cache reads for 320-byte rows."""
 REQUEST_COST_ROWS = 256
@@ -97,6 +108,7 @@ class Channel:
         mapping: ChannelMap,
         fd: int | None = None,
         on_destroy: Callable[[Channel], None] | None = None,
+        gpu_driven: bool = False,
     ) -> None:
         self.session_id = session_id
         self.peer = peer
@@ -105,6 +117,7 @@ class Channel:
         self.size = mapping.layout.size
         self.fd = fd
         self.on_destroy = on_destroy
+        self.gpu_driven = gpu_driven  # doorbells, not the submit counter (protocol.py)
         self.opened_ns = time.monotonic_ns()  # older submit times are not believed
         self.seen = 0  # the submit counter as the loop last read it (it starts at 0)
         self.queued: deque[Request] = deque()  # admitted, served by the loop's turns
@@ -181,6 +194,7 @@ class ServingLoop:
         on_drop: Callable[[Channel, str], None] | None = None,
         workers: int = 4,
         idle_wait: str = "auto",
+        gpu_poll_s: float = DEFAULT_GPU_POLL_S,
     ) -> None:
         if idle_wait not in IDLE_WAITS:
             raise ValueError(f"idle_wait must be one of {', '.join(IDLE_WAITS)}, not {idle_wait!r}")
@@ -197,6 +211,8 @@ class ServingLoop:
         self.heartbeat_every_s = heartbeat_every_s
         self.chunk_rows = chunk_rows
         self.on_drop = on_drop
+        self.gpu_poll_s = gpu_poll_s
+        self._last_ring = -GPU_ACTIVE_S  # when a GPU-driven doorbell last rang
         self.channels: list[Channel] = []  # replaced, never mutated: the loop reads it lock-free
         self._change = threading.Lock()
         self._retired: list[Channel] = []
@@ -290,11 +306,20 @@ class ServingLoop:
 
     def _pending_work(self) -> bool:
         return any(
-            c.queued or c.map.submit_counter != c.seen for c in self.channels if not c.closing
+            c.queued
+            or (
+                any(slot.doorbell == p.Doorbell.RUNG for slot in c.map.slots)
+                if c.gpu_driven
+                else c.map.submit_counter != c.seen
+            )
+            for c in self.channels
+            if not c.closing
         )
 
     # ------------------------------------------------------------------- loop
     def _run(self) -> None:
+        if _libc.prctl(_PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0) != 0:
+            log.debug("serving: cannot set the timer slack: %s", os.strerror(ctypes.get_errno()))
         idle_since = time.monotonic()
         next_beat = 0.0
         while not self._stop.is_set():
@@ -322,19 +347,22 @@ class ServingLoop:
                 continue
             # Idle: sleep (idle_since stays: a wake-up without work sleeps again
             # at once, it does not spin again).
-            self._sleep(
-                wake_seen,
+            timeout = (
                 min(self.heartbeat_every_s, max(0.0, next_beat - now))
                 if not self._draining
-                else 0.002,
+                else 0.002
             )
+            if any(c.gpu_driven for c in self.channels):  # a GPU cannot wake us: poll
+                active = now - self._last_ring < GPU_ACTIVE_S
+                timeout = min(timeout, self.gpu_poll_s if active else GPU_IDLE_POLL_S)
+            self._sleep(wake_seen, timeout)
 
     def _sleep(self, wake_seen: int, timeout: float) -> None:
         """Sleep until a channel's submit counter moves, the wake word moves
         from ``wake_seen`` (``wake``), or ``timeout`` passes (in poll mode:
         ``POLL_S``). A retired channel a gather worker still holds does not
         keep the loop awake: the worker's answer wakes it."""
-        channels = [c for c in self.channels if not c.closing]
+        channels = [c for c in self.channels if not c.closing and not c.gpu_driven]
         # One call takes at most FUTEX_WAITV_MAX words, the loop's own among
         # them: past 127 channels (max_clients) the loop polls instead.
         if self.idle_wait == "futex_waitv" and len(channels) < _sync.FUTEX_WAITV_MAX:
@@ -367,10 +395,12 @@ class ServingLoop:
         """Admit what every channel submitted since the last pass; True if any."""
         did = False
         for ch in self.channels:
-            if ch.closing or ch.map.submit_counter == ch.seen:
+            if ch.closing:
+                continue
+            if not ch.gpu_driven and ch.map.submit_counter == ch.seen:
                 continue
             try:
-                did |= self._admit(ch)
+                did |= self._admit_rung(ch) if ch.gpu_driven else self._admit(ch)
             except HostileChannel as exc:
                 self._drop(ch, str(exc))
             except Exception:  # one channel never stops the loop
@@ -414,6 +444,29 @@ class ServingLoop:
             self._fresh.append(ch)
         return True
 
+    def _admit_rung(self, ch: Channel) -> bool:
+        """Claim and queue the requests whose doorbells rang in ``ch`` (a
+        GPU-driven channel), reading each slot's doorbell once. True if any."""
+        rung = False
+        for slot in ch.map.slots:
+            # acquire: the ids, table and count the GPU wrote before the doorbell.
+            if slot.index in ch.busy or slot.doorbell != p.Doorbell.RUNG:
+                continue
+            rung = True
+            slot.claim()
+            request = self._validate(ch, slot)
+            if request is None:
+                continue
+            ch.busy.add(slot.index)
+            ch.queued.append(request)
+        if rung:
+            self._last_ring = time.monotonic()
+            if ch.queued and not ch.scheduled:
+                ch.scheduled = True
+                ch.deficit = 0
+                self._fresh.append(ch)
+        return rung
+
     def _validate(self, ch: Channel, slot: SlotView) -> Request | None:
         """The request in ``slot``, validated, or None once it was failed."""
         started = time.monotonic_ns()
@@ -430,9 +483,9 @@ class ServingLoop:
             )
             return None
         table = self.tables[table_index]
-        r = Request(
-            ch, slot, table, self.stats[table_index], started, slot.words64[p.SL_SUBMIT_NS // 2]
-        )
+        # A GPU has no clock of ours: its requests' queue time is not known.
+        submitted = started if ch.gpu_driven else slot.words64[p.SL_SUBMIT_NS // 2]
+        r = Request(ch, slot, table, self.stats[table_index], started, submitted)
         if table.problem:  # its file changed on disk: reading it could SIGBUS us
             self._fail(r, p.ErrorCode.INTERNAL, "internal", table.problem)
             return None
@@ -568,7 +621,10 @@ class ServingLoop:
         done = time.monotonic_ns()
         # Not busy before the answer: the client may reuse the slot at once.
         r.channel.busy.discard(r.slot.index)
-        r.slot.complete(done - r.started_ns)
+        if r.channel.gpu_driven:
+            r.slot.answer_gpu(p.ErrorCode.OK, "", done - r.started_ns)
+        else:
+            r.slot.complete(done - r.started_ns)
         # A submit time from before the channel opened, or after the request was
         # admitted, is not a time this client could have had: not recorded.
         believable = r.channel.opened_ns <= r.submitted_ns <= r.started_ns
@@ -586,7 +642,10 @@ class ServingLoop:
 
     def _answer_error(self, ch: Channel, slot: SlotView, code: p.ErrorCode, text: str) -> None:
         ch.busy.discard(slot.index)  # (as in _complete)
-        slot.fail(code, text)
+        if ch.gpu_driven:
+            slot.answer_gpu(code, text, 0)
+        else:
+            slot.fail(code, text)
         log.debug("session %d (%s): request rejected: %s", ch.session_id, ch.peer, text)
 
     def _drop(self, ch: Channel, reason: str) -> None:

@@ -74,6 +74,7 @@ class Session:
     greeted: bool = False
     channel: Channel | None = None
     opening: bool = False  # its channel is being reserved
+    gpu_driven: bool = False  # its channel (asked for in OPEN_CHANNEL) is GPU-driven
     opened_at: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)  # last frame received
     outbox: deque[Outgoing] = field(default_factory=deque)
@@ -314,6 +315,7 @@ class Sessions:
                 "instance": self.instance,
                 "pid": os.getpid(),
                 "tables": [t.spec.info() for t in self.tables],
+                "features": list(p.SERVER_FEATURES),
             },
         )
 
@@ -338,6 +340,11 @@ class Sessions:
         if not (isinstance(depth, int) and 1 <= depth <= cfg.max_depth):
             return self._reject(
                 s, p.ErrorCode.CHANNEL_LIMIT, f"depth {depth!r} out of range 1..{cfg.max_depth}"
+            )
+        gpu_driven = msg.get("gpu_driven", False)
+        if not isinstance(gpu_driven, bool):
+            return self._reject(
+                s, p.ErrorCode.BAD_MESSAGE, f"gpu_driven must be true or false, not {gpu_driven!r}"
             )
         layout = p.ChannelLayout(depth, capacity, max(t.row_bytes for t in self.tables))
         if layout.size > cfg.max_channel_bytes:
@@ -369,6 +376,7 @@ class Sessions:
                 "service's MemoryMax=)",
             )
         s.opening = True
+        s.gpu_driven = gpu_driven
         self.reserver.submit(Reservation(s.id, f"{self.instance}.{s.id}", layout))
 
     def on_reserved(self, job: Reservation) -> None:
@@ -387,7 +395,12 @@ class Sessions:
         s.opening = False
         assert job.mapping is not None and job.fd is not None  # (no error: it has both)
         channel = Channel(
-            s.id, s.peer, job.mapping, job.fd, on_destroy=lambda ch: self.budget.give_back(ch.size)
+            s.id,
+            s.peer,
+            job.mapping,
+            job.fd,
+            on_destroy=lambda ch: self.budget.give_back(ch.size),
+            gpu_driven=s.gpu_driven,
         )
         try:
             self.loop.add(channel)  # served (and logged) before the client has the fd
@@ -404,15 +417,22 @@ class Sessions:
         s.channel = channel
         layout = job.layout
         log.info(
-            "session %d open: %s, channel depth %d × capacity %d (%.1f MiB)",
+            "session %d open: %s, %schannel depth %d × capacity %d (%.1f MiB)",
             s.id,
             s.peer,
+            "GPU-driven " if s.gpu_driven else "",
             layout.depth,
             layout.capacity,
             layout.size / 2**20,
         )
         self._send(
-            s, {"type": p.MessageType.CHANNEL.value, "layout": layout.to_wire()}, fds=[client_fd]
+            s,
+            {
+                "type": p.MessageType.CHANNEL.value,
+                "layout": layout.to_wire(),
+                "gpu_driven": s.gpu_driven,
+            },
+            fds=[client_fd],
         )
 
     # --------------------------------------------------------------- sending

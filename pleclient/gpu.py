@@ -1,0 +1,471 @@
+"""GPU-driven lookups: a CUDA stream rings ple-server and waits for the rows.
+
+Nothing here synchronizes the host with the GPU, so a lookup can sit inside a
+captured CUDA graph and runs again, unchanged, on every replay::
+
+    lookups = GpuLookups.open(socket, device="cuda:0", capacity=C, depth=D)
+    lookups.ring(slot, "layer1", ids)      # ids: int64 on the GPU; enqueued
+    ...                                    # other work on the stream meanwhile
+    lookups.collect(slot, out)             # rows → out (uint8 [n, row_bytes])
+    lookups.close()
+
+``ring`` enqueues the ids' copy into the slot and the doorbell; ``collect``
+enqueues the wait for the slot's done word, the rows' copy, the done word's
+reset and a device-side check that the answer was not an error. The words, and
+why each write is ordered as it is, are in ``pleclient.protocol`` ("GPU-driven
+channels"). A slot serves one call site: ring it again only after its
+``collect`` (stream order does that inside one graph).
+
+Two streams run the same words:
+
+* ``CudaStream`` — the CUDA driver's stream memory operations
+  (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``) and ``cuMemcpyAsync``,
+  called through ``libcuda`` directly: the segment is page-locked and mapped
+  for the device once (``PinnedSegment``), and every address is a device
+  address of it;
+* ``HostStream`` — a CPU stand-in that writes exactly those words, in that
+  order, from the calling thread (``SlotView.ring`` / ``wait_done`` /
+  ``reset_done``): the protocol's tests, and a way to run this code without a
+  GPU.
+
+A graph cannot raise, and a GPU waiting on a dead server would wait forever:
+the ``Watchdog`` thread ends such waits with an error mark (``SlotView.abandon``),
+so the stream's check fails the step instead of handing out zeros or stale
+rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from typing import Protocol
+
+import numpy as np
+
+from pleclient import protocol as p
+from pleclient.channel import SlotView
+from pleclient.client import PleClient, TableInfo
+from pleclient.errors import PleError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "GpuLookups",
+    "GpuLookupError",
+    "CudaStream",
+    "HostStream",
+    "Watchdog",
+    "stream_memops_supported",
+]
+
+WATCH_INTERVAL_S = 0.01
+"""How often the watchdog looks at the server and the rung slots."""
+
+# CUDA driver constants (cuda.h).
+_CU_STREAM_WAIT_VALUE_GEQ = 0x0
+_CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
+_CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER = 0x1
+_CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1 = 92
+_CUDA_12 = 12000  # driver version from which the memop API (v2) is always there
+
+
+class GpuLookupError(PleError):
+    """A GPU-driven lookup was answered with an error (on the CPU stand-in;
+    on a GPU the step fails with a device-side assertion instead)."""
+
+
+# ----------------------------------------------------------------- CUDA driver
+_libcuda: ctypes.CDLL | None = None
+
+
+def _cuda() -> ctypes.CDLL:
+    """``libcuda`` with the prototypes used here (loaded once)."""
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        u32, u64, vp = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
+        lib.cuStreamWriteValue32_v2.argtypes = [vp, u64, u32, ctypes.c_uint]
+        lib.cuStreamWaitValue32_v2.argtypes = [vp, u64, u32, ctypes.c_uint]
+        lib.cuMemcpyAsync.argtypes = [u64, u64, ctypes.c_size_t, vp]
+        lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(u64), vp, ctypes.c_uint]
+        lib.cuDriverGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        lib.cuDeviceGetAttribute.argtypes = [
+            ctypes.POINTER(ctypes.c_int),
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
+        lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        _libcuda = lib
+    return _libcuda
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        text = ctypes.c_char_p()
+        _cuda().cuGetErrorString(result, ctypes.byref(text))
+        raise PleError(f"{what} failed: CUDA error {result} ({(text.value or b'?').decode()})")
+
+
+def stream_memops_supported(device) -> tuple[bool, str]:
+    """Whether ``device`` (a CUDA torch device) can run the stream memory
+    operations GPU-driven lookups need, and why (for the log)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False, f"{device} is not a CUDA device"
+    try:
+        lib = _cuda()
+    except OSError as exc:
+        return False, f"libcuda cannot be loaded ({exc})"
+    torch.cuda.init()  # the driver and the primary context, as torch uses them
+    version = ctypes.c_int()
+    _check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
+    if version.value >= _CUDA_12:
+        return True, f"CUDA driver {version.value}: stream memory operations are always available"
+    value = ctypes.c_int()
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    result = lib.cuDeviceGetAttribute(
+        ctypes.byref(value), _CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1, ordinal
+    )
+    if result != 0 or not value.value:
+        return False, (
+            f"CUDA driver {version.value} on {device}: CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS "
+            "is 0 (load the nvidia module with NVreg_EnableStreamMemOPs=1, or use a driver "
+            "for CUDA 12 or later)"
+        )
+    return True, f"CUDA driver {version.value}: stream memory operations enabled"
+
+
+class Stream(Protocol):
+    """Enqueues one slot's half of a lookup, the way ``pleclient.protocol``
+    orders the words."""
+
+    def ring(self, slot: SlotView, table: int, ids, count: int) -> None: ...
+
+    def collect(self, slot: SlotView, out, count: int, row_bytes: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class CudaStream:
+    """The words written and waited on by the current CUDA stream of ``device``."""
+
+    def __init__(self, client: PleClient, device) -> None:
+        import torch
+
+        from pleclient.torch import PinnedSegment
+
+        self.device = torch.device(device)
+        self._torch = torch
+        self._pinned = PinnedSegment(client.segment_buffer, self.device)
+        dptr = ctypes.c_uint64()
+        try:
+            _check(
+                _cuda().cuMemHostGetDevicePointer_v2(
+                    ctypes.byref(dptr), ctypes.c_void_p(self._pinned.address), 0
+                ),
+                "cuMemHostGetDevicePointer",
+            )
+        except BaseException:
+            self._pinned.close()
+            raise
+        self._base = dptr.value  # the segment's device address (its host address on UVA)
+        self._layout = client.channel.layout
+        # Each slot's done word as the GPU saw it, for the device-side check.
+        self._seen = torch.zeros(self._layout.depth, dtype=torch.int32, device=self.device)
+
+    def _stream(self) -> ctypes.c_void_p:
+        return ctypes.c_void_p(self._torch.cuda.current_stream(self.device).cuda_stream)
+
+    def _address(self, slot: SlotView, word: int) -> int:
+        return slot.word_address(word, self._base)
+
+    def ring(self, slot: SlotView, table: int, ids, count: int) -> None:
+        lib, stream = _cuda(), self._stream()
+        slot_base = self._base + self._layout.slot_offset(slot.index)
+        _check(
+            lib.cuMemcpyAsync(
+                slot_base + self._layout.ids_offset, ids.data_ptr(), 8 * count, stream
+            ),
+            "copying the ids into the channel",
+        )
+        # Table and count need no fence of their own: the doorbell's orders them.
+        for word, value in ((p.SL_TABLE, table), (p.SL_COUNT, count)):
+            _check(
+                lib.cuStreamWriteValue32_v2(
+                    stream,
+                    self._address(slot, word),
+                    value,
+                    _CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER,
+                ),
+                "cuStreamWriteValue32",
+            )
+        # Default flags: a fence scoped to the stream precedes the write, so
+        # the ids, table and count are visible before the doorbell (release).
+        _check(
+            lib.cuStreamWriteValue32_v2(
+                stream,
+                self._address(slot, p.SL_DOORBELL),
+                p.Doorbell.RUNG,
+                _CU_STREAM_WRITE_VALUE_DEFAULT,
+            ),
+            "cuStreamWriteValue32 (doorbell)",
+        )
+
+    def collect(self, slot: SlotView, out, count: int, row_bytes: int) -> None:
+        lib, stream = _cuda(), self._stream()
+        done = self._address(slot, p.SL_DONE)
+        # Work after the wait starts once done ≥ OK (OK or ERROR); the server
+        # wrote the rows before done with a release store.
+        _check(
+            lib.cuStreamWaitValue32_v2(stream, done, p.Done.OK, _CU_STREAM_WAIT_VALUE_GEQ),
+            "cuStreamWaitValue32 (done)",
+        )
+        rows = self._base + self._layout.slot_offset(slot.index) + self._layout.rows_offset
+        _check(
+            lib.cuMemcpyAsync(out.data_ptr(), rows, count * row_bytes, stream),
+            "copying the rows to the device",
+        )
+        seen = self._seen[slot.index : slot.index + 1]
+        _check(lib.cuMemcpyAsync(seen.data_ptr(), done, 4, stream), "copying the done word")
+        _check(
+            lib.cuStreamWriteValue32_v2(
+                stream, done, p.Done.WAITING, _CU_STREAM_WRITE_VALUE_DEFAULT
+            ),
+            "cuStreamWriteValue32 (reset)",
+        )
+        # The graph cannot raise: an error answer traps here, before any kernel
+        # reads ``out``, and the step fails (the watchdog's log says why).
+        self._torch._assert_async(
+            seen == p.Done.OK,
+            "ple-server answered a GPU-driven lookup with an error, or its watchdog "
+            "gave up on the server: see the pleclient.gpu log",
+        )
+
+    def close(self) -> None:
+        """Unregister the segment: only once no enqueued lookup can still run."""
+        self._pinned.close()
+
+
+class HostStream:
+    """The CPU stand-in: the same words, written and waited on by the caller's
+    thread (``ids`` and ``out`` are NumPy arrays or CPU tensors)."""
+
+    def __init__(self, client: PleClient, wait_timeout: float) -> None:
+        self._wait_timeout = wait_timeout
+
+    def ring(self, slot: SlotView, table: int, ids, count: int) -> None:
+        slot.ring(table, np.asarray(ids).reshape(-1)[:count])
+
+    def collect(self, slot: SlotView, out, count: int, row_bytes: int) -> None:
+        done = slot.wait_done(self._wait_timeout)
+        if done == p.Done.WAITING:  # a GPU would wait on: the watchdog should have ended it
+            raise GpuLookupError(
+                f"slot {slot.index}: no answer and no watchdog mark within "
+                f"{self._wait_timeout:.3g} s"
+            )
+        np.asarray(out).reshape(count, row_bytes)[:] = slot.rows_view(count, row_bytes)
+        slot.reset_done()
+        if done != p.Done.OK:
+            raise GpuLookupError(
+                f"slot {slot.index}: {p.ErrorCode(slot.words[p.SL_ERROR]).name}: "
+                f"{slot.error_text()}"
+            )
+
+    def close(self) -> None:
+        pass
+
+
+class Watchdog:
+    """Ends GPU waits the server will not answer.
+
+    Every ``interval`` it asks the session whether the server is gone, and
+    looks at each slot's doorbell. A slot rung (or claimed) with no answer for
+    ``timeout`` seconds is abandoned (error INTERNAL, with that text); once
+    the server is gone, every slot whose done word is WAITING is abandoned,
+    now and on every later look, so a lookup rung after the server died fails
+    too. ``failure`` holds the first reason; it is logged once, at ERROR."""
+
+    def __init__(self, client: PleClient, timeout: float, interval: float = WATCH_INTERVAL_S):
+        self.client = client
+        self.timeout = timeout
+        self.interval = interval
+        self.failure: str | None = None
+        self._since: dict[int, tuple[int, float]] = {}  # slot → (answers, first seen rung)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ple-gpu-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.look()
+            except Exception:  # never die silently: the GPU's waits depend on us
+                log.exception("ple-server GPU watchdog: a look failed")
+
+    def look(self) -> None:
+        """One look at the server and the slots (the thread's loop body)."""
+        gone = self.client.poll_gone()
+        now = time.monotonic()
+        for slot in self.client.channel.slots:
+            if gone is not None:
+                if slot.done == p.Done.WAITING:
+                    self._abandon(slot, p.ErrorCode.SHUTTING_DOWN, f"ple-server is gone: {gone}")
+                continue
+            if slot.doorbell == p.Doorbell.IDLE:
+                self._since.pop(slot.index, None)
+                continue
+            answers = slot.answers
+            seen = self._since.get(slot.index)
+            if seen is None or seen[0] != answers:
+                self._since[slot.index] = (answers, now)
+            elif now - seen[1] > self.timeout:
+                self._abandon(
+                    slot,
+                    p.ErrorCode.INTERNAL,
+                    f"ple-server at {self.client.socket_path} did not answer slot "
+                    f"{slot.index} within {self.timeout:.3g} s",
+                )
+                self._since.pop(slot.index, None)
+
+    def _abandon(self, slot: SlotView, code: p.ErrorCode, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            log.error("GPU-driven PLE lookups fail from now on: %s", reason)
+        slot.abandon(code, reason)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+class GpuLookups:
+    """A GPU-driven channel: lookups enqueued on a stream, watched over."""
+
+    def __init__(self, client: PleClient, stream: Stream, timeout: float = 30.0) -> None:
+        if not client.gpu_driven:
+            raise PleError("GpuLookups needs a client whose channel is GPU-driven")
+        self.client = client
+        self.stream = stream
+        self.watchdog = Watchdog(client, timeout)
+        self._rung: list[tuple[int, int] | None] = [None] * client.depth  # (count, row_bytes)
+
+    @classmethod
+    def open(
+        cls,
+        socket_path: str | None = None,
+        *,
+        device="cuda",
+        capacity: int | None = None,
+        depth: int | None = None,
+        timeout: float = 30.0,
+        name: str | None = None,
+        connect_timeout: float = 10.0,
+    ) -> GpuLookups:
+        """Connect with a GPU-driven channel. ``device`` "cpu" gives the CPU
+        stand-in (``HostStream``); a CUDA device needs stream memory
+        operations (``stream_memops_supported``). ``timeout``: how long the
+        watchdog lets one lookup wait for its answer."""
+        client = PleClient.connect(
+            socket_path,
+            connect_timeout,
+            name=name,
+            capacity=capacity,
+            depth=depth,
+            gpu_driven=True,
+        )
+        try:
+            stream: Stream
+            if str(device) == "cpu":
+                stream = HostStream(client, wait_timeout=timeout * 4)
+            else:
+                supported, why = stream_memops_supported(device)
+                if not supported:
+                    raise PleError(f"GPU-driven lookups cannot run on {device}: {why}")
+                stream = CudaStream(client, device)
+            return cls(client, stream, timeout)
+        except BaseException:
+            client.close()
+            raise
+
+    @property
+    def tables(self) -> list[TableInfo]:
+        return self.client.tables
+
+    @property
+    def capacity(self) -> int:
+        return self.client.capacity
+
+    @property
+    def depth(self) -> int:
+        return self.client.depth
+
+    @property
+    def failure(self) -> str | None:
+        """Why lookups fail (the watchdog's first reason), or None."""
+        return self.watchdog.failure
+
+    def ring(self, slot: int, table: str | int | TableInfo, ids) -> None:
+        """Enqueue: ``ids`` (int64, contiguous; at most ``capacity``) into
+        ``slot`` of ``table``, then its doorbell."""
+        if self.watchdog.failure is not None:
+            raise PleError(f"GPU-driven PLE lookups have failed: {self.watchdog.failure}")
+        view = self._slot(slot)
+        info = table if isinstance(table, TableInfo) else self.client.table(table)
+        count = int(ids.numel() if hasattr(ids, "numel") else np.asarray(ids).size)
+        if not 1 <= count <= self.capacity:
+            raise ValueError(
+                f"a GPU-driven lookup takes 1..{self.capacity} ids (the channel "
+                f"capacity), not {count}: split it over slots"
+            )
+        if getattr(ids, "dtype", None) is not None and str(ids.dtype) not in (
+            "torch.int64",
+            "int64",
+        ):
+            raise ValueError(f"ids must be int64, not {ids.dtype}")
+        if hasattr(ids, "is_contiguous") and not ids.is_contiguous():
+            raise ValueError("ids must be contiguous")
+        if self._rung[slot] is not None:
+            raise PleError(f"slot {slot} was rung and not collected: collect it first")
+        self.stream.ring(view, self.client.table_index(info), ids, count)
+        self._rung[slot] = (count, info.row_bytes)
+
+    def collect(self, slot: int, out) -> None:
+        """Enqueue: wait for ``slot``'s answer, its rows into ``out`` (uint8,
+        contiguous, ``[count, row_bytes]`` of the ring), the reset, the check."""
+        view = self._slot(slot)
+        rung = self._rung[slot]
+        if rung is None:
+            raise PleError(f"slot {slot} was not rung: nothing to collect")
+        count, row_bytes = rung
+        shape = tuple(out.shape)
+        if shape != (count, row_bytes) or str(out.dtype) not in ("torch.uint8", "uint8"):
+            raise ValueError(
+                f"out must be uint8 {(count, row_bytes)} for slot {slot}, got {out.dtype} {shape}"
+            )
+        if hasattr(out, "is_contiguous") and not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        self._rung[slot] = None
+        self.stream.collect(view, out, count, row_bytes)
+
+    def _slot(self, slot: int) -> SlotView:
+        if not 0 <= slot < self.depth:
+            raise ValueError(f"slot {slot} out of range: the channel has {self.depth} slots")
+        return self.client.channel.slots[slot]
+
+    def close(self) -> None:
+        """Stop the watchdog, unregister the segment, end the session. Only
+        once nothing enqueued can still run (synchronize the stream first)."""
+        self.watchdog.stop()
+        self.stream.close()
+        self.client.close()
+
+    def __enter__(self) -> GpuLookups:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
