@@ -1,0 +1,244 @@
+"""GPU-driven channels through a real ple-server, with the CPU stand-in.
+
+``GpuLookups.open(device="cpu")`` rings and waits with ``HostStream``, which
+writes exactly the words a CUDA stream writes (``SlotView.ring`` / ``wait_done``
+/ ``reset_done``), so the server's polling, the done and error words, and the
+watchdog are the ones a GPU meets. The CUDA side itself runs on a GPU host
+(``bench/gpu_decode.py``, ``bench/gpu_channel_check.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from pleclient import PleError
+from pleclient import protocol as p
+from pleclient.gpu import GpuLookupError, GpuLookups
+from tests.harness import (
+    Bystander,
+    RawSession,
+    cpu_seconds,
+    python_child,
+    quiet_footprint,
+    settles_to,
+    wait_until,
+)
+
+
+@pytest.fixture
+def lookups(server):
+    with GpuLookups.open(server.socket, device="cpu", capacity=2048, depth=4, timeout=2.0) as gl:
+        yield gl
+
+
+def rows_of(gl: GpuLookups, slot: int, layer: int, ids: np.ndarray) -> np.ndarray:
+    """One lookup through ``slot``: ring, then collect (raises on an error answer)."""
+    out = np.empty((ids.shape[0], gl.client.table(layer).row_bytes), dtype=np.uint8)
+    gl.ring(slot, layer, ids)
+    gl.collect(slot, out)
+    return out
+
+
+def test_the_server_offers_gpu_driven_channels(server):
+    with RawSession(server.socket) as raw:
+        assert p.FEATURE_GPU_DRIVEN in raw.hello()["features"]
+        reply, fds = raw.open_channel(gpu_driven=True)
+        for fd in fds:
+            os.close(fd)
+        assert reply["type"] == "channel" and reply["gpu_driven"] is True
+
+
+def test_a_gpu_driven_flag_that_is_not_a_boolean_is_refused(server):
+    with RawSession(server.socket) as raw:
+        raw.hello()
+        reply, fds = raw.open_channel(gpu_driven="yes")
+        assert not fds
+        assert reply["type"] == "error" and reply["code"] == p.ErrorCode.BAD_MESSAGE
+        assert "gpu_driven" in reply["message"]
+
+
+def test_rung_slots_are_answered_bit_exact_replay_after_replay(lookups, references):
+    rng = np.random.default_rng(1)
+    for replay in range(30):  # the same slots, as a replayed graph uses them
+        pending = []
+        for slot, layer in enumerate((1, 3, 1, 3)):
+            ids = rng.integers(0, references[layer].shape[0], int(rng.integers(1, 2049)))
+            lookups.ring(slot, layer, ids)  # all four in flight at once
+            pending.append((slot, layer, ids))
+        for slot, layer, ids in pending:
+            out = np.empty((ids.shape[0], references[layer].shape[1]), dtype=np.uint8)
+            lookups.collect(slot, out)
+            assert np.array_equal(out, references[layer][ids]), (replay, slot)
+    for view in lookups.client.channel.slots:  # every wait was reset for the next replay
+        assert (view.doorbell, view.done, view.answers) == (
+            p.Doorbell.IDLE,
+            p.Done.WAITING,
+            30,
+        )
+
+
+def test_an_answer_leaves_the_words_a_gpu_expects(lookups, references):
+    slot = lookups.client.channel.slots[2]
+    ids = np.arange(100)
+    lookups.ring(2, 1, ids)
+    assert slot.wait_done(5.0) == p.Done.OK  # the stream's wait, without its reset
+    assert slot.doorbell == p.Doorbell.IDLE  # ready for the next ring
+    assert slot.words[p.SL_ERROR] == p.ErrorCode.OK and slot.answers == 1
+    assert np.array_equal(slot.rows_view(100, 160), references[1][ids])
+    out = np.empty((100, 160), dtype=np.uint8)
+    lookups.collect(2, out)  # waits no more: done is OK; resets it
+    assert slot.done == p.Done.WAITING
+
+
+@pytest.mark.parametrize(
+    "scribble, code, text",
+    [
+        ({"ids": [20_011]}, p.ErrorCode.ID_OUT_OF_RANGE, "out of range"),
+        ({"table": 9}, p.ErrorCode.BAD_TABLE, "table index 9"),
+        ({"count": 4096}, p.ErrorCode.BAD_COUNT, "exceeds the channel capacity"),
+    ],
+    ids=["bad-id", "bad-table", "bad-count"],
+)
+def test_a_bad_request_gets_the_error_mark_and_the_channel_goes_on(
+    lookups, references, scribble, code, text
+):
+    slot = lookups.client.channel.slots[0]
+    ids = np.array(scribble.get("ids", [5]), dtype=np.int64)
+    # What a GPU writes, with the scribbled word in place of the good one.
+    slot.ids[: ids.shape[0]] = ids
+    slot.words[p.SL_TABLE] = scribble.get("table", 0)
+    slot.words[p.SL_COUNT] = scribble.get("count", ids.shape[0])
+    lookups.client.channel.sync.store(slot.word_address(p.SL_DOORBELL, 0), p.Doorbell.RUNG)
+    assert slot.wait_done(5.0) == p.Done.ERROR
+    assert slot.words[p.SL_ERROR] == code and text in slot.error_text()
+    assert slot.doorbell == p.Doorbell.IDLE
+    slot.reset_done()
+    ids = np.arange(50)
+    assert np.array_equal(rows_of(lookups, 0, 1, ids), references[1][ids])
+
+
+def test_an_error_answer_fails_the_collect_never_returns_rows(lookups, references):
+    out = np.full((1, 160), 0xAB, dtype=np.uint8)
+    lookups.ring(1, 1, np.array([references[1].shape[0]]))
+    with pytest.raises(GpuLookupError, match="ID_OUT_OF_RANGE"):
+        lookups.collect(1, out)
+    assert lookups.failure is None  # the server answered: it is not gone
+    ids = np.arange(7)
+    assert np.array_equal(rows_of(lookups, 1, 1, ids), references[1][ids])
+
+
+def test_a_ring_after_a_long_idle_is_answered(lookups, references, server):
+    """Past a second without doorbells the loop polls every millisecond, and
+    on a quiet server it burns little CPU meanwhile."""
+    rows_of(lookups, 0, 1, np.arange(10))
+    time.sleep(1.5)  # past the active window: the slow poll
+    before = cpu_seconds(server.pid)
+    time.sleep(2.0)
+    idle_cpu = (cpu_seconds(server.pid) - before) / 2.0
+    ids = np.arange(300, 400)
+    assert np.array_equal(rows_of(lookups, 3, 3, ids), references[3][ids])
+    # Polling 1 000 times a second costs a few percent of a core; spinning, 100 %.
+    assert idle_cpu < 0.3, f"an idle server with a GPU-driven channel used {idle_cpu:.0%} CPU"
+
+
+def test_client_side_checks_refuse_bad_calls_before_anything_is_enqueued(lookups):
+    with pytest.raises(ValueError, match=r"1\.\.2048 ids"):
+        lookups.ring(0, 1, np.arange(2049))
+    with pytest.raises(ValueError, match="out of range"):
+        lookups.ring(4, 1, np.arange(3))
+    with pytest.raises(ValueError, match="int64"):
+        lookups.ring(0, 1, np.arange(3, dtype=np.int32))
+    with pytest.raises(PleError, match="was not rung"):
+        lookups.collect(0, np.empty((3, 160), dtype=np.uint8))
+    lookups.ring(0, 1, np.arange(3))
+    with pytest.raises(PleError, match="not collected"):
+        lookups.ring(0, 1, np.arange(3))
+    with pytest.raises(ValueError, match="out must be uint8"):
+        lookups.collect(0, np.empty((4, 160), dtype=np.uint8))
+    lookups.collect(0, np.empty((3, 160), dtype=np.uint8))
+    with pytest.raises(PleError, match="GPU-driven"):
+        lookups.client.submit(1, np.arange(3))  # the host path is not this channel's
+
+
+def test_the_watchdog_ends_a_wait_on_a_server_killed_mid_wait(server):
+    gl = GpuLookups.open(server.socket, device="cpu", capacity=64, depth=2, timeout=30.0)
+    try:
+        os.kill(server.pid, signal.SIGSTOP)  # it will never see this doorbell
+        gl.ring(0, 1, np.arange(10))
+        gl.ring(1, 3, np.arange(10))
+        assert gl.client.channel.slots[0].doorbell == p.Doorbell.RUNG
+        server.kill()
+        started = time.monotonic()
+        with pytest.raises(GpuLookupError, match="SHUTTING_DOWN: ple-server is gone"):
+            gl.collect(0, np.empty((10, 160), dtype=np.uint8))
+        with pytest.raises(GpuLookupError, match="ple-server is gone"):
+            gl.collect(1, np.empty((10, 320), dtype=np.uint8))
+        assert time.monotonic() - started < 10  # the watchdog, not the 30 s timeout
+        assert "ple-server is gone" in (gl.failure or "")
+        with pytest.raises(PleError, match="have failed"):  # no new lookups either
+            gl.ring(0, 1, np.arange(10))
+    finally:
+        gl.close()
+
+
+def test_the_watchdog_ends_a_wait_the_server_never_answers(server, references):
+    gl = GpuLookups.open(server.socket, device="cpu", capacity=64, depth=2, timeout=0.5)
+    try:
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            gl.ring(0, 1, np.arange(10))
+            with pytest.raises(GpuLookupError, match=r"did not answer slot 0 within 0\.5 s"):
+                gl.collect(0, np.empty((10, 160), dtype=np.uint8))
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert "did not answer" in (gl.failure or "")
+    finally:
+        gl.close()
+    with server.client() as client:  # the server itself carries on
+        assert np.array_equal(client.lookup(1, np.arange(5)), references[1][:5])
+
+
+GPU_CLIENT = """
+import sys
+import numpy as np
+from pleclient.gpu import GpuLookups
+gl = GpuLookups.open(sys.argv[1], device="cpu", capacity=4096, depth=8, timeout=5.0)
+out = np.empty((4096, 160), dtype=np.uint8)
+for i in range(3):
+    gl.ring(0, 1, np.arange(4096))
+    gl.collect(0, out)
+for slot in range(8):  # every slot rung, none collected: then killed
+    gl.ring(slot, 1, np.arange(4096))
+print("rung", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_gpu_driven_client_leaks_nothing_and_others_are_served(server, references):
+    baseline = quiet_footprint(server.pid, segments=0)
+    with Bystander(server, references) as bystander:
+        other = GpuLookups.open(server.socket, device="cpu", capacity=512, depth=2, timeout=5.0)
+        try:
+            child = python_child(GPU_CLIENT, server.socket, stdin=-1)
+            try:
+                assert child.stdout.readline().strip() == "rung", child.stderr.read()
+                assert quiet_footprint(server.pid, segments=3).segments == 3
+                child.kill()
+            finally:
+                child.kill()
+                child.communicate()
+            bystander.wait_for_lookups(20)
+            ids = np.random.default_rng(3).integers(0, references[3].shape[0], 512)
+            for _ in range(5):  # the other GPU-driven client: served, bit-exact
+                assert np.array_equal(rows_of(other, 1, 3, ids), references[3][ids])
+        finally:
+            other.close()
+    now = settles_to(server.pid, baseline)
+    assert now.segments == 0 and now.fds <= baseline.fds, (baseline, now)
+    assert wait_until(lambda: server.running)
+    assert "Traceback" not in server.log(), server.log_tail()
