@@ -24,8 +24,30 @@ def identical(vllm_server, vllm_checkpoint) -> dict:
     return run_scenario("bit_identical", {"model": str(vllm_checkpoint)}, env=env)
 
 
+@pytest.fixture(scope="module")
+def identical_gpu_driven(vllm_server, vllm_checkpoint) -> dict:
+    # The GPU-driven route with its CPU stand-in: 1 120 ids in 3 slots of 512,
+    # 16 slots per layer for the 512-token budget.
+    env = shm_env(
+        vllm_server,
+        vllm_checkpoint,
+        VLLM_PLE_SHM_CAPACITY="512",
+        VLLM_PLE_SHM_GPU_PATH="standin",
+    )
+    return run_scenario("bit_identical", {"model": str(vllm_checkpoint)}, env=env)
+
+
 def test_fp8_and_bf16_rows_are_bit_identical_through_forward(identical):
     assert identical["forward_diffs"] == {}
+    assert identical["row_path"] == "host"  # a CPU run keeps the host path
+
+
+def test_the_gpu_driven_route_gives_the_same_bits(identical_gpu_driven):
+    assert identical_gpu_driven["row_path"] == "gpu-driven (CPU stand-in)"
+    assert identical_gpu_driven["forward_diffs"] == {}
+    assert identical_gpu_driven["prefetch_diffs"] == {}
+    assert identical_gpu_driven["matches_file_reference"]
+    assert identical_gpu_driven["outputs_nonzero"]
 
 
 def test_fp8_and_bf16_rows_are_bit_identical_through_prefetch(identical):

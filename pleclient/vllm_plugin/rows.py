@@ -1,7 +1,10 @@
 """The shm row source: one ple-server session per vLLM worker, shared by its layers.
 
 ``RowService.shared()`` is the process's session. Each PLE layer ``bind``s its
-table once (checked against the checkpoint, see ``identity``) and then either
+table once (checked against the checkpoint, see ``identity``). On a CUDA device
+with stream memory operations lookups take the GPU-driven route
+(``gpu_route``: no host work per step, inside captured graphs); elsewhere the
+host path below, where each layer either
 
 * ``lookup(binding, ids, out)`` — synchronous, or
 * ``submit(binding, ids)`` → ``PendingLookup``, later ``collect(pending, out)``
@@ -53,8 +56,15 @@ from pleclient.checkpoint import TableSpec
 from pleclient.torch import DeviceCopy, PinnedSegment, copy_rows
 from pleclient.vllm_plugin import discovery, identity
 from pleclient.vllm_plugin.errors import PleBackendError
+from pleclient.vllm_plugin.gpu_route import GpuPending, GpuRoute
 from pleclient.vllm_plugin.reconnect import TRANSIENT, ReconnectPolicy
-from pleclient.vllm_plugin.settings import ENV_ALLOW_DUMMY, ENV_BACKEND, ENV_SOCKET, ShmSettings
+from pleclient.vllm_plugin.settings import (
+    ENV_ALLOW_DUMMY,
+    ENV_BACKEND,
+    ENV_SOCKET,
+    GPU_PATH_STANDIN,
+    ShmSettings,
+)
 
 log = logging.getLogger("pleclient.vllm_plugin")
 
@@ -73,6 +83,7 @@ class TableBinding:
     info: TableInfo | None  # None: dummy mode (no server)
     checkpoint: TableSpec | None = None
     checkpoint_dir: str = ""
+    max_ids: int = 0  # the layer's largest lookup (0: not known)
 
     @property
     def dummy(self) -> bool:
@@ -132,6 +143,8 @@ class RowService:
         self._retiring: collections.deque[tuple[Ticket, DeviceCopy]] = collections.deque()
         self._bindings: list[TableBinding] = []
         self._dummy_warned = False
+        self._route: GpuRoute | None = None
+        self._route_chosen = False
 
     @property
     def generation(self) -> int:
@@ -139,8 +152,9 @@ class RowService:
         return self._generation
 
     # ------------------------------------------------------------------ setup
-    def bind(self, expected: identity.Expected) -> TableBinding:
-        """Find and verify this layer's table; fails fast without a server."""
+    def bind(self, expected: identity.Expected, max_ids: int = 0) -> TableBinding:
+        """Find and verify this layer's table; fails fast without a server.
+        ``max_ids``: the layer's largest lookup (sizes its GPU-driven slots)."""
         fmt = identity.load_format()
         if fmt == "dummy" and self.settings.allow_dummy:
             if not self._dummy_warned:
@@ -169,7 +183,7 @@ class RowService:
             client.tables, expected.table_suffix, f"ple-server at {client.socket_path}"
         )
         identity.verify(info, client.socket_path, spec, model_dir, expected)
-        binding = TableBinding(expected, info, spec, model_dir)
+        binding = TableBinding(expected, info, spec, model_dir, max_ids)
         self._bindings.append(binding)
         log.info(
             "PLE backend shm: %s <- ple-server table %s (%d rows x %d B, %s, fingerprint %s)",
@@ -217,6 +231,59 @@ class RowService:
         self._client = client
         self._generation += 1
         return client
+
+    # ------------------------------------------------------- the GPU-driven path
+    @property
+    def path(self) -> str:
+        """Which path lookups take: "gpu-driven", its "CPU stand-in", or "host"."""
+        if self._route is None:
+            return "host"
+        return "gpu-driven" + (" (CPU stand-in)" if self._route.standin else "")
+
+    def gpu_route(self, binding: TableBinding, device: torch.device, count: int) -> GpuRoute | None:
+        """The GPU-driven route for a lookup of ``count`` ids on ``device``, or
+        None for the host path. Chosen (and logged) at the first lookup on a
+        CUDA device, once every layer is bound; CPU runs keep the host path
+        unless ``VLLM_PLE_SHM_GPU_PATH=standin``."""
+        if binding.dummy:
+            return None
+        if not self._route_chosen:
+            standin = self.settings.gpu_path == GPU_PATH_STANDIN
+            if device.type != "cuda" and not standin:
+                return None
+            if self._client is None:
+                return None  # no session yet: the host path connects first
+            self._route_chosen = True
+            self._route = GpuRoute.choose(
+                self.settings.gpu_path,
+                device,
+                self._client.socket_path,
+                [b for b in self._bindings if not b.dummy],
+                self.settings.capacity,
+                self.settings.lookup_timeout,
+                self.settings.connect_timeout,
+            )
+        route = self._route
+        if route is None or not route.serves(binding, count):
+            return None
+        return route
+
+    def finish_gpu(
+        self, route: GpuRoute, binding: TableBinding, pending: GpuPending, out: torch.Tensor
+    ) -> None:
+        """Enqueue the collection of ``pending``'s rows into ``out`` (the model's
+        row dtype; converted from the table's on the stream if they differ)."""
+        n = pending.count
+        if out.numel() != n * binding.expected.cols:
+            route.discard(pending, binding.row_bytes, out.device)
+            raise ValueError(
+                f"PLE rows for {n} ids need {n * binding.expected.cols} "
+                f"elements, the output holds {out.numel()}"
+            )
+        target, staging = _byte_target(out, binding)
+        route.finish(pending, target)
+        if staging is not None:
+            out.copy_(staging.view(out.shape))
 
     # ---------------------------------------------------------------- lookups
     def lookup(self, binding: TableBinding, ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -424,6 +491,11 @@ class RowService:
         if self._pid != os.getpid():
             return
         try:
+            if self._route is not None:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()  # no lookup of ours may still be enqueued
+                self._route.close()
+                self._route = None
             self._drop_session()
         except Exception as exc:  # at exit, report and go on
             log.debug("PLE backend shm: close: %s", exc)

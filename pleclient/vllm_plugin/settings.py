@@ -27,6 +27,12 @@ Every knob, its default and why:
 ``VLLM_PLE_SHM_PREFETCH=1``        look rows up for layer i+1 while layer i runs
                                    (``start_prefetch``/``finalize_prefetch``). 0 = look
                                    up synchronously in ``forward``.
+``VLLM_PLE_SHM_GPU_PATH=auto``     ``auto``: on a CUDA device with stream memory
+                                   operations, lookups are GPU-driven (no host sync,
+                                   inside captured CUDA graphs: ``gpu_route``);
+                                   elsewhere the host path. ``off``: always the host
+                                   path. ``standin``: the GPU-driven path's CPU
+                                   stand-in, on any device (for tests).
 ``VLLM_PLE_SHM_CHECKPOINT``        the checkpoint directory the identity check reads.
                                    Default: vLLM's ``--model`` (a local directory, or a
                                    Hugging Face repo already in the local cache).
@@ -57,6 +63,9 @@ ENV_DEPTH = "VLLM_PLE_SHM_DEPTH"
 ENV_CAPACITY = "VLLM_PLE_SHM_CAPACITY"
 ENV_PREFETCH = "VLLM_PLE_SHM_PREFETCH"
 ENV_CHECKPOINT = "VLLM_PLE_SHM_CHECKPOINT"
+ENV_GPU_PATH = "VLLM_PLE_SHM_GPU_PATH"
+GPU_PATH_STANDIN = "standin"
+GPU_PATHS = ("auto", "off", GPU_PATH_STANDIN)
 ENV_ALLOW_DUMMY = "VLLM_PLE_SHM_ALLOW_DUMMY"
 
 MIN_DEPTH = 2  # prefetch needs the next layer's request beside the current one
@@ -92,6 +101,7 @@ class ShmSettings:
     checkpoint: str | None = None
     allow_dummy: bool = False
     socket_dir: str = DEFAULT_SOCKET_DIR
+    gpu_path: str = "auto"
 
     @classmethod
     def from_env(cls) -> ShmSettings:
@@ -108,6 +118,9 @@ class ShmSettings:
                 f"{ENV_CAPACITY}={capacity}: must be a positive number "
                 "of rows (or unset for the server's default)"
             )
+        gpu_path = os.environ.get(ENV_GPU_PATH, "").strip().lower() or "auto"
+        if gpu_path not in GPU_PATHS:
+            raise SettingsError(f"{ENV_GPU_PATH}={gpu_path!r}: use one of {', '.join(GPU_PATHS)}")
         return cls(
             socket=socket,
             connect_timeout=_float(ENV_CONNECT_TIMEOUT, 10.0, minimum=0.1),
@@ -119,6 +132,7 @@ class ShmSettings:
             checkpoint=os.environ.get(ENV_CHECKPOINT) or None,
             allow_dummy=_bool(ENV_ALLOW_DUMMY, False),
             socket_dir=os.environ.get(ENV_SOCKET_DIR) or DEFAULT_SOCKET_DIR,
+            gpu_path=gpu_path,
         )
 
 

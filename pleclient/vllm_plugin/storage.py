@@ -20,9 +20,13 @@ Differences that matter:
   over the embedding-TP group and no DP id gather: ``reduce_results`` is off and
   the owning ``Qwen4ExpNGramEmbedding`` shards (never reduce-scatters) rows under
   sequence parallelism.
-* Host work (the server round trip) runs eagerly outside captured CUDA graphs:
-  the methods that do it are breakable-cudagraph break points writing into
-  caller-provided outputs.
+* On a CUDA device with stream memory operations, lookups are GPU-driven
+  (``gpu_route``): the ring and the collection are enqueued on the stream, so
+  ``start_prefetch`` / ``finalize_prefetch`` sit inside captured CUDA graphs
+  (FULL, FULL_AND_PIECEWISE, PIECEWISE alike) with no host sync.
+* Otherwise host work (the server round trip) runs eagerly outside captured
+  CUDA graphs: the methods that do it are breakable-cudagraph break points
+  writing into caller-provided outputs.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 )
 
 from pleclient.vllm_plugin.errors import PleBackendError
+from pleclient.vllm_plugin.gpu_route import GpuPending, GpuRoute
 from pleclient.vllm_plugin.identity import Expected
 from pleclient.vllm_plugin.rows import PendingLookup, RowService, TableBinding
 
@@ -91,7 +96,9 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
         self.supports_prefetch = self._rows.settings.prefetch  # type: ignore[misc]
         self._num_ngram_heads = num_ngram_heads
         self._binding: TableBinding | None = None
-        self._pending: PendingLookup | None = None
+        # A started lookup: the host path's, or the GPU-driven route's.
+        self._pending: PendingLookup | tuple[GpuRoute, GpuPending] | None = None
+        self._max_ids = max_total_tokens * num_ngram_heads
 
     def allocate_embedding_weight(
         self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype
@@ -114,7 +121,8 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
                 cols=self.embedding_dim,
                 dtypes=dtypes,
                 parts=split_ngram_parts,
-            )
+            ),
+            max_ids=self._max_ids,
         )
 
     @property
@@ -146,17 +154,40 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
         """The pinned-storage name of ``forward`` (used by the AMD model)."""
         return self.forward(ngram_ids)
 
-    @eager_break_during_capture
     def _lookup_into(self, ngram_ids: torch.Tensor, output: torch.Tensor) -> None:
-        self._rows.lookup(self.binding, ngram_ids, output)
+        route = self._rows.gpu_route(self.binding, output.device, ngram_ids.numel())
+        if route is None:
+            self._lookup_into_host(ngram_ids, output)
+            return
+        # GPU-driven: ring and collect on the stream, no break in a graph.
+        self._rows.finish_gpu(route, self.binding, route.start(self.binding, ngram_ids), output)
 
     @eager_break_during_capture
+    def _lookup_into_host(self, ngram_ids: torch.Tensor, output: torch.Tensor) -> None:
+        self._rows.lookup(self.binding, ngram_ids, output)
+
     def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
         """Send this layer's ids to the server; collected by finalize_prefetch."""
-        if self._pending is not None:  # started and never used: give it up
-            self._rows.discard(self._pending)
-        self._pending = None
+        self._discard_pending()
+        route = self._rows.gpu_route(self.binding, self.weight.device, ngram_ids.numel())
+        if route is None:
+            self._start_prefetch_host(ngram_ids)
+            return
+        # GPU-driven: the ring is enqueued on the stream, no break in a graph.
+        self._pending = (route, route.start(self.binding, ngram_ids))
+
+    @eager_break_during_capture
+    def _start_prefetch_host(self, ngram_ids: torch.Tensor) -> None:
         self._pending = self._rows.submit(self.binding, ngram_ids)
+
+    def _discard_pending(self) -> None:
+        """Give up a lookup that was started and never used."""
+        pending, self._pending = self._pending, None
+        if isinstance(pending, PendingLookup):
+            self._rows.discard(pending)
+        elif pending is not None:
+            route, started = pending
+            route.discard(started, self.binding.row_bytes, self.weight.device)
 
     def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
         """The prefetched rows, ``[total_tokens, heads * cols]``."""
@@ -168,11 +199,27 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
         self._finalize_into(output)
         return output
 
-    @eager_break_during_capture
     def _finalize_into(self, output: torch.Tensor) -> None:
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is None:
             raise RuntimeError(f"{self.prefix}: shm PLE lookup requires a prior start_prefetch()")
+        if isinstance(pending, PendingLookup):
+            self._finalize_into_host(output)
+            return
+        self._pending = None
+        route, started = pending
+        if started.count != output.shape[0] * self._num_ngram_heads:
+            route.discard(started, self.binding.row_bytes, self.weight.device)
+            raise RuntimeError(
+                f"{self.prefix}: prefetched {started.count} ids, but finalize asks for "
+                f"{output.shape[0]} tokens x {self._num_ngram_heads} heads"
+            )
+        self._rows.finish_gpu(route, self.binding, started, output)
+
+    @eager_break_during_capture
+    def _finalize_into_host(self, output: torch.Tensor) -> None:
+        pending, self._pending = self._pending, None
+        assert isinstance(pending, PendingLookup)  # (_finalize_into checked)
         if pending.count != output.shape[0] * self._num_ngram_heads:
             self._rows.discard(pending)
             raise RuntimeError(

@@ -165,7 +165,14 @@ def bit_identical(args: dict) -> dict:
             "shm_scale": float(fp8.weight_scale.item()),
             "stock_weight_rows": stock["BF16"].ngram_embedding.weight.shape[0],
             "server_requests": _server_requests(),
+            "row_path": _row_path(),
         }
+
+
+def _row_path() -> str:
+    from pleclient.vllm_plugin.rows import RowService
+
+    return RowService.shared().path
 
 
 def _reference_rows(model_dir: str, module, batch: m.Batch) -> torch.Tensor:
