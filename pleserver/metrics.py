@@ -112,6 +112,11 @@ class SnapshotCollector(Collector):
         yield GaugeMetricFamily(
             "ple_channels", "Open shared-memory channels.", value=snap["channels"]
         )
+        yield GaugeMetricFamily(
+            "ple_gpu_channels",
+            "Open channels driven by a GPU (their doorbells are polled).",
+            value=snap.get("gpu_channels", 0),
+        )
         yield from _prewarm(snap.get("prewarm"))
         yield from _dataplane(snap.get("dataplane"))
         yield from _hotset(snap.get("hotset"))

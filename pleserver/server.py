@@ -443,6 +443,7 @@ class Server:
             "uptime_s": now - self.started,
             "clients": len(self.sessions) if self.sessions is not None else 0,
             "channels": self.loop.channel_count if self.loop else 0,
+            "gpu_channels": self.loop.gpu_channel_count if self.loop else 0,
             "idle_wait": self.loop.idle_wait if self.loop else None,
             "prewarm": self.prewarm.snapshot() if self.prewarm else None,
             "dataplane": self.plane.snapshot() if self.plane else None,

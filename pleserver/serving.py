@@ -270,6 +270,11 @@ class ServingLoop:
     def channel_count(self) -> int:
         return len(self.channels)
 
+    @property
+    def gpu_channel_count(self) -> int:
+        """Channels driven by a GPU (their doorbells are polled)."""
+        return sum(1 for c in self.channels if c.gpu_driven)
+
     def start(self) -> None:
         """Start the workers and the loop. Raises RuntimeError (what started is
         stopped again) when a thread cannot start."""

@@ -158,7 +158,9 @@ def format_human(stats: dict) -> str:
     """The ``pleserver stats`` text view of a snapshot."""
     lines = [
         f"ple-server pid {stats['pid']}  up {stats['uptime_s']:.0f} s  "
-        f"clients {stats['clients']}  channels {stats['channels']}  "
+        f"clients {stats['clients']}  channels {stats['channels']}"
+        + (f" ({stats['gpu_channels']} GPU-driven)" if stats.get("gpu_channels") else "")
+        + "  "
         f"model {stats['model']}"
     ]
     plane = stats.get("dataplane") or {}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import signal
 import socket
 import subprocess
 import sys
@@ -118,6 +119,18 @@ def no_growth(baseline: Footprint, now: Footprint) -> bool:
         and now.threads <= baseline.threads
         and now.segments <= baseline.segments
     )
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped: ``kill`` returns before
+    a process running on another CPU has taken the signal."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+    assert wait_until(stopped, timeout, interval=0.005), f"pid {pid} did not stop"
 
 
 def cpu_seconds(pid: int) -> float:

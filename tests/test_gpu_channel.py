@@ -16,9 +16,10 @@ import time
 import numpy as np
 import pytest
 
-from pleclient import PleError
+from pleclient import PleClient, PleError
 from pleclient import protocol as p
 from pleclient.gpu import GpuLookupError, GpuLookups
+from pleserver.stats import format_human
 from tests.harness import (
     Bystander,
     RawSession,
@@ -26,6 +27,7 @@ from tests.harness import (
     python_child,
     quiet_footprint,
     settles_to,
+    stop_process,
     wait_until,
 )
 
@@ -62,7 +64,10 @@ def test_a_gpu_driven_flag_that_is_not_a_boolean_is_refused(server):
         assert "gpu_driven" in reply["message"]
 
 
-def test_rung_slots_are_answered_bit_exact_replay_after_replay(lookups, references):
+def test_rung_slots_are_answered_bit_exact_replay_after_replay(lookups, references, server):
+    stats = PleClient.query_stats(server.socket)
+    assert (stats["channels"], stats["gpu_channels"]) == (1, 1)
+    assert "(1 GPU-driven)" in format_human(stats)
     rng = np.random.default_rng(1)
     for replay in range(30):  # the same slots, as a replayed graph uses them
         pending = []
@@ -168,7 +173,7 @@ def test_client_side_checks_refuse_bad_calls_before_anything_is_enqueued(lookups
 def test_the_watchdog_ends_a_wait_on_a_server_killed_mid_wait(server):
     gl = GpuLookups.open(server.socket, device="cpu", capacity=64, depth=2, timeout=30.0)
     try:
-        os.kill(server.pid, signal.SIGSTOP)  # it will never see this doorbell
+        stop_process(server.pid)  # it will never see this doorbell
         gl.ring(0, 1, np.arange(10))
         gl.ring(1, 3, np.arange(10))
         assert gl.client.channel.slots[0].doorbell == p.Doorbell.RUNG
@@ -189,7 +194,7 @@ def test_the_watchdog_ends_a_wait_on_a_server_killed_mid_wait(server):
 def test_the_watchdog_ends_a_wait_the_server_never_answers(server, references):
     gl = GpuLookups.open(server.socket, device="cpu", capacity=64, depth=2, timeout=0.5)
     try:
-        os.kill(server.pid, signal.SIGSTOP)
+        stop_process(server.pid)
         try:
             gl.ring(0, 1, np.arange(10))
             with pytest.raises(GpuLookupError, match=r"did not answer slot 0 within 0\.5 s"):
@@ -239,6 +244,7 @@ def test_a_killed_gpu_driven_client_leaks_nothing_and_others_are_served(server, 
         finally:
             other.close()
     now = settles_to(server.pid, baseline)
+    assert PleClient.query_stats(server.socket)["gpu_channels"] == 0
     assert now.segments == 0 and now.fds <= baseline.fds, (baseline, now)
     assert wait_until(lambda: server.running)
     assert "Traceback" not in server.log(), server.log_tail()
