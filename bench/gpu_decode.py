@@ -77,6 +77,7 @@ sys.path.insert(0, BENCH)
 
 from gpu_lookup import _p90, make_checkpoint, make_plugin, make_uva_kernel, read_table  # noqa: E402
 from lookup import OthersMeter, machine, source  # noqa: E402
+from pleclient import protocol  # noqa: E402
 from pleclient.checkpoint import TableSpec, discover_tables  # noqa: E402
 from pleserver.launcher import ServerLauncher  # noqa: E402
 
@@ -314,6 +315,7 @@ def measure(pieces, batch: Batch, res: Result, args, table_gpu: torch.Tensor, st
         for piece in pieces:
             piece()
 
+    step(0)  # the first replay uploads the graphs
     torch.cuda.synchronize()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     marks = [torch.cuda.Event() for _ in range(steps)]
@@ -409,10 +411,10 @@ def open_gpu_driven(setup: Setup, socket_path: str, capacity: int, largest: int)
         return
     ple = len(setup.model.ple_at)
     per_layer = math.ceil(largest / capacity)
-    if ple * per_layer > 64:
+    if ple * per_layer > protocol.MAX_DEPTH:
         setup.why_not_d = (
             f"{ple} PLE layers × {per_layer} slots ({largest} ids, capacity {capacity}) "
-            f"= {ple * per_layer} slots, over 64: raise --capacity"
+            f"= {ple * per_layer} slots, over {protocol.MAX_DEPTH}: raise --capacity"
         )
         return
     try:
