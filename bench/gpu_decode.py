@@ -81,8 +81,7 @@ from pleclient import protocol  # noqa: E402
 from pleclient.checkpoint import TableSpec, discover_tables  # noqa: E402
 from pleserver.launcher import ServerLauncher  # noqa: E402
 
-LABELS = {"compute": "compute only", "a": "a: resident", "b": "b: uva", "c": "c: plugin"}
-LABELS["d"] = "d: gpu-driven"
+LABELS = {"compute": "compute only", "a": "resident", "b": "uva", "c": "plugin", "d": "gpu-driven"}
 PATHS = tuple(LABELS)
 IDS_PER_TOKEN = 16
 DEVICE = "cuda"  # where the model, the buffers and table a live
@@ -114,7 +113,7 @@ class Model:
         self.W = torch.randn(hidden, hidden, device=DEVICE, dtype=torch.bfloat16) / hidden**0.5
         k = IDS_PER_TOKEN * cols
         self.Wp = torch.randn(k, hidden, device=DEVICE, dtype=torch.bfloat16) / (k**0.5 * 64)
-        # PLE layers evenly spread; layer ple_at[i] … uses lookup j
+        # layer index → its lookup j, the PLE layers evenly spread
         self.ple_at = {(j * layers) // ple + layers // (2 * ple): j for j in range(ple)}
 
     def schedule(self, lookups: bool = True) -> list[tuple[str, int]]:
@@ -473,7 +472,9 @@ def run_case(case: str, tokens: int, args, setup: Setup) -> list[Result]:
                 setup.why_not_d = f"failed at {case} {tokens}: {res.error}"
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize()
-        print(f"  {case} {tokens:5d} tokens {LABELS[name]:14s} {describe(res)}", flush=True)
+        print(
+            f"  {case} {tokens:5d} tokens {name:7s} {LABELS[name]:12s} {describe(res)}", flush=True
+        )
     del batch
     torch.cuda.empty_cache()
     return results
@@ -511,7 +512,7 @@ def print_tables(results: list[Result], paths: list[str]) -> None:
         if not rows:
             continue
         print(f"\n{case}: mean step ms, back to back (p50 / p90 one by one)")
-        head = " | ".join(LABELS[p] for p in paths)
+        head = " | ".join(p if p == "compute" else f"{p}: {LABELS[p]}" for p in paths)
         print(f"| tokens | {head} | d/b | d/a | bit-exact | steps queued ahead |")
         print("|---:|" + "---:|" * len(paths) + "---:|---:|---|---|")
         for tokens in dict.fromkeys(r.tokens for r in rows):
