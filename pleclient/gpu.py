@@ -254,8 +254,8 @@ class HostStream:
     """The CPU stand-in: the same words, written and waited on by the caller's
     thread (``ids`` and ``out`` are NumPy arrays or CPU tensors)."""
 
-    def __init__(self, client: PleClient, wait_timeout: float) -> None:
-        self._wait_timeout = wait_timeout
+    def __init__(self, wait_timeout: float) -> None:
+        self._wait_timeout = wait_timeout  # past the watchdog's: only a broken one
 
     def ring(self, slot: SlotView, table: int, ids, count: int) -> None:
         slot.ring(table, np.asarray(ids).reshape(-1)[:count])
@@ -381,7 +381,7 @@ class GpuLookups:
         try:
             stream: Stream
             if str(device) == "cpu":
-                stream = HostStream(client, wait_timeout=timeout * 4)
+                stream = HostStream(wait_timeout=timeout * 4)
             else:
                 supported, why = stream_memops_supported(device)
                 if not supported:
