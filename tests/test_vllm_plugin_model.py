@@ -56,6 +56,7 @@ def test_ple_server_serves_the_shard_layout_transformers_wrote(qwen4_checkpoints
 
 
 def test_vllm_loader_loads_every_weight_and_the_shm_build_differs_only_by_the_tables(built):
+    assert built["unloaded_parameters"] == {"stock": [], "shm": []}
     assert built["stock_only"] == TABLES  # the shm build holds no table
     assert built["shm_only"] == []
     assert built["weights_differ"] == []  # every other tensor bit for bit

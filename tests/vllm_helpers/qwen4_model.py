@@ -29,8 +29,6 @@ import itertools
 import json
 import os
 import shutil
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -163,26 +161,6 @@ def write_fp8_twin(bf16_dir: str, fp8_dir: str) -> str:
 
 
 # --------------------------------------------------------------------- vLLM side
-@contextmanager
-def distributed():
-    """vLLM's world of one process over gloo, torn down afterwards."""
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        init_distributed_environment,
-    )
-
-    init_file = tempfile.mktemp(prefix="vllm-dist-")
-    init_distributed_environment(1, 0, f"file://{init_file}", 0, backend="gloo")
-    try:
-        yield
-    finally:
-        destroy_model_parallel()
-        destroy_distributed_environment()
-        if os.path.exists(init_file):
-            os.unlink(init_file)
-
-
 def vllm_config(model_dir: str):
     """What ``vllm serve model_dir --enforce-eager`` would build, on CPU, with the
     table on the device (the default Engram ``cpu_offload`` pins it: CUDA)."""
@@ -200,6 +178,12 @@ class LoadedModel:
     model: torch.nn.Module
     config: object  # the VllmConfig it was built with
     loaded: set[str]  # what the model's load_weights reported
+
+    @property
+    def unloaded_parameters(self) -> list[str]:
+        """Parameters no checkpoint tensor was loaded into (vLLM's loader raises
+        on these too, where its weight tracking is on)."""
+        return sorted({name for name, _ in self.model.named_parameters()} - self.loaded)
 
 
 def load_vllm_model(model_dir: str) -> LoadedModel:

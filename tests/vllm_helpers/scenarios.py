@@ -660,7 +660,7 @@ def whole_model(args: dict) -> dict:
     hidden = torch.randn(tokens, qm.HC_COUNT * qm.HIDDEN, generator=g).to(torch.bfloat16)
     result: dict = {"layers": {}}
     started = time.monotonic()
-    with qm.distributed():
+    with m.distributed():
         stock = qm.load_vllm_model(args["model"])
         register_plugin()
         shm = qm.load_vllm_model(args["model"])
@@ -675,6 +675,10 @@ def whole_model(args: dict) -> dict:
         result["loaded_stock_only"] = sorted(stock.loaded - shm.loaded)
         result["loaded_shm_only"] = sorted(shm.loaded - stock.loaded)
         result["loaded_count"] = len(shm.loaded)
+        result["unloaded_parameters"] = {
+            "stock": stock.unloaded_parameters,
+            "shm": shm.unloaded_parameters,
+        }
         hf = qm.load_transformers_model(args["reference"])
         for layer in qm.PLE_DECODER_LAYERS:
             want, want_state = _run_ple_layer(stock, layer, batch, hidden, prefetch=True)
