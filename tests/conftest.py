@@ -113,3 +113,12 @@ def vllm_server(vllm_checkpoint):
     """A ple-server serving ``vllm_checkpoint`` for a whole test module."""
     with server_launcher(vllm_checkpoint).start() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def qwen4_checkpoints(tmp_path_factory):
+    """A whole tiny Qwen4Exp model as transformers' ``save_pretrained`` writes it
+    (BF16 PLE tables), and its FP8 twin (``tests.vllm_helpers.qwen4_model``)."""
+    from tests.vllm_helpers.qwen4_model import write_checkpoints  # needs transformers
+
+    return write_checkpoints(str(tmp_path_factory.mktemp("qwen4-model")))

@@ -97,6 +97,23 @@ def text_config(layer: PleLayer):
 
 
 @contextmanager
+def distributed(world_size: int = 1, rank: int = 0, init_file: str | None = None):
+    """vLLM's process group over gloo. Without ``init_file``, the rendezvous file
+    is a temporary one, removed afterwards (gloo leaves it behind)."""
+    from vllm.distributed import init_distributed_environment
+
+    own_file = init_file is None
+    if init_file is None:
+        init_file = tempfile.mktemp(prefix="vllm-dist-")
+    try:
+        init_distributed_environment(world_size, rank, f"file://{init_file}", rank, backend="gloo")
+        yield
+    finally:
+        if own_file and os.path.exists(init_file):
+            os.unlink(init_file)
+
+
+@contextmanager
 def vllm_context(
     world_size: int = 1,
     rank: int = 0,
@@ -106,17 +123,15 @@ def vllm_context(
 ):
     """A VllmConfig context with gloo model-parallel groups (TP = world size)."""
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed import ensure_model_parallel_initialized
 
-    if init_file is None:
-        init_file = tempfile.mktemp(prefix="vllm-dist-")
-    init_distributed_environment(world_size, rank, f"file://{init_file}", rank, backend="gloo")
-    config = VllmConfig()
-    if load_format is not None:
-        config.load_config.load_format = load_format
-    with set_current_vllm_config(config):
-        ensure_model_parallel_initialized(world_size, 1)
-        yield config
+    with distributed(world_size, rank, init_file):
+        config = VllmConfig()
+        if load_format is not None:
+            config.load_config.load_format = load_format
+        with set_current_vllm_config(config):
+            ensure_model_parallel_initialized(world_size, 1)
+            yield config
 
 
 def build_ngram_embedding(

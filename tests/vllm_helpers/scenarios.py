@@ -9,6 +9,7 @@ and activated the way vLLM does it: ``register()`` or vLLM's own
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -588,6 +589,170 @@ def seed_interface(args: dict) -> dict:
         )
         del Qwen4ExpTextConfig
     return result
+
+
+# ------------------------------------------------------------ whole model
+def _prefill_batch(seed: int) -> m.Batch:
+    """Two new prefill requests of different lengths, an EOS inside the second
+    (the n-grams restart after it), EOS context (nothing before them)."""
+    from tests.vllm_helpers import qwen4_model as qm
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = [9, 14]
+    ids = torch.randint(0, qm.UNIGRAM_VOCAB, (sum(lengths),), generator=g)
+    ids[ids == qm.EOS] = qm.EOS + 1
+    ids[lengths[0] + 6] = qm.EOS
+    qsl = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    context = torch.full((len(lengths), qm.NGRAM_SIZE - 1), qm.EOS, dtype=torch.long)
+    return m.Batch(ids, qsl, context)
+
+
+def _run_ple_layer(loaded, layer: int, batch: m.Batch, hidden: torch.Tensor, *, prefetch: bool):
+    """One full ``Qwen4ExpPLELayer.forward`` over a prefill batch, driven as
+    ``Qwen4ExpModel`` drives it (prefetch started first), with a fresh conv
+    state per request. Returns (output, conv states of the batch's slots)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    from tests.vllm_helpers import qwen4_model as qm
+
+    ple = qm.ple_layer(loaded.model, layer)
+    slots = [1, 2]  # slot 0 is vLLM's null block
+    (state_shape,) = ple.get_state_shape()
+    (state_dtype,) = ple.get_state_dtype()
+    ple.kv_cache = (torch.zeros(len(slots) + 1, *state_shape, dtype=state_dtype),)
+    metadata = qm.prefill_metadata(batch.query_start_loc, slots)
+    # vLLM's model runner runs the forward in inference mode.
+    with (
+        torch.inference_mode(),
+        set_current_vllm_config(loaded.config),
+        set_forward_context({ple.prefix: metadata}, loaded.config),
+    ):
+        if prefetch:
+            ple.start_prefetch(batch.input_ids, batch.query_start_loc, batch.ngram_context)
+        output = ple(hidden, batch.input_ids, batch.query_start_loc, batch.ngram_context)
+    return output, ple.kv_cache[0][slots].clone()
+
+
+def _transformers_ple(hf_model, layer: int, batch: m.Batch, hidden: torch.Tensor) -> torch.Tensor:
+    """transformers' ``Qwen4ExpTextPLELayer`` per request (no cache: a new
+    sequence), plus the residual the decoder layer adds; vLLM's PLE layer
+    returns hidden + PLE."""
+    ple = hf_model.model.layers[layer].ple
+    starts = batch.query_start_loc.tolist()
+    out = []
+    with torch.no_grad():
+        for start, end in itertools.pairwise(starts):
+            h = hidden[start:end].unsqueeze(0)
+            out.append((h + ple(h, batch.input_ids[start:end].unsqueeze(0), None))[0])
+    return torch.cat(out)
+
+
+@scenario
+def whole_model(args: dict) -> dict:
+    """vLLM's own loader builds the whole tiny Qwen4ExpForCausalLM twice, stock
+    and with the plugin; each PLE layer's full forward is compared between the
+    two and with transformers' Qwen4ExpTextPLELayer."""
+    import vllm.models.qwen4_exp.nvidia.ple_layer as ple_layer_module
+
+    from tests.vllm_helpers import qwen4_model as qm
+
+    # No Triton on CPU: the gate and the short conv run as torch code written
+    # from the kernels, in both builds alike.
+    ple_layer_module.ple_gate = qm.torch_ple_gate
+    ple_layer_module.ple_conv = qm.torch_ple_conv
+    batch = _prefill_batch(args.get("seed", 0))
+    tokens = batch.input_ids.shape[0]
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(tokens, qm.HC_COUNT * qm.HIDDEN, generator=g).to(torch.bfloat16)
+    result: dict = {"layers": {}}
+    started = time.monotonic()
+    with m.distributed():
+        stock = qm.load_vllm_model(args["model"])
+        register_plugin()
+        shm = qm.load_vllm_model(args["model"])
+        result["load_seconds"] = time.monotonic() - started
+        result["storage"] = sorted(
+            {
+                type(qm.ple_layer(shm.model, i).ple_embedding.ngram_embedding).__name__
+                for i in qm.PLE_DECODER_LAYERS
+            }
+        )
+        result.update(_compare_weights(stock.model, shm.model))
+        result["loaded_stock_only"] = sorted(stock.loaded - shm.loaded)
+        result["loaded_shm_only"] = sorted(shm.loaded - stock.loaded)
+        result["loaded_count"] = len(shm.loaded)
+        result["unloaded_parameters"] = {
+            "stock": stock.unloaded_parameters,
+            "shm": shm.unloaded_parameters,
+        }
+        hf = qm.load_transformers_model(args["reference"])
+        for layer in qm.PLE_DECODER_LAYERS:
+            want, want_state = _run_ple_layer(stock, layer, batch, hidden, prefetch=True)
+            got_pre, state_pre = _run_ple_layer(shm, layer, batch, hidden, prefetch=True)
+            storage = qm.ple_layer(shm.model, layer).ple_embedding.ngram_embedding
+            storage.supports_prefetch = False  # what VLLM_PLE_SHM_PREFETCH=0 sets
+            got_sync, state_sync = _run_ple_layer(shm, layer, batch, hidden, prefetch=False)
+            reference = _transformers_ple(hf, layer, batch, hidden)
+            result["layers"][str(layer)] = {
+                "shm_prefetch_equal": same_bits(want, got_pre),
+                "shm_sync_equal": same_bits(want, got_sync),
+                "conv_state_equal": same_bits(want_state, state_pre)
+                and same_bits(want_state, state_sync),
+                "transformers_equal": same_bits(want, reference),
+                "transformers_max_abs_diff": float((want.float() - reference.float()).abs().max()),
+                "tokens_changed_by_ple": int((want != hidden).any(-1).sum()),
+                "tokens": tokens,
+                "conv_state_nonzero": bool(want_state.abs().sum() > 0),
+                **_wrong_row_effect(stock, hf, layer, batch, hidden, want),
+            }
+    result["server_requests"] = _server_requests()
+    result["seconds"] = time.monotonic() - started
+    return result
+
+
+def _compare_weights(stock: torch.nn.Module, shm: torch.nn.Module) -> dict:
+    """Every tensor of the two builds: which exist on one side only, which differ."""
+    a, b = stock.state_dict(), shm.state_dict()
+    return {
+        "stock_only": sorted(set(a) - set(b)),
+        "shm_only": sorted(set(b) - set(a)),
+        "weights_differ": sorted(k for k in set(a) & set(b) if not same_bits(a[k], b[k])),
+        "weights_compared": len(set(a) & set(b)),
+        "stock_tables": {
+            k: [int(v.shape[0]), str(v.dtype)]
+            for k, v in a.items()
+            if k.endswith("ngram_embedding.weight")
+        },
+        "shm_scales": {k: float(v) for k, v in b.items() if k.endswith("weight_scale")},
+    }
+
+
+def _wrong_row_effect(stock, hf, layer: int, batch: m.Batch, hidden, want) -> dict:
+    """Change one row the batch reads in transformers' table: the comparison
+    must see it, from the first token that reads the row on."""
+    from tests.vllm_helpers import qwen4_model as qm
+
+    ple = qm.ple_layer(stock.model, layer)
+    ids = ple.ple_embedding.compute_ngram_ids(
+        batch.input_ids, batch.query_start_loc, batch.ngram_context
+    )
+    token = 4
+    row = int(ids[token, 1])
+    readers = sorted({int(t) for t in (ids == row).any(-1).nonzero().flatten()})
+    table = hf.model.layers[layer].ple.ple_embedding.ngram_embedding.weight
+    saved = table.data[row].clone()
+    table.data[row] += 1.0
+    try:
+        wrong = _transformers_ple(hf, layer, batch, hidden)
+    finally:
+        table.data[row] = saved
+    changed = (wrong != want).any(-1).nonzero().flatten().tolist()
+    return {
+        "wrong_row_first_reader": readers[0],
+        "wrong_row_first_changed_token": changed[0] if changed else None,
+        "wrong_row_changed_tokens": len(changed),
+    }
 
 
 def main() -> None:
