@@ -29,17 +29,21 @@ TABLES = [
 ]
 
 
-@pytest.fixture(scope="module", params=["bf16", "fp8"])
+@pytest.fixture(scope="module", params=["bf16", "fp8", "fp8-gpu-driven"])
 def built(request, qwen4_checkpoints) -> dict:
-    model = getattr(qwen4_checkpoints, request.param)
+    dtype, _, route = request.param.partition("-")
+    model = getattr(qwen4_checkpoints, dtype)
+    # gpu-driven: the GPU-driven route (its CPU stand-in) in place of the host path.
+    extra = {"VLLM_PLE_SHM_GPU_PATH": "standin"} if route else {}
     with server_launcher(model).start() as server:
         result = run_scenario(
             "whole_model",
             {"model": model, "reference": qwen4_checkpoints.bf16},
-            env=shm_env(server, model),
+            env=shm_env(server, model, **extra),
             timeout=400,
         )
-    result["dtype"] = request.param
+    result["dtype"] = dtype
+    result["gpu_driven"] = bool(route)
     return result
 
 
@@ -67,6 +71,7 @@ def test_vllm_loader_loads_every_weight_and_the_shm_build_differs_only_by_the_ta
 
 def test_the_builds_use_the_checkpoint_table_format(built):
     assert built["storage"] == ["Qwen4ExpPLEShmEmbedding"]
+    assert built["row_path"] == ("gpu-driven (CPU stand-in)" if built["gpu_driven"] else "host")
     dtype = "torch.float8_e4m3fn" if built["dtype"] == "fp8" else "torch.bfloat16"
     assert {t: d for t, (_, d) in built["stock_tables"].items()} == dict.fromkeys(TABLES, dtype)
     if built["dtype"] == "fp8":

@@ -707,6 +707,7 @@ def whole_model(args: dict) -> dict:
                 **_wrong_row_effect(stock, hf, layer, batch, hidden, want),
             }
     result["server_requests"] = _server_requests()
+    result["row_path"] = _row_path()
     result["seconds"] = time.monotonic() - started
     return result
 
