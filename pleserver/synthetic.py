@@ -75,6 +75,7 @@ class SyntheticTable:
 DEMO_TABLES = (
     SyntheticTable(layer=1, rows=200_003, cols=160, dtype="F8_E4M3", parts=16),
     SyntheticTable(layer=3, rows=100_001, cols=160, dtype="BF16", parts=8),
+    SyntheticTable(layer=5, rows=150_001, cols=160, dtype="NVFP4", parts=8),
 )
 
 
