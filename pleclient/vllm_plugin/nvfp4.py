@@ -37,7 +37,11 @@ def row_bytes(cols: int) -> int:
 
 def decode_into(raw: torch.Tensor, global_scale: torch.Tensor, out: torch.Tensor) -> None:
     """Decode served rows ``raw`` (uint8 ``[n, cols/2 + cols/16]``) into ``out``
-    (contiguous, ``n * cols`` elements of the activation dtype), as stock does."""
+    (contiguous, ``n * cols`` elements of the activation dtype), as stock does.
+
+    On CUDA the rows' host-to-device copy (``pleclient.torch.copy_rows``) and
+    this kernel are both on the current stream, so the kernel reads the rows
+    only after they arrived."""
     n = raw.shape[0]
     packed = (raw.shape[1] * 8) // 9  # cols/2 of the cols/2 + cols/16 bytes
     cols = 2 * packed
