@@ -9,6 +9,19 @@ A PLE table is the set of tensors
 (``i`` in ``0..parts-1``; shard ``i`` holds global rows
 ``[i*shard_size, i*shard_size + rows_i)`` with ``shard_size = ceil(rows/parts)``),
 plus ``….ngram_embedding.weight_scale`` — one global scale, required for FP8.
+
+NVFP4 tables (vLLM's ``Qwen4ExpPLENvFp4EmbeddingMethod``) have two tensors per
+shard and a global scale of another name:
+
+* ``….shard_<i>.weight``: U8 ``[rows_i, cols/2]``, two E2M1 values per byte
+  (the low nibble holds the even column);
+* ``….shard_<i>.weight_scale``: F8_E4M3 ``[rows_i, cols/16]``, one scale per
+  16-column block;
+* ``….ngram_embedding.weight_scale_2``: the global F32 scale.
+
+Such a table has dtype ``NVFP4`` and is served as one row of
+``cols/2 + cols/16`` bytes: the packed values, then the block scales (its two
+``segments``).
 """
 
 from __future__ import annotations
@@ -32,7 +45,20 @@ SCALE_RE = re.compile(
     r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.ple\.ple_embedding\.ngram_embedding)"
     r"\.weight_scale$"
 )
+BLOCK_SCALE_RE = re.compile(
+    r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.ple\.ple_embedding\.ngram_embedding)"
+    r"\.shard_(?P<index>\d+)\.weight_scale$"
+)
+GLOBAL_SCALE_RE = re.compile(
+    r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.ple\.ple_embedding\.ngram_embedding)"
+    r"\.weight_scale_2$"
+)
 INDEX_FILE = "model.safetensors.index.json"
+
+NVFP4 = "NVFP4"
+"""The dtype name of an NVFP4 table (packed E2M1 values + E4M3 block scales)."""
+NVFP4_BLOCK = 16
+"""Columns per NVFP4 block scale (vLLM's ``_NVFP4_BLOCK_SIZE``)."""
 
 ITEMSIZE = {
     "F8_E4M3": 1,
@@ -88,6 +114,20 @@ class ShardSpec:
     rows: int
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One run of columns of a served row, stored as its own shard tensors.
+
+    A served row is its segments' bytes one after the other: one segment for
+    BF16/FP8 tables, two for NVFP4 (packed values, then block scales)."""
+
+    name: str
+    row_bytes: int
+    shards: list[ShardSpec]
+    dtype: str  # of the segment's tensors
+    tensor: str = "weight"  # their name after ``shard_<i>.``
+
+
 @dataclass
 class TableSpec:
     """One PLE table: geometry, its shards on disk, scale and fingerprint."""
@@ -100,13 +140,32 @@ class TableSpec:
     parts: int
     shard_size: int
     shards: list[ShardSpec]
-    scale: float | None = None
+    scale: float | None = None  # FP8: weight_scale; NVFP4: weight_scale_2
     fingerprint: str = ""
     files: list[str] = field(default_factory=list)
+    block_scale_shards: list[ShardSpec] = field(default_factory=list)  # NVFP4 only
 
     @property
     def row_bytes(self) -> int:
+        if self.dtype == NVFP4:
+            return self.cols // 2 + self.cols // NVFP4_BLOCK
         return self.cols * ITEMSIZE[self.dtype]
+
+    @property
+    def segments(self) -> list[Segment]:
+        """The served row's segments, in row order (see ``Segment``)."""
+        if self.dtype == NVFP4:
+            return [
+                Segment("values", self.cols // 2, self.shards, "U8"),
+                Segment(
+                    "block_scales",
+                    self.cols // NVFP4_BLOCK,
+                    self.block_scale_shards,
+                    "F8_E4M3",
+                    "weight_scale",
+                ),
+            ]
+        return [Segment("rows", self.row_bytes, self.shards, self.dtype)]
 
     @property
     def nbytes(self) -> int:
@@ -183,6 +242,9 @@ def read_header(path: str) -> tuple[dict[str, TensorEntry], list[str]]:
     return tensors, problems
 
 
+PLE_TENSOR_RES = (SHARD_RE, SCALE_RE, BLOCK_SCALE_RE, GLOBAL_SCALE_RE)
+
+
 def checkpoint_files(model_dir: str) -> tuple[list[str], list[str]]:
     """Files that may hold PLE tensors: from the index when there is one, else a glob."""
     if not os.path.isdir(model_dir):
@@ -198,7 +260,7 @@ def checkpoint_files(model_dir: str) -> tuple[list[str], list[str]]:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return [], [f"{index_path}: unreadable index ({exc}); fix or remove it"]
         names = sorted(
-            {fn for name, fn in weight_map.items() if SHARD_RE.match(name) or SCALE_RE.match(name)}
+            {fn for name, fn in weight_map.items() if any(r.match(name) for r in PLE_TENSOR_RES)}
         )
         files, problems = [], []
         for fn in names:
@@ -219,26 +281,41 @@ def discover_tables(model_dir: str, *, fingerprint: bool = True) -> list[TableSp
     model_dir = os.path.abspath(model_dir)
     files, problems = checkpoint_files(model_dir)
     shards: dict[str, dict[int, TensorEntry]] = {}
+    block_scales: dict[str, dict[int, TensorEntry]] = {}
     scales: dict[str, TensorEntry] = {}
+    global_scales: dict[str, TensorEntry] = {}
     for path in files:
         tensors, file_problems = read_header(path)
         problems += file_problems
         for name, entry in tensors.items():
-            if m := SHARD_RE.match(name):
+            if m := SHARD_RE.match(name) or BLOCK_SCALE_RE.match(name):
                 table, index = m["table"], int(m["index"])
-                previous = shards.setdefault(table, {}).get(index)
+                into = shards if m.re is SHARD_RE else block_scales
+                previous = into.setdefault(table, {}).get(index)
                 if previous is not None:
                     problems.append(
                         f"{name}: duplicate shard, in {previous.path} and "
                         f"{path}; remove the stale copy"
                     )
                     continue
-                shards[table][index] = entry
+                into[table][index] = entry
             elif m := SCALE_RE.match(name):
                 scales[m["table"]] = entry
+            elif m := GLOBAL_SCALE_RE.match(name):
+                global_scales[m["table"]] = entry
+    for name in sorted(set(block_scales) - set(shards)):
+        problems.append(
+            f"{name}: block scales (shard_<i>.weight_scale) without any "
+            f"shard_<i>.weight tensors; the checkpoint is incomplete"
+        )
     tables = []
     for name in sorted(shards, key=lambda t: (_table_layer(t), t)):
-        table, table_problems = _build_table(name, shards[name], scales.get(name))
+        if name in block_scales:
+            table, table_problems = _build_nvfp4_table(
+                name, shards[name], block_scales[name], global_scales.get(name), scales.get(name)
+            )
+        else:
+            table, table_problems = _build_table(name, shards[name], scales.get(name))
         problems += table_problems
         if table is not None:
             tables.append(table)
@@ -274,8 +351,16 @@ def _build_table(
             f"{name}: shards have mixed dtypes {dtypes}; every shard must have the same dtype"
         )
     dtype = dtypes[0]
-    if dtype not in TABLE_DTYPES:
-        problems.append(f"{name}: unsupported dtype {dtype} (supported: {', '.join(TABLE_DTYPES)})")
+    if dtype == "U8":
+        problems.append(
+            f"{name}: U8 shards without block scales: an NVFP4 table also needs "
+            f"{name}.shard_<i>.weight_scale (F8_E4M3, [rows, cols/16]) per shard and "
+            f"{name}.weight_scale_2; use the checkpoint's original files"
+        )
+    elif dtype not in TABLE_DTYPES:
+        problems.append(
+            f"{name}: unsupported dtype {dtype} (supported: {', '.join(TABLE_DTYPES)}, {NVFP4})"
+        )
     widths = sorted({e.shape[1] if len(e.shape) == 2 else -1 for e in entries.values()})
     if -1 in widths:
         bad = [e.name for e in entries.values() if len(e.shape) != 2]
@@ -299,9 +384,9 @@ def _build_table(
     parts = max(entries) + 1
     missing = sorted(set(range(parts)) - set(entries))
     if missing:
-        shown = ", ".join(map(str, missing[:10])) + (" …" if len(missing) > 10 else "")
         problems.append(
-            f"{name}: missing shard indices {shown} of 0..{parts - 1}; the checkpoint is incomplete"
+            f"{name}: missing shard indices {_shown(missing)} of 0..{parts - 1}; the "
+            "checkpoint is incomplete"
         )
     needs_scale = TABLE_DTYPES.get(dtype, False)
     scale_value = None
@@ -316,16 +401,7 @@ def _build_table(
             problems.append(scale_problem)
     if problems:
         return None, problems
-    rows = sum(e.shape[0] for e in entries.values())
-    shard_size = math.ceil(rows / parts)
-    for i in range(parts):
-        expected = max(0, min(shard_size, rows - i * shard_size))
-        if entries[i].shape[0] != expected:
-            problems.append(
-                f"{entries[i].path}: tensor {entries[i].name} has {entries[i].shape[0]} rows, "
-                f"expected {expected} (layout ceil({rows}/{parts}) = {shard_size} rows per "
-                "shard, last shard partial)"
-            )
+    rows, shard_size, problems = _layout(entries, parts)
     if problems:
         return None, problems
     shard_specs = [
@@ -345,8 +421,150 @@ def _build_table(
     ), []
 
 
+def _layout(entries: dict[int, TensorEntry], parts: int) -> tuple[int, int, list[str]]:
+    """(rows, shard_size, problems): every shard must hold ``ceil(rows/parts)``
+    rows, the last one what is left."""
+    problems = []
+    rows = sum(e.shape[0] for e in entries.values())
+    shard_size = math.ceil(rows / parts)
+    for i in range(parts):
+        expected = max(0, min(shard_size, rows - i * shard_size))
+        if entries[i].shape[0] != expected:
+            problems.append(
+                f"{entries[i].path}: tensor {entries[i].name} has {entries[i].shape[0]} rows, "
+                f"expected {expected} (layout ceil({rows}/{parts}) = {shard_size} rows per "
+                "shard, last shard partial)"
+            )
+    return rows, shard_size, problems
+
+
+def _build_nvfp4_table(
+    name: str,
+    values: dict[int, TensorEntry],
+    block_scales: dict[int, TensorEntry],
+    global_scale: TensorEntry | None,
+    unsharded_scale: TensorEntry | None,
+) -> tuple[TableSpec | None, list[str]]:
+    """An NVFP4 table: U8 values and F8_E4M3 block scales per shard, one global
+    F32 ``weight_scale_2`` (the layout vLLM's NVFP4 PLE ``load_weights`` takes)."""
+    problems: list[str] = []
+    kinds = (
+        ("values", values, "U8", "[rows, cols/2]"),
+        ("block scales", block_scales, "F8_E4M3", f"[rows, cols/{NVFP4_BLOCK}]"),
+    )
+    for what, entries, dtype, shape in kinds:
+        for _, e in sorted(entries.items()):
+            if e.dtype != dtype:
+                problems.append(
+                    f"{e.path}: tensor {e.name} is {e.dtype}, but NVFP4 {what} must be "
+                    f"{dtype} (vLLM loads them without a cast); use the checkpoint's "
+                    "original files"
+                )
+            elif len(e.shape) != 2:
+                problems.append(
+                    f"{e.path}: tensor {e.name} has shape {list(e.shape)}; NVFP4 {what} "
+                    f"must be 2-D {shape}"
+                )
+            elif e.nbytes != e.shape[0] * e.shape[1]:
+                problems.append(
+                    f"{e.path}: tensor {e.name}: {e.nbytes} data bytes, but shape "
+                    f"{list(e.shape)} × 1 bytes is {e.shape[0] * e.shape[1]}"
+                )
+    if problems:
+        return None, problems
+    parts = max(max(values), max(block_scales)) + 1
+    missing = sorted(set(range(parts)) - set(values))
+    if missing:
+        problems.append(
+            f"{name}: missing shard indices {_shown(missing)} of 0..{parts - 1} "
+            "(shard_<i>.weight); the checkpoint is incomplete"
+        )
+    missing = sorted(set(range(parts)) - set(block_scales))
+    if missing:
+        problems.append(
+            f"{name}: missing NVFP4 block scales for shard indices {_shown(missing)} of "
+            f"0..{parts - 1} (shard_<i>.weight_scale); the checkpoint is incomplete"
+        )
+    for what, entries, _dtype, _shape in kinds:
+        widths = sorted({e.shape[1] for e in entries.values()})
+        if len(widths) > 1:
+            problems.append(
+                f"{name}: NVFP4 {what} have mixed widths {widths}; every shard must "
+                "have the same number of columns"
+            )
+    if problems:
+        return None, problems
+    packed = values[0].shape[1]
+    cols = 2 * packed
+    scale_width = block_scales[0].shape[1]
+    if cols % NVFP4_BLOCK:
+        problems.append(
+            f"{values[0].path}: tensor {values[0].name}: {packed} packed bytes per row are "
+            f"{cols} columns, not a multiple of the NVFP4 block size {NVFP4_BLOCK}"
+        )
+    elif scale_width != cols // NVFP4_BLOCK:
+        problems.append(
+            f"{block_scales[0].path}: tensor {block_scales[0].name} has {scale_width} block "
+            f"scales per row, but {cols}-column rows ({packed} packed bytes) need "
+            f"{cols // NVFP4_BLOCK} (one per {NVFP4_BLOCK} columns)"
+        )
+    for i in range(parts):
+        if block_scales[i].shape[0] != values[i].shape[0]:
+            problems.append(
+                f"{block_scales[i].path}: tensor {block_scales[i].name} has "
+                f"{block_scales[i].shape[0]} rows, but {values[i].name} has "
+                f"{values[i].shape[0]}; every row needs its block scales"
+            )
+    if unsharded_scale is not None:
+        problems.append(
+            f"{unsharded_scale.path}: tensor {unsharded_scale.name}: an unsharded "
+            "weight_scale beside NVFP4 shards (vLLM refuses it: NVFP4 block scales are "
+            "shard_<i>.weight_scale, the global scale is weight_scale_2); remove it"
+        )
+    scale_value = None
+    if global_scale is None:
+        problems.append(
+            f"{name}: NVFP4 shards need {name}.weight_scale_2 (the global scale), which "
+            "is missing; use the checkpoint's original files"
+        )
+    else:
+        scale_value, scale_problem = read_scale(global_scale)
+        if scale_problem:
+            problems.append(scale_problem)
+    if problems:
+        return None, problems
+    rows, shard_size, problems = _layout(values, parts)
+    if problems:
+        return None, problems
+
+    def specs(entries: dict[int, TensorEntry]) -> list[ShardSpec]:
+        return [
+            ShardSpec(i, entries[i].path, entries[i].offset, entries[i].shape[0])
+            for i in range(parts)
+        ]
+
+    return TableSpec(
+        name=name,
+        layer=_table_layer(name),
+        dtype=NVFP4,
+        cols=cols,
+        rows=rows,
+        parts=parts,
+        shard_size=shard_size,
+        shards=specs(values),
+        scale=scale_value,
+        files=sorted({e.path for e in (*values.values(), *block_scales.values())}),
+        block_scale_shards=specs(block_scales),
+    ), []
+
+
+def _shown(indices: list[int]) -> str:
+    return ", ".join(map(str, indices[:10])) + (" …" if len(indices) > 10 else "")
+
+
 def read_scale(entry: TensorEntry) -> tuple[float | None, str | None]:
-    """The global FP8 scale as a float, or a problem text."""
+    """The global FP8 (``weight_scale``) or NVFP4 (``weight_scale_2``) scale as a
+    float, or a problem text."""
     count = math.prod(entry.shape)
     if entry.dtype not in SCALE_DTYPES or count != 1:
         return None, (
@@ -369,13 +587,17 @@ def table_fingerprint(table: TableSpec) -> str:
     the same checkpoint has the same fingerprint."""
     h = hashlib.sha256()
     h.update(json.dumps([table.dtype, table.cols, table.rows, table.parts, table.scale]).encode())
-    row_bytes = table.row_bytes
-    for shard in table.shards:
+    segments = table.segments
+    for i, shard in enumerate(table.shards):
         h.update(struct.pack("<QQ", shard.index, shard.rows))
         if shard.rows == 0:
             continue
-        with open(shard.path, "rb") as f:
-            for r in sorted({0, shard.rows // 2, shard.rows - 1}):
-                f.seek(shard.offset + r * row_bytes)
-                h.update(f.read(row_bytes))
+        # Each segment's sampled rows in turn (NVFP4: values, then block
+        # scales); one segment hashes exactly as before segments existed.
+        for segment in segments:
+            part = segment.shards[i]
+            with open(part.path, "rb") as f:
+                for r in sorted({0, shard.rows // 2, shard.rows - 1}):
+                    f.seek(part.offset + r * segment.row_bytes)
+                    h.update(f.read(segment.row_bytes))
     return h.hexdigest()[:32]

@@ -126,7 +126,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from pleclient.checkpoint import CheckpointError, discover_tables
+    from pleclient.checkpoint import NVFP4, CheckpointError, discover_tables
 
     try:
         tables = discover_tables(args.model)
@@ -139,7 +139,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     "model": os.path.abspath(args.model),
                     "ok": True,
                     "tables": [
-                        dict(t.info(), shards=len(t.shards), bytes=t.nbytes, files=t.files)
+                        dict(
+                            t.info(),
+                            shards=len(t.shards),
+                            bytes=t.nbytes,
+                            files=t.files,
+                            segments=[
+                                {
+                                    "name": seg.name,
+                                    "tensor": f"shard_<i>.{seg.tensor}",
+                                    "dtype": seg.dtype,
+                                    "row_bytes": seg.row_bytes,
+                                }
+                                for seg in t.segments
+                            ],
+                            **({"global_scale": t.scale} if t.dtype == NVFP4 else {}),
+                        )
                         for t in tables
                     ],
                 },
@@ -162,6 +177,17 @@ def tables_text(tables) -> str:
             f"{t.layer:>5} {t.rows:>12} {t.cols:>5} {t.dtype:>8} {t.row_bytes:>6} "
             f"{t.parts:>6} {t.nbytes / 2**30:>8.3f}  {t.fingerprint[:11]}  {t.name}"
         )
+    for t in tables:
+        if len(t.segments) > 1:  # NVFP4: say how a served row is made
+            parts = " + ".join(
+                f"{seg.row_bytes} B {seg.name.replace('_', ' ')} "
+                f"({seg.dtype} shard_<i>.{seg.tensor})"
+                for seg in t.segments
+            )
+            lines.append(
+                f"layer {t.layer} {t.dtype}: {t.cols} columns served as {t.row_bytes}-byte rows = "
+                f"{parts}; global scale weight_scale_2 = {t.scale!r}"
+            )
     return "\n".join(lines)
 
 

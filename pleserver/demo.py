@@ -1,10 +1,11 @@
 """``pleserver demo``: the whole path on a generated checkpoint, in a few seconds.
 
-Generates a small checkpoint (an FP8 table with its scale and a BF16 table,
-partial last shards) in the cache directory, starts a real ple-server process,
-drives it from several client processes that check every row against the
-files, prints the server's statistics and stops it with SIGTERM. The server
-is started by ``pleserver.launcher``: ready when it says so, always reaped.
+Generates a small checkpoint (an FP8 table with its scale, a BF16 table and an
+NVFP4 table with its block scales and global scale, partial last shards) in
+the cache directory, starts a real ple-server process, drives it from several
+client processes that check every row against the files, prints the server's
+statistics and stops it with SIGTERM. The server is started by
+``pleserver.launcher``: ready when it says so, always reaped.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pleserver.synthetic import DEMO_TABLES, read_reference, write_checkpoint
 
 log = logging.getLogger(__name__)
 
-DEMO_VERSION = 1  # bump when DEMO_TABLES change, so a stale cache is regenerated
+DEMO_VERSION = 2  # bump when DEMO_TABLES change, so a stale cache is regenerated
 REQUEST_SIZES = (1, 16, 256, 4096, 20000)
 
 

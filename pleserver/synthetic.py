@@ -4,6 +4,12 @@ Writes real safetensors files in the layout of Qwen3.8-Flash-Next's PLE tables
 (shards split ``ceil(rows/parts)``, partial last shard, optional global FP8
 scale, an index file) with deterministic pseudo-random rows that are never
 NaN or Inf, so dequantized values compare exactly.
+
+``dtype="NVFP4"`` writes vLLM's NVFP4 layout: per shard ``shard_<i>.weight``
+(U8 ``[rows, cols/2]``, packed E2M1) and ``shard_<i>.weight_scale`` (F8_E4M3
+``[rows, cols/16]``, positive finite block scales), and one F32
+``weight_scale_2``. ``shard_bytes`` gives the rows as the server serves them:
+values, then block scales.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pleclient.checkpoint import INDEX_FILE, ITEMSIZE, read_header
+from pleclient.checkpoint import INDEX_FILE, ITEMSIZE, NVFP4, NVFP4_BLOCK, read_header
 
 TABLE_PREFIX = "model.layers.{layer}.ple.ple_embedding.ngram_embedding"
 CHUNK_BYTES = 64 << 20
@@ -30,7 +36,7 @@ class SyntheticTable:
     cols: int = 160
     dtype: str = "BF16"
     parts: int = 8
-    scale: float | None = None  # FP8 default: 0.0125
+    scale: float | None = None  # FP8 default: 0.0125; NVFP4 (weight_scale_2): 1/1024
 
     @property
     def name(self) -> str:
@@ -38,7 +44,28 @@ class SyntheticTable:
 
     @property
     def row_bytes(self) -> int:
+        if self.dtype == NVFP4:
+            return self.cols // 2 + self.cols // NVFP4_BLOCK
         return self.cols * ITEMSIZE[self.dtype]
+
+    def tensors(self) -> list[tuple[str, str, int, int]]:
+        """Each shard's tensors as ``(suffix, dtype, first byte, end byte)`` of the
+        served row: one for BF16/FP8, values and block scales for NVFP4."""
+        if self.dtype == NVFP4:
+            packed = self.cols // 2
+            return [
+                ("weight", "U8", 0, packed),
+                ("weight_scale", "F8_E4M3", packed, self.row_bytes),
+            ]
+        return [("weight", self.dtype, 0, self.row_bytes)]
+
+    def global_scale(self) -> tuple[str, float] | None:
+        """The global scale tensor's suffix and value, if the dtype has one."""
+        if self.dtype == NVFP4:
+            return "weight_scale_2", self.scale if self.scale is not None else 1 / 1024
+        if self.dtype.startswith("F8"):
+            return "weight_scale", self.scale if self.scale is not None else 0.0125
+        return None
 
     def shard_rows(self) -> list[int]:
         size = math.ceil(self.rows / self.parts)
@@ -48,6 +75,7 @@ class SyntheticTable:
 DEMO_TABLES = (
     SyntheticTable(layer=1, rows=200_003, cols=160, dtype="F8_E4M3", parts=16),
     SyntheticTable(layer=3, rows=100_001, cols=160, dtype="BF16", parts=8),
+    SyntheticTable(layer=5, rows=150_001, cols=160, dtype="NVFP4", parts=8),
 )
 
 
@@ -67,6 +95,10 @@ def _without_nan(data: np.ndarray, dtype: str) -> np.ndarray:
     elif dtype == "BF16":
         words = data.view("<u2")
         words[(words & 0x7F80) == 0x7F80] ^= 0x4000
+    elif dtype == NVFP4:  # any value byte is valid; block scales positive, finite
+        scales = data[:, (data.shape[1] * 8) // 9 :]  # cols/2 values, then cols/16 scales
+        scales &= 0x7F
+        scales[scales == 0x7F] = 0x7E
     return data
 
 
@@ -122,13 +154,15 @@ def write_checkpoint(
         per_file[0].append(("model.embed_tokens.weight", "BF16", (3, 5), bytes(30)))
     for table in tables:
         for i, rows in enumerate(table.shard_rows()):
-            name = f"{table.name}.shard_{i}.weight"
-            per_file[i * files // table.parts].append(
-                (name, table.dtype, (rows, table.cols), _shard_producer(table, i, seed))
-            )
-        if table.dtype.startswith("F8"):
-            scale = table.scale if table.scale is not None else 0.0125
-            per_file[-1].append((f"{table.name}.weight_scale", "F32", (), struct.pack("<f", scale)))
+            for suffix, dtype, lo, hi in table.tensors():
+                name = f"{table.name}.shard_{i}.{suffix}"
+                shape = (rows, (hi - lo) // ITEMSIZE[dtype])
+                per_file[i * files // table.parts].append(
+                    (name, dtype, shape, _shard_producer(table, i, seed, lo, hi))
+                )
+        if (global_scale := table.global_scale()) is not None:
+            suffix, value = global_scale
+            per_file[-1].append((f"{table.name}.{suffix}", "F32", (), struct.pack("<f", value)))
     weight_map = {}
     for n, tensors in enumerate(per_file):
         filename = f"model-{n + 1:05d}-of-{files:05d}.safetensors"
@@ -157,26 +191,29 @@ def write_checkpoint(
     return model_dir
 
 
-def _shard_producer(table: SyntheticTable, index: int, seed: int):
+def _shard_producer(table: SyntheticTable, index: int, seed: int, lo: int, hi: int):
+    """Bytes ``[lo, hi)`` of every served row of one shard: one tensor's data."""
     rows = table.shard_rows()[index]
     rows_per_chunk = max(1, CHUNK_BYTES // table.row_bytes)
 
     def produce():
         if rows * table.row_bytes <= CHUNK_BYTES:
-            yield shard_bytes(table, index, seed).tobytes()
+            yield np.ascontiguousarray(shard_bytes(table, index, seed)[:, lo:hi]).tobytes()
             return
         rng = np.random.default_rng([seed, table.layer, index])
         for start in range(0, rows, rows_per_chunk):
             n = min(rows_per_chunk, rows - start)
             chunk = rng.integers(0, 256, size=(n, table.row_bytes), dtype=np.uint8)
-            yield _without_nan(chunk, table.dtype).tobytes()
+            chunk = _without_nan(chunk, table.dtype)
+            yield np.ascontiguousarray(chunk[:, lo:hi]).tobytes()
 
     return produce
 
 
 def read_reference(model_dir: str, table_name: str) -> np.ndarray:
     """The whole table as uint8 [rows, row_bytes], read with plain file reads
-    (independent of the server's mmap code; for tests on small tables)."""
+    (independent of the server's mmap code; for tests on small tables). An
+    NVFP4 row is its packed values, then its block scales, as served."""
     entries = {}
     for fn in sorted(os.listdir(model_dir)):
         if fn.endswith(".safetensors"):
@@ -184,12 +221,19 @@ def read_reference(model_dir: str, table_name: str) -> np.ndarray:
             assert not problems, problems
             entries.update(tensors)
     prefix = table_name + ".shard_"
-    shards = sorted(
-        (int(n[len(prefix) :].split(".")[0]), e) for n, e in entries.items() if n.startswith(prefix)
-    )
-    parts = []
-    for _, e in shards:
-        with open(e.path, "rb") as f:
-            f.seek(e.offset)
-            parts.append(np.frombuffer(f.read(e.nbytes), dtype=np.uint8).reshape(e.shape[0], -1))
-    return np.concatenate(parts)
+    by_suffix: dict[str, list] = {}
+    for n, e in entries.items():
+        if n.startswith(prefix):
+            index, suffix = n[len(prefix) :].split(".", 1)
+            by_suffix.setdefault(suffix, []).append((int(index), e))
+    columns = []
+    for suffix in ("weight", "weight_scale"):  # the served row's order
+        parts = []
+        for _, e in sorted(by_suffix.get(suffix, []), key=lambda t: t[0]):
+            with open(e.path, "rb") as f:
+                f.seek(e.offset)
+                raw = np.frombuffer(f.read(e.nbytes), dtype=np.uint8)
+                parts.append(raw.reshape(e.shape[0], -1))
+        if parts:
+            columns.append(np.concatenate(parts))
+    return np.concatenate(columns, axis=1) if len(columns) > 1 else columns[0]

@@ -191,12 +191,25 @@ class Table:
         self.fully_resident = False  # mmap mode: set by a completed full prewarm
         self.problem: str | None = None  # set by check_files: requests then fail
         self._files = [files[p] for p in spec.files]
+        # One entry per segment of every shard, shard-major: an NVFP4 row is
+        # gathered natively from its values and its block scales (see
+        # ``TableSpec.segments``), and cached whole.
+        segments = spec.segments
         shards = [
-            (files[s.path].fd, s.offset, s.rows, s.path, files[s.path].address) for s in spec.shards
+            (files[s.path].fd, s.offset, s.rows, s.path, files[s.path].address)
+            for i in range(spec.parts)
+            for s in (segment.shards[i] for segment in segments)
         ]
         direct = any(files[p].direct for p in spec.files)
         self.source = nat.TableSource(
-            key, self.row_bytes, spec.shard_size, shards, cache, engine, direct
+            key,
+            self.row_bytes,
+            spec.shard_size,
+            shards,
+            cache,
+            engine,
+            direct,
+            segments=[segment.row_bytes for segment in segments],
         )
 
     def check_files(self) -> str | None:
@@ -251,8 +264,12 @@ class Table:
 
     # ------------------------------------------------------------------ shards
     def shard_ranges(self) -> list[tuple[CheckpointFile, int, int]]:
-        """(file, start offset, length) of every non-empty shard."""
+        """(file, start offset, length) of every non-empty shard (of every
+        segment: an NVFP4 table's values and block scales)."""
         by_path = {f.path: f for f in self._files}
         return [
-            (by_path[s.path], s.offset, s.rows * self.row_bytes) for s in self.spec.shards if s.rows
+            (by_path[s.path], s.offset, s.rows * segment.row_bytes)
+            for segment in self.spec.segments
+            for s in segment.shards
+            if s.rows
         ]

@@ -108,6 +108,17 @@ def vllm_other_checkpoint(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def vllm_nvfp4_checkpoint(tmp_path_factory) -> Path:
+    """An NVFP4 table (layer 5: values, block scales, weight_scale_2) shaped like
+    the tiny Qwen4Exp config of ``tests.vllm_helpers.model``, over 3 files."""
+    from tests.vllm_helpers.model import NVFP4_LAYER, write_test_checkpoint
+
+    path = tmp_path_factory.mktemp("vllm-nvfp4-ckpt")
+    write_test_checkpoint(str(path), layers=(NVFP4_LAYER,))
+    return path
+
+
 @pytest.fixture(scope="module")
 def vllm_server(vllm_checkpoint):
     """A ple-server serving ``vllm_checkpoint`` for a whole test module."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -168,3 +169,164 @@ def test_inspect_reports_validation_errors(tmp_path):
     result = run_cli("inspect", str(tmp_path), "--json")
     assert result.returncode == 1
     assert any("weight_scale" in p for p in json.loads(result.stdout)["problems"])
+
+
+# ------------------------------------------------------------------ NVFP4
+# vLLM's NVFP4 PLE layout: per shard packed E2M1 values (U8 [rows, cols/2]) and
+# block scales (F8_E4M3 [rows, cols/16]), one global F32 weight_scale_2.
+NVFP4 = SyntheticTable(layer=4, rows=1001, cols=32, dtype="NVFP4", parts=4, scale=0.25)
+NV_PREFIX = "model.layers.4.ple.ple_embedding.ngram_embedding"
+GLOBAL_SCALE = (f"{NV_PREFIX}.weight_scale_2", "F32", (), struct.pack("<f", 0.25))
+
+
+def nv_shard(i: int, rows: int, cols: int = 32, values: str = "U8", scales: str = "F8_E4M3"):
+    """Shard ``i``'s two tensors for a ``cols``-column NVFP4 table."""
+    size = {"U8": 1, "F8_E4M3": 1, "BF16": 2}
+    return [
+        (
+            f"{NV_PREFIX}.shard_{i}.weight",
+            values,
+            (rows, cols // 2),
+            bytes(rows * cols // 2 * size[values]),
+        ),
+        (
+            f"{NV_PREFIX}.shard_{i}.weight_scale",
+            scales,
+            (rows, cols // 16),
+            bytes(rows * cols // 16 * size[scales]),
+        ),
+    ]
+
+
+def test_nvfp4_table_is_discovered_with_its_served_row_layout(tmp_path):
+    write_checkpoint(str(tmp_path), [NVFP4, BF16], files=3)
+    table = discover_tables(str(tmp_path))[0]
+    assert (table.layer, table.rows, table.cols, table.dtype, table.parts) == (
+        4,
+        1001,
+        32,
+        "NVFP4",
+        4,
+    )
+    assert table.row_bytes == 16 + 2  # cols/2 packed values + cols/16 block scales
+    assert table.scale == 0.25  # weight_scale_2
+    assert [(s.name, s.row_bytes, s.dtype) for s in table.segments] == [
+        ("values", 16, "U8"),
+        ("block_scales", 2, "F8_E4M3"),
+    ]
+    assert [s.rows for s in table.block_scale_shards] == [251, 251, 251, 248]
+    assert table.info()["dtype"] == "NVFP4" and table.info()["row_bytes"] == 18
+
+
+def test_nvfp4_rows_are_half_the_size_of_fp8_rows():
+    fp8 = SyntheticTable(layer=1, rows=10, cols=160, dtype="F8_E4M3")
+    nvfp4 = SyntheticTable(layer=1, rows=10, cols=160, dtype="NVFP4")
+    assert (fp8.row_bytes, nvfp4.row_bytes) == (160, 90)
+
+
+@pytest.mark.parametrize("changed", ["values", "block_scales", "global_scale"])
+def test_nvfp4_fingerprint_covers_values_block_scales_and_global_scale(tmp_path, changed):
+    base, other = tmp_path / "base", tmp_path / "other"
+    write_checkpoint(str(base), [NVFP4], files=1)
+    write_checkpoint(str(other), [NVFP4], files=2, extra_tensor=False)
+    table = discover_tables(str(other))[0]
+    assert table.fingerprint == discover_tables(str(base))[0].fingerprint  # packing: same
+    if changed == "global_scale":
+        write_checkpoint(str(other), [dataclasses.replace(NVFP4, scale=0.5)], files=2)
+    else:
+        segment = {s.name: s for s in table.segments}[changed]
+        shard = segment.shards[0]  # row 0 is sampled: flip one of its bytes
+        with open(shard.path, "r+b") as f:
+            f.seek(shard.offset)
+            byte = f.read(1)[0]
+            f.seek(shard.offset)
+            f.write(bytes([byte ^ 0x01]))
+    assert discover_tables(str(other))[0].fingerprint != discover_tables(str(base))[0].fingerprint
+
+
+def test_nvfp4_without_global_scale(tmp_path):
+    write_safetensors(str(tmp_path / "a.safetensors"), nv_shard(0, 5) + nv_shard(1, 5))
+    text = problems_of(tmp_path)
+    assert f"NVFP4 shards need {NV_PREFIX}.weight_scale_2 (the global scale)" in text
+
+
+def test_nvfp4_missing_block_scales_of_one_shard(tmp_path):
+    tensors = nv_shard(0, 5) + nv_shard(1, 5)[:1] + [GLOBAL_SCALE]
+    write_safetensors(str(tmp_path / "a.safetensors"), tensors)
+    assert "missing NVFP4 block scales for shard indices 1 of 0..1" in problems_of(tmp_path)
+
+
+def test_u8_shards_without_any_block_scales_say_what_nvfp4_needs(tmp_path):
+    tensors = nv_shard(0, 5)[:1] + nv_shard(1, 5)[:1] + [GLOBAL_SCALE]
+    write_safetensors(str(tmp_path / "a.safetensors"), tensors)
+    text = problems_of(tmp_path)
+    assert "U8 shards without block scales" in text and "shard_<i>.weight_scale" in text
+
+
+def test_nvfp4_block_scales_of_the_wrong_dtype(tmp_path):
+    tensors = [*nv_shard(0, 5, scales="BF16"), GLOBAL_SCALE]
+    write_safetensors(str(tmp_path / "a.safetensors"), tensors)
+    text = problems_of(tmp_path)
+    assert "shard_0.weight_scale is BF16, but NVFP4 block scales must be F8_E4M3" in text
+
+
+def test_nvfp4_block_scale_width_must_be_cols_over_16(tmp_path):
+    values, scales = nv_shard(0, 5)
+    scales = (scales[0], scales[1], (5, 4), bytes(20))  # 32 columns need 2, not 4
+    write_safetensors(str(tmp_path / "a.safetensors"), [values, scales, GLOBAL_SCALE])
+    text = problems_of(tmp_path)
+    assert "has 4 block scales per row, but 32-column rows (16 packed bytes) need 2" in text
+
+
+def test_nvfp4_columns_must_fill_whole_blocks(tmp_path):
+    tensors = [*nv_shard(0, 5, cols=24), GLOBAL_SCALE]
+    write_safetensors(str(tmp_path / "a.safetensors"), tensors)
+    assert "24 columns, not a multiple of the NVFP4 block size 16" in problems_of(tmp_path)
+
+
+def test_nvfp4_block_scale_rows_must_match_value_rows(tmp_path):
+    values, scales = nv_shard(0, 5)
+    scales = (scales[0], scales[1], (4, 2), bytes(8))
+    write_safetensors(str(tmp_path / "a.safetensors"), [values, scales, GLOBAL_SCALE])
+    text = problems_of(tmp_path)
+    assert "shard_0.weight_scale has 4 rows, but" in text and "every row needs its block" in text
+
+
+def test_nvfp4_with_an_unsharded_weight_scale_is_refused(tmp_path):
+    fp8_style = (f"{NV_PREFIX}.weight_scale", "F32", (), struct.pack("<f", 0.5))
+    write_safetensors(str(tmp_path / "a.safetensors"), [*nv_shard(0, 5), GLOBAL_SCALE, fp8_style])
+    assert "an unsharded weight_scale beside NVFP4 shards" in problems_of(tmp_path)
+
+
+def test_nvfp4_block_scales_without_values(tmp_path):
+    tensors = [*nv_shard(0, 5)[1:], GLOBAL_SCALE]
+    write_safetensors(str(tmp_path / "a.safetensors"), tensors)
+    assert "block scales (shard_<i>.weight_scale) without any" in problems_of(tmp_path)
+
+
+def test_nvfp4_tensors_found_through_the_index(tmp_path):
+    write_checkpoint(str(tmp_path), [NVFP4], files=3)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert any(n.endswith("shard_3.weight_scale") for n in index["weight_map"])
+    assert discover_tables(str(tmp_path))[0].dtype == "NVFP4"
+
+
+def test_inspect_shows_nvfp4_layout_and_global_scale(tmp_path):
+    write_checkpoint(str(tmp_path), [NVFP4], files=2)
+    human = run_cli("inspect", str(tmp_path))
+    assert human.returncode == 0, human.stderr
+    assert "NVFP4" in human.stdout
+    assert "16 B values (U8 shard_<i>.weight)" in human.stdout
+    assert "2 B block scales (F8_E4M3 shard_<i>.weight_scale)" in human.stdout
+    assert "weight_scale_2 = 0.25" in human.stdout
+    table = json.loads(run_cli("inspect", str(tmp_path), "--json").stdout)["tables"][0]
+    assert (table["dtype"], table["cols"], table["row_bytes"], table["global_scale"]) == (
+        "NVFP4",
+        32,
+        18,
+        0.25,
+    )
+    assert [(s["tensor"], s["dtype"], s["row_bytes"]) for s in table["segments"]] == [
+        ("shard_<i>.weight", "U8", 16),
+        ("shard_<i>.weight_scale", "F8_E4M3", 2),
+    ]

@@ -80,7 +80,7 @@ def test_demo_runs_end_to_end(tmp_path):
     report = json.loads(result.stdout)
     assert report["ok"] and report["mismatches"] == 0 and report["requests"] > 0
     assert report["server_exit_code"] == 0
-    assert {t["dtype"] for t in report["stats"]["tables"]} == {"F8_E4M3", "BF16"}
+    assert {t["dtype"] for t in report["stats"]["tables"]} == {"F8_E4M3", "BF16", "NVFP4"}
 
 
 def test_stats_cli_human_and_json(server):

@@ -1,5 +1,6 @@
-"""Rows through the native data plane, in every io mode, bit for bit: FP8 and
-BF16 tables with partial last shards over several files, ids whose row
+"""Rows through the native data plane, in every io mode, bit for bit: FP8,
+BF16 and NVFP4 tables (an NVFP4 row: packed values, then block scales, from
+two tensors) with partial last shards over several files, ids whose row
 straddles a 4 KiB block, duplicates, large requests split over native threads,
 and the same ids asked for by several client processes at once."""
 
@@ -11,12 +12,13 @@ import numpy as np
 import pytest
 
 from pleclient.checkpoint import discover_tables
-from pleserver.synthetic import read_reference, write_checkpoint
+from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
 from tests.harness import child_report, python_child
 
 BLOCK = 4096
 MODES = ("direct", "buffered", "mmap")
+NVFP4_TABLE = SyntheticTable(layer=5, rows=15_013, cols=160, dtype="NVFP4", parts=6, scale=0.375)
 
 
 @pytest.fixture(scope="module")
@@ -24,17 +26,18 @@ def model(tmp_path_factory):
     """Three files: shards of both tables in each, at offsets that are not
     multiples of the row size (the first file starts with another tensor)."""
     path = tmp_path_factory.mktemp("dataplane")
-    write_checkpoint(str(path), SMALL_TABLES, files=3)
+    write_checkpoint(str(path), (*SMALL_TABLES, NVFP4_TABLE), files=3)
     return path
 
 
 def straddling_ids(model, layer: int) -> np.ndarray:
-    """Ids whose row crosses a 4 KiB boundary of its file."""
+    """Ids whose row (of NVFP4: values) crosses a 4 KiB boundary of its file."""
     spec = next(t for t in discover_tables(str(model)) if t.layer == layer)
+    row_bytes = spec.segments[0].row_bytes
     ids = []
     for shard in spec.shards:
-        start = shard.offset + np.arange(shard.rows, dtype=np.int64) * spec.row_bytes
-        crossing = np.flatnonzero(start // BLOCK != (start + spec.row_bytes - 1) // BLOCK)
+        start = shard.offset + np.arange(shard.rows, dtype=np.int64) * row_bytes
+        crossing = np.flatnonzero(start // BLOCK != (start + row_bytes - 1) // BLOCK)
         ids.extend((shard.index * spec.shard_size + crossing[:20]).tolist())
     return np.array(ids, dtype=np.int64)
 
@@ -69,6 +72,28 @@ def test_rows_are_bit_exact_in_every_mode(start_server, model, tmp_path, io):
                     assert np.array_equal(got, ref[ids]), (io, t.dtype, name, attempt)
 
 
+@pytest.mark.parametrize("io", MODES)
+def test_nvfp4_rows_are_values_then_block_scales_from_the_files(start_server, model, tmp_path, io):
+    server = start_server(model, "--io", io, "--state-dir", str(tmp_path))
+    spec = next(t for t in discover_tables(str(model)) if t.dtype == "NVFP4")
+    values, scales = spec.segments
+    with server.client() as client:
+        expect_mode(client, io)
+        info = client.table(NVFP4_TABLE.layer)
+        assert (info.dtype, info.cols, info.row_bytes) == ("NVFP4", 160, 80 + 10)
+        assert info.scale == 0.375 and info.fingerprint == spec.fingerprint
+        ids = np.array([0, spec.shard_size, spec.rows - 1, 7, 7], dtype=np.int64)
+        for attempt in ("cold", "warm"):
+            rows = client.lookup(info.layer, ids)
+            for id_, row in zip(ids.tolist(), rows, strict=True):
+                shard, r = divmod(id_, spec.shard_size)
+                for segment, (lo, hi) in zip((values, scales), ((0, 80), (80, 90)), strict=True):
+                    part = segment.shards[shard]
+                    with open(part.path, "rb") as f:  # the bytes of each tensor's row
+                        f.seek(part.offset + r * segment.row_bytes)
+                        assert row[lo:hi].tobytes() == f.read(segment.row_bytes), (io, attempt)
+
+
 CONCURRENT_CLIENT = """
 model, socket, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 refs = {}
@@ -99,7 +124,7 @@ def test_ids_repeated_across_concurrent_clients_are_bit_exact(start_server, mode
         reports.append(
             child_report(subprocess.CompletedProcess(child.args, child.returncode, out, err))
         )
-    assert all(r["requests"] == 120 and r["bad"] == 0 for r in reports), reports
+    assert all(r["requests"] == 60 * 3 and r["bad"] == 0 for r in reports), reports  # 3 tables
     with server.client() as client:
         stats = client.stats()
     assert all(t["error_count"] == 0 for t in stats["tables"]), stats["tables"]

@@ -17,11 +17,14 @@ from pleclient.checkpoint import TableSpec, discover_tables
 from pleserver import _native as nat
 from pleserver.synthetic import SyntheticTable, write_checkpoint
 
-# FP8 rows of 160 bytes and BF16 rows of 320 bytes; partial last shards; shards
-# over two files, behind a small tensor, so rows sit at odd offsets.
+# FP8 rows of 160 bytes, BF16 rows of 320 bytes and NVFP4 rows of 90 (80
+# bytes of packed values from one tensor, 10 of block scales from another);
+# partial last shards; shards over two files, behind a small tensor, so rows
+# sit at odd offsets.
 TABLES = (
     SyntheticTable(layer=1, rows=20_011, cols=160, dtype="F8_E4M3", parts=8, scale=0.0125),
     SyntheticTable(layer=3, rows=10_007, cols=160, dtype="BF16", parts=4),
+    SyntheticTable(layer=4, rows=12_007, cols=160, dtype="NVFP4", parts=5),
 )
 MODES = ("direct", "buffered", "mmap")
 
@@ -34,14 +37,18 @@ def specs(tmp_path_factory) -> dict[str, TableSpec]:
 
 
 def file_rows(spec: TableSpec) -> np.ndarray:
-    """The whole table as uint8 [rows, row_bytes], read with plain file I/O."""
-    parts = []
-    for shard in spec.shards:
-        with open(shard.path, "rb") as f:
-            f.seek(shard.offset)
-            data = f.read(shard.rows * spec.row_bytes)
-        parts.append(np.frombuffer(data, np.uint8).reshape(shard.rows, spec.row_bytes))
-    return np.concatenate(parts)
+    """The whole table as uint8 [rows, row_bytes], read with plain file I/O (an
+    NVFP4 row: its values, then its block scales)."""
+    columns = []
+    for segment in spec.segments:
+        parts = []
+        for shard in segment.shards:
+            with open(shard.path, "rb") as f:
+                f.seek(shard.offset)
+                data = f.read(shard.rows * segment.row_bytes)
+            parts.append(np.frombuffer(data, np.uint8).reshape(shard.rows, segment.row_bytes))
+        columns.append(np.concatenate(parts))
+    return np.concatenate(columns, axis=1)
 
 
 class Opened:
@@ -75,7 +82,9 @@ class Opened:
                     self.views.append(view)
                     addresses[p] = view.ctypes.data
             shards = [
-                (fds[s.path], s.offset, s.rows, s.path, addresses[s.path]) for s in spec.shards
+                (fds[s.path], s.offset, s.rows, s.path, addresses[s.path])
+                for i in range(spec.parts)
+                for s in (segment.shards[i] for segment in spec.segments)
             ]
             self.source = nat.TableSource(
                 key,
@@ -85,6 +94,7 @@ class Opened:
                 self.cache,
                 self.engine,
                 mode == "direct",
+                segments=[segment.row_bytes for segment in spec.segments],
             )
         finally:
             for fd in fds.values():  # the source keeps duplicates of its own
@@ -120,20 +130,21 @@ def opened():
 
 
 def straddling_ids(spec: TableSpec, count: int) -> np.ndarray:
-    """Ids whose row crosses a 4 KiB boundary of its file."""
+    """Ids whose row (NVFP4: values) crosses a 4 KiB boundary of its file."""
     found = []
+    row_bytes = spec.segments[0].row_bytes
     for shard in spec.shards:
         first = shard.index * spec.shard_size
         for r in range(shard.rows):
-            start = shard.offset + r * spec.row_bytes
-            if start // 4096 != (start + spec.row_bytes - 1) // 4096:
+            start = shard.offset + r * row_bytes
+            if start // 4096 != (start + row_bytes - 1) // 4096:
                 found.append(first + r)
                 if len(found) == count:
                     return np.array(found, dtype=np.int64)
     return np.array(found, dtype=np.int64)
 
 
-@pytest.mark.parametrize("dtype", ["F8_E4M3", "BF16"])
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "BF16", "NVFP4"])
 @pytest.mark.parametrize("mode", MODES)
 def test_rows_are_bit_exact_cold_and_warm(specs, opened, mode, dtype):
     spec = specs[dtype]
@@ -157,7 +168,7 @@ def test_rows_are_bit_exact_cold_and_warm(specs, opened, mode, dtype):
         assert stats["reads"] > 0 and stats["read_bytes"] >= 4096 * stats["reads"] // 2
 
 
-@pytest.mark.parametrize("dtype", ["F8_E4M3", "BF16"])
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "BF16", "NVFP4"])
 def test_rows_straddling_two_pages_are_exact(specs, opened, dtype):
     spec = specs[dtype]
     ids = straddling_ids(spec, 200)
@@ -233,8 +244,9 @@ def test_lock_free_hits_stay_exact_while_other_threads_evict(specs, opened, mode
     assert c["hits"] > 0 and c["evictions"] > 0
 
 
-def test_eviction_under_a_tiny_budget_keeps_rows_exact(specs, opened):
-    spec = specs["F8_E4M3"]
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "NVFP4"])
+def test_eviction_under_a_tiny_budget_keeps_rows_exact(specs, opened, dtype):
+    spec = specs[dtype]
     expected = file_rows(spec)
     o = opened(spec, "direct", cache_bytes=200 * (spec.row_bytes + 40))
     capacity = o.cache.capacity_rows
@@ -270,9 +282,10 @@ def test_threads_fallback_forced_by_kind(specs, opened):
     assert o.source.stats()["reads"] > 0
 
 
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "NVFP4"])
 @pytest.mark.parametrize("mode", MODES)
-def test_large_request_split_over_native_threads_is_exact(specs, opened, mode):
-    spec = specs["F8_E4M3"]
+def test_large_request_split_over_native_threads_is_exact(specs, opened, mode, dtype):
+    spec = specs[dtype]
     ids = np.random.default_rng(11).integers(0, spec.rows, 50_000).astype(np.int64)
     o = opened(spec, mode)
     expected = file_rows(spec)[ids]
@@ -417,3 +430,52 @@ def test_a_split_request_whose_ranges_read_in_rounds_never_deadlocks(tmp_path):
         src.close()
         cache.close()
         engine.close()
+
+
+def test_nvfp4_rows_are_cached_whole_only_after_both_segments_arrive(specs, opened):
+    """A cached NVFP4 row is the composed row (values, then block scales), so a
+    hit answers exactly what a miss read from the two tensors."""
+    spec = specs["NVFP4"]
+    expected = file_rows(spec)
+    o = opened(spec, "direct")
+    ids = np.random.default_rng(5).integers(0, spec.rows, 2000).astype(np.int64)
+    assert o.source.fill(ids) > 0
+    out = np.zeros((ids.size, spec.row_bytes), np.uint8)
+    assert o.source.gather_hits(ids, out) == 0
+    np.testing.assert_array_equal(out, expected[ids])
+
+
+@pytest.mark.parametrize(
+    ("segments", "shards_per_table_shard", "message"),
+    [
+        ([80, 9], 2, "must add up to row_bytes 90"),
+        ([80, 10, 0], 3, "1..1048576"),
+        ([90, 0], 2, "1..1048576"),
+        ([10] * 9, 9, "1..4 segments"),
+        ([80, 10], 1, "shard entries for 2 segments"),
+    ],
+)
+def test_bad_row_segments_are_refused(specs, segments, shards_per_table_shard, message):
+    spec = specs["NVFP4"]
+    fd = os.open(spec.files[0], os.O_RDONLY)
+    engine = nat.ReadEngine(queue_depth=4)
+    try:
+        shards = [(fd, 0, 1, spec.files[0], 0)] * shards_per_table_shard
+        with pytest.raises(ValueError, match=message):
+            nat.TableSource(1, spec.row_bytes, 1, shards, None, engine, False, segments=segments)
+    finally:
+        engine.close()
+        os.close(fd)
+
+
+def test_segments_of_one_shard_must_have_the_same_rows(specs):
+    spec = specs["NVFP4"]
+    fd = os.open(spec.files[0], os.O_RDONLY)
+    engine = nat.ReadEngine(queue_depth=4)
+    try:
+        shards = [(fd, 0, 2, spec.files[0], 0), (fd, 0, 1, spec.files[0], 0)]
+        with pytest.raises(ValueError, match="segment 1 has 1 rows, segment 0 2"):
+            nat.TableSource(1, 90, 2, shards, None, engine, False, segments=[80, 10])
+    finally:
+        engine.close()
+        os.close(fd)

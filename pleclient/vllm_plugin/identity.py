@@ -7,7 +7,8 @@ The table a layer will read is compared on three sides:
   dtype, parts, scale and the table fingerprint (sampled rows of every shard);
 * the server's catalog entry for that table (``TableInfo``);
 * the geometry the model was built with (rows = the padded n-gram vocabulary,
-  cols = the head dimension, the row dtype its quantization method expects).
+  cols = the head dimension, the row dtype its quantization method expects, and
+  the bytes of a served row in that dtype: NVFP4 ``cols/2 + cols/16``).
 
 Any difference stops startup with an error that prints both sides.
 """
@@ -22,7 +23,14 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from pleclient import TableInfo
-from pleclient.checkpoint import CheckpointError, TableSpec, discover_tables
+from pleclient.checkpoint import (
+    ITEMSIZE,
+    NVFP4,
+    NVFP4_BLOCK,
+    CheckpointError,
+    TableSpec,
+    discover_tables,
+)
 from pleclient.vllm_plugin.errors import IdentityMismatch, PleBackendError
 from pleclient.vllm_plugin.settings import ENV_ALLOW_DUMMY, ENV_CHECKPOINT
 
@@ -53,6 +61,12 @@ class Expected:
             )
         return f"{m.group(1)}.ngram_embedding"
 
+    def row_bytes(self, dtype: str) -> int:
+        """Bytes of one served row of ``dtype`` for this layer's ``cols``."""
+        if dtype == NVFP4:
+            return self.cols // 2 + self.cols // NVFP4_BLOCK
+        return self.cols * ITEMSIZE[dtype]
+
     @property
     def layer(self) -> int:
         return int(_LAYER_TABLE_RE.search(self.prefix).group(2))  # type: ignore[union-attr]
@@ -75,7 +89,17 @@ def verify(
     server: TableInfo, socket: str, checkpoint: TableSpec, checkpoint_dir: str, expected: Expected
 ) -> None:
     """Raise IdentityMismatch naming both sides unless all three agree."""
-    fields = ("layer", "rows", "cols", "dtype", "parts", "shard_size", "scale", "fingerprint")
+    fields = (
+        "layer",
+        "rows",
+        "cols",
+        "dtype",
+        "row_bytes",
+        "parts",
+        "shard_size",
+        "scale",
+        "fingerprint",
+    )
     diffs = [
         f"{f}: server {getattr(server, f)!r} ≠ checkpoint {getattr(checkpoint, f)!r}"
         for f in fields
@@ -95,6 +119,8 @@ def verify(
     ]
     if checkpoint.dtype not in expected.dtypes:
         model.append(("dtype", checkpoint.dtype, " or ".join(expected.dtypes)))
+    elif checkpoint.row_bytes != expected.row_bytes(checkpoint.dtype):
+        model.append(("row_bytes", checkpoint.row_bytes, expected.row_bytes(checkpoint.dtype)))
     if model:
         raise IdentityMismatch(
             f"{checkpoint.name} in {checkpoint_dir} does not fit the model vLLM built for "

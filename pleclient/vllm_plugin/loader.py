@@ -13,8 +13,8 @@ Two places, both only while ``VLLM_PLE_BACKEND=shm``:
   ``eager`` loading) read such mixed files anyway; the embedding then drops
   the shard tensors it is handed.
 
-The FP8 ``weight_scale`` and the hash buffers are not shards: they load as
-usual.
+The FP8 ``weight_scale``, NVFP4's ``weight_scale_2`` and the hash buffers are
+not shards: they load as usual.
 """
 
 from __future__ import annotations
@@ -29,8 +29,12 @@ import torch.nn as nn
 
 log = logging.getLogger("pleclient.vllm_plugin")
 
-SHARD_WEIGHT_RE = re.compile(r"(?:^|\.)ple\.ple_embedding\.ngram_embedding\.shard_[0-9]+\.weight$")
-"""A PLE shard tensor's name, as in the checkpoint and (relative) in the module."""
+SHARD_WEIGHT_RE = re.compile(
+    r"(?:^|\.)ple\.ple_embedding\.ngram_embedding\.shard_[0-9]+\.weight(?:_scale)?$"
+)
+"""A PLE shard tensor's name, as in the checkpoint and (relative) in the module:
+rows, or an NVFP4 table's block scales (``shard_<i>.weight_scale``, as large
+as an eighth of the table). The global scales are not shards: they load."""
 
 
 def is_ple_shard(name: str) -> bool:

@@ -10,9 +10,11 @@
   rows; summing TP copies would multiply them by the TP size), and the storage
   binds to its ple-server table (connect, identity check) — startup fails here
   if the server is missing or serves another checkpoint.
-* ``load_weights`` drops ``ngram_embedding.shard_<i>.weight`` tensors (served by
-  ple-server; normally the loader never reads them, see ``loader``) and hands
-  the rest — hash buffers, the FP8 ``weight_scale`` — to the stock code.
+* ``load_weights`` drops ``ngram_embedding.shard_<i>.weight`` tensors and
+  NVFP4's ``shard_<i>.weight_scale`` block scales (served by ple-server;
+  normally the loader never reads them, see ``loader``) and hands the rest —
+  hash buffers, the FP8 ``weight_scale``, NVFP4's ``weight_scale_2`` — to the
+  stock code.
 
 ``forward``, ``start_prefetch`` and ``compute_ngram_ids`` stay stock: they call
 the storage, which now asks the server.

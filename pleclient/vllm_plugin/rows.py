@@ -52,7 +52,7 @@ from pleclient import (
     TableInfo,
     Ticket,
 )
-from pleclient.checkpoint import TableSpec
+from pleclient.checkpoint import NVFP4, TableSpec
 from pleclient.torch import DeviceCopy, PinnedSegment, copy_rows
 from pleclient.vllm_plugin import discovery, identity
 from pleclient.vllm_plugin.errors import PleBackendError
@@ -72,6 +72,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
     "BF16": torch.bfloat16,
+    NVFP4: torch.uint8,  # served rows: packed values, then block scales (``nvfp4``)
 }
 
 
@@ -95,7 +96,14 @@ class TableBinding:
 
     @property
     def row_bytes(self) -> int:
-        return self.expected.cols * self.storage_dtype.itemsize
+        if self.info is not None:
+            return self.info.row_bytes
+        return self.expected.row_bytes(self.expected.dtypes[0])
+
+    @property
+    def row_elements(self) -> int:
+        """Elements of ``storage_dtype`` per served row (NVFP4: bytes, not cols)."""
+        return self.row_bytes // self.storage_dtype.itemsize
 
 
 @dataclass(eq=False)
@@ -274,10 +282,10 @@ class RowService:
         """Enqueue the collection of ``pending``'s rows into ``out`` (the model's
         row dtype; converted from the table's on the stream if they differ)."""
         n = pending.count
-        if out.numel() != n * binding.expected.cols:
+        if out.numel() != n * binding.row_elements:
             route.discard(pending, binding.row_bytes, out.device)
             raise ValueError(
-                f"PLE rows for {n} ids need {n * binding.expected.cols} "
+                f"PLE rows for {n} ids need {n * binding.row_elements} "
                 f"elements, the output holds {out.numel()}"
             )
         target, staging = _byte_target(out, binding)
@@ -310,13 +318,14 @@ class RowService:
 
     def collect(self, pending: PendingLookup, out: torch.Tensor) -> None:
         """Wait for ``pending`` and copy its rows into ``out`` (contiguous, the
-        model's row dtype, any device, ``count * cols`` elements)."""
+        model's row dtype, any device, ``count * cols`` elements; NVFP4: uint8,
+        ``count * row_bytes``)."""
         _refuse_graph_capture()
         binding = pending.binding
         n = pending.count
-        if out.numel() != n * binding.expected.cols:
+        if out.numel() != n * binding.row_elements:
             raise ValueError(
-                f"PLE rows for {n} ids need {n * binding.expected.cols} "
+                f"PLE rows for {n} ids need {n * binding.row_elements} "
                 f"elements, the output holds {out.numel()}"
             )
         if binding.info is None:  # dummy
@@ -525,11 +534,11 @@ def _byte_target(
     it has the table's dtype, else a staging tensor converted afterwards."""
     if not out.is_contiguous():
         raise ValueError("the PLE output tensor must be contiguous")
-    rows = out.numel() // binding.expected.cols
+    rows = out.numel() // binding.row_elements
     if out.dtype == binding.storage_dtype:
         return out.view(torch.uint8).view(rows, binding.row_bytes), None
     staging = torch.empty(
-        (rows, binding.expected.cols), dtype=binding.storage_dtype, device=out.device
+        (rows, binding.row_elements), dtype=binding.storage_dtype, device=out.device
     )
     return staging.view(torch.uint8).view(rows, binding.row_bytes), staging
 

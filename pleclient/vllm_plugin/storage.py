@@ -11,11 +11,17 @@
   them;
 * ``dequantize`` and the FP8 ``weight_scale`` parameter come unchanged from the
   quantization method, so dequantization is exactly stock.
+* NVFP4: the server answers each row as packed values then block scales; they
+  are decoded here to the activation dtype, as stock's NVFP4 lookup does
+  (``nvfp4``), with the ``weight_scale_2`` parameter the stock loader loads.
+  Rows come out in the method's ``lookup_dtype`` (the params dtype), as from
+  stock storage; its ``dequantize`` is then a plain cast.
 
 Differences that matter:
 
-* No table: ``weight`` is a 0-row, non-persistent buffer (its dtype and device
-  are what the rest of vLLM asks it for), so the loader has nothing to fill.
+* No table: ``weight`` (and NVFP4's ``weight_scale``, the block scales) is a
+  0-row, non-persistent buffer (its dtype and device are what the rest of vLLM
+  asks it for), so the loader has nothing to fill.
 * Every rank gets full rows from the server, so there is nothing to all-reduce
   over the embedding-TP group and no DP id gather: ``reduce_results`` is off and
   the owning ``Qwen4ExpNGramEmbedding`` shards (never reduce-scatters) rows under
@@ -42,6 +48,8 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLENvFp4EmbeddingMethod,
 )
 
+from pleclient.checkpoint import NVFP4
+from pleclient.vllm_plugin import nvfp4
 from pleclient.vllm_plugin.errors import PleBackendError
 from pleclient.vllm_plugin.gpu_route import GpuPending, GpuRoute
 from pleclient.vllm_plugin.identity import Expected
@@ -53,6 +61,7 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
 
     supports_prefetch: ClassVar[bool] = True  # per instance: VLLM_PLE_SHM_PREFETCH
     weight: torch.Tensor  # a 0-row buffer (see __init__), for its dtype and device
+    weight_scale_2: torch.Tensor  # NVFP4 only: the global scale, a loaded parameter
 
     def __init__(
         self,
@@ -68,12 +77,6 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
         data_parallel_rank: int = 0,
         reduce_results: bool = True,
     ) -> None:
-        if isinstance(embedding_method, Qwen4ExpPLENvFp4EmbeddingMethod):
-            raise PleBackendError(
-                f"{prefix}: VLLM_PLE_BACKEND=shm serves BF16 and FP8 PLE tables, not "
-                "NVFP4 ones (rows and block scales are separate tensors); unset "
-                "VLLM_PLE_BACKEND for this checkpoint"
-            )
         del reduce_results  # full rows on every rank: nothing to reduce
         super().__init__(
             num_embeddings,
@@ -87,10 +90,17 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
             data_parallel_rank=data_parallel_rank,
             reduce_results=False,
         )
-        # The 0-row placeholder: a buffer, so the loader expects nothing for it.
-        placeholder = self._parameters.pop("weight")
-        assert placeholder is not None  # the base class registers it
-        self.register_buffer("weight", placeholder.data, persistent=False)
+        # The 0-row placeholders: buffers, so the loader expects nothing for them.
+        # NVFP4's block scales are table-sized too; its weight_scale_2 stays a
+        # parameter, loaded as stock loads it.
+        self._nvfp4 = isinstance(embedding_method, Qwen4ExpPLENvFp4EmbeddingMethod)
+        for name in ("weight", "weight_scale") if self._nvfp4 else ("weight",):
+            placeholder = self._parameters.pop(name)
+            assert placeholder is not None  # the quantization method registers it
+            self.register_buffer(name, placeholder.data, persistent=False)
+        # The dtype of the rows forward/finalize_prefetch return: the stored one,
+        # or NVFP4's decoded params dtype (the method's lookup dtype).
+        self._row_dtype = embedding_method.lookup_dtype(self)
         self._rows = RowService.shared()
         # vLLM declares it a ClassVar; each layer here follows its own settings.
         self.supports_prefetch = self._rows.settings.prefetch  # type: ignore[misc]
@@ -112,6 +122,8 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
         checkpoint and this layer's geometry; raises at startup on any mismatch."""
         if isinstance(self.embedding_method, Qwen4ExpPLEFp8EmbeddingMethod):
             dtypes: tuple[str, ...] = ("F8_E4M3",)
+        elif self._nvfp4:
+            dtypes = (NVFP4,)
         else:
             dtypes = ("BF16",)  # converted to the params dtype if that differs
         self._binding = self._rows.bind(
@@ -136,15 +148,16 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
     def extra_repr(self) -> str:
         return (
             f"rows={self.org_vocab_size}, cols={self.embedding_dim}, "
-            f"dtype={self.weight.dtype}, backend=ple-server"
+            f"dtype={NVFP4 if self._nvfp4 else self.weight.dtype}, backend=ple-server"
         )
 
     # --------------------------------------------------------------- lookups
     def forward(self, ngram_ids: torch.Tensor) -> torch.Tensor:
-        """Rows of ``ngram_ids`` in the storage dtype, ``[*ids.shape, cols]``."""
+        """Rows of ``ngram_ids`` in the storage dtype (NVFP4: decoded to the
+        params dtype), ``[*ids.shape, cols]``."""
         output = torch.empty(
             (*ngram_ids.shape, self.embedding_dim),
-            dtype=self.weight.dtype,
+            dtype=self._row_dtype,
             device=ngram_ids.device,
         )
         self._lookup_into(ngram_ids, output)
@@ -160,11 +173,32 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
             self._lookup_into_host(ngram_ids, output)
             return
         # GPU-driven: ring and collect on the stream, no break in a graph.
-        self._rows.finish_gpu(route, self.binding, route.start(self.binding, ngram_ids), output)
+        self._finish_gpu(route, route.start(self.binding, ngram_ids), output)
+
+    def _finish_gpu(self, route: GpuRoute, started: GpuPending, output: torch.Tensor) -> None:
+        """Enqueue the collection of ``started`` into ``output`` (NVFP4: the
+        served rows, then stock's decode, on the same stream)."""
+        if not self._nvfp4:
+            self._rows.finish_gpu(route, self.binding, started, output)
+            return
+        raw = self._served_rows(started.count, output.device)
+        self._rows.finish_gpu(route, self.binding, started, raw)
+        nvfp4.decode_into(raw, self.weight_scale_2, output)
+
+    def _served_rows(self, count: int, device: torch.device) -> torch.Tensor:
+        """Room for ``count`` NVFP4 rows as served: values, then block scales."""
+        return torch.empty(
+            (count, nvfp4.row_bytes(self.embedding_dim)), dtype=torch.uint8, device=device
+        )
 
     @eager_break_during_capture
     def _lookup_into_host(self, ngram_ids: torch.Tensor, output: torch.Tensor) -> None:
-        self._rows.lookup(self.binding, ngram_ids, output)
+        if not self._nvfp4:
+            self._rows.lookup(self.binding, ngram_ids, output)
+            return
+        raw = self._served_rows(ngram_ids.numel(), output.device)
+        self._rows.lookup(self.binding, ngram_ids, raw)
+        nvfp4.decode_into(raw, self.weight_scale_2, output)
 
     def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
         """Send this layer's ids to the server; collected by finalize_prefetch."""
@@ -193,7 +227,7 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
         """The prefetched rows, ``[total_tokens, heads * cols]``."""
         output = torch.empty(
             (total_tokens, self._num_ngram_heads * self.embedding_dim),
-            dtype=self.weight.dtype,
+            dtype=self._row_dtype,
             device=self.weight.device,
         )
         self._finalize_into(output)
@@ -214,7 +248,7 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
                 f"{self.prefix}: prefetched {started.count} ids, but finalize asks for "
                 f"{output.shape[0]} tokens x {self._num_ngram_heads} heads"
             )
-        self._rows.finish_gpu(route, self.binding, started, output)
+        self._finish_gpu(route, started, output)
 
     @eager_break_during_capture
     def _finalize_into_host(self, output: torch.Tensor) -> None:
@@ -226,4 +260,9 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
                 f"{self.prefix}: prefetched {pending.count} ids, but finalize asks for "
                 f"{output.shape[0]} tokens x {self._num_ngram_heads} heads"
             )
-        self._rows.collect(pending, output)
+        if not self._nvfp4:
+            self._rows.collect(pending, output)
+            return
+        raw = self._served_rows(pending.count, output.device)
+        self._rows.collect(pending, raw)
+        nvfp4.decode_into(raw, self.weight_scale_2, output)

@@ -22,7 +22,14 @@
  * A request (a) registers, (b) reads its own blocks, (c) publishes them,
  * (d) waits for other requests' blocks, copies, drops its references, and
  * (e) waits until nobody copies from its blocks before freeing them. Step
- * (d) waits only on steps (c) of others, which wait on nothing: no cycle. */
+ * (d) waits only on steps (c) of others, which wait on nothing: no cycle.
+ *
+ * Segments: a served row may be the concatenation of several tensors' rows
+ * (NVFP4: packed values, then block scales), each with its own shards in
+ * possibly other files. Every segment of a missed row is a miss of its own
+ * (offset, bytes, and where in the output row it goes); the row goes into
+ * the cache only once all of its segments are in `out`, so the cache holds
+ * whole composed rows. */
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -65,8 +72,11 @@ struct ple_source {
     _Atomic unsigned refs;
     uint32_t table_key, row_bytes;
     uint64_t shard_size, rows;
-    unsigned nshards;
-    src_shard *shards;
+    unsigned nshards;                    /* of the table */
+    unsigned nsegs;                      /* segments per row, 1..PLE_SEGMENTS_MAX */
+    uint32_t seg_bytes[PLE_SEGMENTS_MAX];
+    uint32_t seg_off[PLE_SEGMENTS_MAX];  /* of each segment in the served row */
+    src_shard *shards;                   /* [nshards * nsegs]: shard s, segment g at s*nsegs+g */
     ple_cache *cache;
     ple_engine *engine;
     pthread_mutex_t inflight_lock;
@@ -88,7 +98,7 @@ typedef struct miss {
     uint64_t sort_key;  /* fd << 40 | first block */
     uint64_t offset;    /* of the row in its file */
     uint32_t pos;       /* in the request */
-    uint32_t shard;
+    uint32_t shard;     /* index into src->shards: table shard * nsegs + segment */
     uint32_t block;     /* index of its first block in the round */
 } miss;
 
@@ -100,7 +110,7 @@ static int locate(const ple_source *src, int64_t id, uint32_t *shard, uint64_t *
     if (id >= 0 && (uint64_t)id < src->rows) {
         uint64_t s = (uint64_t)id / src->shard_size;
         uint64_t r = (uint64_t)id - s * src->shard_size;
-        if (s < src->nshards && r < src->shards[s].rows) {
+        if (s < src->nshards && r < src->shards[s * src->nsegs].rows) {
             *shard = (uint32_t)s;
             *row = r;
             return 0;
@@ -169,6 +179,19 @@ static uint64_t row_key(const ple_source *src, uint32_t shard, uint64_t row)
     return (uint64_t)src->table_key << 40 | (shard * src->shard_size + row);
 }
 
+/* A miss's segment, its bytes, and the cache key of its row. */
+static unsigned miss_seg(const ple_source *src, const miss *m)
+{
+    return m->shard % src->nsegs;
+}
+
+static uint64_t miss_row_key(const ple_source *src, const miss *m)
+{
+    unsigned g = miss_seg(src, m);
+    uint64_t row = (m->offset - src->shards[m->shard].file_offset) / src->seg_bytes[g];
+    return row_key(src, m->shard / src->nsegs, row);
+}
+
 /* --------------------------------------------------- the in-flight set */
 
 static inflight **bucket_of(ple_source *src, uint64_t key)
@@ -218,7 +241,7 @@ typedef struct round_mem {
 static int copy_row(ple_source *src, const round_mem *rm, const miss *m, unsigned char *dst,
                     ple_error *err)
 {
-    uint32_t rb = src->row_bytes, done = 0, j = m->block;
+    uint32_t rb = src->seg_bytes[miss_seg(src, m)], done = 0, j = m->block;
     while (done < rb) {
         const inflight *e = rm->use[j++];
         uint32_t in_block = (uint32_t)((m->offset + done) % PLE_BLOCK);
@@ -253,7 +276,8 @@ static size_t plan_round(const ple_source *src, miss *m, size_t start, size_t n,
     size_t nb = 0, i = start;
     for (; i < n; i++) {
         uint64_t first = m[i].sort_key;
-        uint64_t last = first + (m[i].offset % PLE_BLOCK + src->row_bytes - 1) / PLE_BLOCK;
+        uint32_t rb = src->seg_bytes[miss_seg(src, &m[i])];
+        uint64_t last = first + (m[i].offset % PLE_BLOCK + rb - 1) / PLE_BLOCK;
         uint64_t have = nb ? rm->keys[nb - 1] : 0;
         size_t add = nb && have >= first ? (size_t)(last > have ? last - have : 0)
                                          : (size_t)(last - first + 1);
@@ -332,15 +356,15 @@ static int read_round(ple_source *src, miss *m, size_t start, size_t end, size_t
     int rc = 0;
     for (size_t i = start; i < end; i++) {
         unsigned char *dst = out + (size_t)m[i].pos * src->row_bytes;
-        if (copy_row(src, rm, &m[i], dst, err) != 0) {
+        if (copy_row(src, rm, &m[i], dst + src->seg_off[miss_seg(src, &m[i])], err) != 0) {
             t->read_errors++;
             rc = -1;
             continue;
         }
-        if (src->cache) {
-            uint64_t row = (m[i].offset - src->shards[m[i].shard].file_offset) / src->row_bytes;
-            store_row(src, row_key(src, m[i].shard, row), dst, t);
-        }
+        /* A row of several segments is whole only after every round: cached
+         * then, by gather_range. */
+        if (src->cache && src->nsegs == 1)
+            store_row(src, miss_row_key(src, &m[i]), dst, t);
     }
 
     /* (d) drop our references, (e) wait for our waiters, leave the set */
@@ -485,9 +509,9 @@ static int locate_batch(ple_source *src, const int64_t *ids, size_t count, locat
         if (src->cache) {
             ple_cache_prepare(src->cache, key, &loc[k].probe);
         } else {
-            const src_shard *sh = &src->shards[loc[k].shard];
+            const src_shard *sh = &src->shards[loc[k].shard * src->nsegs];
             loc[k].probe.key = key;
-            __builtin_prefetch(sh->map + sh->file_offset + loc[k].row * src->row_bytes);
+            __builtin_prefetch(sh->map + sh->file_offset + loc[k].row * src->seg_bytes[0]);
         }
     }
     if (src->cache)
@@ -501,9 +525,10 @@ static int gather_range(ple_source *src, const int64_t *ids, size_t n, unsigned 
                         tally *t, ple_error *err)
 {
     uint32_t rb = src->row_bytes;
+    unsigned nsegs = src->nsegs;
     miss *m = NULL;
     size_t nm = 0;
-    if (src->engine && !(m = malloc(n * sizeof *m))) {
+    if (src->engine && (n > SIZE_MAX / nsegs / sizeof *m || !(m = malloc(n * nsegs * sizeof *m)))) {
         ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory for %zu misses", n);
         return -1;
     }
@@ -523,21 +548,30 @@ static int gather_range(ple_source *src, const int64_t *ids, size_t n, unsigned 
                 continue;
             }
             t->misses++;
-            const src_shard *sh = &src->shards[loc[k].shard];
-            uint64_t offset = sh->file_offset + loc[k].row * rb;
-            if (src->engine) {
-                m[nm++] = (miss){.sort_key = (uint64_t)sh->fd << BLOCK_BITS
-                                             | offset / PLE_BLOCK,
-                                 .offset = offset, .pos = (uint32_t)i, .shard = loc[k].shard};
-            } else {
-                memcpy(dst, sh->map + offset, rb);
-                if (src->cache)
-                    store_row(src, loc[k].probe.key, dst, t);
+            for (unsigned g = 0; g < nsegs; g++) {
+                uint32_t flat = loc[k].shard * nsegs + g;
+                const src_shard *sh = &src->shards[flat];
+                uint64_t offset = sh->file_offset + loc[k].row * src->seg_bytes[g];
+                if (src->engine)
+                    m[nm++] = (miss){.sort_key = (uint64_t)sh->fd << BLOCK_BITS
+                                                 | offset / PLE_BLOCK,
+                                     .offset = offset, .pos = (uint32_t)i, .shard = flat};
+                else
+                    memcpy(dst + src->seg_off[g], sh->map + offset, src->seg_bytes[g]);
             }
+            if (!src->engine && src->cache)
+                store_row(src, loc[k].probe.key, dst, t);
         }
     }
     if (rc == 0 && nm)
         rc = read_misses(src, m, nm, out, t, err);
+    /* Rows of several segments: every segment is in `out` now (rc == 0);
+     * each row once, through its first segment's miss. A failed request
+     * caches nothing of its rows. */
+    if (rc == 0 && nsegs > 1 && src->cache)
+        for (size_t j = 0; j < nm; j++)
+            if (miss_seg(src, &m[j]) == 0)
+                store_row(src, miss_row_key(src, &m[j]), out + (size_t)m[j].pos * rb, t);
     free(m);
     return rc;
 }
@@ -697,6 +731,7 @@ int64_t ple_source_fill(ple_source *src, const int64_t *ids, size_t n, ple_error
 
 /* ----------------------------------------------------------- lifecycle */
 
+/* Shard i's part of one segment (`row_bytes` of its rows). */
 static int check_shard(const ple_shard_spec *sp, unsigned i, uint32_t row_bytes,
                        uint64_t shard_size, int have_engine, int direct, ple_error *err)
 {
@@ -743,9 +778,31 @@ static int check_shard(const ple_shard_spec *sp, unsigned i, uint32_t row_bytes,
 
 ple_source *ple_source_open(uint32_t table_key, uint32_t row_bytes, uint64_t shard_size,
                             const ple_shard_spec *shards, unsigned nshards,
+                            const uint32_t *seg_bytes, unsigned nsegs,
                             ple_cache *cache, ple_engine *engine, int direct,
                             ple_error *err)
 {
+    uint32_t one_seg[1] = {row_bytes};
+    if (!seg_bytes) {
+        seg_bytes = one_seg;
+        nsegs = 1;
+    }
+    uint64_t seg_sum = 0;
+    for (unsigned g = 0; g < nsegs && nsegs <= PLE_SEGMENTS_MAX; g++)
+        seg_sum += seg_bytes[g] ? seg_bytes[g] : (uint64_t)1 << 32;  /* a 0 never adds up */
+    if (nsegs == 0 || nsegs > PLE_SEGMENTS_MAX || seg_sum != row_bytes) {
+        ple_error_set(err, PLE_ERR_VALUE, 0, "bad row segments: %u segment(s) (1..%u), each of "
+                      "at least 1 byte, must add up to row_bytes %u", nsegs, PLE_SEGMENTS_MAX,
+                      row_bytes);
+        return NULL;
+    }
+    if (nshards % nsegs) {
+        ple_error_set(err, PLE_ERR_VALUE, 0, "%u shard entries for %u segments: give one per "
+                      "segment of every shard (shard-major)", nshards, nsegs);
+        return NULL;
+    }
+    unsigned nparts = nshards;  /* entries: table shard s, segment g at s * nsegs + g */
+    nshards /= nsegs;
     if (table_key > PLE_TABLE_KEY_MAX || row_bytes == 0 || row_bytes > PLE_ROW_BYTES_MAX
         || shard_size == 0 || nshards == 0 || shard_size > (1ULL << 40) / nshards) {
         ple_error_set(err, PLE_ERR_VALUE, 0, "bad table layout: table_key %u (max %u), "
@@ -759,11 +816,20 @@ ple_source *ple_source_open(uint32_t table_key, uint32_t row_bytes, uint64_t sha
                       "slots", row_bytes, ple_cache_slot_bytes(cache));
         return NULL;
     }
-    for (unsigned i = 0; i < nshards; i++)
-        if (check_shard(&shards[i], i, row_bytes, shard_size, engine != NULL, direct, err))
+    for (unsigned i = 0; i < nparts; i++) {
+        if (check_shard(&shards[i], i / nsegs, seg_bytes[i % nsegs], shard_size, engine != NULL,
+                        direct, err))
             return NULL;
+        if (shards[i].rows != shards[i - i % nsegs].rows) {
+            ple_error_set(err, PLE_ERR_VALUE, 0, "shard %u: segment %u has %llu rows, segment 0 "
+                          "%llu; every segment of a shard must have its rows", i / nsegs,
+                          i % nsegs, (unsigned long long)shards[i].rows,
+                          (unsigned long long)shards[i - i % nsegs].rows);
+            return NULL;
+        }
+    }
     ple_source *src = calloc(1, sizeof *src);
-    if (!src || !(src->shards = calloc(nshards, sizeof *src->shards))) {
+    if (!src || !(src->shards = calloc(nparts, sizeof *src->shards))) {
         free(src);
         ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "out of memory");
         return NULL;
@@ -773,17 +839,23 @@ ple_source *ple_source_open(uint32_t table_key, uint32_t row_bytes, uint64_t sha
     src->row_bytes = row_bytes;
     src->shard_size = shard_size;
     src->nshards = nshards;
+    src->nsegs = nsegs;
+    for (unsigned g = 0, off = 0; g < nsegs; off += seg_bytes[g], g++) {
+        src->seg_bytes[g] = seg_bytes[g];
+        src->seg_off[g] = off;
+    }
     pthread_mutex_init(&src->inflight_lock, NULL);
     pthread_cond_init(&src->inflight_changed, NULL);
-    for (unsigned i = 0; i < nshards; i++)
+    for (unsigned i = 0; i < nparts; i++)
         src->shards[i].fd = -1;
-    for (unsigned i = 0; i < nshards; i++) {
+    for (unsigned i = 0; i < nparts; i++) {
         src_shard *sh = &src->shards[i];
         sh->file_offset = shards[i].file_offset;
         sh->rows = shards[i].rows;
         sh->map = shards[i].map;
-        if (shards[i].rows && i * shard_size + shards[i].rows > src->rows)
-            src->rows = i * shard_size + shards[i].rows;
+        uint64_t first = (uint64_t)(i / nsegs) * shard_size;
+        if (shards[i].rows && first + shards[i].rows > src->rows)
+            src->rows = first + shards[i].rows;
         sh->path = strdup(shards[i].path ? shards[i].path : "?");
         /* Our own fd: the caller closing or reusing its number cannot make a
          * read land in another file. */
@@ -792,7 +864,7 @@ ple_source *ple_source_open(uint32_t table_key, uint32_t row_bytes, uint64_t sha
         if (!sh->path || (engine && shards[i].rows && (sh->fd < 0 || sh->fd > FD_MAX))) {
             int code = !sh->path ? ENOMEM : sh->fd < 0 ? errno : EMFILE;
             ple_error_set(err, PLE_ERR_OS, code, "cannot duplicate fd %d of shard %u: %s",
-                          shards[i].fd, i, strerror(code));
+                          shards[i].fd, i / nsegs, strerror(code));
             ple_source_unref(src);
             return NULL;
         }
@@ -839,7 +911,7 @@ void ple_source_unref(ple_source *src)
     /* Acq_rel: every user's last accesses happen before the frees below. */
     if (atomic_fetch_sub_explicit(&src->refs, 1, memory_order_acq_rel) != 1)
         return;
-    for (unsigned i = 0; i < src->nshards; i++) {
+    for (unsigned i = 0; i < src->nshards * src->nsegs; i++) {
         if (src->shards[i].fd >= 0)
             close(src->shards[i].fd);
         free(src->shards[i].path);

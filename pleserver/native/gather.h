@@ -3,7 +3,12 @@
  *
  * A table is `nshards` shards of `shard_size` rows (the last may be short):
  * id → shard = id / shard_size, row = id % shard_size, file offset =
- * shard.file_offset + row * row_bytes. */
+ * shard.file_offset + row * row_bytes.
+ *
+ * A row may be made of segments (1..PLE_SEGMENTS_MAX): runs of bytes stored
+ * in tensors of their own, each split into the same shards. Segment g of
+ * shard s is at file offset shard_spec[s * nsegs + g].file_offset + row *
+ * seg_bytes[g] and lands in the served row after the segments before it. */
 #ifndef PLE_GATHER_H
 #define PLE_GATHER_H
 
@@ -16,6 +21,7 @@
 
 #define PLE_TABLE_KEY_MAX ((1u << 24) - 1)
 #define PLE_ROW_BYTES_MAX (1u << 20)
+#define PLE_SEGMENTS_MAX 4u
 
 typedef struct ple_shard_spec {
     int fd;                     /* -1 when the table has no engine */
@@ -33,9 +39,12 @@ typedef struct ple_source_stats {
 typedef struct ple_source ple_source;
 
 /* Checks the layout (sizes, overflow, files long enough) and takes its own
- * duplicates of the fds and references to the cache and engine. */
+ * duplicates of the fds and references to the cache and engine. `shards`
+ * has one entry per segment of every shard, shard-major (nshards entries in
+ * all); seg_bytes NULL means one segment of row_bytes. */
 ple_source *ple_source_open(uint32_t table_key, uint32_t row_bytes, uint64_t shard_size,
                             const ple_shard_spec *shards, unsigned nshards,
+                            const uint32_t *seg_bytes, unsigned nsegs,
                             ple_cache *cache, ple_engine *engine, int direct,
                             ple_error *err);
 uint64_t ple_source_rows(const ple_source *src);

@@ -457,14 +457,46 @@ static int parse_shards(PyObject *seq, ple_shard_spec **out, Py_ssize_t *count)
 static int Source_init(SourceObject *self, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"table_key", "row_bytes", "shard_size", "shards", "cache",
-                            "engine", "direct", NULL};
+                            "engine", "direct", "segments", NULL};
     unsigned int table_key, row_bytes;
     unsigned long long shard_size;
-    PyObject *shards_obj, *cache_obj, *engine_obj;
+    PyObject *shards_obj, *cache_obj, *engine_obj, *segments_obj = Py_None;
     int direct;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "IIKOOOp", names, &table_key, &row_bytes,
-                                     &shard_size, &shards_obj, &cache_obj, &engine_obj, &direct))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "IIKOOOp|O", names, &table_key, &row_bytes,
+                                     &shard_size, &shards_obj, &cache_obj, &engine_obj, &direct,
+                                     &segments_obj))
         return -1;
+    /* Row segments: byte widths, in row order (None: one segment). */
+    uint32_t seg_bytes[PLE_SEGMENTS_MAX];
+    unsigned nsegs = 0;
+    if (segments_obj != Py_None) {
+        PyObject *fast = PySequence_Fast(segments_obj, "segments must be a sequence of ints");
+        if (!fast)
+            return -1;
+        Py_ssize_t ns = PySequence_Fast_GET_SIZE(fast);
+        if (ns < 1 || ns > (Py_ssize_t)PLE_SEGMENTS_MAX) {
+            PyErr_Format(PyExc_ValueError, "a row has 1..%u segments, not %zd",
+                         PLE_SEGMENTS_MAX, ns);
+            Py_DECREF(fast);
+            return -1;
+        }
+        for (Py_ssize_t g = 0; g < ns; g++) {
+            unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(fast, g));
+            if (v == (unsigned long)-1 && PyErr_Occurred()) {
+                Py_DECREF(fast);
+                return -1;
+            }
+            if (v == 0 || v > PLE_ROW_BYTES_MAX) {
+                PyErr_Format(PyExc_ValueError, "segment %zd: %lu bytes (1..%u)", g, v,
+                             PLE_ROW_BYTES_MAX);
+                Py_DECREF(fast);
+                return -1;
+            }
+            seg_bytes[g] = (uint32_t)v;
+        }
+        nsegs = (unsigned)ns;
+        Py_DECREF(fast);
+    }
     ple_cache *cache = NULL;
     ple_engine *engine = NULL;
     if (cache_obj != Py_None) {
@@ -501,7 +533,8 @@ static int Source_init(SourceObject *self, PyObject *args, PyObject *kw)
     }
     ple_error err = {0};
     ple_source *src = ple_source_open(table_key, row_bytes, shard_size, specs, (unsigned)n,
-                                      cache, engine, direct, &err);
+                                      nsegs ? seg_bytes : NULL, nsegs, cache, engine, direct,
+                                      &err);
     PyMem_Free(specs);
     Py_DECREF(shards_obj);
     if (!src) {
@@ -655,9 +688,10 @@ static PyTypeObject SourceType = {
     .tp_name = "pleserver._native.TableSource",
     .tp_basicsize = sizeof(SourceObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "TableSource(table_key, row_bytes, shard_size, shards, cache, engine, direct): "
-              "row lookup for one table. shards: (fd, file_offset, rows, path, map_address) "
-              "per shard.",
+    .tp_doc = "TableSource(table_key, row_bytes, shard_size, shards, cache, engine, direct, "
+              "segments=None): row lookup for one table. shards: (fd, file_offset, rows, path, "
+              "map_address) per shard; with segments (byte widths adding up to row_bytes, in "
+              "row order) one per segment of every shard, shard-major.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Source_init,
     .tp_dealloc = (destructor)Source_dealloc,

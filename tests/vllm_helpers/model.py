@@ -27,6 +27,7 @@ UNIGRAM_VOCAB = 1000
 NGRAM_VOCAB_BASE = 500
 DIVISOR = 8
 FP8_SCALE = 0.0625
+NVFP4_GLOBAL_SCALE = 0.0123  # weight_scale_2; not a power of two, so rounding shows
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,11 @@ class PleLayer:
 FP8_LAYER = PleLayer(layer=1, dense_id=0, dtype="F8_E4M3")
 BF16_LAYER = PleLayer(layer=3, dense_id=1, dtype="BF16")
 LAYERS = (FP8_LAYER, BF16_LAYER)
+NVFP4_LAYER = PleLayer(layer=5, dense_id=2, dtype="NVFP4")
+"""An NVFP4 table (packed values + block scales + weight_scale_2); its own
+checkpoint (``write_test_checkpoint(..., layers=(NVFP4_LAYER,))``)."""
+
+SCALES = {"F8_E4M3": FP8_SCALE, "NVFP4": NVFP4_GLOBAL_SCALE}
 
 
 def synthetic_tables(layers=LAYERS, parts: int = PARTS) -> list:
@@ -67,18 +73,18 @@ def synthetic_tables(layers=LAYERS, parts: int = PARTS) -> list:
             cols=COLS,
             dtype=p.dtype,
             parts=parts,
-            scale=FP8_SCALE if p.dtype != "BF16" else None,
+            scale=SCALES.get(p.dtype),
         )
         for p in layers
     ]
 
 
-def write_test_checkpoint(path: str, *, seed: int = 0, files: int = 3) -> str:
-    """Both layers over ``files`` files: with 3 files and 4 shards the middle file
-    holds shards only, the outer ones mix shards with other tensors."""
+def write_test_checkpoint(path: str, *, seed: int = 0, files: int = 3, layers=LAYERS) -> str:
+    """The layers' tables over ``files`` files: with 3 files and 4 shards the
+    middle file holds shards only, the outer ones mix shards with other tensors."""
     from pleserver.synthetic import write_checkpoint
 
-    return write_checkpoint(path, synthetic_tables(), files=files, seed=seed)
+    return write_checkpoint(path, synthetic_tables(layers), files=files, seed=seed)
 
 
 def text_config(layer: PleLayer):
@@ -92,7 +98,7 @@ def text_config(layer: PleLayer):
         split_ngram_parts=PARTS,
         make_ngram_vocab_size_divisible_by=DIVISOR,
         eos_token_id=EOS,
-        ple_embedding_dtype="float8_e4m3fn" if layer.dtype.startswith("F8") else None,
+        ple_embedding_dtype={"F8_E4M3": "float8_e4m3fn", "NVFP4": "nvfp4"}.get(layer.dtype),
     )
 
 

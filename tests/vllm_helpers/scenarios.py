@@ -83,14 +83,20 @@ def outputs(modules: dict, *, prefetch: bool) -> dict[str, list[torch.Tensor]]:
     return result
 
 
-def build_loaded(model_dir: str, **kwargs) -> dict:
+GLOBAL_SCALE = {
+    "F8_E4M3": "ngram_embedding.weight_scale",
+    "NVFP4": "ngram_embedding.weight_scale_2",
+}
+
+
+def build_loaded(model_dir: str, layers=m.LAYERS, **kwargs) -> dict:
     modules = {}
-    for layer in m.LAYERS:
+    for layer in layers:
         module = m.build_ngram_embedding(layer, **kwargs)
         loaded = module.load_weights(m.checkpoint_weights(model_dir, layer))
         check(
-            "ngram_embedding.weight_scale" in loaded or layer.dtype == "BF16",
-            f"weight_scale not loaded: {loaded}",
+            layer.dtype not in GLOBAL_SCALE or GLOBAL_SCALE[layer.dtype] in loaded,
+            f"{GLOBAL_SCALE.get(layer.dtype)} not loaded: {loaded}",
         )
         modules[layer.dtype] = module
     return modules
@@ -174,6 +180,72 @@ def _row_path() -> str:
     from pleclient.vllm_plugin.rows import RowService
 
     return RowService.shared().path
+
+
+@scenario
+def nvfp4_bit_identical(args: dict) -> dict:
+    """NVFP4: stock storage (vLLM's own load_weights: values, block scales and
+    weight_scale_2 in the module) vs shm storage (rows from ple-server, decoded
+    here), same process, forward and prefetch."""
+    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+        dequantize_to_dtype,
+    )
+
+    from pleserver.synthetic import read_reference
+
+    layers = (m.NVFP4_LAYER,)
+    with m.vllm_context():
+        stock = build_loaded(args["model"], layers)
+        method = type(stock["NVFP4"].ngram_embedding.embedding_method).__name__
+        expected_fwd = outputs(stock, prefetch=False)
+        expected_pre = outputs(stock, prefetch=True)
+        register_plugin()
+        shm = build_loaded(args["model"], layers)
+        storage = shm["NVFP4"].ngram_embedding
+        check(isinstance(storage, shm_storage_type()), f"storage not swapped: {type(storage)}")
+        loaded = sorted(
+            shm["NVFP4"].load_weights(m.checkpoint_weights(args["model"], m.NVFP4_LAYER))
+        )
+        got_pre = outputs(shm, prefetch=True)
+        storage.supports_prefetch = False  # what VLLM_PLE_SHM_PREFETCH=0 sets
+        got_fwd = outputs(shm, prefetch=False)
+        # vLLM's own decode of the file's bytes (not through the server).
+        module, batch = stock["NVFP4"], batches()[0]
+        table = torch.from_numpy(
+            read_reference(args["model"], f"{m.NVFP4_LAYER.prefix}.ngram_embedding")
+        )
+        ids = module.compute_ngram_ids(batch.input_ids, batch.query_start_loc, batch.ngram_context)
+        raw = table[ids.reshape(-1)]
+        reference = dequantize_to_dtype(
+            raw[:, : m.COLS // 2].contiguous(),
+            raw[:, m.COLS // 2 :].contiguous().view(torch.float8_e4m3fn),
+            module.ngram_embedding.weight_scale_2,
+            torch.bfloat16,
+            swizzle=False,
+        ).reshape(ids.shape[0], -1)
+        return {
+            "stock_method": method,
+            "forward_diffs": compare(expected_fwd, got_fwd),
+            "prefetch_diffs": compare(expected_pre, got_pre),
+            "stock_paths_agree": not compare(expected_fwd, expected_pre),
+            "outputs_nonzero": all(
+                bool(t.float().abs().sum() > 0) for ts in got_pre.values() for t in ts
+            ),
+            "row_dtype": str(got_fwd["NVFP4"][0].dtype),
+            "matches_file_reference": same_bits(got_fwd["NVFP4"][0], reference),
+            "shm_loaded": loaded,
+            "shm_parameters": sorted(n for n, _ in shm["NVFP4"].named_parameters()),
+            "shm_table_numel": {
+                "weight": storage.weight.numel(),
+                "weight_scale": storage.weight_scale.numel(),
+            },
+            "shm_global_scale": float(storage.weight_scale_2.item()),
+            "stock_weight_shapes": [
+                list(module.ngram_embedding.weight.shape),
+                list(module.ngram_embedding.weight_scale.shape),
+            ],
+            "server_requests": _server_requests(),
+        }
 
 
 def _reference_rows(model_dir: str, module, batch: m.Batch) -> torch.Tensor:
