@@ -32,6 +32,25 @@ def identical(nvfp4_server: LaunchedServer, vllm_nvfp4_checkpoint) -> dict:
     return run_scenario("nvfp4_bit_identical", {"model": str(vllm_nvfp4_checkpoint)}, env=env)
 
 
+@pytest.fixture(scope="module")
+def identical_gpu_driven(nvfp4_server: LaunchedServer, vllm_nvfp4_checkpoint) -> dict:
+    # The GPU-driven route's CPU stand-in: served rows, then the decode.
+    env = shm_env(
+        nvfp4_server,
+        vllm_nvfp4_checkpoint,
+        VLLM_PLE_SHM_CAPACITY="512",
+        VLLM_PLE_SHM_GPU_PATH="standin",
+    )
+    return run_scenario("nvfp4_bit_identical", {"model": str(vllm_nvfp4_checkpoint)}, env=env)
+
+
+def test_nvfp4_through_the_gpu_driven_route_is_bit_identical(identical_gpu_driven):
+    assert identical_gpu_driven["row_path"] == "gpu-driven (CPU stand-in)"
+    assert identical_gpu_driven["forward_diffs"] == {}
+    assert identical_gpu_driven["prefetch_diffs"] == {}
+    assert identical_gpu_driven["matches_file_reference"]
+
+
 def test_stock_side_is_vllms_nvfp4_method(identical):
     assert identical["stock_method"] == "Qwen4ExpPLENvFp4EmbeddingMethod"
     assert identical["stock_paths_agree"]

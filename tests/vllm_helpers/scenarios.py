@@ -224,6 +224,7 @@ def nvfp4_bit_identical(args: dict) -> dict:
             swizzle=False,
         ).reshape(ids.shape[0], -1)
         return {
+            "row_path": _row_path(),
             "stock_method": method,
             "forward_diffs": compare(expected_fwd, got_fwd),
             "prefetch_diffs": compare(expected_pre, got_pre),
