@@ -404,9 +404,7 @@ def _build_table(
     rows, shard_size, problems = _layout(entries, parts)
     if problems:
         return None, problems
-    shard_specs = [
-        ShardSpec(i, entries[i].path, entries[i].offset, entries[i].shape[0]) for i in range(parts)
-    ]
+    shard_specs = _shard_specs(entries, parts)
     return TableSpec(
         name=name,
         layer=layer,
@@ -419,6 +417,13 @@ def _build_table(
         scale=scale_value,
         files=sorted({e.path for e in entries.values()}),
     ), []
+
+
+def _shard_specs(entries: dict[int, TensorEntry], parts: int) -> list[ShardSpec]:
+    """Where each of ``parts`` shards starts, from its tensor entry."""
+    return [
+        ShardSpec(i, entries[i].path, entries[i].offset, entries[i].shape[0]) for i in range(parts)
+    ]
 
 
 def _layout(entries: dict[int, TensorEntry], parts: int) -> tuple[int, int, list[str]]:
@@ -537,12 +542,6 @@ def _build_nvfp4_table(
     if problems:
         return None, problems
 
-    def specs(entries: dict[int, TensorEntry]) -> list[ShardSpec]:
-        return [
-            ShardSpec(i, entries[i].path, entries[i].offset, entries[i].shape[0])
-            for i in range(parts)
-        ]
-
     return TableSpec(
         name=name,
         layer=_table_layer(name),
@@ -551,10 +550,10 @@ def _build_nvfp4_table(
         rows=rows,
         parts=parts,
         shard_size=shard_size,
-        shards=specs(values),
+        shards=_shard_specs(values, parts),
         scale=scale_value,
         files=sorted({e.path for e in (*values.values(), *block_scales.values())}),
-        block_scale_shards=specs(block_scales),
+        block_scale_shards=_shard_specs(block_scales, parts),
     ), []
 
 
