@@ -65,8 +65,7 @@ WATCH_INTERVAL_S = 0.01
 
 # CUDA driver constants (cuda.h).
 _CU_STREAM_WAIT_VALUE_GEQ = 0x0
-_CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
-_CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER = 0x1
+_CU_STREAM_WRITE_VALUE_DEFAULT = 0x0  # fenced (v2 refuses NO_MEMORY_BARRIER)
 _CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1 = 92
 _CUDA_12 = 12000  # driver version from which the memop API (v2) is always there
 
@@ -192,19 +191,16 @@ class CudaStream:
             ),
             "copying the ids into the channel",
         )
-        # Table and count need no fence of their own: the doorbell's orders them.
         for word, value in ((p.SL_TABLE, table), (p.SL_COUNT, count)):
             _check(
                 lib.cuStreamWriteValue32_v2(
-                    stream,
-                    self._address(slot, word),
-                    value,
-                    _CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER,
+                    stream, self._address(slot, word), value, _CU_STREAM_WRITE_VALUE_DEFAULT
                 ),
                 "cuStreamWriteValue32",
             )
-        # Default flags: a fence scoped to the stream precedes the write, so
-        # the ids, table and count are visible before the doorbell (release).
+        # A fence scoped to the stream precedes every write (the v2 API has no
+        # opt-out: NO_MEMORY_BARRIER is refused), so the ids, table and count
+        # are visible before the doorbell (release).
         _check(
             lib.cuStreamWriteValue32_v2(
                 stream,

@@ -122,7 +122,7 @@ One lookup, as the stream runs it (every replay the same)::
 
     GPU (stream order)                         server
     ids → ids area        (async copy)
-    table, count          (write, no fence)
+    table, count          (writes, fenced)
     doorbell = RUNG       (write, fenced)  ─►  sees RUNG (acquire load)
                                                doorbell = CLAIMED
                                                validates, gathers rows
@@ -140,12 +140,11 @@ to IDLE before it wrote ``done``, so the next RUNG is a new request. A slot is
 never rung again before the same stream has reset it (stream order), so one
 slot serves one call site of the graph.
 
-Ordering (x86-64 and aarch64 alike): ``cuStreamWriteValue32`` without
-``CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER`` is preceded by a fence scoped to
-the stream (like ``__threadfence_system``): the ids copy and the table and
-count words, written before it in stream order, are visible before the
-doorbell (those two are written with ``NO_MEMORY_BARRIER``: the doorbell's
-fence orders them). The server's acquire load of RUNG pairs with that fence.
+Ordering (x86-64 and aarch64 alike): ``cuStreamWriteValue32`` is preceded
+by a fence scoped to the stream (like ``__threadfence_system``; the v2 API,
+CUDA 12 on, has no opt-out: it refuses ``NO_MEMORY_BARRIER``): the ids copy
+and the table and count words, written before it in stream order, are
+visible before the doorbell. The server's acquire load of RUNG pairs with that fence.
 The server writes the rows and the error word, then ``done`` with a release
 store (``stlr`` on aarch64), so a GPU that sees OK reads the rows written
 before it: the copies that follow the wait in stream order start only after
