@@ -443,10 +443,7 @@ class ServingLoop:
                 continue
             ch.busy.add(slot.index)
             ch.queued.append(request)
-        if ch.queued and not ch.scheduled:
-            ch.scheduled = True
-            ch.deficit = 0
-            self._fresh.append(ch)
+        self._schedule_fresh(ch)
         return True
 
     def _admit_rung(self, ch: Channel) -> bool:
@@ -466,11 +463,15 @@ class ServingLoop:
             ch.queued.append(request)
         if rung:
             self._last_ring = time.monotonic()
-            if ch.queued and not ch.scheduled:
-                ch.scheduled = True
-                ch.deficit = 0
-                self._fresh.append(ch)
+            self._schedule_fresh(ch)
         return rung
+
+    def _schedule_fresh(self, ch: Channel) -> None:
+        """A channel with queued work that was idle goes to the front (``fresh``)."""
+        if ch.queued and not ch.scheduled:
+            ch.scheduled = True
+            ch.deficit = 0
+            self._fresh.append(ch)
 
     def _validate(self, ch: Channel, slot: SlotView) -> Request | None:
         """The request in ``slot``, validated, or None once it was failed."""
