@@ -11,6 +11,7 @@ import sys
 import numpy as np
 
 from tests.harness import REPO, child_env
+from tests.host import require_o_direct
 from tests.test_ops_metrics import Scrape, metrics_url
 
 
@@ -28,6 +29,7 @@ def pleserver_stats(socket: str, *flags: str) -> str:
 
 
 def test_data_plane_numbers_agree_in_stats_cli_and_metrics(start_server, checkpoint, tmp_path):
+    require_o_direct(checkpoint)
     server = start_server(
         checkpoint,
         "--io",

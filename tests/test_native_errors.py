@@ -13,6 +13,7 @@ import pytest
 from pleclient.checkpoint import discover_tables
 from pleserver import _native as nat
 from pleserver.synthetic import SyntheticTable, write_checkpoint
+from tests.host import require_o_direct
 from tests.test_native_gather import Opened, file_rows, opened, specs  # noqa: F401 (fixtures)
 
 
@@ -184,6 +185,7 @@ def test_bad_constructor_arguments_raise(specs, tmp_path):
 
 def test_probe_reports_the_disk_rate(specs):
     paths = specs["F8_E4M3"].files
+    require_o_direct(os.path.dirname(paths[0]))
     for kind in ("auto", "threads"):
         r = nat.probe_random_reads(paths, block=4096, queue_depth=4, seconds=0.2, kind=kind)
         assert r["reads"] > 0 and r["reads_per_s"] > 0
@@ -195,6 +197,7 @@ def test_probe_reports_the_disk_rate(specs):
 
 def test_probe_rejects_bad_arguments(specs, tmp_path):
     paths = specs["F8_E4M3"].files
+    require_o_direct(os.path.dirname(paths[0]))
     with pytest.raises(ValueError):
         nat.probe_random_reads(paths, block=1000)
     with pytest.raises(ValueError):

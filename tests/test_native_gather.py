@@ -16,6 +16,7 @@ import pytest
 from pleclient.checkpoint import TableSpec, discover_tables
 from pleserver import _native as nat
 from pleserver.synthetic import SyntheticTable, write_checkpoint
+from tests.host import require_o_direct
 
 # FP8 rows of 160 bytes, BF16 rows of 320 bytes and NVFP4 rows of 90 (80
 # bytes of packed values from one tensor, 10 of block scales from another);
@@ -70,6 +71,8 @@ class Opened:
             self.engine = engine or nat.ReadEngine(queue_depth=64)
         else:
             self.cache = self.engine = None
+        if mode == "direct":
+            require_o_direct(os.path.dirname(spec.files[0]))
         flags = os.O_RDONLY | (os.O_DIRECT if mode == "direct" else 0)
         fds = {p: os.open(p, flags) for p in spec.files}
         try:
@@ -357,6 +360,7 @@ def test_request_read_in_several_rounds_is_exact(tmp_path, kind):
     table = data[offset:].reshape(rows, row_bytes)
     cache = nat.RowCache(2 << 20, row_bytes)  # far smaller than the request: evictions too
     engine = nat.ReadEngine(queue_depth=32, kind=kind, threads=4)
+    require_o_direct(tmp_path)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         src = nat.TableSource(
@@ -400,6 +404,7 @@ def test_a_split_request_whose_ranges_read_in_rounds_never_deadlocks(tmp_path):
     table = data.reshape(rows, row_bytes)
     cache = nat.RowCache(2 << 20, row_bytes)  # every pass misses again
     engine = nat.ReadEngine(queue_depth=32, kind="auto", threads=4)
+    require_o_direct(tmp_path)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         src = nat.TableSource(

@@ -23,7 +23,10 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import numpy as np
 import torch
 
+from tests.vllm_helpers import cpu_kernels
 from tests.vllm_helpers import model as m
+
+cpu_kernels.prepare()
 
 SCENARIOS: dict[str, Callable[[dict], dict]] = {}
 
@@ -781,6 +784,7 @@ def whole_model(args: dict) -> dict:
             }
     result["server_requests"] = _server_requests()
     result["row_path"] = _row_path()
+    result["cpu_gemm"] = cpu_kernels.gemm_report()
     result["seconds"] = time.monotonic() - started
     return result
 
