@@ -49,6 +49,7 @@ import selectors
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -183,6 +184,9 @@ class MetricsHTTPServer:
             thread.start()
 
     def _cannot(self, exc: OSError) -> MetricsError:
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
         return MetricsError(
             f"cannot serve metrics on {self.address}: {exc.strerror or exc}; choose a "
             "free port or another address for metrics_address (or leave it out)"
@@ -214,31 +218,42 @@ class MetricsHTTPServer:
     # ------------------------------------------------------------ I/O thread
     def _serve(self) -> None:
         while not self._stop.is_set():
-            now = time.monotonic()
-            timeout = 1.0
-            if not self._listening:
-                timeout = min(timeout, max(0.0, (1 - self._tokens) / ACCEPTS_PER_S))
-            for conn in self._connections.values():
-                timeout = min(timeout, max(0.0, conn.deadline - now))
-            for key, events in self._selector.select(timeout):
-                if key.fileobj is self._wake_r:
-                    try:
-                        self._wake_r.recv(4096)
-                    except OSError:
-                        pass
-                elif key.fileobj is self._listener:
-                    self._accept()
-                elif events & selectors.EVENT_READ:
-                    self._read(key.data)
-                else:
-                    self._write(key.data)
-            self._answer_waiting()
-            self._refill()
-            now = time.monotonic()
-            for conn in [c for c in self._connections.values() if now >= c.deadline]:
-                if conn.out is None and conn.wants_render == 0:
-                    self.rejected["timeout"] += 1
-                self._close(conn)
+            try:
+                self._serve_once()
+            except Exception:  # a bug here must not silence the port, nor spin
+                self._peer_log.log(
+                    "internal", logging.ERROR, "metrics port: %s", traceback.format_exc()
+                )
+                time.sleep(0.1)
+
+    def _serve_once(self) -> None:
+        """Wait for events or the next deadline; handle them; close the
+        connections past their deadlines."""
+        now = time.monotonic()
+        timeout = 1.0
+        if not self._listening:
+            timeout = min(timeout, max(0.0, (1 - self._tokens) / ACCEPTS_PER_S))
+        for conn in self._connections.values():
+            timeout = min(timeout, max(0.0, conn.deadline - now))
+        for key, events in self._selector.select(timeout):
+            if key.fileobj is self._wake_r:
+                try:
+                    self._wake_r.recv(4096)
+                except OSError:
+                    pass
+            elif key.fileobj is self._listener:
+                self._accept()
+            elif events & selectors.EVENT_READ:
+                self._read(key.data)
+            else:
+                self._write(key.data)
+        self._answer_waiting()
+        self._refill()
+        now = time.monotonic()
+        for conn in [c for c in self._connections.values() if now >= c.deadline]:
+            if conn.out is None and conn.wants_render == 0:
+                self.rejected["timeout"] += 1
+            self._close(conn)
 
     def _listen(self, on: bool) -> None:
         assert self._listener is not None
