@@ -116,6 +116,12 @@ class Sessions:
         self._snapshot = snapshot
         self._next_id = 1
         self._peer_log = RateLimitedLog(log)
+        self._errors_sent = dict.fromkeys(p.ErrorCode, 0)  # refusals among them
+
+    def errors_sent(self) -> dict[str, int]:
+        """ERROR replies sent so far, by code in lower case (``not_allowed``,
+        ``too_many_clients``, ``no_resources``, …): stats and the metrics."""
+        return {code.name.lower(): n for code, n in self._errors_sent.items() if code}
 
     def __len__(self) -> int:
         return len(self.by_socket)
@@ -199,6 +205,7 @@ class Sessions:
         reason = self._refusal(session)
         if reason:
             code, text = reason
+            self._errors_sent[code] += 1
             self._peer_log.log(
                 f"refused ({code.name})",
                 logging.WARNING,
@@ -487,6 +494,7 @@ class Sessions:
             )
 
     def _reject(self, s: Session, code: p.ErrorCode, text: str, close: bool = False) -> None:
+        self._errors_sent[code] += 1
         self._peer_log.log(
             f"session error ({code.name})",
             logging.WARNING,

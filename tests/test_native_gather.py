@@ -171,6 +171,23 @@ def test_rows_are_bit_exact_cold_and_warm(specs, opened, mode, dtype):
         assert stats["reads"] > 0 and stats["read_bytes"] >= 4096 * stats["reads"] // 2
 
 
+@pytest.mark.parametrize("mode", ["direct", "buffered"])
+def test_read_latency_histogram_counts_every_read(specs, opened, mode):
+    """The histogram the metrics endpoint exports: one count per timed read,
+    its sum in nanoseconds, quantiles that agree with the buckets."""
+    o = opened(specs["F8_E4M3"], mode)
+    o.gather(np.arange(0, 20_000, 37))
+    stats = o.source.stats()
+    buckets = stats["read_ns_buckets"]
+    assert len(buckets) == 256 and sum(buckets) == stats["reads"] > 0
+    assert stats["read_ns_sum"] >= stats["reads"]  # every read took a nanosecond or more
+    # p50 is the upper edge of the bucket holding the median: 4 buckets per
+    # power of two, so the reads under 2^k ns are buckets 0 .. 4k-1.
+    k = stats["read_ns_p50"].bit_length()
+    assert sum(buckets[: 4 * k]) * 2 > stats["reads"]
+    assert sum(buckets[: 4 * (k - 1)]) * 2 <= stats["reads"]
+
+
 @pytest.mark.parametrize("dtype", ["F8_E4M3", "BF16", "NVFP4"])
 def test_rows_straddling_two_pages_are_exact(specs, opened, dtype):
     spec = specs[dtype]

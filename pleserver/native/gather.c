@@ -47,7 +47,7 @@
 #define INFLIGHT_BUCKETS 1024u
 #define SPLIT_MIN_ROWS 1024u      /* the fewest rows worth a thread of their own */
 #define FILL_CHUNK_ROWS 4096u
-#define HIST_BUCKETS 256u         /* latency: 4 buckets per power of two of ns */
+#define HIST_BUCKETS PLE_READ_HIST_BUCKETS  /* latency: see gather.h */
 #define BLOCK_BITS 40             /* key of a block: fd << 40 | block number */
 #define FD_MAX ((1 << 23) - 1)
 #define OFFSET_MAX (1ULL << 52)   /* block numbers < 2^40 */
@@ -84,7 +84,7 @@ struct ple_source {
     inflight *buckets[INFLIGHT_BUCKETS];
     /* Statistics: relaxed counters (see common.h). */
     _Atomic uint64_t hits, misses, reads, read_bytes, read_errors, evictions;
-    _Atomic uint64_t read_ns[HIST_BUCKETS];
+    _Atomic uint64_t read_ns[HIST_BUCKETS], read_ns_sum;
 };
 
 /* What one range of a request counted; added to the shared counters once. */
@@ -298,6 +298,7 @@ static void record_read(ple_source *src, const ple_read *rd)
     ple_count(&src->reads, 1);
     ple_count(&src->read_bytes, rd->res > 0 ? (uint64_t)rd->res : 0);
     ple_count(&src->read_ns[histogram_bucket(rd->ns)], 1);
+    ple_count(&src->read_ns_sum, rd->ns);
 }
 
 static int read_round(ple_source *src, miss *m, size_t start, size_t end, size_t nb,
@@ -887,9 +888,10 @@ uint64_t ple_source_rows(const ple_source *src)
 
 void ple_source_get_stats(ple_source *src, ple_source_stats *st)
 {
-    uint64_t h[HIST_BUCKETS], total = 0;
+    uint64_t *h = st->read_ns_hist, total = 0;
     for (unsigned b = 0; b < HIST_BUCKETS; b++)
         total += h[b] = ple_counted(&src->read_ns[b]);
+    st->read_ns_sum = ple_counted(&src->read_ns_sum);
     st->hits = ple_counted(&src->hits);
     st->misses = ple_counted(&src->misses);
     st->reads = ple_counted(&src->reads);

@@ -645,10 +645,24 @@ static PyObject *Source_stats(SourceObject *self, PyObject *unused)
     ple_source_stats st;
     ple_source_get_stats(src, &st);
     ple_source_unref(src);
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "hits", st.hits,
+    /* The read latency histogram, bucket by bucket (gather.h says which
+     * nanoseconds each holds), for the metrics endpoint's histogram. */
+    PyObject *hist = PyTuple_New(PLE_READ_HIST_BUCKETS);
+    if (!hist)
+        return NULL;
+    for (unsigned b = 0; b < PLE_READ_HIST_BUCKETS; b++) {
+        PyObject *n = PyLong_FromUnsignedLongLong(st.read_ns_hist[b]);
+        if (!n) {
+            Py_DECREF(hist);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(hist, b, n);
+    }
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:N}", "hits", st.hits,
                          "misses", st.misses, "reads", st.reads, "read_bytes", st.read_bytes,
                          "read_errors", st.read_errors, "read_ns_p50", st.read_ns_p50,
-                         "read_ns_p99", st.read_ns_p99, "evictions", st.evictions);
+                         "read_ns_p99", st.read_ns_p99, "evictions", st.evictions,
+                         "read_ns_sum", st.read_ns_sum, "read_ns_buckets", hist);
 }
 
 static PyObject *Source_get_rows(SourceObject *self, void *closure)
