@@ -1211,6 +1211,35 @@ def miss_cells(r: Run, predicted: float | None) -> list[str]:
     return [misses, reads, flight, latency, exact, fmt(r.ahead, "d"), fmt(r.others_cpu, ".1%")]
 
 
+def summary(results: dict[Case, list[Run]], paths: list[str]) -> None:
+    """One line per case: each path over a (decode: whole run, steady in
+    brackets; prefill: the median prompt, the first in brackets)."""
+    others = [p for p in paths if p != "a"]
+    say("\n## x / a: decode whole (steady); prefill median prompt (first prompt)")
+    say("| case | a ms | " + " | ".join(others) + " | exact |")
+    say("|---|---:|" + "---:|" * len(others) + "---|")
+    for case, runs in results.items():
+        at = {r.path: r for r in runs}
+        a = at.get("a")
+        if case.kind == "decode":
+            fig = lambda r, w: r.windows[w]["mean"] if r and r.windows else None  # noqa: E731
+            keys = ("whole", "steady")
+        else:
+            fig = lambda r, w: r.prompts.get(w) if r and r.prompts else None  # noqa: E731
+            keys = ("median_ms", "first_ms")
+        cells = []
+        for p in others:
+            r = at.get(p)
+            if r is None or r.unavailable or r.error:
+                cells.append("–")
+                continue
+            whole, part = (ratio(fig(r, k), fig(a, k)) for k in keys)
+            cells.append(f"{fmt(whole)} ({fmt(part)})")
+        exact = [r.exact for r in runs if r.exact is not None]
+        ok = "–" if not exact else "yes" if all(exact) else "NO"
+        say(f"| {case.key} | {fmt(fig(a, keys[0]))} | " + " | ".join(cells) + f" | {ok} |")
+
+
 def targets(results: dict[Case, list[Run]], args) -> dict:
     """The issue's targets, where this run has the cases they need."""
     out: dict = {}
@@ -1245,7 +1274,8 @@ def targets(results: dict[Case, list[Run]], args) -> dict:
             if pa and pa.prompts:
                 out[f"{key}_le_1.15"] = out[f"{key}_prompt-ahead_over_a"] <= 1.15
             else:
-                out[f"{key}_le_1.15"] = f"not evaluated: prompt-ahead {pa and pa.unavailable}"
+                why = pa.unavailable or pa.error if pa else "not run"
+                out[f"{key}_le_1.15"] = f"not evaluated: prompt-ahead: {why}"
     ran = [r for runs in results.values() for r in runs if r.exact is not None]
     out["every_path_bit_exact"] = bool(ran) and all(r.exact for r in ran)
     # A host synchronization in every step would leave at most one step queued.
@@ -1445,6 +1475,7 @@ def main(argv=None) -> int:
             add_bounds(runs, report["disk"])
             report_case(case, runs, rig)
             write_json(args, report, results, rig, started)
+        summary(results, args.paths)
         report["targets"] = targets(results, args)
         say("\ntargets: " + json.dumps(report["targets"], default=str))
         others = [
