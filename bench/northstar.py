@@ -16,8 +16,9 @@ One run, in this order (``bench/device_northstar.sh`` wraps it for the GPU host)
 3. **the trace**: ids from ``bench/text_trace.py`` (real text, vLLM's hashing;
    ``--trace``), scaled onto the table's rows. Each case takes its own window
    of text, laid out over the trace in matrix order (no case reads text an
-   earlier case read, while the trace lasts); the last 6 144 tokens are the
-   warm-up text, never timed. A decode case of batch B and S steps is B
+   earlier case read, while the trace lasts); its last tokens (three of the
+   largest steps: 6 144 with 2 048-token chunks) are the warm-up text, never
+   timed. A decode case of batch B and S steps is B
    sequences of S consecutive tokens decoded in lock step; a prefill case is
    ``--prompt-repeats`` prompts of k chunks of ``--chunk-tokens`` (2 048)
    consecutive tokens;
@@ -38,6 +39,22 @@ GB10-class step: H up to 65 536), and one PLE layer per case at
 middle) adding ``rows.view(tokens, 16 · 160).to(bf16) @ Wp``, its 16 ids per
 token looked up in the table. A decode step's ids are fed into the static
 input buffer from the trace (on the device) before each step.
+
+The matrix (``--part``), each part sized for one device call of < 9 minutes
+with the table written in it, server restarts included:
+
+  part 1   decode at ≈ 7 ms: PLE layer 1 and 16 × batch 1, 32, 128, 1 000 steps
+           (7 s a path resident; ≈ 17 s from disk at batch 128, whose ≈ 700–1 600
+           first-touch reads a step keep the disk busy); prefill: PLE layer 1
+           and 16 × prompts of 1 and 4 chunks of 2 048 tokens, 3 prompts a case
+  part 2   decode at ≈ 40 ms: the same 6 cases, 250 steps (10 s a path)
+
+1 000 steps give the 50 first steps, 450 warming and 500 steady ones (250:
+50, 75, 125); a first-touch rate that still falls (text keeps bringing new
+n-grams) shows in the per-window miss figures. The cases run with the
+targets' first (decode at batch 32, then the 4-chunk prompts; then the 1-chunk
+ones, batch 128, batch 1), so that a run cut short by ``--deadline-s`` (no path
+starts that would end past it) loses the others.
 
 Paths (``--paths``), in this order in each case:
 
@@ -241,7 +258,16 @@ def matrix(args) -> tuple[list[Case], list[Case]]:
         cases += mine
         if name == "cpu" or name in parts:
             run += mine
-    return cases, run
+    return cases, sorted(run, key=first_the_targets)
+
+
+def first_the_targets(case: Case) -> int:
+    """Run order: the targets' cases first (decode at batch 32, then the
+    4-chunk prompts), so that a run cut short by --deadline-s loses others;
+    then the 1-chunk prompts, the largest batches, the rest."""
+    if case.kind == "prefill":
+        return 1 if case.steps > 1 else 2
+    return 0 if case.batch == TARGET_BATCH else 3 if case.batch > TARGET_BATCH else 4
 
 
 # ------------------------------------------------------------------ the table
@@ -1374,7 +1400,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"unknown paths {sorted(set(args.paths) - set(PATHS))}; use {PATHS}")
     args.paths = [p for p in PATHS if p in args.paths]  # the documented order
     if args.rows is None:
-        args.rows = int(args.table_factor * parse_size(args.cache_size)) // ROW_BYTES // 8 * 8
+        args.rows = int(args.table_factor * parse_size(args.cache_size)) // ROW_BYTES
     if not all(0 <= i < args.layers for i in args.ple_at):
         ap.error(f"--ple-at {args.ple_at}: layers are 0..{args.layers - 1}")
     if args.chunk_tokens * IDS_PER_TOKEN > 64 * args.capacity:
