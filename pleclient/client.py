@@ -577,7 +577,7 @@ def _send_hello(sock: socket.socket, name: str) -> None:
                 "type": p.MessageType.HELLO.value,
                 "version": p.PROTOCOL_VERSION,
                 "pid": os.getpid(),
-                "name": name,
+                "name": name[: p.MAX_NAME_CHARS],
             },
         )
     except (BrokenPipeError, ConnectionResetError):

@@ -258,17 +258,17 @@ class Sessions:
             self._close_session(session, "client closed the connection")
             return
         session.last_active = time.monotonic()
-        try:
-            messages = session.reader.feed(
-                data,
-                session.last_active,
-                p.MAX_FRAME_BYTES if session.greeted else p.MAX_HELLO_FRAME_BYTES,
-            )
-        except p.FrameError as exc:
-            self._reject(session, p.ErrorCode.BAD_MESSAGE, str(exc), close=True)
-            return
-        for msg in messages:
-            if session.sock not in self.by_socket:
+        session.reader.push(data, session.last_active)
+        # One frame at a time: HELLO changes the limits the next one is read
+        # under. Each decodes within them, so no frame costs more than the
+        # largest real message, whatever it holds.
+        while session.sock in self.by_socket:
+            try:
+                msg = session.reader.pop(p.AFTER_HELLO if session.greeted else p.BEFORE_HELLO)
+            except p.FrameError as exc:
+                self._reject(session, p.ErrorCode.BAD_MESSAGE, str(exc), close=True)
+                return
+            if msg is None:
                 return
             try:
                 self._dispatch(session, msg)
@@ -304,7 +304,7 @@ class Sessions:
                 close=True,
             )
         name = msg.get("name")
-        s.name = name[:64] if isinstance(name, str) else ""
+        s.name = name[: p.MAX_NAME_CHARS] if isinstance(name, str) else ""
         s.greeted = True
         self._send(
             s,
