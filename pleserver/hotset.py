@@ -24,10 +24,12 @@ the previous file.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import stat
 import struct
 import threading
 import time
@@ -45,6 +47,9 @@ FILE_NAME = "hotset.bin"
 PREFIX = struct.Struct("<8sII")
 DIGEST_BYTES = 32
 MAX_HEADER_BYTES = 1 << 20
+STOP_JOIN_S = 10.0
+"""How long ``stop`` waits for the refill thread (a read stuck in the kernel
+must not hold up the server's exit)."""
 REFILL_CHUNK = 8192
 """Rows per ``fill`` call: enough to keep the miss engine's queue full, few
 enough that a stop request is seen quickly."""
@@ -112,6 +117,19 @@ def decode(data: bytes, tables: list[Table]) -> np.ndarray:
     return keys
 
 
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
+
+
 class HotSet:
     """Refills the cache from the saved file (first, in a thread), then saves
     the cache's keys every ``interval_s`` and at ``stop``.
@@ -154,7 +172,14 @@ class HotSet:
         refill did not finish (the file on disk then still holds more)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(STOP_JOIN_S)
+            if self._thread.is_alive():
+                log.warning(
+                    "hot set: the refill thread did not stop within %.0f s (a read "
+                    "stuck in the kernel?); not saved at stop",
+                    STOP_JOIN_S,
+                )
+                return
         if self.state in ("refilling", "stopped", "pending"):
             log.info(
                 "hot set: not saved at stop (the refill did not finish; %s keeps the previous set)",
@@ -207,29 +232,41 @@ class HotSet:
     def load(self) -> np.ndarray | None:
         """The saved keys, or None (no file, or a file not to trust: logged)."""
         try:
-            with open(self.path, "rb") as f:
-                data = f.read()
+            # O_NONBLOCK: opening a FIFO must not wait for a writer.
+            fd = os.open(
+                self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+            )
         except FileNotFoundError:
             return None
         except OSError as exc:
-            log.warning(
-                "hot set: cannot read %s (%s); starting with an empty cache",
-                self.path,
-                exc.strerror or exc,
+            self._ignore(
+                "a symbolic link (never followed)"
+                if exc.errno == errno.ELOOP
+                else f"cannot open it ({exc.strerror or exc})"
             )
-            self.state = "ignored"
             return None
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise HotSetError(f"not a regular file ({_kind(st.st_mode)})")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = f.read()
             return decode(data, self.tables)
         except HotSetError as exc:
-            log.warning(
-                "hot set: ignoring %s: %s; starting with an empty cache (the "
-                "next save replaces it)",
-                self.path,
-                exc,
-            )
-            self.state = "ignored"
-            return None
+            self._ignore(str(exc))
+        except OSError as exc:
+            self._ignore(f"cannot read it ({exc.strerror or exc})")
+        finally:
+            os.close(fd)
+        return None
+
+    def _ignore(self, why: str) -> None:
+        log.warning(
+            "hot set: ignoring %s: %s; starting with an empty cache (the next save replaces it)",
+            self.path,
+            why,
+        )
+        self.state = "ignored"
 
     def _refill(self) -> None:
         started = time.monotonic()

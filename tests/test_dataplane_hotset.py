@@ -4,6 +4,8 @@ and never trusted when corrupt, truncated or saved for another checkpoint."""
 from __future__ import annotations
 
 import os
+import stat
+import time
 
 import numpy as np
 import pytest
@@ -127,3 +129,45 @@ def test_the_refill_progress_reaches_systemd_status(start_server, model, state_d
     final = server.wait_for(serving + "hot set refill done")
     rows = HOT_IDS.size * len(SMALL_TABLES)
     assert f"{serving}hot set refill done: 100.0% ({rows} of {rows} rows)" in final, final
+
+
+# ------------------------------------------------ files planted in the state dir
+STOP_BUDGET_S = 10.0
+"""SIGTERM to exit, well inside the unit's TimeoutStopSec=30."""
+
+
+def stops_in_budget(server) -> None:
+    started = time.monotonic()
+    code = server.stop(timeout=STOP_BUDGET_S + 5)
+    took = time.monotonic() - started
+    assert code == 0 and took < STOP_BUDGET_S, (code, took, server.log_tail())
+
+
+@pytest.mark.parametrize("plant", ["FIFO", "symlink to a FIFO"])
+def test_a_hot_set_file_that_is_a_fifo_is_refused_and_sigterm_completes(
+    start_server, model, state_dir, tmp_path, plant
+):
+    """Opening a FIFO for reading waits for a writer: the refill thread blocked
+    there, the state stayed `pending` with no log line, and SIGTERM never
+    completed. The file is now opened O_NONBLOCK | O_NOFOLLOW and must be a
+    regular file."""
+    path = state_dir / "hotset.bin"
+    if plant == "FIFO":
+        os.mkfifo(path)
+    else:
+        os.mkfifo(tmp_path / "fifo")
+        os.symlink(tmp_path / "fifo", path)
+    server = direct(start_server, model, state_dir)
+    with server.client() as client:
+        stats = refill_over(client)
+        assert stats["hotset"]["state"] == "ignored", stats["hotset"]
+        t = client.tables[0]
+        assert np.array_equal(
+            client.lookup(t.layer, HOT_IDS), read_reference(model, t.name)[HOT_IDS]
+        )
+    why = "not a regular file (a FIFO)" if plant == "FIFO" else "a symbolic link (never followed)"
+    assert f"hot set: ignoring {path}: {why}" in server.log(), server.log_tail()
+    stops_in_budget(server)
+    assert stat.S_ISREG(os.lstat(path).st_mode)  # the save at stop replaced it
+    if plant != "FIFO":
+        assert stat.S_ISFIFO(os.stat(tmp_path / "fifo").st_mode)  # the link's target untouched
