@@ -21,12 +21,21 @@ also checked against its table's rows before any read. Written atomically
 (temp file, fsync, rename, fsync of the directory), so a crash mid-save leaves
 the previous file.
 
-A file is opened ``O_NOFOLLOW | O_NONBLOCK`` (a symbolic link is refused, and
-a FIFO can never block the open) and must be a regular file whose size fits
-these tables: the header's bytes and one key per row at most. Its magic,
-version, header and size are checked before its keys are read, and the keys
-are read and hashed as a stream, keeping only those the cache can hold:
-loading takes memory for the cache's keys, not for the file.
+What the state directory may hold is not trusted either, since whoever may
+write the directory chooses it:
+
+- the directory must be writable by this server's uid alone, and owned by it
+  (or root); otherwise the hot set is neither restored nor saved, with an
+  ERROR that says how to fix it (``check_state_dir``);
+- the file is opened ``O_NOFOLLOW | O_NONBLOCK`` (a symbolic link is refused,
+  and a FIFO can never block the open) and must be a regular file whose size
+  fits these tables: the header's bytes and one key per row at most. Its
+  magic, version, header and size are checked before its keys are read, and
+  the keys are read and hashed as a stream, keeping only those the cache can
+  hold: loading takes memory for the cache's keys, not for the file;
+- a save writes a temp file created ``O_EXCL | O_NOFOLLOW`` under a random
+  name in the directory opened at start, so no link planted there is ever
+  followed.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import stat
 import struct
 import threading
@@ -51,6 +61,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"PLEHOTS\0"
 VERSION = 1
 FILE_NAME = "hotset.bin"
+TEMP_PREFIX = FILE_NAME + ".tmp."
 PREFIX = struct.Struct("<8sII")
 KEY_BYTES = 8
 DIGEST_BYTES = 32
@@ -77,6 +88,49 @@ def identity(tables: list[Table]) -> list[dict]:
         {"key": t.key, "name": t.spec.name, "rows": t.rows, "fingerprint": t.spec.fingerprint}
         for t in tables
     ]
+
+
+class StateDirError(RuntimeError):
+    """The state directory is not safe to use; the message says why and the fix."""
+
+
+def open_state_dir(path: str) -> int:
+    """A descriptor of the state directory, checked by ``check_state_dir``;
+    FileNotFoundError when it does not exist."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        check_state_dir(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_state_dir(fd: int, path: str) -> None:
+    """Raise StateDirError unless the directory is owned by this server's uid
+    (or root) and writable by nobody else: whoever else may write it could
+    plant a link there that the server would write through, or a FIFO it
+    would block on."""
+    st = os.fstat(fd)
+    uid = os.geteuid()
+    problems = []
+    if st.st_uid not in (uid, 0):
+        problems.append(f"owned by uid {st.st_uid}, not by this server's uid {uid}")
+    writable = [
+        who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit
+    ]
+    if writable:
+        problems.append(
+            f"writable by {' and '.join(writable)} (mode {stat.S_IMODE(st.st_mode):04o})"
+        )
+    if problems:
+        raise StateDirError(
+            f"state_dir {path} is {' and '.join(problems)}: whoever else may write it "
+            "could make the server overwrite other files through links planted there; "
+            "the hot set is neither restored nor saved. Give it to the server's user "
+            f"alone: `chown {uid} {path} && chmod 0750 {path}` (the unit's "
+            "StateDirectory= does)"
+        )
 
 
 def _header(tables: list[Table], count: int) -> bytes:
@@ -214,6 +268,9 @@ class HotSet:
     """Refills the cache from the saved file (first, in a thread), then saves
     the cache's keys every ``interval_s`` and at ``stop``.
 
+    Opens the state directory at once: FileNotFoundError when it does not
+    exist, StateDirError when others may write it (``check_state_dir``).
+
     States: pending → refilling → done | budget (the cache filled first) |
     none (no file) | ignored (untrusted file) | stopped | failed."""
 
@@ -241,6 +298,10 @@ class HotSet:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._save_lock = threading.Lock()
+        # Every name below is looked up in this directory, as opened (and
+        # checked) now: a path swapped under the server changes nothing.
+        self._dir_fd: int | None = open_state_dir(state_dir)
+        self._remove_temp_files()
 
     # ---------------------------------------------------------------- thread
     def start(self) -> None:
@@ -251,22 +312,29 @@ class HotSet:
         """Stop the refill and the periodic saves; save once more, unless the
         refill did not finish (the file on disk then still holds more)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(STOP_JOIN_S)
-            if self._thread.is_alive():
-                log.warning(
-                    "hot set: the refill thread did not stop within %.0f s (a read "
-                    "stuck in the kernel?); not saved at stop",
-                    STOP_JOIN_S,
+        try:
+            if self._thread is not None:
+                self._thread.join(STOP_JOIN_S)
+                if self._thread.is_alive():
+                    log.warning(
+                        "hot set: the refill thread did not stop within %.0f s (a read "
+                        "stuck in the kernel?); not saved at stop",
+                        STOP_JOIN_S,
+                    )
+                    return
+            if self.state in ("refilling", "stopped", "pending"):
+                log.info(
+                    "hot set: not saved at stop (the refill did not finish; %s keeps "
+                    "the previous set)",
+                    self.path,
                 )
                 return
-        if self.state in ("refilling", "stopped", "pending"):
-            log.info(
-                "hot set: not saved at stop (the refill did not finish; %s keeps the previous set)",
-                self.path,
-            )
-            return
-        self.save()
+            self.save()
+        finally:
+            with self._save_lock:
+                if self._dir_fd is not None:
+                    os.close(self._dir_fd)
+                    self._dir_fd = None
 
     def wait(self, timeout: float | None = None) -> None:
         """Until the refill is over (a test and benchmark helper)."""
@@ -312,10 +380,13 @@ class HotSet:
     def load(self) -> tuple[np.ndarray, int] | None:
         """The saved keys the cache can hold and how many the file holds, or
         None (no file, a file not to trust — logged —, or a stop meanwhile)."""
+        assert self._dir_fd is not None  # (open until stop)
         try:
             # O_NONBLOCK: opening a FIFO must not wait for a writer.
             fd = os.open(
-                self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+                FILE_NAME,
+                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
+                dir_fd=self._dir_fd,
             )
         except FileNotFoundError:
             return None
@@ -397,26 +468,42 @@ class HotSet:
     def save(self) -> bool:
         """Write the cache's keys atomically; False (logged) when it cannot."""
         with self._save_lock:
-            keys = self.cache.keys()
-            tmp = f"{self.path}.tmp.{os.getpid()}"
+            if self._dir_fd is None:  # stopped
+                return False
+            dir_fd = self._dir_fd
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+                check_state_dir(dir_fd, self.state_dir)  # its mode may have changed since
+            except StateDirError as exc:
+                if self.save_error is None:
+                    log.error("hot set: not saved: %s", exc)
+                self.save_error = str(exc)
+                return False
+            keys = self.cache.keys()
+            # A name no one can have planted a link under, created only if new.
+            tmp = TEMP_PREFIX + secrets.token_hex(8)
+            created = False
+            try:
+                fd = os.open(
+                    tmp,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o640,
+                    dir_fd=dir_fd,
+                )
+                created = True
                 try:
                     write_file(fd, self.tables, keys)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-                os.rename(tmp, self.path)
-                dir_fd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                try:
-                    os.fsync(dir_fd)
-                finally:
-                    os.close(dir_fd)
+                os.rename(tmp, FILE_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                created = False
+                os.fsync(dir_fd)
             except OSError as exc:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+                if created:
+                    try:
+                        os.unlink(tmp, dir_fd=dir_fd)
+                    except OSError:
+                        pass
                 if self.save_error is None:
                     log.warning(
                         "hot set: cannot save %s (%s); check that state_dir is "
@@ -430,3 +517,22 @@ class HotSet:
             self.saved_rows, self.saved_at = int(keys.size), time.time()
             log.debug("hot set: saved %d keys to %s", keys.size, self.path)
             return True
+
+    def _remove_temp_files(self) -> None:
+        """Remove temp files of saves a crash interrupted (each has a name of
+        its own, so they would pile up). Unlinking never follows a link."""
+        assert self._dir_fd is not None
+        removed = 0
+        for name in os.listdir(self._dir_fd):
+            if name.startswith(TEMP_PREFIX):
+                try:
+                    os.unlink(name, dir_fd=self._dir_fd)
+                    removed += 1
+                except OSError:
+                    pass
+        if removed:
+            log.info(
+                "hot set: removed %d temp files of interrupted saves from %s",
+                removed,
+                self.state_dir,
+            )

@@ -35,7 +35,7 @@ from pleserver import __version__
 from pleserver.budget import ChannelBudget, default_channel_budget
 from pleserver.config import ServerConfig
 from pleserver.dataplane import DataPlane, PlaneOptions
-from pleserver.hotset import HotSet
+from pleserver.hotset import HotSet, StateDirError
 from pleserver.memory import memory_room
 from pleserver.prewarm import Prewarm, resident_bytes
 from pleserver.segments import Reserver
@@ -210,7 +210,7 @@ class Server:
             self.prewarm.on_progress = self._report_prewarm
             self.prewarm.start()
         if self.plane.cache is not None:
-            if os.path.isdir(cfg.state_dir):
+            try:
                 self.hotset = HotSet(
                     cfg.state_dir,
                     self.tables,
@@ -218,13 +218,23 @@ class Server:
                     cfg.hotset_save_interval,
                     self._report_hotset,
                 )
-                self.hotset.start()
-            else:
+            except FileNotFoundError:
                 log.info(
                     "state_dir %s does not exist: the hot set is neither saved nor "
                     "restored (the unit's StateDirectory= creates it)",
                     cfg.state_dir,
                 )
+            except StateDirError as exc:
+                log.error("hot set: %s", exc)
+            except OSError as exc:
+                log.error(
+                    "hot set: cannot open state_dir %s (%s): the hot set is neither "
+                    "saved nor restored",
+                    cfg.state_dir,
+                    exc.strerror or exc,
+                )
+            else:
+                self.hotset.start()
 
     def _set_budget(self) -> None:
         cfg = self.config

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -282,3 +283,63 @@ def test_a_socket_directory_the_server_may_not_write_is_a_clear_startup_error(
     )  # `public` is root's, 0755
     assert server.exit_code() == 2
     assert "cannot bind" in server.log() and "Permission denied" in server.log()
+
+
+# ----------------------------------------------------------- the state directory
+@pytest.mark.parametrize("mode", [0o777, 0o750])
+def test_saving_the_hot_set_never_writes_through_a_planted_link(start_server, tmp_path, mode):
+    """A link planted where the save used to put its temp file
+    (``hotset.bin.tmp.<pid>``) and one at ``hotset.bin`` point at a victim
+    file, as another uid can do in a state directory it may write (0777). Such
+    a directory is now refused: neither restored nor saved, with an ERROR that
+    says how to fix it. In a directory of the server's alone (0750) the save
+    creates a temp file of a random name, O_EXCL | O_NOFOLLOW, and renames it
+    over the link. Either way the victim is untouched (before: overwritten at
+    SIGTERM)."""
+    model = write_checkpoint(str(tmp_path / "model"), SMALL_TABLES, files=2)
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chmod(state, mode)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious\n")
+    os.chmod(victim, 0o600)
+    before = victim.stat()
+    server = start_server(model, "--io", "direct", "--state-dir", str(state))
+    with server.client() as client:
+        client.lookup(1, [1, 2, 3])
+    os.symlink(victim, state / f"hotset.bin.tmp.{server.pid}")
+    os.symlink(victim, state / "hotset.bin")
+    assert server.stop() == 0
+    log = server.log()
+    assert victim.read_bytes() == b"precious\n"
+    after = victim.stat()
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
+    if mode == 0o777:
+        assert (
+            f"ERROR pleserver.server: hot set: state_dir {state} is writable by group and "
+            "others (mode 0777)" in log
+        ), log[-3000:]
+        assert "chmod 0750" in log
+        assert os.path.islink(state / "hotset.bin")  # nothing there was touched
+    else:
+        assert stat.S_ISREG(os.lstat(state / "hotset.bin").st_mode), log[-3000:]
+
+
+def test_a_state_dir_owned_by_another_uid_is_refused(start_server, users, tmp_path):
+    """Its owner may plant links in it whatever its mode: refused like a
+    directory others may write; the server serves on without a hot set."""
+    other = users[0][2]
+    model = write_checkpoint(str(tmp_path / "model"), SMALL_TABLES, files=2)
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chown(state, other.uid, other.gid)
+    os.chmod(state, 0o755)
+    server = start_server(model, "--io", "direct", "--state-dir", str(state))
+    with server.client() as client:
+        assert client.stats()["hotset"] is None
+        assert client.lookup(1, [1]).shape == (1, 160)
+    assert server.stop() == 0
+    assert f"state_dir {state} is owned by uid {other.uid}, not by this server's uid 0" in (
+        server.log()
+    )
+    assert os.listdir(state) == []
