@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from pleclient import protocol as p
 from pleclient.checkpoint import discover_tables
 from pleserver import __version__
+from pleserver.admission import listen_backlog
 from pleserver.budget import ChannelBudget, default_channel_budget
 from pleserver.config import ServerConfig
 from pleserver.dataplane import DataPlane, PlaneOptions
@@ -303,7 +304,16 @@ class Server:
                 "directory exists and this user may write it"
             ) from None
         os.chmod(path, self.config.socket_mode)
-        listener.listen(128)
+        wanted, granted = listen_backlog()
+        listener.listen(wanted)
+        if granted is not None and granted < wanted:
+            log.warning(
+                "control socket: the kernel queues %d connections at most "
+                "(net.core.somaxconn); a burst beyond that makes clients retry. "
+                "Raise it: sysctl net.core.somaxconn=%d",
+                granted,
+                wanted,
+            )
         listener.setblocking(False)
         self._listener = listener
         self._selector.register(listener, selectors.EVENT_READ, "accept")
@@ -452,6 +462,7 @@ class Server:
             "socket": self.config.socket,
             "uptime_s": now - self.started,
             "clients": len(self.sessions) if self.sessions is not None else 0,
+            "refused": dict(self.sessions.admission.counts) if self.sessions is not None else {},
             "channels": self.loop.channel_count if self.loop else 0,
             "gpu_channels": self.loop.gpu_channel_count if self.loop else 0,
             "idle_wait": self.loop.idle_wait if self.loop else None,

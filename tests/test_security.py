@@ -11,8 +11,10 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pleclient.protocol import ErrorCode
@@ -343,3 +345,94 @@ def test_a_state_dir_owned_by_another_uid_is_refused(start_server, users, tmp_pa
         server.log()
     )
     assert os.listdir(state) == []
+
+
+# ----------------------------------------------------------- a connect flood
+FLOOD = """
+path, seconds = sys.argv[1], float(sys.argv[2])
+print("ready", flush=True)
+connected = full = 0
+stop = time.monotonic() + seconds
+while time.monotonic() < stop:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setblocking(False)
+    try:
+        s.connect(path)
+        connected += 1
+    except BlockingIOError:
+        full += 1
+    except OSError:
+        pass
+    s.close()
+print(json.dumps({"connected": connected, "full": full}), flush=True)
+"""
+
+NEWCOMERS = """
+path, count, gap = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+ok, failures = 0, []
+for _ in range(count):
+    try:
+        with PleClient.connect(path, name="newcomer", capacity=16, depth=1) as client:
+            client.lookup(1, [1, 2, 3])
+        ok += 1
+    except PleError as exc:
+        failures.append(f"{type(exc).__name__}: {exc}")
+    time.sleep(gap)
+print(json.dumps({"ok": ok, "failures": failures}), flush=True)
+"""
+
+
+def test_a_connect_flood_from_a_refused_uid_locks_out_no_new_client(
+    start_server, users, public, socket_dir
+):
+    """Three processes of a uid the server refuses open and close connections
+    as fast as they can. Before: the listen backlog (128) stayed full, new
+    clients of an allowed uid failed at once with EAGAIN (`ServerUnavailable`),
+    and the server spent its CPU refusing. Now the backlog is as long as
+    somaxconn allows, a refusal costs an accept, a frame encoded once and a
+    close, a uid past its accept rate is refused before anything else, and a
+    client retries a full queue: all 17 newcomers get in, the bystander is
+    served, and the refusals are counted."""
+    (_, client_user, other), _ = users
+    server = start_server(
+        public / "model",
+        "--allow-uid",
+        str(client_user.uid),
+        socket_path=str(socket_dir / "ple.sock"),
+    )
+    seconds = 8.0
+    flood = [python_child(FLOOD, server.socket, str(seconds), user=other) for _ in range(3)]
+    latencies = []
+    try:
+        with server.client(name="bystander", capacity=16, depth=1) as bystander:
+            for f in flood:
+                assert f.stdout.readline().strip() == "ready", f.stderr.read()
+            newcomers = python_child(NEWCOMERS, server.socket, "17", "0.3", user=client_user)
+            ids = np.arange(16) * 101
+            while newcomers.poll() is None:
+                started = time.monotonic()
+                bystander.lookup(1, ids)
+                latencies.append(time.monotonic() - started)
+                time.sleep(0.005)
+            out, err = newcomers.communicate(timeout=60)
+            floods = [json.loads(f.communicate(timeout=60)[0].splitlines()[-1]) for f in flood]
+            refused = bystander.stats().get("refused", {})
+    finally:
+        for f in flood:
+            if f.poll() is None:
+                f.kill()
+                f.communicate()
+    report = json.loads(out.splitlines()[-1]) if out.strip() else {"error": err}
+    p50, worst = float(np.median(latencies)), max(latencies)
+    print(
+        f"flood: {sum(f['connected'] for f in floods)} connections, "
+        f"{sum(f['full'] for f in floods)} found the queue full; newcomers {report}; "
+        f"refused {refused}; bystander {len(latencies)} lookups, p50 {p50 * 1e3:.2f} ms, "
+        f"max {worst * 1e3:.0f} ms"
+    )
+    assert report.get("ok") == 17 and not report.get("failures"), report
+    assert p50 < 0.05 and worst < 2.0, (p50, worst)
+    assert refused.get("not_allowed", 0) > 0 and refused.get("rate_limited", 0) > 0, refused
+    assert server.running
+    started = time.monotonic()
+    assert server.stop() == 0 and time.monotonic() - started < 10
