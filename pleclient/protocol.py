@@ -319,7 +319,7 @@ class DecodeLimits:
     bin_bytes: int
     array_len: int
     map_len: int
-    depth: int
+    depth: int | None  # None: as deep as msgpack itself decodes (1024)
 
     @classmethod
     def covering(cls, messages: tuple[dict, ...] | list[dict]) -> DecodeLimits:
@@ -381,7 +381,7 @@ FROM_SERVER = DecodeLimits(
     bin_bytes=MAX_FRAME_BYTES,
     array_len=1 << 20,
     map_len=1 << 16,
-    depth=32,
+    depth=None,
 )
 """What a client decodes from the server (its peer of trust: generous bounds)."""
 
@@ -484,7 +484,7 @@ def decode_body(body: bytes, limits: DecodeLimits = FROM_SERVER) -> dict:
         raise FrameError(f"undecodable msgpack body: {exc}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
         raise FrameError("a message must be a msgpack map with a string 'type'")
-    if _deeper_than(msg, limits.depth):
+    if limits.depth is not None and _deeper_than(msg, limits.depth):
         raise FrameError(f"a message nests containers deeper than {limits.depth}")
     return msg
 
