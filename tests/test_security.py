@@ -288,7 +288,7 @@ def test_a_socket_directory_the_server_may_not_write_is_a_clear_startup_error(
 
 
 # ----------------------------------------------------------- the state directory
-@pytest.mark.parametrize("mode", [0o777, 0o750])
+@pytest.mark.parametrize("mode", [0o777, 0o750], ids=["0777", "0750"])
 def test_saving_the_hot_set_never_writes_through_a_planted_link(start_server, tmp_path, mode):
     """A link planted where the save used to put its temp file
     (``hotset.bin.tmp.<pid>``) and one at ``hotset.bin`` point at a victim
