@@ -24,7 +24,8 @@ Every mode:
   (``max_channel_memory``; absent when there is none) — the channels' shared
   memory against its budget;
 - ``ple_sessions_refused_total{reason}`` (``not_allowed``: uid or groups not
-  in allow_uids/allow_gids; ``max_clients``; ``version_mismatch``) and
+  in allow_uids/allow_gids; ``max_clients``; ``rate_limited``: past the
+  per-uid accept rate; ``version_mismatch``) and
   ``ple_channels_refused_total{reason}`` (``no_resources``: the channel memory
   budget, the segment could not be reserved, or no descriptor left;
   ``channel_limit``: past max_capacity, max_depth or max_channel_bytes);
@@ -111,6 +112,7 @@ BUCKET_STEP = 3  # export every third stats bucket: 4 per decade
 SESSION_REFUSALS = {
     "not_allowed": "not_allowed",
     "max_clients": "too_many_clients",
+    "rate_limited": "rate_limited",
     "version_mismatch": "version_mismatch",
 }
 CHANNEL_REFUSALS = {"no_resources": "no_resources", "channel_limit": "channel_limit"}
@@ -172,6 +174,10 @@ def _control(snap: dict) -> Iterator[Metric]:
             value=memory["budget_bytes"],
         )
     errors = snap.get("control_errors") or {}
+    # Refusals at accept are counted by pleserver.connections, by its own reasons
+    # (a rate-limited uid and a full server share one ERROR code); the rest by
+    # the ERROR code the control plane sent.
+    counted = {**errors, **(snap.get("refused") or {})}
     for name, help_text, reasons in (
         (
             "ple_sessions_refused",
@@ -182,7 +188,7 @@ def _control(snap: dict) -> Iterator[Metric]:
     ):
         family = CounterMetricFamily(name, help_text, labels=["reason"])
         for reason, code in reasons.items():
-            family.add_metric([reason], errors.get(code, 0))
+            family.add_metric([reason], counted.get(code, 0))
         yield family
 
 

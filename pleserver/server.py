@@ -34,8 +34,9 @@ from pleclient.checkpoint import discover_tables
 from pleserver import __version__
 from pleserver.budget import ChannelBudget, default_channel_budget
 from pleserver.config import ServerConfig
+from pleserver.connections import listen_backlog
 from pleserver.dataplane import DataPlane, PlaneOptions
-from pleserver.hotset import HotSet
+from pleserver.hotset import HotSet, StateDirError
 from pleserver.memory import memory_room
 from pleserver.prewarm import Prewarm, resident_bytes
 from pleserver.segments import Reserver
@@ -226,7 +227,7 @@ class Server:
             self.prewarm.on_progress = self._report_prewarm
             self.prewarm.start()
         if self.plane.cache is not None:
-            if os.path.isdir(cfg.state_dir):
+            try:
                 self.hotset = HotSet(
                     cfg.state_dir,
                     self.tables,
@@ -234,13 +235,23 @@ class Server:
                     cfg.hotset_save_interval,
                     self._report_hotset,
                 )
-                self.hotset.start()
-            else:
+            except FileNotFoundError:
                 log.info(
                     "state_dir %s does not exist: the hot set is neither saved nor "
                     "restored (the unit's StateDirectory= creates it)",
                     cfg.state_dir,
                 )
+            except StateDirError as exc:
+                log.error("hot set: %s", exc)
+            except OSError as exc:
+                log.error(
+                    "hot set: cannot open state_dir %s (%s): the hot set is neither "
+                    "saved nor restored",
+                    cfg.state_dir,
+                    exc.strerror or exc,
+                )
+            else:
+                self.hotset.start()
 
     def _set_budget(self) -> None:
         cfg = self.config
@@ -309,7 +320,16 @@ class Server:
                 "directory exists and this user may write it"
             ) from None
         os.chmod(path, self.config.socket_mode)
-        listener.listen(128)
+        wanted, granted = listen_backlog()
+        listener.listen(wanted)
+        if granted is not None and granted < wanted:
+            log.warning(
+                "control socket: the kernel queues %d connections at most "
+                "(net.core.somaxconn); a burst beyond that makes clients retry. "
+                "Raise it: sysctl net.core.somaxconn=%d",
+                granted,
+                wanted,
+            )
         listener.setblocking(False)
         self._listener = listener
         self._selector.register(listener, selectors.EVENT_READ, "accept")
@@ -487,6 +507,7 @@ class Server:
             "socket": self.config.socket,
             "uptime_s": now - self.started,
             "clients": len(self.sessions) if self.sessions is not None else 0,
+            "refused": dict(self.sessions.gate.counts) if self.sessions is not None else {},
             "channels": self.loop.channel_count if self.loop else 0,
             "gpu_channels": self.loop.gpu_channel_count if self.loop else 0,
             "idle_wait": self.loop.idle_wait if self.loop else None,

@@ -187,6 +187,12 @@ def format_human(stats: dict) -> str:
         + "  "
         f"model {stats['model']}"
     ]
+    refused = stats.get("refused") or {}
+    if any(refused.values()):
+        lines.append(
+            "refused connections: "
+            + ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in refused.items())
+        )
     plane = stats.get("dataplane") or {}
     if plane:
         lines.append(f"io {plane['io']} ({plane['io_reason']})")

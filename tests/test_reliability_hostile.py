@@ -151,7 +151,8 @@ def test_anything_before_hello_closes_the_session(served):
 
 def test_a_stalled_half_frame_does_not_hold_up_other_clients(served, references):
     with RawSession(served.socket) as raw:
-        raw.send_bytes(struct.pack("<I", 1000) + b"\x81")  # 1 of 1000 bytes, then silence
+        # 1 byte of a frame of the largest size allowed, then silence
+        raw.send_bytes(struct.pack("<I", p.MAX_HELLO_FRAME_BYTES) + b"\x81")
         with Bystander(served, references) as bystander:
             bystander.wait_for_lookups(20)  # served while the half frame stalls
 
