@@ -266,6 +266,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from pleserver.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, SETTINGS
+    from pleserver import __version__
 
     parser = argparse.ArgumentParser(
         prog="pleserver",
@@ -273,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Serve PLE (n-gram embedding) tables from NVMe to vLLM workers over shared memory."
         ),
     )
+    parser.add_argument("--version", action="version", version=f"pleserver {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser(
