@@ -19,7 +19,12 @@ Each round runs every (build, call) for ``--calls`` calls in a row, builds in
 alternating order; the figure per call is the median over ``--rounds`` rounds,
 and the ratio abi3 / full is the median of the rounds' ratios (load from other
 processes hits both builds of a round alike). ``python-loop`` is the empty
-loop's cost per iteration, included in every figure. ``--build NAME=DIR`` adds
+loop's cost per iteration, included in every figure.
+
+Timings on a busy machine cannot resolve a few percent, so the two builds'
+machine code is compared too (``objdump -d``, addresses and call targets
+normalized): for each binding function on these paths, whether abi3 and the
+full API compiled to the same instructions, which no load can disturb. ``--build NAME=DIR`` adds
 a prebuilt tree's modules (``DIR/pleserver/_native*.so``, ``DIR/pleclient/_sync*.so``).
 
     python bench/abi3_overhead.py                     # ~1 min
@@ -34,6 +39,7 @@ import importlib.util
 import json
 import mmap
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -153,6 +159,62 @@ class Build:
         self.map.close()
 
 
+# The bindings on the timed paths (and futex_waitv, the idle serving loop's).
+BINDINGS = {
+    "pleserver/_native": ("Source_gather", "Source_gather_hits", "Source_fill", "source_lookup"),
+    "pleclient/_sync": (
+        "Words_load",
+        "Words_store",
+        "Words_publish",
+        "Words_wait_while",
+        "Words_add",
+        "word_at",
+        "sync_futex_waitv",
+    ),
+}
+
+
+def instructions(path: str) -> dict[str, list[str]]:
+    """``objdump -d`` of a module: {function: [instruction]}, with addresses,
+    offsets and call targets' addresses left out (they move between builds)."""
+    out = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True, check=True
+    ).stdout
+    found: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in out.splitlines():
+        if m := re.match(r"^[0-9a-f]+ <([^>]+)>:$", line):
+            current = found.setdefault(m.group(1), [])
+        elif current is not None and (m := re.match(r"^\s+[0-9a-f]+:\s+(\S+)\s*(.*)$", line)):
+            operands = re.sub(r"[0-9a-f]+ <([^>+]+)(\+0x[0-9a-f]+)?>", r"<\1>", m.group(2))
+            operands = re.sub(r"-?0x[0-9a-f]+\(%rip\)|# <[^>]*>", "", operands)
+            current.append(f"{m.group(1)} {operands}".strip())
+    return found
+
+
+def same_code(abi3: str, full: str) -> dict[str, str]:
+    """Per binding function: "identical", or how the abi3 build differs."""
+    result = {}
+    for module, names in BINDINGS.items():
+        (a,) = glob.glob(os.path.join(abi3, f"{module}*.so"))
+        (b,) = glob.glob(os.path.join(full, f"{module}*.so"))
+        code_a, code_b = instructions(a), instructions(b)
+        for name in names:
+            if name not in code_a or name not in code_b:
+                result[name] = "inlined (not a function of its own)"
+            elif code_a[name] == code_b[name]:
+                result[name] = f"identical ({len(code_a[name])} instructions)"
+            else:
+                calls = sorted(
+                    {i for i in code_a[name] if i.startswith("call")} - set(code_b[name])
+                )
+                result[name] = (
+                    f"differs: {len(code_a[name])} instructions against {len(code_b[name])}"
+                    + (f", abi3 adds {', '.join(calls)}" if calls else "")
+                )
+    return result
+
+
 def empty_loop(n: int) -> float:
     t0 = time.perf_counter_ns()
     for _ in range(n):
@@ -170,6 +232,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="ple-abi3-") as work:
         trees = {"abi3": build("abi3", True, work), "full": build("full", False, work)}
         trees.update(dict(b.split("=", 1) for b in args.build))
+        machine_code = same_code(trees["abi3"], trees["full"])
         table_path = os.path.join(work, "table.bin")
         reference = np.random.default_rng(0).integers(0, 256, (ROWS, ROW_BYTES), dtype=np.uint8)
         reference.tofile(table_path)
@@ -223,6 +286,7 @@ def main(argv=None) -> int:
             for c in CALLS
         }
     result["ratios"] = ratios
+    result["machine_code"] = machine_code
     width = max(len(n) for n in times)
     print(f"ns per call, median of {args.rounds} rounds × {args.calls} calls")
     print(" " * width + "".join(f"{c:>16}" for c in CALLS))
@@ -231,6 +295,9 @@ def main(argv=None) -> int:
     for name, per in ratios.items():
         print(f"{name}: " + ", ".join(f"{c} {per[c]:.3f}" for c in CALLS))
     print(f"python loop: {result['python_loop_ns']} ns per iteration (in every figure)")
+    print("machine code of the bindings, abi3 against the full API:")
+    for name, verdict in result["machine_code"].items():
+        print(f"  {name}: {verdict}")
     print(f"other processes used {others:.0%} of the CPUs; loadavg {result['loadavg']}")
     if args.json:
         with open(args.json, "w") as f:
