@@ -265,8 +265,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pleserver.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, SETTINGS
     from pleserver import __version__
+    from pleserver.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, SETTINGS
 
     parser = argparse.ArgumentParser(
         prog="pleserver",
