@@ -13,6 +13,15 @@
  *      or a short read fails the request with file, offset and errno), then
  *      copied into `out` and into the cache.
  *
+ * The cache is filled only from memory no client can write: the read
+ * buffers, a mapping of the file, or a scratch row of the server's own.
+ * `out` is often a client's slot, which that client may rewrite at any
+ * moment, so nothing is ever read back from it: a row read back from `out`
+ * into the cache would be served to every client, with whatever the one
+ * client wrote there in between. Every path that puts a row into the cache
+ * (gather, split gathers, fill, and whatever reads rows ahead of requests)
+ * keeps to this.
+ *
  * In-flight set: buckets of entries, each entry owned by the request that
  * reads the block and living in that request's memory. One mutex guards
  * the buckets and every entry's fields; one condition variable is broadcast
@@ -27,9 +36,10 @@
  * Segments: a served row may be the concatenation of several tensors' rows
  * (NVFP4: packed values, then block scales), each with its own shards in
  * possibly other files. Every segment of a missed row is a miss of its own
- * (offset, bytes, and where in the output row it goes); the row goes into
- * the cache only once all of its segments are in `out`, so the cache holds
- * whole composed rows. */
+ * (offset, bytes, and where in the output row it goes). Its segments are
+ * put together in a private row (`composed`) and the whole row goes to
+ * `out` and into the cache once all of them arrived, so the cache holds
+ * whole composed rows and a hit is one copy. */
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -100,6 +110,7 @@ typedef struct miss {
     uint32_t pos;       /* in the request */
     uint32_t shard;     /* index into src->shards: table shard * nsegs + segment */
     uint32_t block;     /* index of its first block in the round */
+    uint32_t row;       /* rows of several segments: its row in `composed` */
 } miss;
 
 /* ------------------------------------------------------------- helpers */
@@ -235,9 +246,35 @@ typedef struct round_mem {
     ple_read reads[ROUND_BLOCKS];
     uint32_t first_block[ROUND_BLOCKS];  /* of each read */
     unsigned char *buf;                  /* ROUND_BLOCKS blocks, 4 KiB-aligned */
+    unsigned char *scratch;              /* a row that straddles blocks, put together */
 } round_mem;
 
-/* Copy one row out of the round's blocks; 0, or -1 with err set. */
+/* Whether `take` bytes at `in_block` of block `e` were read; 0, or -1 with
+ * err set (file, offset, errno). */
+static int block_read(const ple_source *src, const miss *m, const inflight *e, uint32_t in_block,
+                      uint32_t take, ple_error *err)
+{
+    uint64_t block_offset = (e->key & ((1ULL << BLOCK_BITS) - 1)) * PLE_BLOCK;
+    const char *path = src->shards[m->shard].path;
+    if (e->valid < 0) {
+        ple_error_set(err, PLE_ERR_READ, -e->valid,
+                      "reading the %u-byte block at offset %llu of %s: %s", PLE_BLOCK,
+                      (unsigned long long)block_offset, path, strerror(-e->valid));
+        return -1;
+    }
+    if (in_block + take > (uint32_t)e->valid) {
+        ple_error_set(err, PLE_ERR_READ, EIO,
+                      "short read at offset %llu of %s: %d of %u bytes, the file ends "
+                      "before row offset %llu (truncated?): %s",
+                      (unsigned long long)block_offset, path, e->valid, PLE_BLOCK,
+                      (unsigned long long)m->offset, strerror(EIO));
+        return -1;
+    }
+    return 0;
+}
+
+/* Copy one segment of a row out of the round's blocks into dst; 0, or -1
+ * with err set. */
 static int copy_row(ple_source *src, const round_mem *rm, const miss *m, unsigned char *dst,
                     ple_error *err)
 {
@@ -246,26 +283,27 @@ static int copy_row(ple_source *src, const round_mem *rm, const miss *m, unsigne
         const inflight *e = rm->use[j++];
         uint32_t in_block = (uint32_t)((m->offset + done) % PLE_BLOCK);
         uint32_t take = rb - done < PLE_BLOCK - in_block ? rb - done : PLE_BLOCK - in_block;
-        uint64_t block_offset = (e->key & ((1ULL << BLOCK_BITS) - 1)) * PLE_BLOCK;
-        const char *path = src->shards[m->shard].path;
-        if (e->valid < 0) {
-            ple_error_set(err, PLE_ERR_READ, -e->valid,
-                          "reading the %u-byte block at offset %llu of %s: %s", PLE_BLOCK,
-                          (unsigned long long)block_offset, path, strerror(-e->valid));
+        if (block_read(src, m, e, in_block, take, err) != 0)
             return -1;
-        }
-        if (in_block + take > (uint32_t)e->valid) {
-            ple_error_set(err, PLE_ERR_READ, EIO,
-                          "short read at offset %llu of %s: %d of %u bytes, the file ends "
-                          "before row offset %llu (truncated?): %s",
-                          (unsigned long long)block_offset, path, e->valid, PLE_BLOCK,
-                          (unsigned long long)m->offset, strerror(EIO));
-            return -1;
-        }
         memcpy(dst + done, e->data + in_block, take);
         done += take;
     }
     return 0;
+}
+
+/* A one-segment row as read, in memory no client can write: in its block
+ * when it lies in one (no copy), else put together in the round's scratch
+ * row. NULL with err set when its read failed. */
+static const unsigned char *read_row(ple_source *src, const round_mem *rm, const miss *m,
+                                     ple_error *err)
+{
+    uint32_t in_block = (uint32_t)(m->offset % PLE_BLOCK);
+    if (in_block + src->row_bytes <= PLE_BLOCK) {
+        const inflight *e = rm->use[m->block];
+        return block_read(src, m, e, in_block, src->row_bytes, err) == 0 ? e->data + in_block
+                                                                           : NULL;
+    }
+    return copy_row(src, rm, m, rm->scratch, err) == 0 ? rm->scratch : NULL;
 }
 
 /* Plan a round from m[start..]: the distinct blocks in order and each miss's
@@ -300,8 +338,12 @@ static void record_read(ple_source *src, const ple_read *rd)
     ple_count(&src->read_ns[histogram_bucket(rd->ns)], 1);
 }
 
+/* Read a round's blocks and take its rows: a one-segment row into `out` and
+ * into the cache, a segment of a longer row into its private row of
+ * `composed` (the caller moves whole rows on). */
 static int read_round(ple_source *src, miss *m, size_t start, size_t end, size_t nb,
-                      round_mem *rm, unsigned char *out, tally *t, ple_error *err)
+                      round_mem *rm, unsigned char *out, unsigned char *composed, tally *t,
+                      ple_error *err)
 {
     /* (a) register */
     pthread_mutex_lock(&src->inflight_lock);
@@ -355,16 +397,26 @@ static int read_round(ple_source *src, miss *m, size_t start, size_t end, size_t
 
     int rc = 0;
     for (size_t i = start; i < end; i++) {
-        unsigned char *dst = out + (size_t)m[i].pos * src->row_bytes;
-        if (copy_row(src, rm, &m[i], dst + src->seg_off[miss_seg(src, &m[i])], err) != 0) {
+        if (src->nsegs > 1) {
+            /* Whole only after every round: out and cache then, by gather_range. */
+            unsigned char *row = composed + (size_t)m[i].row * src->row_bytes;
+            if (copy_row(src, rm, &m[i], row + src->seg_off[miss_seg(src, &m[i])], err) != 0) {
+                t->read_errors++;
+                rc = -1;
+            }
+            continue;
+        }
+        const unsigned char *row = read_row(src, rm, &m[i], err);
+        if (!row) {
             t->read_errors++;
             rc = -1;
             continue;
         }
-        /* A row of several segments is whole only after every round: cached
-         * then, by gather_range. */
-        if (src->cache && src->nsegs == 1)
-            store_row(src, miss_row_key(src, &m[i]), dst, t);
+        memcpy(out + (size_t)m[i].pos * src->row_bytes, row, src->row_bytes);
+        /* From the read buffer (or the scratch row), never from `out`: the
+         * client may have rewritten its slot since the copy above. */
+        if (src->cache)
+            store_row(src, miss_row_key(src, &m[i]), row, t);
     }
 
     /* (d) drop our references, (e) wait for our waiters, leave the set */
@@ -386,10 +438,14 @@ static int read_round(ple_source *src, miss *m, size_t start, size_t end, size_t
     return rc;
 }
 
-static round_mem *round_mem_new(size_t blocks)
+static round_mem *round_mem_new(size_t blocks, uint32_t row_bytes)
 {
     round_mem *rm = malloc(sizeof *rm);
-    if (rm && posix_memalign((void **)&rm->buf, PLE_BLOCK, blocks * PLE_BLOCK + 1) != 0) {
+    if (!rm)
+        return NULL;
+    rm->scratch = malloc(row_bytes + 1);
+    if (!rm->scratch || posix_memalign((void **)&rm->buf, PLE_BLOCK, blocks * PLE_BLOCK + 1) != 0) {
+        free(rm->scratch);
         free(rm);
         rm = NULL;
     }
@@ -398,6 +454,7 @@ static round_mem *round_mem_new(size_t blocks)
 
 static void round_mem_free(round_mem *rm)
 {
+    free(rm->scratch);
     free(rm->buf);
     free(rm);
 }
@@ -410,7 +467,7 @@ typedef struct rounds {
     const size_t *bounds;  /* round r: misses [bounds[r], bounds[r + 1]) */
     size_t nrounds, blocks;
     _Atomic size_t next;   /* relaxed: only hands out round numbers */
-    unsigned char *out;
+    unsigned char *out, *composed;
     tally tallies[ROUNDS_AT_ONCE];
     ple_error errors[ROUNDS_AT_ONCE];
     int rcs[ROUNDS_AT_ONCE];
@@ -419,7 +476,7 @@ typedef struct rounds {
 static void rounds_task(void *ctx, size_t k)
 {
     rounds *rs = ctx;
-    round_mem *rm = round_mem_new(rs->blocks);
+    round_mem *rm = round_mem_new(rs->blocks, rs->src->row_bytes);
     if (!rm) {  /* the other task, if any, takes the rounds */
         ple_error_set(&rs->errors[k], PLE_ERR_NOMEM, ENOMEM, "no memory for read buffers");
         rs->rcs[k] = -1;
@@ -432,7 +489,7 @@ static void rounds_task(void *ctx, size_t k)
         size_t nb;
         plan_round(rs->src, rs->m, rs->bounds[r], rs->bounds[r + 1], rm, &nb);
         if (read_round(rs->src, rs->m, rs->bounds[r], rs->bounds[r + 1], nb, rm, rs->out,
-                       &rs->tallies[k], &rs->errors[k]) != 0)
+                       rs->composed, &rs->tallies[k], &rs->errors[k]) != 0)
             rs->rcs[k] = -1;
     }
     round_mem_free(rm);
@@ -440,16 +497,16 @@ static void rounds_task(void *ctx, size_t k)
 
 static ple_pool *get_split_pool(unsigned workers);
 
-static int read_misses(ple_source *src, miss *m, size_t n, unsigned char *out, tally *t,
-                       ple_error *err)
+static int read_misses(ple_source *src, miss *m, size_t n, unsigned char *out,
+                       unsigned char *composed, tally *t, ple_error *err)
 {
     qsort(m, n, sizeof *m, cmp_miss);
-    rounds rs = {.src = src, .m = m, .out = out};
+    rounds rs = {.src = src, .m = m, .out = out, .composed = composed};
     rs.blocks = n * ((src->row_bytes + PLE_BLOCK - 1) / PLE_BLOCK + 1);
     if (rs.blocks > ROUND_BLOCKS)
         rs.blocks = ROUND_BLOCKS;
     size_t *bounds = malloc((n + 1) * sizeof *bounds);
-    round_mem *plan = round_mem_new(0);
+    round_mem *plan = round_mem_new(0, 0);
     if (!bounds || !plan) {
         free(bounds);
         if (plan)
@@ -532,7 +589,14 @@ static int gather_range(ple_source *src, const int64_t *ids, size_t n, unsigned 
         ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory for %zu misses", n);
         return -1;
     }
+    /* A cache over mappings puts rows of several segments together here. */
+    unsigned char *private_row = NULL;
+    if (!src->engine && src->cache && nsegs > 1 && !(private_row = malloc(rb))) {
+        ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory for a row of %u bytes", rb);
+        return -1;
+    }
     int rc = 0;
+    uint32_t missed = 0;  /* rows, numbered for `composed` */
     located loc[LOOKUP_BATCH];
     for (size_t base = 0; base < n; base += LOOKUP_BATCH) {
         size_t count = n - base < LOOKUP_BATCH ? n - base : LOOKUP_BATCH;
@@ -555,23 +619,47 @@ static int gather_range(ple_source *src, const int64_t *ids, size_t n, unsigned 
                 if (src->engine)
                     m[nm++] = (miss){.sort_key = (uint64_t)sh->fd << BLOCK_BITS
                                                  | offset / PLE_BLOCK,
-                                     .offset = offset, .pos = (uint32_t)i, .shard = flat};
+                                     .offset = offset, .pos = (uint32_t)i, .shard = flat,
+                                     .row = missed};
+                else if (nsegs > 1 && src->cache)
+                    memcpy(private_row + src->seg_off[g], sh->map + offset, src->seg_bytes[g]);
                 else
                     memcpy(dst + src->seg_off[g], sh->map + offset, src->seg_bytes[g]);
             }
-            if (!src->engine && src->cache)
-                store_row(src, loc[k].probe.key, dst, t);
+            missed++;
+            /* Without an engine the row comes from the file's mapping (or the
+             * private row it was put together in), never from `out`. */
+            if (!src->engine && src->cache && nsegs > 1) {
+                memcpy(dst, private_row, rb);
+                store_row(src, loc[k].probe.key, private_row, t);
+            } else if (!src->engine && src->cache) {
+                const src_shard *sh = &src->shards[loc[k].shard];
+                store_row(src, loc[k].probe.key, sh->map + sh->file_offset + loc[k].row * rb, t);
+            }
         }
     }
+    unsigned char *composed = NULL;
+    if (rc == 0 && nm && nsegs > 1 && !(composed = malloc((size_t)missed * rb))) {
+        ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory for %u rows", missed);
+        rc = -1;
+    }
     if (rc == 0 && nm)
-        rc = read_misses(src, m, nm, out, t, err);
-    /* Rows of several segments: every segment is in `out` now (rc == 0);
-     * each row once, through its first segment's miss. A failed request
-     * caches nothing of its rows. */
-    if (rc == 0 && nsegs > 1 && src->cache)
-        for (size_t j = 0; j < nm; j++)
-            if (miss_seg(src, &m[j]) == 0)
-                store_row(src, miss_row_key(src, &m[j]), out + (size_t)m[j].pos * rb, t);
+        rc = read_misses(src, m, nm, out, composed, t, err);
+    /* Rows of several segments: every segment is in its private row now
+     * (rc == 0); each row once, through its first segment's miss, into `out`
+     * and from the private row into the cache. A failed request caches
+     * nothing of its rows. */
+    if (rc == 0 && composed)
+        for (size_t j = 0; j < nm; j++) {
+            if (miss_seg(src, &m[j]) != 0)
+                continue;
+            const unsigned char *row = composed + (size_t)m[j].row * rb;
+            memcpy(out + (size_t)m[j].pos * rb, row, rb);
+            if (src->cache)
+                store_row(src, miss_row_key(src, &m[j]), row, t);
+        }
+    free(composed);
+    free(private_row);
     free(m);
     return rc;
 }
