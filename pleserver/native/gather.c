@@ -2,7 +2,8 @@
  *
  * gather, per range of ids (one range per native thread):
  *   1. each id is checked and located; a cache hit is copied into `out`;
- *      without an engine a miss is copied from the file mapping;
+ *      without an engine a miss is copied from the file mapping, under the
+ *      guard of mapped.h (an unreadable page fails the request, not us);
  *   2. the misses are sorted by (file, offset) and read in rounds of up to
  *      ROUND_BLOCKS distinct 4 KiB blocks (a row straddling two blocks
  *      needs both). Each block is registered in the table's in-flight set:
@@ -49,6 +50,7 @@
 #include <unistd.h>
 
 #include "gather.h"
+#include "mapped.h"
 #include "pool.h"
 
 #define ROUND_BLOCKS 4096u        /* distinct blocks per round: 16 MiB of buffer */
@@ -577,6 +579,27 @@ static int locate_batch(ple_source *src, const int64_t *ids, size_t count, locat
     return 0;
 }
 
+/* Copies out of the file mappings, each of a segment at `offsets[k]` of
+ * shard entry `parts[k]`, guarded (mapped.h): an unreadable page fails the
+ * request with a read error naming the file and offset, never the server. */
+static int copy_mapped(const ple_source *src, const ple_copy *copies, const uint32_t *parts,
+                       const uint64_t *offsets, size_t n, ple_error *err)
+{
+    const void *fault = NULL;
+    size_t k = ple_mapped_copies(copies, n, &fault);
+    if (k == n)
+        return 0;
+    const src_shard *sh = &src->shards[parts[k]];
+    uint64_t at = offsets[k] + (uint64_t)((const unsigned char *)fault
+                                          - (const unsigned char *)copies[k].src);
+    ple_error_set(err, PLE_ERR_READ, EIO,
+                  "reading %zu bytes at offset %llu of %s through its mapping: the page at "
+                  "offset %llu cannot be read (a disk error, or the file was truncated): %s",
+                  copies[k].len, (unsigned long long)offsets[k], sh->path,
+                  (unsigned long long)(at - at % PLE_BLOCK), strerror(EIO));
+    return -1;
+}
+
 /* One range of a request, in the calling thread. */
 static int gather_range(ple_source *src, const int64_t *ids, size_t n, unsigned char *out,
                         tally *t, ple_error *err)
@@ -589,22 +612,27 @@ static int gather_range(ple_source *src, const int64_t *ids, size_t n, unsigned 
         ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory for %zu misses", n);
         return -1;
     }
-    /* A cache over mappings puts rows of several segments together here. */
+    /* A cache over mappings takes rows from a private row put together here
+     * (never from `out`, nor from the mapping under the cache's lock). */
     unsigned char *private_row = NULL;
-    if (!src->engine && src->cache && nsegs > 1 && !(private_row = malloc(rb))) {
+    if (!src->engine && src->cache && !(private_row = malloc(rb))) {
         ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory for a row of %u bytes", rb);
         return -1;
     }
     int rc = 0;
     uint32_t missed = 0;  /* rows, numbered for `composed` */
     located loc[LOOKUP_BATCH];
-    for (size_t base = 0; base < n; base += LOOKUP_BATCH) {
-        size_t count = n - base < LOOKUP_BATCH ? n - base : LOOKUP_BATCH;
+    /* Without an engine: a batch's copies out of the mappings, done at once. */
+    ple_copy copies[LOOKUP_BATCH * PLE_SEGMENTS_MAX];
+    uint32_t parts[LOOKUP_BATCH * PLE_SEGMENTS_MAX];
+    uint64_t offsets[LOOKUP_BATCH * PLE_SEGMENTS_MAX];
+    for (size_t base = 0; base < n && rc == 0; base += LOOKUP_BATCH) {
+        size_t count = n - base < LOOKUP_BATCH ? n - base : LOOKUP_BATCH, nc = 0;
         if (locate_batch(src, ids + base, count, loc, err) != 0) {
             rc = -1;
             break;
         }
-        for (size_t k = 0; k < count; k++) {
+        for (size_t k = 0; k < count && rc == 0; k++) {
             size_t i = base + k;
             unsigned char *dst = out + i * rb;
             if (src->cache && ple_cache_get_prepared(src->cache, &loc[k].probe, dst, rb)) {
@@ -612,30 +640,42 @@ static int gather_range(ple_source *src, const int64_t *ids, size_t n, unsigned 
                 continue;
             }
             t->misses++;
+            unsigned char *into = private_row ? private_row : dst;
+            size_t first = nc;
             for (unsigned g = 0; g < nsegs; g++) {
                 uint32_t flat = loc[k].shard * nsegs + g;
                 const src_shard *sh = &src->shards[flat];
                 uint64_t offset = sh->file_offset + loc[k].row * src->seg_bytes[g];
-                if (src->engine)
+                if (src->engine) {
                     m[nm++] = (miss){.sort_key = (uint64_t)sh->fd << BLOCK_BITS
                                                  | offset / PLE_BLOCK,
                                      .offset = offset, .pos = (uint32_t)i, .shard = flat,
                                      .row = missed};
-                else if (nsegs > 1 && src->cache)
-                    memcpy(private_row + src->seg_off[g], sh->map + offset, src->seg_bytes[g]);
-                else
-                    memcpy(dst + src->seg_off[g], sh->map + offset, src->seg_bytes[g]);
+                    continue;
+                }
+                copies[nc] = (ple_copy){into + src->seg_off[g], sh->map + offset,
+                                        src->seg_bytes[g]};
+                parts[nc] = flat;
+                offsets[nc++] = offset;
             }
             missed++;
-            /* Without an engine the row comes from the file's mapping (or the
-             * private row it was put together in), never from `out`. */
-            if (!src->engine && src->cache && nsegs > 1) {
-                memcpy(dst, private_row, rb);
-                store_row(src, loc[k].probe.key, private_row, t);
-            } else if (!src->engine && src->cache) {
-                const src_shard *sh = &src->shards[loc[k].shard];
-                store_row(src, loc[k].probe.key, sh->map + sh->file_offset + loc[k].row * rb, t);
+            if (!private_row)
+                continue;
+            /* A cache over mappings: the row from the mapping into the private
+             * row, then into `out` and into the cache from there. */
+            if (copy_mapped(src, copies + first, parts + first, offsets + first, nc - first,
+                            err) != 0) {
+                t->read_errors++;
+                rc = -1;
+                break;
             }
+            nc = first;
+            memcpy(dst, private_row, rb);
+            store_row(src, loc[k].probe.key, private_row, t);
+        }
+        if (rc == 0 && nc && copy_mapped(src, copies, parts, offsets, nc, err) != 0) {
+            t->read_errors++;
+            rc = -1;
         }
     }
     unsigned char *composed = NULL;
@@ -897,6 +937,11 @@ ple_source *ple_source_open(uint32_t table_key, uint32_t row_bytes, uint64_t sha
                       "row_bytes %u (1..%u), shard_size %llu x %u shards (at most 2^40 rows)",
                       table_key, PLE_TABLE_KEY_MAX, row_bytes, PLE_ROW_BYTES_MAX,
                       (unsigned long long)shard_size, nshards);
+        return NULL;
+    }
+    if (!engine && ple_mapped_guard_install() != 0) {
+        ple_error_set(err, PLE_ERR_OS, errno, "cannot install the SIGBUS handler that lets a "
+                      "read of an unreadable mapped page fail its request: %s", strerror(errno));
         return NULL;
     }
     if (cache && row_bytes > ple_cache_slot_bytes(cache)) {
