@@ -119,3 +119,41 @@ def test_a_shard_rewritten_in_place_fails_its_requests_clearly(start_server, mod
         client.lookup(3, [1])
     assert PleClient.query_stats(server.socket)["clients"] >= 1  # still up
 
+
+@pytest.mark.parametrize("io", ["mmap", "direct"])
+def test_a_shard_rewritten_in_place_with_its_mtime_put_back_is_detected(
+    start_server, model, tmp_path, io
+):
+    """Same size, other bytes, and the modification time put back (as
+    `rsync --inplace --times` or a careless script leaves it): the change time
+    moved, which nobody can set back, and the server sees that."""
+    server = start_server(model, "--io", io, "--state-dir", str(tmp_path))
+    path = second_file(model)
+    with server.client() as client:
+        client.lookup(3, [1, 10_000])  # some rows in the cache (direct mode)
+    before = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(before.st_size - 4096)
+        f.write(bytes(4096))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert wait_until(lambda: "changed on disk" in server.log()), server.log_tail()
+    with (
+        server.client() as client,
+        pytest.raises(RequestError, match="same size and modification time"),
+    ):
+        client.lookup(3, [1])
+    assert server.stop() == 0
+
+
+def test_a_chmod_of_a_shard_moves_its_ctime_and_is_only_logged(start_server, model):
+    reference = read_reference(model, SMALL_TABLES[1].name)
+    server = start_server(model)
+    path = second_file(model)
+    os.chmod(path, 0o600)
+    assert wait_until(lambda: "its mode changed" in server.log()), server.log_tail()
+    with server.client() as client:
+        ids = np.arange(10_007)
+        assert np.array_equal(client.lookup(3, ids), reference)
+    assert "changed on disk" not in server.log()
