@@ -49,6 +49,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "buffers.h"
 #include "gather.h"
 #include "mapped.h"
 #include "pool.h"
@@ -249,7 +250,15 @@ typedef struct round_mem {
     uint32_t first_block[ROUND_BLOCKS];  /* of each read */
     unsigned char *buf;                  /* ROUND_BLOCKS blocks, 4 KiB-aligned */
     unsigned char *scratch;              /* a row that straddles blocks, put together */
+    size_t touched;                      /* bytes of this buffer that may be in memory */
 } round_mem;
+
+/* A round's memory is one buffer of the pool (buffers.h): this struct, a
+ * scratch row, then the blocks. */
+#define ALIGN_BLOCK(x) (((x) + PLE_BLOCK - 1) / PLE_BLOCK * PLE_BLOCK)
+#define ROUND_SCRATCH_AT ALIGN_BLOCK(sizeof(round_mem))
+#define ROUND_BUF_AT (ROUND_SCRATCH_AT + ALIGN_BLOCK(PLE_ROW_BYTES_MAX))
+#define ROUND_MEM_BYTES (ROUND_BUF_AT + (size_t)ROUND_BLOCKS * PLE_BLOCK)
 
 /* Whether `take` bytes at `in_block` of block `e` were read; 0, or -1 with
  * err set (file, offset, errno). */
@@ -440,25 +449,28 @@ static int read_round(ple_source *src, miss *m, size_t start, size_t end, size_t
     return rc;
 }
 
-static round_mem *round_mem_new(size_t blocks, uint32_t row_bytes)
+/* Memory for rounds of up to `blocks` blocks (a warm buffer if the pool
+ * has one); NULL when none can be had. */
+static round_mem *round_mem_new(size_t blocks)
 {
-    round_mem *rm = malloc(sizeof *rm);
+    round_mem *rm = ple_buffer_take(ROUND_MEM_BYTES, ROUND_BUF_AT + blocks * PLE_BLOCK);
     if (!rm)
         return NULL;
-    rm->scratch = malloc(row_bytes + 1);
-    if (!rm->scratch || posix_memalign((void **)&rm->buf, PLE_BLOCK, blocks * PLE_BLOCK + 1) != 0) {
-        free(rm->scratch);
-        free(rm);
-        rm = NULL;
-    }
+    rm->scratch = (unsigned char *)rm + ROUND_SCRATCH_AT;
+    rm->buf = (unsigned char *)rm + ROUND_BUF_AT;
+    rm->touched = ROUND_BUF_AT;
     return rm;
+}
+
+static void round_mem_used(round_mem *rm, size_t blocks)
+{
+    if (ROUND_BUF_AT + blocks * PLE_BLOCK > rm->touched)
+        rm->touched = ROUND_BUF_AT + blocks * PLE_BLOCK;
 }
 
 static void round_mem_free(round_mem *rm)
 {
-    free(rm->scratch);
-    free(rm->buf);
-    free(rm);
+    ple_buffer_give(rm, ROUND_MEM_BYTES, rm->touched);
 }
 
 /* The rounds of one request, ROUNDS_AT_ONCE at a time: one round's reads
@@ -478,7 +490,7 @@ typedef struct rounds {
 static void rounds_task(void *ctx, size_t k)
 {
     rounds *rs = ctx;
-    round_mem *rm = round_mem_new(rs->blocks, rs->src->row_bytes);
+    round_mem *rm = round_mem_new(rs->blocks);
     if (!rm) {  /* the other task, if any, takes the rounds */
         ple_error_set(&rs->errors[k], PLE_ERR_NOMEM, ENOMEM, "no memory for read buffers");
         rs->rcs[k] = -1;
@@ -490,6 +502,7 @@ static void rounds_task(void *ctx, size_t k)
             break;
         size_t nb;
         plan_round(rs->src, rs->m, rs->bounds[r], rs->bounds[r + 1], rm, &nb);
+        round_mem_used(rm, nb);
         if (read_round(rs->src, rs->m, rs->bounds[r], rs->bounds[r + 1], nb, rm, rs->out,
                        rs->composed, &rs->tallies[k], &rs->errors[k]) != 0)
             rs->rcs[k] = -1;
@@ -508,7 +521,7 @@ static int read_misses(ple_source *src, miss *m, size_t n, unsigned char *out,
     if (rs.blocks > ROUND_BLOCKS)
         rs.blocks = ROUND_BLOCKS;
     size_t *bounds = malloc((n + 1) * sizeof *bounds);
-    round_mem *plan = round_mem_new(0, 0);
+    round_mem *plan = round_mem_new(0);
     if (!bounds || !plan) {
         free(bounds);
         if (plan)
