@@ -696,11 +696,10 @@ static PyObject *Source_stats(SourceObject *self, PyObject *unused)
         return NULL;
     for (unsigned b = 0; b < PLE_READ_HIST_BUCKETS; b++) {
         PyObject *n = PyLong_FromUnsignedLongLong(st.read_ns_hist[b]);
-        if (!n) {
+        if (!n || PyTuple_SetItem(hist, b, n) < 0) {  /* steals n, even on failure */
             Py_DECREF(hist);
             return NULL;
         }
-        PyTuple_SET_ITEM(hist, b, n);
     }
     return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:N}", "hits", st.hits,
                          "misses", st.misses, "reads", st.reads, "read_bytes", st.read_bytes,
