@@ -11,7 +11,8 @@ unset (or ``vllm``) it does nothing at all. With ``shm``:
 * ``loader``             — vLLM's loader never reads the shard tensors;
 * ``rows``               — the worker's ple-server session, device copies and
   the reconnect policy; ``identity`` — server vs checkpoint check;
-* ``settings``           — every environment knob, with defaults.
+* ``settings``           — every environment knob, with defaults; ``register``
+  declares them to vLLM's environment check.
 """
 
 from pleclient.vllm_plugin.errors import IdentityMismatch, PleBackendError

@@ -2,20 +2,24 @@
 
 vLLM calls ``register()`` once in every process it starts (API server, engine
 core, workers); it may be called again (tests, nested launches), so it is
-re-entrant. With ``VLLM_PLE_BACKEND`` unset or ``vllm`` it returns at once and
-changes nothing. With ``shm`` it installs an import hook: when vLLM imports one
-of the modules in ``TARGETS``, the matching adapter patches it right after the
-module's own code ran (modules already imported are patched at once). Nothing
-is imported ahead of vLLM, so the API server process never loads model code it
-does not use, and the patch cannot be undone by a later import order.
+re-entrant. It first declares the plugin's ``VLLM_PLE_*`` variables to vLLM
+whenever one is set (``declare_variables``). With ``VLLM_PLE_BACKEND`` unset or
+``vllm`` it then returns and changes nothing else. With ``shm`` it installs an
+import hook: when vLLM imports one of the modules in ``TARGETS``, the matching
+adapter patches it right after the module's own code ran (modules already
+imported are patched at once). Nothing is imported ahead of vLLM, so the API
+server process never loads model code it does not use, and the patch cannot be
+undone by a later import order.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -53,6 +57,7 @@ _finder: _PatchOnImport | None = None
 def register() -> None:
     """Entry point: activate the selected PLE backend in this process."""
     selected = settings.backend()  # raises SettingsError on a bad value
+    declare_variables()
     if selected == settings.BACKEND_VLLM:
         return
     settings.ShmSettings.from_env()  # validate every knob now, in every process
@@ -66,6 +71,34 @@ def register() -> None:
             module = sys.modules.get(name)
             if module is not None:
                 apply_patch(name, module)
+
+
+def declare_variables() -> bool:
+    """Add the plugin's variables to ``vllm.envs.environment_variables``, vLLM's
+    registry of its own, when one of them is set; returns whether it did.
+
+    ``EngineArgs.create_engine_config`` checks the environment against that
+    registry (``Platform.validate_environ``): it warns about each ``VLLM_*``
+    name it does not know, and ``--fail-on-environ-validation`` refuses to
+    start. It runs in the process that builds the config (the API server, or
+    ``LLM``), after ``EngineArgs.__post_init__`` loaded the plugins. The engine
+    core and the workers load them too: the registry also makes up the key of
+    vLLM's compile cache there (``envs.compile_factors()``), so a model
+    compiled with the stock table is never reused with ``shm``. With none of
+    the variables set, vLLM's registry stays as it was."""
+    if not any(name in os.environ for name in settings.VARIABLES):
+        return False
+    import vllm.envs
+
+    registry = getattr(vllm.envs, "environment_variables", None)
+    if not isinstance(registry, dict):
+        log.debug("PLE backend: this vLLM has no environment registry to declare to")
+        return False
+    for name in settings.VARIABLES:
+        # The raw value, as vLLM's own string variables: the plugin parses and
+        # checks them itself (settings.ShmSettings).
+        registry.setdefault(name, functools.partial(os.environ.get, name))
+    return True
 
 
 def is_registered() -> bool:

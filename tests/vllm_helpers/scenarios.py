@@ -340,11 +340,13 @@ def plugin_off(args: dict) -> dict:
         for obj in vars(mod).values():
             if isinstance(obj, type) and any(k.startswith("_ple_shm") for k in vars(obj)):
                 classes.append(obj.__qualname__)
+    import vllm.envs
     from vllm.model_executor.model_loader import weight_utils
 
     with m.vllm_context():
         module = m.build_ngram_embedding(m.BF16_LAYER)
     return {
+        "declared": sorted(n for n in vllm.envs.environment_variables if n.startswith("VLLM_PLE")),
         "splitting_ops": _piecewise_splitting_ops(),
         "imported": sorted(modules),
         "touched_modules": touched,
@@ -662,6 +664,66 @@ def seed_interface(args: dict) -> dict:
         )
         del Qwen4ExpTextConfig
     return result
+
+
+# ------------------------------------------------------------ vLLM's rules
+@scenario
+def environment_check(args: dict) -> dict:
+    """vLLM's own environment check (``Platform.validate_environ``, which
+    ``--fail-on-environ-validation`` makes fatal) over the plugin's variables:
+    before any plugin loaded, then after vLLM loaded them — through
+    ``load_general_plugins`` as the engine core and workers do, or (with
+    ``model``) through the ``EngineArgs`` → ``create_engine_config`` path of
+    ``vllm serve --fail-on-environ-validation``."""
+    import vllm.envs as envs
+    from vllm.platforms import current_platform
+
+    # VLLM_* names of the test runner's environment that vLLM does not know
+    # and that are not the plugin's are no part of this check.
+    for name in list(os.environ):
+        if (
+            name.startswith("VLLM_")
+            and not name.startswith("VLLM_PLE_")
+            and name not in envs.environment_variables
+        ):
+            del os.environ[name]
+    result: dict = {"before_plugins": _environment_error(current_platform)}
+    if args.get("model"):
+        from vllm.engine.arg_utils import EngineArgs
+
+        engine_args = EngineArgs(  # __post_init__ loads the plugins, as in vllm serve
+            model=args["model"],
+            dtype="bfloat16",
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            fail_on_environ_validation=True,
+        )
+        try:
+            config = engine_args.create_engine_config()
+            result["engine_config"] = {"architectures": config.model_config.architectures}
+        except Exception as exc:  # reported to the test
+            result["engine_config"] = {"error": f"{type(exc).__name__}: {exc}"}
+    else:
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
+    result["after_plugins"] = _environment_error(current_platform)
+    declared = sorted(n for n in envs.environment_variables if n.startswith("VLLM_PLE"))
+    factors = envs.compile_factors()
+    result.update(
+        declared=declared,
+        values={n: getattr(envs, n) for n in declared},
+        compile_factors={n: factors.get(n) for n in declared},
+    )
+    return result
+
+
+def _environment_error(platform) -> str | None:
+    try:
+        platform.validate_environ(hard_fail=True)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 # ------------------------------------------------------------ whole model
