@@ -1,4 +1,5 @@
-"""The plugin follows vLLM's rules: its variables pass vLLM's environment check."""
+"""The plugin follows vLLM's rules: its variables pass vLLM's environment check,
+and it stops ``shm`` on a vLLM whose classes it cannot patch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from pleclient.vllm_plugin import settings
-from tests.vllm_helpers import REPO, run_scenario
+from tests.vllm_helpers import REPO, fake_vllm, run_scenario
 
 PLUGIN = REPO / "pleclient" / "vllm_plugin"
 
@@ -78,3 +79,105 @@ def test_the_plugins_variables_pass_in_every_process_that_loads_plugins(tmp_path
     )
     assert result["after_plugins"] is None
     assert result["declared"] == sorted(settings.VARIABLES)
+
+
+# ------------------------------------------------------- a vLLM it cannot patch
+def fake_layout(tmp_path: Path, layout: str, imports: list[str] | None = None) -> dict:
+    root = fake_vllm.write_tree(str(tmp_path / layout), layout)
+    return run_scenario(
+        "fake_vllm_layout",
+        {"root": root, "imports": imports or []},
+        env={"VLLM_PLE_BACKEND": "shm", "PYTHONPATH": root},
+    )
+
+
+def assert_names_the_way_out(message: str, result: dict) -> None:
+    assert message.startswith("VLLM_PLE_BACKEND=shm: ")
+    assert f"This vLLM is {fake_vllm.VERSION} ({result['path']})" in message
+    assert "supports vLLM 0.33.x" in message and "qwen38-flash-next" in message
+    assert "unset VLLM_PLE_BACKEND" in message
+
+
+def test_a_moved_module_stops_startup_naming_it_and_the_supported_versions(tmp_path):
+    result = fake_layout(tmp_path, "moved")
+    error = result["register"]
+    assert error["error"] == "UnsupportedVllm"
+    assert (
+        "this vLLM lacks the module(s) vllm.models.qwen4_exp.nvidia.ngram_embedding, "
+        "whose classes the plugin patches" in error["message"]
+    )
+    assert_names_the_way_out(error["message"], result)
+
+
+def test_a_vllm_without_any_ple_model_stops_startup(tmp_path):
+    result = fake_layout(tmp_path, "no_ple_model")
+    error = result["register"]
+    assert error["error"] == "UnsupportedVllm"
+    assert "none of the model packages whose PLE layers the plugin serves" in error["message"]
+    assert "vllm.models.qwen4_exp" in error["message"]
+    assert_names_the_way_out(error["message"], result)
+
+
+def test_a_renamed_class_stops_the_import_that_would_build_it(tmp_path):
+    target = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
+    result = fake_layout(tmp_path, "renamed_storage", [target])
+    assert result["register"] is None  # every module is there
+    error = result["imports"][target]
+    assert error["error"] == "UnsupportedVllm"
+    assert (
+        f"{target} has no Qwen4ExpPLEPinnedHostEmbedding, which the plugin patches"
+        in (error["message"])
+    )
+    assert_names_the_way_out(error["message"], result)
+
+
+def test_a_model_built_from_other_classes_stops_when_it_loads(tmp_path):
+    model = "vllm.models.qwen4_exp.nvidia.model"
+    result = fake_layout(tmp_path, "replaced", [model])
+    assert result["register"] is None  # the old module is still on disk
+    error = result["imports"][model]
+    assert error["error"] == "UnsupportedVllm"
+    assert (
+        f"{model} loaded without importing vllm.models.qwen4_exp.nvidia.ngram_embedding"
+        in error["message"]
+    )
+    assert_names_the_way_out(error["message"], result)
+
+
+def test_another_version_with_every_target_goes_on_with_one_warning(tmp_path):
+    result = fake_layout(tmp_path, "as_0_33")
+    assert result["register"] is None
+    assert len(result["warnings"]) == 1
+    assert (
+        f"vLLM {fake_vllm.VERSION} is not a version the plugin was tested with"
+        in (result["warnings"][0])
+    )
+    assert result["declared"] == sorted(settings.VARIABLES)
+
+
+def test_a_storage_the_plugin_did_not_replace_stops_the_build(vllm_checkpoint, tmp_path):
+    result = run_scenario(
+        "storage_not_swapped",
+        env={
+            "VLLM_PLE_BACKEND": "shm",
+            "VLLM_PLE_SHM_SOCKET": str(tmp_path / "absent.sock"),
+            "VLLM_PLE_SHM_CHECKPOINT": str(vllm_checkpoint),
+        },
+    )
+    error = result["build"]
+    # Not "no ple-server": the check comes before the storage asks a server.
+    assert error["error"] == "UnsupportedVllm"
+    assert (
+        "vLLM built the PLE row storage model.layers.3.ple.ple_embedding.ngram_embedding as "
+        "vllm.models.qwen4_exp.common.ngram_embedding.Qwen4ExpPLEDeviceEmbedding, not as the "
+        "plugin's Qwen4ExpPLEShmEmbedding"
+    ) in error["message"]
+    assert "supports vLLM 0.33.x" in error["message"]
+
+
+def test_vllm_0_33_passes_every_check_and_is_patched():
+    result = run_scenario("entry_point_hook", env={"VLLM_PLE_BACKEND": "shm"})
+    assert result["vllm_version"].startswith("0.33.")
+    assert not result["untested_warning"]
+    assert result["registered"] and result["patched"]
+    assert result["model_classes"]["Qwen4ExpForCausalLM"]

@@ -406,7 +406,12 @@ def entry_point_hook(args: dict) -> dict:
         )
     except ImportError as exc:
         model_classes["import_error"] = str(exc)
+    from pleclient.vllm_plugin import compat
+
+    compat.check_layout(registration.TARGETS)  # raises on a vLLM it cannot patch
     return {
+        "vllm_version": compat.vllm_version(),
+        "untested_warning": compat._warned,
         "splitting_ops": _piecewise_splitting_ops(),
         "explicit_splitting_ops": _piecewise_splitting_ops(["vllm::my_attention"]),
         "registered": registration.is_registered(),
@@ -724,6 +729,68 @@ def _environment_error(platform) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def _error_of(action: Callable[[], object]) -> dict | None:
+    try:
+        action()
+    except Exception as exc:  # reported to the test
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return None
+
+
+@scenario
+def fake_vllm_layout(args: dict) -> dict:
+    """``register()``, then the imports vLLM would do, with a vLLM-shaped tree
+    (``tests.vllm_helpers.fake_vllm``) first on PYTHONPATH as ``vllm``."""
+    import importlib
+    import logging
+
+    import vllm
+
+    check(
+        os.path.realpath(vllm.__file__).startswith(os.path.realpath(args["root"])),
+        f"not the fake vLLM: {vllm.__file__}",
+    )
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("pleclient.vllm_plugin").addHandler(handler)
+    result: dict = {"register": _error_of(register_plugin), "imports": {}}
+    for name in args.get("imports", []):
+        result["imports"][name] = _error_of(lambda name=name: importlib.import_module(name))
+    import vllm.envs
+
+    result.update(
+        warnings=warnings,
+        declared=sorted(vllm.envs.environment_variables),
+        version=vllm.__version__,
+        path=os.path.dirname(vllm.__file__),
+    )
+    return result
+
+
+@scenario
+def storage_not_swapped(args: dict) -> dict:
+    """A vLLM 0.33 whose ``Qwen4ExpNGramEmbedding`` gets its storage class from
+    somewhere the plugin does not replace it (simulated: the constructor puts
+    the stock classes back into its module first). Building the layer fails
+    naming the class, before any server is asked."""
+    import vllm.models.qwen4_exp.nvidia.ngram_embedding as ne
+    from vllm.models.qwen4_exp.common import ngram_embedding as common
+
+    stock_init = ne.Qwen4ExpNGramEmbedding.__init__
+
+    def init_with_other_storage(self, *a, **kw):
+        ne.Qwen4ExpPLEDeviceEmbedding = common.Qwen4ExpPLEDeviceEmbedding
+        ne.Qwen4ExpPLEPinnedHostEmbedding = common.Qwen4ExpPLEPinnedHostEmbedding
+        stock_init(self, *a, **kw)
+
+    ne.Qwen4ExpNGramEmbedding.__init__ = init_with_other_storage
+    register_plugin()
+    with m.vllm_context():
+        error = _error_of(lambda: m.build_ngram_embedding(m.BF16_LAYER))
+    return {"build": error}
 
 
 # ------------------------------------------------------------ whole model
