@@ -1,9 +1,13 @@
 """The plugin follows vLLM's rules: its variables pass vLLM's environment check,
-and it stops ``shm`` on a vLLM whose classes it cannot patch."""
+it stops ``shm`` on a vLLM whose classes it cannot patch, and the deploy
+example uses the discovery the docs recommend."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,8 @@ from pleclient.vllm_plugin import settings
 from tests.vllm_helpers import REPO, fake_vllm, run_scenario
 
 PLUGIN = REPO / "pleclient" / "vllm_plugin"
+ENV_FILE = REPO / "deploy" / "vllm" / "ple-shm.env"
+SERVE = REPO / "deploy" / "vllm" / "serve.sh"
 
 
 def every_variable(checkpoint: Path, socket_dir: Path) -> dict[str, str]:
@@ -181,3 +187,94 @@ def test_vllm_0_33_passes_every_check_and_is_patched():
     assert not result["untested_warning"]
     assert result["registered"] and result["patched"]
     assert result["model_classes"]["Qwen4ExpForCausalLM"]
+
+
+# ------------------------------------------------------- the deploy example
+def env_file_settings() -> dict[str, str]:
+    values = {}
+    for line in ENV_FILE.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, value = line.partition("=")
+            values[name] = value
+    return values
+
+
+def test_the_env_file_leaves_the_socket_to_discovery_and_its_values_are_valid(monkeypatch):
+    values = env_file_settings()
+    assert values["VLLM_PLE_BACKEND"] == "shm"
+    assert "VLLM_PLE_SHM_SOCKET" not in values and "PLE_SERVER_SOCKET" not in values
+    assert set(values) <= set(settings.VARIABLES)
+    for name in settings.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("PLE_SERVER_SOCKET", raising=False)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    assert settings.ShmSettings.from_env().socket is None  # found by the checkpoint
+
+
+@pytest.fixture
+def serve_env(tmp_path) -> dict[str, str]:
+    """serve.sh's environment: a ``vllm`` on PATH that records how it was run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "vllm"
+    fake.write_text(
+        "#!/bin/sh\n"
+        '{ printf "arg %s\\n" "$@"; env | grep -E "^(VLLM_PLE_|PLE_SERVER_SOCKET=)" | sort; }'
+        ' > "$VLLM_RECORD"\n'
+    )
+    fake.chmod(0o755)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("VLLM_PLE_") and k != "PLE_SERVER_SOCKET"
+    }
+    env.update(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        PYTHON=sys.executable,
+        VLLM_RECORD=str(tmp_path / "vllm.record"),
+        VLLM_PLE_SHM_SOCKET_DIR=str(tmp_path / "run"),
+    )
+    (tmp_path / "run").mkdir()
+    return env
+
+
+def test_serve_sh_finds_the_server_of_its_checkpoint_and_starts_vllm(
+    start_server, checkpoint, serve_env
+):
+    server = start_server(checkpoint, socket_path=f"{serve_env['VLLM_PLE_SHM_SOCKET_DIR']}/a.sock")
+    proc = subprocess.run(
+        ["bash", str(SERVE), "--max-model-len", "64"],
+        env={**serve_env, "MODEL": str(checkpoint), "TP": "2"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"from ple-server at {server.socket}" in proc.stderr
+    record = Path(serve_env["VLLM_RECORD"]).read_text().splitlines()
+    assert record[:6] == [
+        "arg serve",
+        f"arg {checkpoint}",
+        "arg --tensor-parallel-size",
+        "arg 2",
+        "arg --max-model-len",
+        "arg 64",
+    ]
+    assert "VLLM_PLE_BACKEND=shm" in record
+    pinned = ("VLLM_PLE_SHM_SOCKET=", "PLE_SERVER_SOCKET=")
+    assert not [line for line in record if line.startswith(pinned)]
+
+
+def test_serve_sh_without_a_server_stops_in_the_plugins_words(checkpoint, serve_env):
+    proc = subprocess.run(
+        ["bash", str(SERVE)],
+        env={**serve_env, "MODEL": str(checkpoint)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "serve.sh: VLLM_PLE_BACKEND=shm: no ple-server socket in" in proc.stderr
+    assert "systemctl start ple-server" in proc.stderr
+    assert not Path(serve_env["VLLM_RECORD"]).exists()
