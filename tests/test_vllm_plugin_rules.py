@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytest.importorskip("vllm")
 
@@ -210,6 +211,16 @@ def test_the_env_file_leaves_the_socket_to_discovery_and_its_values_are_valid(mo
     for name, value in values.items():
         monkeypatch.setenv(name, value)
     assert settings.ShmSettings.from_env().socket is None  # found by the checkpoint
+
+
+def test_the_container_examples_leave_the_socket_to_discovery():
+    compose = yaml.safe_load((REPO / "deploy" / "container" / "compose.yaml").read_text())
+    environment = compose["services"]["vllm"]["environment"]
+    assert environment["VLLM_PLE_BACKEND"] == "shm"
+    assert not {"VLLM_PLE_SHM_SOCKET", "PLE_SERVER_SOCKET"} & set(environment)
+    readme = (REPO / "deploy" / "README.md").read_text()
+    docker_run = readme[readme.index("docker run --rm --gpus all") :].split("\n\n")[0]
+    assert "VLLM_PLE_BACKEND=shm" in docker_run and "SOCKET" not in docker_run
 
 
 @pytest.fixture
