@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from pleclient.vllm_plugin import settings
 from tests.harness import shm_env
 from tests.vllm_helpers import run_scenario
 
@@ -26,6 +27,8 @@ def test_plugin_off_leaves_every_class_untouched(value):
     assert result["init_module"].startswith("vllm.")
     assert "vllm::unified_attention_with_output" in result["splitting_ops"]
     assert not [op for op in result["splitting_ops"] if "ple" in op and "conv" not in op]
+    # vLLM's environment registry: the plugin's names only where one is set.
+    assert result["declared"] == ([] if value is None else sorted(settings.VARIABLES))
 
 
 def test_unknown_backend_stops_vllm_with_a_clear_error():
