@@ -97,12 +97,15 @@ def test_missing_server_fails_fast_naming_socket_and_service(vllm_checkpoint, tm
             "VLLM_PLE_BACKEND": "shm",
             "VLLM_PLE_SHM_SOCKET": socket,
             "VLLM_PLE_SHM_CHECKPOINT": str(vllm_checkpoint),
+            "VLLM_PLE_SHM_CONNECT_TIMEOUT": "120",
         },
     )
     assert result["error"] == "PleBackendError"
     assert socket in result["message"]
     assert "systemctl start ple-server" in result["message"]
-    assert result["seconds"] < 5
+    # No socket file: refused at once, not after the connect timeout (what
+    # the layer's build costs besides, on a loaded machine, is far below it).
+    assert result["seconds"] < 60
 
 
 def test_fingerprint_mismatch_stops_startup_naming_both(vllm_server, vllm_other_checkpoint):
