@@ -177,9 +177,9 @@ def bit_identical(args: dict) -> dict:
 
 
 def _row_path() -> str:
-    from pleclient.vllm_plugin.rows import RowService
+    from pleclient.vllm_plugin.routes import Routes
 
-    return RowService.shared().path
+    return Routes.shared().path
 
 
 @scenario
@@ -544,7 +544,7 @@ def server_restarts(args: dict) -> dict:
     import dataclasses
 
     from pleclient.vllm_plugin import PleBackendError
-    from pleclient.vllm_plugin.rows import RowService
+    from pleclient.vllm_plugin.routes import Routes
 
     socket_path = os.environ["VLLM_PLE_SHM_SOCKET"]
     window = args["window"]
@@ -580,7 +580,7 @@ def server_restarts(args: dict) -> dict:
 
             # 3. killed for good (a short window from here on; the restarts above
             #    had the environment's, long enough for a slow server start)
-            rows = RowService.shared()
+            rows = Routes.shared().service
             rows.settings = dataclasses.replace(rows.settings, reconnect_window=window)
             server.kill()
             started = time.monotonic()
