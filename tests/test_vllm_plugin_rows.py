@@ -279,3 +279,23 @@ def test_a_lookup_larger_than_its_layer_slots_takes_them_in_turns(server, checkp
         assert np.array_equal(as_bytes(out), reference[3][ids[:150].numpy()])
     finally:
         rows.close()
+
+
+def test_step_layers_outnumbering_the_slots_take_them_in_layer_order(routes, reference):
+    """Four PLE layers started together with the step on a 2-slot channel (the
+    host route): the first layers' requests go out at once, the others as the
+    earlier layers finish; every layer's rows are exact, none waits forever."""
+    layers = [layer(routes, BF16) for _ in range(4)]
+    for lookups in layers:
+        lookups.binding.with_step = True  # what the step start marks (step.adopt)
+    rng = np.random.default_rng(3)
+    ids = [torch.from_numpy(rng.integers(0, BF16.rows, n)) for n in (150, 30, 250, 70)]
+    for lookups, layer_ids in zip(layers, ids, strict=True):
+        lookups.start(layer_ids)  # 2 + 1 + 3 + 1 requests of at most 100 ids
+    client = routes.service.client
+    assert client is not None and client.free_slots == 0  # the first layer holds both
+    for lookups, layer_ids in zip(layers, ids, strict=True):
+        out = typed(BF16, layer_ids.numel())
+        lookups.finish(out)
+        assert np.array_equal(as_bytes(out), reference[3][layer_ids.numpy()])
+    assert client.free_slots == 2

@@ -13,7 +13,12 @@ overwrites rows the GPU is still reading.
 Slots: ``start`` submits the lookup's first request at once (waiting for a
 device copy to free a slot if need be) and more only while more than one slot
 stays free, for the request that follows; ``finish`` submits the rest as slots
-free up.
+free up. The lookups of layers started together with the step
+(``TableBinding.with_step``, see ``step``) queue instead: their requests take
+free slots in start order, so that no layer holds a slot while an earlier one,
+which finishes first, waits for one; whatever does not fit goes out as the
+earlier layers finish (``_top_up``). A channel of PLE layers + 1 slots has
+every layer's request out at once.
 
 Host work cannot be captured in a CUDA graph: the route is not
 ``capturable``, so each layer runs its calls as eager breaks (``lookups``);
@@ -75,12 +80,15 @@ class HostRoute:
         self.service = service
         self._pinned: PinnedSegment | None = None
         self._retiring: collections.deque[tuple[Ticket, DeviceCopy]] = collections.deque()
+        # Lookups of step layers with requests not yet submitted, in start order.
+        self._queue: collections.deque[PendingLookup] = collections.deque()
 
     # ---------------------------------------------------------------- lookups
     def start(self, binding: TableBinding, ids: torch.Tensor) -> PendingLookup:
         """Start a lookup; the server works on it until ``finish``. Its first
         request is always submitted; further ones only while more than one
-        slot stays free (for the request that follows)."""
+        slot stays free (for the request that follows). A step layer's lookup
+        queues behind the step's earlier ones instead (``_top_up``)."""
         _refuse_graph_capture()
         host, keepalive = _host_ids(ids)
         pending = PendingLookup(binding, host, keepalive=keepalive)
@@ -88,7 +96,11 @@ class HostRoute:
             return pending
         pending.chunks = [_Chunk(0, pending.count)]
         try:
-            self._feed(pending, first=0, reserve=1)
+            if binding.with_step:
+                self._queue.append(pending)
+                self._top_up()
+            else:
+                self._feed(pending, first=0, reserve=1)
         except TRANSIENT as exc:  # finish() reconnects and resubmits
             log.warning("PLE backend shm: submit failed (%s); retrying at collect", exc)
         return pending
@@ -101,6 +113,7 @@ class HostRoute:
         failed_since: float | None = None
         index = 0
         try:
+            self._top_up_or_leave_it()
             while index < len(pending.chunks):
                 try:
                     self._feed(pending, first=index, reserve=0)
@@ -128,10 +141,12 @@ class HostRoute:
         except BaseException:
             self.discard(pending)
             raise
-        self._retire(block=False)
+        self._unqueue(pending)
+        self._top_up_or_leave_it()  # the slots it held go to the step's next layers
 
     def discard(self, pending: PendingLookup) -> None:
         """Give up a lookup: wait out its requests still in flight, free their slots."""
+        self._unqueue(pending)
         for chunk in pending.chunks:
             ticket, chunk.ticket = chunk.ticket, None
             if ticket is None or chunk.generation != self.service.generation:
@@ -148,6 +163,37 @@ class HostRoute:
         self._forget_session()
 
     # --------------------------------------------------------------- plumbing
+    def _top_up(self) -> None:
+        """Submit the queued lookups' requests in start order while slots are
+        free (after releasing those whose device copy finished); stop at the
+        first that does not fit, so none overtakes an earlier one."""
+        self._retire(block=False)
+        client = self.service.client
+        generation = self.service.generation
+        while self._queue and client is not None and client.free_slots > 0:
+            pending = self._queue[0]
+            waiting = [
+                i
+                for i, c in enumerate(pending.chunks)
+                if c.ticket is None or c.generation != generation
+            ]
+            if waiting:
+                self._feed(pending, first=waiting[0], reserve=0)
+            if _submitted(pending, generation):
+                self._queue.popleft()
+            else:
+                return
+
+    def _top_up_or_leave_it(self) -> None:
+        try:
+            self._top_up()
+        except TRANSIENT:
+            pass  # the lookups' own finish reconnects and resubmits
+
+    def _unqueue(self, pending: PendingLookup) -> None:
+        if pending in self._queue:
+            self._queue.remove(pending)
+
     def _feed(self, pending: PendingLookup, *, first: int, reserve: int) -> None:
         """Submit the chunks of ``pending`` from ``first`` on that this session has
         not: ``first`` always (waiting for a device copy to free a slot if need
@@ -216,6 +262,12 @@ class HostRoute:
         if self._pinned is not None:
             self._pinned.close()
             self._pinned = None
+
+
+def _submitted(pending: PendingLookup, generation: int) -> bool:
+    """Whether every request of ``pending`` (not yet finished) went to the
+    session ``generation``."""
+    return all(c.ticket is not None and c.generation == generation for c in pending.chunks)
 
 
 def _host_ids(ids: torch.Tensor) -> tuple[np.ndarray, object]:

@@ -64,6 +64,9 @@ class TableBinding:
     checkpoint: TableSpec | None = None
     checkpoint_dir: str = ""
     max_ids: int = 0  # the layer's largest lookup (0: not known)
+    # Its lookups start with the step's other PLE layers and finish in layer
+    # order (``step``): the host route then gives them slots in that order.
+    with_step: bool = False
 
     @property
     def dummy(self) -> bool:
