@@ -31,7 +31,7 @@ TARGETS: dict[str, str] = {
     "vllm.models.qwen4_exp.nvidia.ngram_embedding": f"{_ADAPTERS}.qwen4_exp:patch_nvidia",
     "vllm.models.qwen4_exp.amd.ple_layer": f"{_ADAPTERS}.qwen4_exp:patch_amd",
     # Model classes: declare the shard tensors unused, so the loader skips them.
-    "vllm.models.qwen4_exp.nvidia.model": f"{_ADAPTERS}.loader:patch_model_module",
+    "vllm.models.qwen4_exp.nvidia.model": f"{_ADAPTERS}.qwen4_exp:patch_model",  # + step start
     "vllm.models.qwen4_exp.amd.model": f"{_ADAPTERS}.loader:patch_model_module",
     "vllm.models.qwen4_exp.nvidia.mtp": f"{_ADAPTERS}.loader:patch_model_module",
     "vllm.models.qwen4_exp.amd.mtp": f"{_ADAPTERS}.loader:patch_model_module",
