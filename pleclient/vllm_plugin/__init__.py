@@ -11,7 +11,8 @@ unset (or ``vllm``) it does nothing at all. With ``shm``:
 * ``loader``             — vLLM's loader never reads the shard tensors;
 * ``rows``               — the worker's ple-server session and its reconnects;
   ``routes`` — how a layer's lookups reach it (host or GPU-driven);
-  ``lookups`` — one layer's lookups; ``identity`` — server vs checkpoint check;
+  ``lookups`` — one layer's lookups; ``step`` — all of them start with the
+  step; ``identity`` — server vs checkpoint check;
 * ``settings``           — every environment knob, with defaults.
 """
 
