@@ -211,8 +211,9 @@ class Server:
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._serving_status = f"serving {len(self.tables)} tables on {cfg.socket}"
         log.info("ple-server %s ready: %s", __version__, self._serving_status)
-        self.notifier.ready(self._serving_status)
+        # Ready before READY=1: whoever saw READY=1 finds /readyz true.
         self._ready = True
+        self.notifier.ready(self._serving_status)
         # After READY=1, as documented: a unit ordered after ple-server starts
         # at once, while the tables are read into the page cache (or the row
         # cache is refilled from the hot set).
