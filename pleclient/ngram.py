@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -76,6 +77,8 @@ from pleclient.checkpoint import (
     discover_tables,
     read_header,
 )
+
+log = logging.getLogger("pleclient.ngram")
 
 CONFIG_FILE = "config.json"
 TABLE_SUFFIX = ".ngram_embedding"
@@ -473,9 +476,12 @@ class NgramHasher:
         layers = [_checkpoint_layer(config, table, entries) for table in tables]
         missing = sorted(set(config.ple_layer_ids) - {ly.layer + 1 for ly in layers})
         if missing:
-            raise NgramConfigError(
-                f"{model_dir}: config.json has PLE layers {missing} (ple_layer_ids, from 1) "
-                f"with no table in the checkpoint (tables: {[t.name for t in tables]})"
+            log.warning(
+                "%s: config.json has PLE layers %s (ple_layer_ids, from 1) with no table "
+                "in the checkpoint; hashing the %d layer(s) that have one",
+                model_dir,
+                missing,
+                len(layers),
             )
         return cls(config, layers)
 
