@@ -54,8 +54,11 @@ of them, EOS where there are fewer). ``row_ids(tokens, context)`` takes the
 previous tokens, any number of them; ``batch_ids`` takes vLLM's batch layout
 itself. Both are tested equal, bit for bit, to ``compute_ngram_ids``.
 
-Speed: numpy, the GIL released inside each array operation; about 45 M ids/s
-on one core of a busy x86-64 box (``bench/ngram_hash.py``).
+Speed (``bench/ngram_hash.py``): numpy, whose loops over the arrays (the
+products, the modulo) run with the GIL released; a 32 768-token prompt at
+Qwen3.8-Flash-Next geometry (524 288 ids per PLE layer) in about 2 ms on one
+x86-64 core, ≈ 0.6 × the speed of its one unavoidable step, a 64-bit modulo
+per id, and ≈ 15 × vLLM's own CPU path on one thread.
 """
 
 from __future__ import annotations
@@ -425,17 +428,25 @@ class NgramLayer:
         elif out.dtype != np.int64 or out.shape != (n, heads) or not out.flags.c_contiguous:
             raise ValueError(f"out must be C-contiguous int64 [{n}, {heads}]")
         eos = self.config.eos_token_id
-        mixed = current * self.multipliers[0]  # int64 products wrap, as torch's do
+        # hashes[k-1]: of the n-grams of k + 1 tokens; int64 products wrap, as torch's do.
+        hashes = []
+        mixed = current * self.multipliers[0]
         crossed = None
         for k, token in enumerate(previous, start=1):
             # Past an EOS on the way back, every older token reads as EOS.
             step = token if crossed is None else np.where(crossed, eos, token)
             crossed = token == eos if crossed is None else crossed | (token == eos)
             mixed = mixed ^ (step * self.multipliers[k])
-            block = slice((k - 1) * per, k * per)  # the heads of n-grams of k + 1 tokens
+            hashes.append(mixed)
+        # Head by head, one long loop each: a broadcast [tokens, heads] modulo
+        # runs numpy's inner loop 8 elements at a time, at about half the speed.
+        for head, (size, offset) in enumerate(
+            zip(self.vocab_sizes.tolist(), self.offsets.tolist(), strict=True)
+        ):
+            column = out[:, head]
             # floor_mod, as torch.remainder: a wrapped negative hash stays in range.
-            np.remainder(mixed[:, None], self.vocab_sizes[block], out=out[:, block])
-        out += self.offsets
+            np.remainder(hashes[head // per], size, out=column)
+            column += offset
         return out
 
 
