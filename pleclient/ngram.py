@@ -393,8 +393,8 @@ class NgramLayer:
         requests = len(qsl) - 1
         if requests < 1 or qsl[0] != 0 or (np.diff(qsl) < 0).any() or qsl[-1] > len(tokens):
             raise ValueError(
-                f"query_start_loc {qsl.tolist()[:8]}… must start at 0, never decrease "
-                f"and end within the {len(tokens)} input ids"
+                f"query_start_loc {qsl.tolist()[:8]}: one or more requests, from 0, never "
+                f"decreasing, ending within the {len(tokens)} input ids"
             )
         if context.ndim != 2 or context.shape[0] < requests or context.shape[1] != span:
             raise ValueError(

@@ -33,6 +33,9 @@ from pleclient.ngram import (
     padded_rows,
 )
 
+# The first test waits for the scenario process (vLLM's import, three whole-model loads).
+pytestmark = pytest.mark.timeout(900)
+
 SPAN = 2  # ngram_size 3 everywhere: two tokens of context
 TINY = {"vocab": 512, "eos": 7}  # tests/vllm_helpers/qwen4_model.py
 SYNTHETIC = {"vocab": 1000, "eos": 7}  # tests/vllm_helpers/model.py
@@ -419,6 +422,8 @@ def test_bad_inputs_are_refused_with_the_reason():
         layer.row_ids(np.ones((2, 2), dtype=np.int64))
     with pytest.raises(ValueError, match="query_start_loc"):
         layer.batch_ids(np.arange(4), [0, 5], np.zeros((1, 2), np.int64))
+    with pytest.raises(ValueError, match="one or more requests"):
+        layer.batch_ids(np.arange(4), [0], np.zeros((1, 2), np.int64))
     with pytest.raises(ValueError, match="ngram_context"):
         layer.batch_ids(np.arange(4), [0, 2, 4], np.zeros((1, 2), np.int64))
     with pytest.raises(ValueError, match="out must be"):
