@@ -18,6 +18,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -386,6 +388,17 @@ def test_config_defaults_are_transformers_qwen4exp_text_config_defaults(vllm_ids
 
 
 # ------------------------------------------------------- without vLLM at all
+def test_hashing_needs_neither_torch_nor_vllm(vllm_checkpoint):
+    # The server and vLLM's engine core hash prompts in processes without a model.
+    code = (
+        "import sys; from pleclient.ngram import NgramHasher; "
+        f"h = NgramHasher.from_checkpoint({str(vllm_checkpoint)!r}); h.row_ids(1, range(9)); "
+        "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
 def test_context_is_the_requests_previous_tokens():
     layer = flash_layer(0)
     rng = np.random.default_rng(0)
