@@ -41,7 +41,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_ops_install import WHEEL_CHECK, check_installed, check_wheel_tags
+from tests.test_ops_install import (
+    WHEEL_CHECK,
+    check_deploy_files,
+    check_installed,
+    check_wheel_tags,
+)
 
 
 def under_qemu(test):
@@ -331,6 +336,7 @@ def test_the_native_tests_pass_on_aarch64(arm64, source_build):
 def test_the_wheel_is_manylinux_abi3_aarch64_and_installs_without_a_compiler(arm64, wheel):
     print(f"aarch64 wheel: {wheel.name}")
     check_wheel_tags(wheel, "aarch64")
+    check_deploy_files(wheel)
     # The fresh venv has only the wheel and its dependencies; run away from /src.
     result = arm64.run(f"cd /tmp && {FRESH}/bin/python - <<'PY'\n{WHEEL_CHECK}\nPY")
     check_installed(result.stdout, FRESH)
