@@ -32,6 +32,7 @@
 #include <stdint.h>
 #include <time.h>
 
+#include "doorbell.h"
 #include "futex.h"
 
 /* Cross-process atomics need lock-free (hence address-free) 32-bit words. */
@@ -229,6 +230,52 @@ static PyObject *Words_add(Words *self, PyObject *args)
     return PyLong_FromUnsignedLong(old + (unsigned int)delta);
 }
 
+static PyObject *Words_exchange(Words *self, PyObject *args)
+{
+    Py_ssize_t offset;
+    unsigned int value;
+    if (!PyArg_ParseTuple(args, "nI:exchange", &offset, &value))
+        return NULL;
+    atomic_uint *w = word_at(self, offset);
+    if (!w)
+        return NULL;
+    /* acq_rel: the value taken was published with release (what its writer
+     * stored before it is visible after this), and the value left is seen by
+     * the writer's next acquire. Used to take a GPU-driven channel's rung word
+     * back to 0 before its doorbells are read. */
+    return PyLong_FromUnsignedLong(atomic_exchange_explicit(w, value, memory_order_acq_rel));
+}
+
+static PyObject *Words_scan(Words *self, PyObject *args)
+{
+    Py_ssize_t offset, stride;
+    unsigned int count, value;
+    if (!PyArg_ParseTuple(args, "nnII:scan", &offset, &stride, &count, &value))
+        return NULL;
+    if (count < 1 || count > PLE_DOORBELL_SCAN_MAX) {
+        return PyErr_Format(PyExc_ValueError, "scan reads 1 to %d words, not %u",
+                            PLE_DOORBELL_SCAN_MAX, count);
+    }
+    if (stride < 4 || stride % 4 != 0) {
+        return PyErr_Format(PyExc_ValueError, "scan needs a stride that is a positive "
+                            "multiple of 4 bytes, not %zd", stride);
+    }
+    /* The first word aligned and inside the buffer, and the last one inside
+     * too (offset + (count - 1) * stride <= len - 4, checked without the
+     * product, which could overflow): then every word between is. */
+    if (!word_at(self, offset))
+        return NULL;
+    Py_ssize_t room = self->view.len - 4 - offset;
+    if (count > 1 && stride > room / (Py_ssize_t)(count - 1)) {
+        return PyErr_Format(PyExc_ValueError, "scan of %u words %zd bytes apart from offset "
+                            "%zd runs past the %zd-byte buffer", count, stride, offset,
+                            self->view.len);
+    }
+    uint64_t rung = ple_doorbell_scan((char *)self->view.buf + offset, (size_t)stride, count,
+                                      value);
+    return PyLong_FromUnsignedLongLong(rung);
+}
+
 static PyObject *Words_wait_while(Words *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"offset", "value", "waiters_offset", "timeout", "spin", NULL};
@@ -303,6 +350,11 @@ static PyMethodDef Words_methods[] = {
      "wake(offset, n=all) -> int: wake up to n sleepers on the word."},
     {"add", (PyCFunction)Words_add, METH_VARARGS,
      "add(offset, delta) -> int: atomically add delta (mod 2**32); the new value."},
+    {"exchange", (PyCFunction)Words_exchange, METH_VARARGS,
+     "exchange(offset, value) -> int: atomically replace the word (acq_rel); the old value."},
+    {"scan", (PyCFunction)Words_scan, METH_VARARGS,
+     "scan(offset, stride, count, value) -> int: a bitmask, bit i set where the word at "
+     "offset + i*stride equals value (1 <= count <= 64; each read with acquire)."},
     {"wait_while", (PyCFunction)(void (*)(void))Words_wait_while, METH_VARARGS | METH_KEYWORDS,
      "wait_while(offset, value, waiters_offset, timeout, spin=0.0) -> int: wait until the "
      "word differs from value (spinning up to spin seconds first, then sleeping on the "
@@ -420,7 +472,8 @@ PyMODINIT_FUNC PyInit__sync(void)
     Py_INCREF(&WordsType);
     if (PyModule_AddObject(m, "Words", (PyObject *)&WordsType) < 0
         || PyModule_AddIntConstant(m, "HAVE_FUTEX_WAITV", ple_futex_waitv_available()) < 0
-        || PyModule_AddIntConstant(m, "FUTEX_WAITV_MAX", PLE_FUTEX_WAITV_MAX) < 0) {
+        || PyModule_AddIntConstant(m, "FUTEX_WAITV_MAX", PLE_FUTEX_WAITV_MAX) < 0
+        || PyModule_AddIntConstant(m, "SCAN_MAX", PLE_DOORBELL_SCAN_MAX) < 0) {
         Py_DECREF(&WordsType);
         Py_DECREF(m);
         return NULL;
