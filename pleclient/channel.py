@@ -9,8 +9,8 @@ through ``pleclient._sync``, and every slot transition has its one home here:
 ``SlotView.submit`` / ``release`` (the client's), ``SlotView.complete`` /
 ``fail`` (the server's), ``ChannelMap.publish_submit`` (the client's doorbell);
 on GPU-driven channels ``ring`` / ``reset_done`` (what the GPU writes; its CPU
-stand-in calls them), ``claim`` / ``answer_gpu`` (the server's) and
-``abandon`` (the client's watchdog).
+stand-in calls them), ``ChannelMap.take_rung`` / ``rung_slots``, ``claim`` /
+``answer_gpu`` (the server's) and ``abandon`` (the client's watchdog).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pleclient import protocol as p
 from pleclient.errors import ProtocolMismatch
 
 try:
-    from pleclient._sync import Words
+    from pleclient._sync import SCAN_MAX, Words
 except ImportError as exc:  # a source checkout that was never built
     raise ImportError(
         f"pleclient's native module is not built ({exc}): install the package with "
@@ -33,6 +33,8 @@ except ImportError as exc:  # a source checkout that was never built
 WORD = 4
 COUNTER_AT = p.CH_SUBMIT_COUNTER * WORD
 SERVER_SLEEPING_AT = p.CH_SERVER_SLEEPING * WORD
+RUNG_AT = p.CH_RUNG * WORD
+assert p.MAX_DEPTH <= SCAN_MAX, "a channel's doorbells are scanned in one call"
 
 
 class SlotView:
@@ -142,13 +144,15 @@ class SlotView:
 
     def ring(self, table: int, ids: np.ndarray) -> None:
         """IDLE → RUNG, as a GPU rings: ids, table and count, then the doorbell
-        (release: the request before it). The CPU stand-in of the stream's
+        (release: the request before it), then the channel's rung word
+        (release: the doorbell before it). The CPU stand-in of the stream's
         copy and writes (``pleclient.gpu.HostStream``)."""
         n = ids.shape[0]
         self.ids[:n] = ids
         self.words[p.SL_TABLE] = table
         self.words[p.SL_COUNT] = n
         self._sync.store(self._doorbell_at, p.Doorbell.RUNG)
+        self._sync.store(RUNG_AT, p.Doorbell.RUNG)
 
     def wait_done(self, timeout: float, spin: float = 0.0) -> int:
         """Wait while the done word is WAITING (the stand-in of the stream's
@@ -237,6 +241,7 @@ class ChannelMap:
         h64.release()
         h[p.CH_SUBMIT_COUNTER] = 0
         h[p.CH_SERVER_SLEEPING] = 0
+        h[p.CH_RUNG] = p.Doorbell.IDLE
         for slot in self.slots:
             slot.words[p.SL_STATE] = p.SlotState.FREE
             slot.words[p.SL_WAITERS] = 0
@@ -255,6 +260,26 @@ class ChannelMap:
         """The client's doorbell: the counter moved to ``counter`` (release:
         the submitted slots before it), waking the server if it sleeps."""
         self.sync.publish(COUNTER_AT, counter, SERVER_SLEEPING_AT)
+
+    # ------------------------------------------ GPU-driven channels (protocol.py)
+    @property
+    def rung(self) -> int:
+        """The channel's rung word (acquire): RUNG if a doorbell may have rung
+        since the server last took it."""
+        return self.sync.load(RUNG_AT)
+
+    def take_rung(self) -> bool:
+        """The server takes the rung word back to IDLE (acq_rel exchange):
+        True if it was set, and then every doorbell rung before it is visible
+        to ``rung_slots``."""
+        return self.sync.exchange(RUNG_AT, p.Doorbell.IDLE) != p.Doorbell.IDLE
+
+    def rung_slots(self) -> list[SlotView]:
+        """The slots whose doorbell is RUNG, each read once with acquire, in
+        one native call."""
+        first = self.layout.slot_offset(0) + p.SL_DOORBELL * WORD
+        mask = self.sync.scan(first, self.layout.slot_stride, self.layout.depth, p.Doorbell.RUNG)
+        return [slot for slot in self.slots if mask >> slot.index & 1]
 
     def set_server_sleeping(self, sleeping: bool) -> None:
         """The server's announcement before it sleeps on the counter (then a

@@ -45,7 +45,7 @@ from typing import Protocol
 import numpy as np
 
 from pleclient import protocol as p
-from pleclient.channel import SlotView
+from pleclient.channel import RUNG_AT, SlotView
 from pleclient.client import PleClient, TableInfo
 from pleclient.errors import PleError
 
@@ -173,6 +173,7 @@ class CudaStream:
             raise
         self._base = dptr.value  # the segment's device address (its host address on UVA)
         self._layout = client.channel.layout
+        self._rung_address = self._base + RUNG_AT
         # Each slot's done word as the GPU saw it, for the device-side check.
         self._seen = torch.zeros(self._layout.depth, dtype=torch.int32, device=self.device)
 
@@ -200,7 +201,8 @@ class CudaStream:
             )
         # A fence scoped to the stream precedes every write (the v2 API has no
         # opt-out: NO_MEMORY_BARRIER is refused), so the ids, table and count
-        # are visible before the doorbell (release).
+        # are visible before the doorbell (release), and the doorbell before
+        # the channel's rung word, the one word the server polls.
         _check(
             lib.cuStreamWriteValue32_v2(
                 stream,
@@ -209,6 +211,12 @@ class CudaStream:
                 _CU_STREAM_WRITE_VALUE_DEFAULT,
             ),
             "cuStreamWriteValue32 (doorbell)",
+        )
+        _check(
+            lib.cuStreamWriteValue32_v2(
+                stream, self._rung_address, p.Doorbell.RUNG, _CU_STREAM_WRITE_VALUE_DEFAULT
+            ),
+            "cuStreamWriteValue32 (rung word)",
         )
 
     def collect(self, slot: SlotView, out, count: int, row_bytes: int) -> None:

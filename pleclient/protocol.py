@@ -16,7 +16,7 @@ order::
                                       ◄─     WELCOME {version, server, instance, pid,
                                                       tables, features}
     OPEN_CHANNEL {capacity, depth,    ─►
-                  gpu_driven}
+                  gpu_driven, rung_word}
                                       ◄─     CHANNEL {layout, gpu_driven} + the
                                                       segment's fd (SCM_RIGHTS)
     STATS {}                          ─►
@@ -53,7 +53,10 @@ Channel header (uint32 words unless noted):
   16 **submit counter**: the number of submits so far (mod 2³²), written by
      the client; the futex word the server sleeps on ·
   17 **server sleeping**: non-zero while the server may be asleep on the
-     submit counter, written by the server
+     submit counter, written by the server ·
+  18 **rung**: RUNG after a GPU rang any of the channel's doorbells, taken
+     back to IDLE by the server before it reads them (GPU-driven channels
+     only, below)
 
 Slot header (uint32 words):
   0 **state** (``SlotState``): the futex word the client sleeps on ·
@@ -101,14 +104,15 @@ Slot state machine
 
 GPU-driven channels
 -------------------
-A channel opened with ``OPEN_CHANNEL {gpu_driven: true}`` (offered when WELCOME
-lists ``"gpu_driven"`` in its ``features``) is driven by a CUDA stream, not by
-a CPU thread: a GPU can write and wait on a 32-bit word in host memory (the
-driver's stream memory operations, ``cuStreamWriteValue32`` /
-``cuStreamWaitValue32``) but cannot make a ``futex`` call, and a captured CUDA
-graph replays exactly the same operations with exactly the same values each
-time. So such a channel ignores the submit counter and the slot state, and
-each slot has three more words (slot header words 10-12):
+A channel opened with ``OPEN_CHANNEL {gpu_driven: true, rung_word: true}``
+(offered when WELCOME lists ``"gpu_driven"`` in its ``features``) is driven by
+a CUDA stream, not by a CPU thread: a GPU can write and wait on a 32-bit word
+in host memory (the driver's stream memory operations,
+``cuStreamWriteValue32`` / ``cuStreamWaitValue32``) but cannot make a
+``futex`` call, and a captured CUDA graph replays exactly the same operations
+with exactly the same values each time. So such a channel ignores the submit
+counter and the slot state; the server polls it. Each slot has three more
+words (slot header words 10-12):
 
 * **doorbell** — IDLE 0, RUNG 1 (written by the GPU), CLAIMED 2 (written by
   the server when it takes the request);
@@ -116,14 +120,32 @@ each slot has three more words (slot header words 10-12):
   ERROR 2 (written by the server, or by the client's watchdog);
 * **answers** — how many requests the server answered in this slot, so a
   watchdog that samples the doorbell can tell one long wait from many short
-  ones.
+  ones;
+
+and the channel header has one (word 18), so that a poll costs the server one
+load per channel, however many slots the channel has:
+
+* **rung** — RUNG 1, written by the GPU after every doorbell it rings; IDLE 0,
+  written by the server, which *takes* the word (an atomic exchange, acq_rel)
+  and reads the channel's doorbells only when it took RUNG.
+
+Written the same value on every replay, the rung word is a flag, not a count:
+rings between two polls leave one RUNG, and the one scan after it sees each of
+their doorbells. A ring never goes unseen: if the exchange took the RUNG
+written after a doorbell, the acquire makes that doorbell visible to the scan;
+if it took a value from before that RUNG, the RUNG comes after the exchange
+and the next poll takes it. A client that ``OPEN_CHANNEL``s ``gpu_driven``
+without ``rung_word`` (written before the word existed) is refused with
+VERSION_MISMATCH: its rings would never be seen.
 
 One lookup, as the stream runs it (every replay the same)::
 
     GPU (stream order)                         server
     ids → ids area        (async copy)
     table, count          (writes, fenced)
-    doorbell = RUNG       (write, fenced)  ─►  sees RUNG (acquire load)
+    doorbell = RUNG       (write, fenced)
+    rung = RUNG           (write, fenced)  ─►  takes rung: RUNG (exchange)
+                                               sees RUNG (acquire load)
                                                doorbell = CLAIMED
                                                validates, gathers rows
                                                error word, answers + 1,
@@ -144,7 +166,9 @@ Ordering (x86-64 and aarch64 alike): ``cuStreamWriteValue32`` is preceded
 by a fence scoped to the stream (like ``__threadfence_system``; the v2 API,
 CUDA 12 on, has no opt-out: it refuses ``NO_MEMORY_BARRIER``): the ids copy
 and the table and count words, written before it in stream order, are
-visible before the doorbell. The server's acquire load of RUNG pairs with that fence.
+visible before the doorbell, and the doorbell before the rung word. The
+server's exchange of the rung word (acquire) pairs with the fence before the
+rung word, its acquire load of the doorbell with the one before the doorbell.
 The server writes the rows and the error word, then ``done`` with a release
 store (``stlr`` on aarch64), so a GPU that sees OK reads the rows written
 before it: the copies that follow the wait in stream order start only after
@@ -206,6 +230,7 @@ CH_MAGIC, CH_VERSION, CH_DEPTH, CH_CAPACITY, CH_MAX_ROW_BYTES, CH_HEADER_BYTES =
 CH_SLOT_STRIDE = 6  # uint64 over words 6-7
 CH_SUBMIT_COUNTER = 16
 CH_SERVER_SLEEPING = 17
+CH_RUNG = 18  # GPU-driven channels only
 
 # Slot header word indexes (uint32).
 SL_STATE, SL_TABLE, SL_COUNT, SL_ERROR, SL_SEQUENCE, SL_WAITERS = range(6)
@@ -232,7 +257,8 @@ class SlotState(enum.IntEnum):
 
 
 class Doorbell(enum.IntEnum):
-    """A GPU-driven slot's doorbell word."""
+    """A GPU-driven slot's doorbell word (and the channel's rung word, which
+    is IDLE or RUNG)."""
 
     IDLE = 0
     RUNG = 1  # the GPU's: a request is in the slot

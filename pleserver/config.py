@@ -278,7 +278,7 @@ class ServerConfig:
         50,
         "int",
         "How often (µs) the serving loop looks at the doorbells of GPU-driven "
-        "channels once it stops spinning (a GPU cannot wake it); after a second "
+        "channels once it stops spinning (a GPU cannot wake it); after 0.1 s "
         "without a doorbell, every millisecond.",
         minimum=1,
     )

@@ -1,8 +1,9 @@
 """The data plane: one loop polls every channel, gathers rows into slots.
 
 Threads, and why:
-- **one serving loop** polls all channels' submit counters (one load each), so
-  many clients never mean many spinning Python threads fighting for the GIL.
+- **one serving loop** polls all channels' submit counters (one load each; a
+  GPU-driven channel's rung word, and its doorbells only once that is set),
+  so many clients never mean many spinning Python threads fighting for the GIL.
   After ``spin`` seconds without work it sleeps on all of them at once: one
   ``futex_waitv`` call over every channel's submit counter and the loop's own
   wake word (Linux ≥ 5.16). Where the kernel lacks that call, or
@@ -70,14 +71,20 @@ often (what a request arriving after an idle gap may wait, at most)."""
 DEFAULT_GPU_POLL_S = 0.00005
 """While GPU-driven channels are active, the loop looks at their doorbells at
 least this often when it does not spin (a GPU cannot wake a sleeper)."""
-GPU_ACTIVE_S = 1.0
+GPU_ACTIVE_S = 0.1
 GPU_IDLE_POLL_S = 0.001
 """After ``GPU_ACTIVE_S`` without a doorbell, GPU-driven channels are looked
-at every millisecond: an idle server does not keep a core awake."""
+at every millisecond: an idle server does not keep a core awake, and neither
+does a rare ring (a GPU that decodes keeps ringing faster than that, so it
+keeps the fast poll)."""
 TIMER_SLACK_NS = 1000
 """The serving thread's timer slack (Linux's default is 50 µs, which would
 stretch every short poll of a GPU-driven channel to ≈ 100 µs)."""
 _PR_SET_TIMERSLACK = 29
+_PR_SET_NAME = 15
+SERVING_THREAD_NAME = b"ple-serving"
+"""The serving loop's thread name in the kernel (``top -H``, ``/proc/PID/task/TID/comm``);
+the gather workers are ``ple-gather-N``."""
 DEFAULT_CHUNK_ROWS = 4096
 """Rows gathered in one turn: ≈ 0.2 ms of page-cache reads for 320-byte rows."""
 REQUEST_COST_ROWS = 256
@@ -92,6 +99,11 @@ _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 _libc.fallocate.restype = ctypes.c_int
+
+
+def _name_thread(name: bytes) -> None:
+    """Name the calling thread for the kernel (at most 15 bytes are kept)."""
+    _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
 
 
 class Channel:
@@ -235,7 +247,7 @@ class ServingLoop:
         # change with its load.
         self._handed: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
         self.workers = [
-            threading.Thread(target=self._worker, name=f"gather-{i}", daemon=True)
+            threading.Thread(target=self._worker, args=(i,), name=f"gather-{i}", daemon=True)
             for i in range(max(1, workers))
         ]
         self.thread = threading.Thread(target=self._run, name="serving", daemon=True)
@@ -312,17 +324,14 @@ class ServingLoop:
     def _pending_work(self) -> bool:
         return any(
             c.queued
-            or (
-                any(slot.doorbell == p.Doorbell.RUNG for slot in c.map.slots)
-                if c.gpu_driven
-                else c.map.submit_counter != c.seen
-            )
+            or (bool(c.map.rung_slots()) if c.gpu_driven else c.map.submit_counter != c.seen)
             for c in self.channels
             if not c.closing
         )
 
     # ------------------------------------------------------------------- loop
     def _run(self) -> None:
+        _name_thread(SERVING_THREAD_NAME)
         if _libc.prctl(_PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0) != 0:
             log.debug("serving: cannot set the timer slack: %s", os.strerror(ctypes.get_errno()))
         idle_since = time.monotonic()
@@ -402,7 +411,12 @@ class ServingLoop:
         for ch in self.channels:
             if ch.closing:
                 continue
-            if not ch.gpu_driven and ch.map.submit_counter == ch.seen:
+            # One load per channel: its submit counter, or its rung word.
+            if (
+                (ch.map.rung == p.Doorbell.IDLE)
+                if ch.gpu_driven
+                else (ch.map.submit_counter == ch.seen)
+            ):
                 continue
             try:
                 did |= self._admit_rung(ch) if ch.gpu_driven else self._admit(ch)
@@ -448,11 +462,14 @@ class ServingLoop:
 
     def _admit_rung(self, ch: Channel) -> bool:
         """Claim and queue the requests whose doorbells rang in ``ch`` (a
-        GPU-driven channel), reading each slot's doorbell once. True if any."""
+        GPU-driven channel whose rung word is set): take the rung word, then
+        read each doorbell once. True if any rang."""
+        if not ch.map.take_rung():  # (acquire: the doorbells rung before it)
+            return False
         rung = False
-        for slot in ch.map.slots:
-            # acquire: the ids, table and count the GPU wrote before the doorbell.
-            if slot.index in ch.busy or slot.doorbell != p.Doorbell.RUNG:
+        # acquire: the ids, table and count the GPU wrote before each doorbell.
+        for slot in ch.map.rung_slots():
+            if slot.index in ch.busy:  # rung again while queued: a scribble
                 continue
             rung = True
             slot.claim()
@@ -579,7 +596,8 @@ class ServingLoop:
             r.channel.handed += 1
         self._handed.put(r)
 
-    def _worker(self) -> None:
+    def _worker(self, index: int) -> None:
+        _name_thread(f"ple-gather-{index}".encode())
         while True:
             r = self._handed.get()
             if r is None:

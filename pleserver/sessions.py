@@ -51,6 +51,12 @@ log = logging.getLogger("pleserver.server")
 OUTBOX_LIMIT_BYTES = 1 << 20
 """Replies queued for a session that does not read them, at most; past this the
 session is dropped (a STATS reply is a few KiB)."""
+GPU_WITHOUT_RUNG_WORD = (
+    "this client opens GPU-driven channels without the channel's rung word, "
+    "which this ple-server polls instead of every doorbell: upgrade pleclient "
+    f"(the vLLM plugin's package) to this server's version, {__version__}, or use the host "
+    "path (VLLM_PLE_SHM_GPU_PATH=off)"
+)
 
 
 @dataclass(eq=False)
@@ -346,6 +352,8 @@ class Sessions:
             return self._reject(
                 s, p.ErrorCode.BAD_MESSAGE, f"gpu_driven must be true or false, not {gpu_driven!r}"
             )
+        if gpu_driven and msg.get("rung_word") is not True:
+            return self._reject(s, p.ErrorCode.VERSION_MISMATCH, GPU_WITHOUT_RUNG_WORD)
         layout = p.ChannelLayout(depth, capacity, max(t.row_bytes for t in self.tables))
         if layout.size > cfg.max_channel_bytes:
             return self._reject(

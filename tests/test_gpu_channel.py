@@ -18,6 +18,7 @@ import pytest
 
 from pleclient import PleClient, PleError
 from pleclient import protocol as p
+from pleclient.channel import RUNG_AT
 from pleclient.gpu import GpuLookupError, GpuLookups
 from pleserver.stats import format_human
 from tests.harness import (
@@ -49,7 +50,7 @@ def rows_of(gl: GpuLookups, slot: int, layer: int, ids: np.ndarray) -> np.ndarra
 def test_the_server_offers_gpu_driven_channels(server):
     with RawSession(server.socket) as raw:
         assert p.FEATURE_GPU_DRIVEN in raw.hello()["features"]
-        reply, fds = raw.open_channel(gpu_driven=True)
+        reply, fds = raw.open_channel(gpu_driven=True, rung_word=True)
         for fd in fds:
             os.close(fd)
         assert reply["type"] == "channel" and reply["gpu_driven"] is True
@@ -119,6 +120,7 @@ def test_a_bad_request_gets_the_error_mark_and_the_channel_goes_on(
     slot.words[p.SL_TABLE] = scribble.get("table", 0)
     slot.words[p.SL_COUNT] = scribble.get("count", ids.shape[0])
     lookups.client.channel.sync.store(slot.word_address(p.SL_DOORBELL, 0), p.Doorbell.RUNG)
+    lookups.client.channel.sync.store(RUNG_AT, p.Doorbell.RUNG)
     assert slot.wait_done(5.0) == p.Done.ERROR
     assert slot.words[p.SL_ERROR] == code and text in slot.error_text()
     assert slot.doorbell == p.Doorbell.IDLE
@@ -138,7 +140,7 @@ def test_an_error_answer_fails_the_collect_never_returns_rows(lookups, reference
 
 
 def test_a_ring_after_a_long_idle_is_answered(lookups, references, server):
-    """Past a second without doorbells the loop polls every millisecond, and
+    """Past its active window without doorbells the loop polls every millisecond, and
     on a quiet server it burns little CPU meanwhile."""
     rows_of(lookups, 0, 1, np.arange(10))
     time.sleep(1.5)  # past the active window: the slow poll
@@ -248,3 +250,33 @@ def test_a_killed_gpu_driven_client_leaks_nothing_and_others_are_served(server, 
     assert now.segments == 0 and now.fds <= baseline.fds, (baseline, now)
     assert wait_until(lambda: server.running)
     assert "Traceback" not in server.log(), server.log_tail()
+
+
+def test_a_client_without_the_rung_word_is_refused_with_the_upgrade_named(server):
+    """A client written before the rung word would ring doorbells this server
+    never reads: it gets VERSION_MISMATCH, and the text says what to do."""
+    with RawSession(server.socket) as raw:
+        raw.hello()
+        reply, fds = raw.open_channel(gpu_driven=True)
+        assert not fds
+        assert reply["type"] == "error" and reply["code"] == p.ErrorCode.VERSION_MISMATCH
+        assert "rung word" in reply["message"] and "upgrade pleclient" in reply["message"]
+        assert "VLLM_PLE_SHM_GPU_PATH=off" in reply["message"]
+    with server.client() as client:  # the host path is not concerned
+        assert client.lookup(1, np.arange(3)).shape == (3, 160)
+
+
+def test_the_server_reads_a_channels_doorbells_only_once_its_rung_word_is_set(lookups, references):
+    slot = lookups.client.channel.slots[1]
+    ids = np.arange(40, 60)
+    slot.ids[:20] = ids
+    slot.words[p.SL_TABLE] = 0
+    slot.words[p.SL_COUNT] = 20
+    sync = lookups.client.channel.sync
+    sync.store(slot.word_address(p.SL_DOORBELL, 0), p.Doorbell.RUNG)  # the doorbell alone
+    assert slot.wait_done(0.3) == p.Done.WAITING and slot.doorbell == p.Doorbell.RUNG
+    sync.store(RUNG_AT, p.Doorbell.RUNG)  # then the rung word, as a stream writes it
+    assert slot.wait_done(5.0) == p.Done.OK
+    assert np.array_equal(slot.rows_view(20, 160), references[1][ids])
+    assert sync.load(RUNG_AT) == p.Doorbell.IDLE  # taken by the server
+    slot.reset_done()
