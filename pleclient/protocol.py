@@ -136,7 +136,9 @@ written after a doorbell, the acquire makes that doorbell visible to the scan;
 if it took a value from before that RUNG, the RUNG comes after the exchange
 and the next poll takes it. A client that ``OPEN_CHANNEL``s ``gpu_driven``
 without ``rung_word`` (written before the word existed) is refused with
-VERSION_MISMATCH: its rings would never be seen.
+VERSION_MISMATCH: its rings would never be seen. A server bounds the
+GPU-driven slots one uid holds over all its sessions (its
+``max_gpu_slots_per_uid``); an OPEN_CHANNEL past that gets CHANNEL_LIMIT.
 
 One lookup, as the stream runs it (every replay the same)::
 

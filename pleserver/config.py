@@ -282,6 +282,14 @@ class ServerConfig:
         "without a doorbell, every millisecond.",
         minimum=1,
     )
+    max_gpu_slots_per_uid: int = _setting(
+        1024,
+        "int",
+        "GPU-driven slots (the depths of GPU-driven channels) one uid may hold "
+        "at once, all its sessions together: the serving loop polls them, since a GPU "
+        "cannot wake it. An open_channel past it gets CHANNEL_LIMIT.",
+        minimum=1,
+    )
     idle_wait: str = _setting(
         "auto",
         "choice",

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from pleclient import PleClient, PleError
+from pleclient import PleClient, PleError, RequestError
 from pleclient import protocol as p
 from pleclient.channel import RUNG_AT
-from pleclient.gpu import GpuLookupError, GpuLookups
+from pleclient.gpu import GpuLookupError, GpuLookups, HostStream
 from pleserver.stats import format_human
 from tests.harness import (
     Bystander,
@@ -280,3 +281,130 @@ def test_the_server_reads_a_channels_doorbells_only_once_its_rung_word_is_set(lo
     assert np.array_equal(slot.rows_view(20, 160), references[1][ids])
     assert sync.load(RUNG_AT) == p.Doorbell.IDLE  # taken by the server
     slot.reset_done()
+
+
+def test_a_uid_past_max_gpu_slots_per_uid_is_refused_and_its_slots_come_back(
+    start_server, checkpoint
+):
+    server = start_server(checkpoint, "--max-gpu-slots-per-uid", "100")
+    first = PleClient.connect(server.socket, capacity=16, depth=64, gpu_driven=True)
+    try:
+        with pytest.raises(RequestError) as refused:
+            PleClient.connect(server.socket, capacity=16, depth=64, gpu_driven=True)
+        assert refused.value.code == p.ErrorCode.CHANNEL_LIMIT
+        text = str(refused.value)
+        assert f"uid {os.getuid()} holds 64 GPU-driven slots in 1 channels" in text
+        assert "max_gpu_slots_per_uid = 100" in text
+        with PleClient.connect(server.socket, capacity=16, depth=36, gpu_driven=True):
+            pass  # what is left fits
+        with server.client(depth=64) as host:  # host-path channels do not count
+            assert host.lookup(1, np.arange(3)).shape == (3, 160)
+    finally:
+        first.close()
+    # The closed session's slots are free again (its close may take a moment).
+    assert wait_until(lambda: _opens(server, depth=64), timeout=10)
+
+
+def _opens(server, depth: int) -> bool:
+    try:
+        PleClient.connect(server.socket, capacity=16, depth=depth, gpu_driven=True).close()
+        return True
+    except RequestError:
+        return False
+
+
+MANY_CHANNELS, MANY_SLOTS = 120, 64
+
+
+def bystander_p50(client: PleClient, reference: np.ndarray, seconds: float = 3.0) -> float:
+    """The median of ``client``'s 16-row lookups, one every millisecond or so,
+    each checked."""
+    latencies, rng = [], np.random.default_rng(8)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        ids = rng.integers(0, reference.shape[0], 16)
+        started = time.perf_counter()
+        rows = client.lookup(1, ids)
+        latencies.append(time.perf_counter() - started)
+        assert np.array_equal(rows, reference[ids])
+        time.sleep(0.001)
+    return float(np.median(latencies))
+
+
+def serving_thread_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of the server's serving loop (its thread is
+    named ``ple-serving``)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            if f.read().strip() != "ple-serving":
+                continue
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    raise AssertionError(f"server {pid} has no thread named ple-serving")
+
+
+def test_many_gpu_driven_channels_cost_the_loop_by_their_rings_not_their_number(
+    start_server, checkpoint, references
+):
+    """120 GPU-driven channels × 64 slots, one of them rung every 0.9 s (the
+    CPU stand-in, another channel and slot each time). The loop reads one
+    rung word per channel and scans only a channel that rang, so a bystander
+    stays fast and the serving thread mostly sleeps. (Reading all 7 680
+    doorbells on every pass gave a bystander a p50 of several milliseconds
+    and kept the thread busy most of the time.)"""
+    server = start_server(
+        checkpoint,
+        "--max-clients",
+        str(MANY_CHANNELS + 8),
+        "--max-gpu-slots-per-uid",
+        str(MANY_CHANNELS * MANY_SLOTS),
+    )
+    channels: list[PleClient] = []
+    stop = threading.Event()
+    rings: list[int] = []
+    failures: list[BaseException] = []
+
+    def ring_rarely() -> None:
+        stream, rng = HostStream(wait_timeout=10.0), np.random.default_rng(7)
+        try:
+            while not stop.wait(0.9):
+                channel = channels[int(rng.integers(len(channels)))].channel
+                slot = channel.slots[int(rng.integers(MANY_SLOTS))]
+                ids = rng.integers(0, references[1].shape[0], 16)
+                out = np.empty((16, 160), dtype=np.uint8)
+                stream.ring(slot, 0, ids, 16)
+                stream.collect(slot, out, 16, 160)
+                assert np.array_equal(out, references[1][ids])
+                rings.append(slot.index)
+        except BaseException as exc:
+            failures.append(exc)
+
+    ringer = threading.Thread(target=ring_rarely, daemon=True)
+    try:
+        with server.client(name="bystander", capacity=16, depth=1) as bystander:
+            alone = bystander_p50(bystander, references[1])  # the same machine, its load now
+            for i in range(MANY_CHANNELS):
+                channels.append(
+                    server.client(name=f"gpu-{i}", capacity=16, depth=MANY_SLOTS, gpu_driven=True)
+                )
+            ringer.start()
+            beside = bystander_p50(bystander, references[1])
+        time.sleep(0.3)  # the loop stops spinning after the bystander's last lookup
+        before, started = serving_thread_cpu_seconds(server.pid), time.monotonic()
+        time.sleep(4.5)  # 5 rings
+        cpu = (serving_thread_cpu_seconds(server.pid) - before) / (time.monotonic() - started)
+    finally:
+        stop.set()
+        if ringer.is_alive():
+            ringer.join(30)
+        for client in channels:
+            client.close()
+    assert not failures, failures
+    assert len(rings) >= 5, rings
+    # Generous bounds: a quiet machine gives ≈ 0.1 ms either way and a few percent.
+    assert beside < 1e-3 + 3 * alone, (
+        f"the bystander's p50 was {beside * 1e3:.2f} ms beside the GPU-driven channels, "
+        f"{alone * 1e3:.2f} ms without them"
+    )
+    assert cpu < 0.2, f"the serving thread used {cpu:.0%} of a core for a ring every 0.9 s"
