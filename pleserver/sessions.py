@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from pleclient import protocol as p
 from pleserver import __version__
+from pleserver.admission import open_admission
 from pleserver.budget import ChannelBudget
 from pleserver.config import ServerConfig
 from pleserver.lograte import RateLimitedLog
@@ -427,7 +428,7 @@ class Sessions:
             job.mapping,
             job.fd,
             on_destroy=lambda ch: self.budget.give_back(ch.size),
-            gpu_driven=s.gpu_driven,
+            admission=open_admission(job.mapping, s.gpu_driven),
         )
         try:
             self.loop.add(channel)  # served (and logged) before the client has the fd
