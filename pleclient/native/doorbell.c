@@ -14,9 +14,9 @@ uint64_t ple_doorbell_scan(char *first, size_t stride, unsigned count, uint32_t 
     uint64_t rung = 0;
     for (unsigned i = 0; i < count && i < PLE_DOORBELL_SCAN_MAX; i++) {
         atomic_uint *word = (atomic_uint *)(void *)(first + (size_t)i * stride);
-        /* acquire: a doorbell seen RUNG makes visible what was written before
-         * it (the ids, table and count: the stream's fenced writes, or the
-         * CPU stand-in's release store). */
+        /* D1: acquire, pairs with G1 (the stream's fence before its doorbell
+         * write) or W1 (the CPU stand-in's release store): a doorbell seen
+         * RUNG makes the ids, table and count written before it visible. */
         if (atomic_load_explicit(word, memory_order_acquire) == value)
             rung |= (uint64_t)1 << i;
     }
