@@ -110,14 +110,14 @@ class CounterAdmission:
         self._load = mapping.sync.load
 
     def pending(self) -> bool:
-        # acquire (pairs with the client's publish of the counter)
+        # E2: acquire, pairs with the client's publish of the counter (E1)
         return self._load(COUNTER_AT) != self.seen
 
     def admit(self) -> list[Arrival]:
         """Read the submit counter, then each slot once: the slots submitted
         since the last look."""
-        # acquire: every slot submitted before the counter reached this value
-        # is visible from here on.
+        # E2: acquire, pairs with the client's E1: every slot submitted before
+        # the counter reached this value is visible from here on.
         counter = self.map.submit_counter
         pending = (counter - self.seen) & U32
         if pending == 0:
@@ -171,16 +171,16 @@ class DoorbellAdmission:
         self._load = mapping.sync.load
 
     def pending(self) -> bool:
-        # acquire (the exchange in admit is what publishes to us; this is a peek)
+        # A peek (E2); the exchange in admit (X1) is what orders the doorbells.
         return self._load(RUNG_AT) != IDLE
 
     def admit(self) -> list[Arrival]:
         """Take the rung word, then read the doorbells in one call: the slots
         rung since, each claimed."""
-        if not self.map.take_rung():  # (acquire: the doorbells rung before it)
+        if not self.map.take_rung():  # X1: the doorbells rung before it (G2)
             return []
         arrivals = []
-        # acquire: the ids, table and count the stream wrote before each doorbell.
+        # D1: the ids, table and count the stream wrote before each doorbell (G1).
         for slot in self.map.rung_slots():
             if slot.index in self.busy:  # rung again while admitted: a scribble
                 continue
