@@ -418,3 +418,64 @@ def test_many_gpu_driven_channels_cost_the_loop_by_their_rings_not_their_number(
         f"GPU-driven channels, {beside_one * 1e3:.2f} ms beside one"
     )
     assert cpu < 0.2, f"the serving thread used {cpu:.0%} of a core for a ring every 0.9 s"
+
+
+SCRIBBLER = """
+import random
+from pleclient.channel import WORD
+path, seconds = sys.argv[1], float(sys.argv[2])
+client = PleClient.connect(path, name="scribbler", capacity=64, depth=64, gpu_driven=True)
+layout = client.channel.layout
+words = client.channel.sync
+# Every word of the channel header and of each slot's header: the rung word,
+# doorbells, done and answers words, table, count, sequence, waiters, …
+offsets = [WORD * i for i in range(32)] + [
+    layout.slot_offset(s) + WORD * i for s in range(layout.depth) for i in range(32)
+]
+values = (0, 1, 2, 3, 0xFFFFFFFF, 0x80000000)
+rng, writes = random.Random(5), 0
+print("ready", flush=True)
+stop = time.monotonic() + seconds
+while time.monotonic() < stop:
+    for _ in range(1000):
+        value = rng.choice(values) if rng.random() < 0.7 else rng.getrandbits(32)
+        words.store(rng.choice(offsets), value)
+    writes += 1000
+print(writes, flush=True)
+client.close()
+"""
+
+
+def test_a_client_that_scribbles_on_every_word_of_its_gpu_channel_harms_only_itself(
+    server, references
+):
+    """Random values, at full speed, in every header word of a GPU-driven
+    channel (its rung word set and cleared, doorbells rung and unrung, done
+    and answers words, counts and tables): a bystander on the host path and a
+    well-behaved GPU-driven client beside it get exact rows throughout, and
+    the server stays up and stops on SIGTERM."""
+    with Bystander(server, references) as bystander:
+        good = GpuLookups.open(server.socket, device="cpu", capacity=512, depth=2, timeout=5.0)
+        try:
+            scribbler = python_child(SCRIBBLER, server.socket, "4")
+            try:
+                assert scribbler.stdout.readline().strip() == "ready", scribbler.stderr.read()
+                rng = np.random.default_rng(11)
+                deadline = time.monotonic() + 3.0
+                while time.monotonic() < deadline:
+                    ids = rng.integers(0, references[3].shape[0], 300)
+                    assert np.array_equal(rows_of(good, 0, 3, ids), references[3][ids])
+                bystander.wait_for_lookups(10)
+                out, err = scribbler.communicate(timeout=60)
+            finally:
+                scribbler.kill()
+                scribbler.wait()
+            assert scribbler.returncode == 0, err
+            assert int(out.split()[-1]) > 10_000  # it did scribble
+        finally:
+            good.close()
+    assert server.running, server.log_tail()
+    assert "Traceback" not in server.log(), server.log_tail()
+    started = time.monotonic()
+    assert server.stop() == 0, server.log_tail()
+    assert time.monotonic() - started < 10, "SIGTERM took longer than its budget"
