@@ -6,6 +6,11 @@
 #   make native-sanitize   the native module's tests under ASan and UBSan
 #   make lint   ruff (lint, and the format check) over the tree, mypy over the
 #               packages (CI runs it)
+#   make wheels the wheel of this machine's architecture, into WHEEL_DIR (dist),
+#               installed and checked in a fresh venv (CI runs it)
+#   make test-aarch64   aarch64 under qemu-user-static: an arm64 Debian, the
+#               build, the native tests, a server and two clients, the aarch64
+#               wheel into WHEEL_DIR, the ordering in the disassembly (root; CI runs it)
 # The virtual environment lives outside the checkout, keyed by the dependency
 # spec, so a second run reuses it and a changed pyproject.toml builds a new one.
 PYTHON ?= python3
@@ -13,8 +18,11 @@ CACHE_DIR ?= $(HOME)/.cache/pleserver
 SPEC_HASH := $(shell $(PYTHON) -c 'import tomllib,json,hashlib;p=tomllib.load(open("pyproject.toml","rb"))["project"];print(hashlib.sha256(json.dumps([p["dependencies"],p["optional-dependencies"]],sort_keys=True).encode()).hexdigest()[:16])')
 VENV ?= $(CACHE_DIR)/venv-$(SPEC_HASH)
 PY := $(VENV)/bin/python
+# Compiler warnings are errors in every build these targets make, and so in
+# CI; a user's `pip install` from source leaves them warnings (setup.py).
+export PLESERVER_WERROR ?= 1
 
-.PHONY: demo test test-systemd venv venv-core native-sanitize lint
+.PHONY: demo test test-systemd venv venv-core native-sanitize lint wheels test-aarch64
 
 $(VENV)/.core:
 	$(PYTHON) -m venv $(VENV)
@@ -68,3 +76,20 @@ native-sanitize: $(VENV)/.core
 	cd $(SANITIZE_DIR) && LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
 		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 		PYTHONPATH="$$PWD" $(PY) -m pytest -p no:cacheprovider -q $(PYTEST_ARGS) tests/test_native_*.py
+
+# The wheel a user installs without a compiler, for this machine's
+# architecture: .ci/build-wheel (pip wheel on the stable ABI, auditwheel
+# repair: a manylinux tag) into WHEEL_DIR; then tests/test_ops_install.py
+# checks its tags and installs it into a fresh venv. test-aarch64 puts the
+# aarch64 wheel beside it.
+WHEEL_DIR ?= dist
+wheels: $(VENV)/.core
+	.ci/build-wheel $(PY) $(WHEEL_DIR)
+	PLE_WHEEL_DIR=$(WHEEL_DIR) $(PY) -m pytest -p no:cacheprovider -m wheels \
+		tests/test_ops_install.py $(PYTEST_ARGS)
+
+# aarch64 under qemu-user-static (root; tests/test_aarch64.py says what it needs).
+test-aarch64: $(VENV)/.core
+	$(PY) -m pip install -q --no-deps -e .
+	PLE_WHEEL_DIR=$(WHEEL_DIR) $(PY) -m pytest -p no:cacheprovider -rA -m aarch64 \
+		tests/test_aarch64.py $(PYTEST_ARGS)

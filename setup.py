@@ -1,20 +1,58 @@
 """Build of the native code: the server's data plane (``pleserver._native``)
 and the channel's synchronization words, which the client needs too
-(``pleclient._sync``). Everything else about the package is in pyproject.toml."""
+(``pleclient._sync``). Everything else about the package is in pyproject.toml.
 
+Both are built on the stable ABI (``Py_LIMITED_API`` of Python 3.11, abi3):
+one wheel per platform serves every CPython from 3.11 on.
+
+Environment:
+  PLESERVER_WERROR=1        compiler warnings are errors. The Makefile's targets,
+                            and so CI, set it; a user's install from source does
+                            not, so a newer compiler's new warning cannot fail it.
+  PLESERVER_LIMITED_API=0   build for this interpreter's full C API instead
+                            (bench/abi3_overhead.py compares the two).
+"""
+
+import os
 from glob import glob
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+WERROR = os.environ.get("PLESERVER_WERROR", "0") == "1"
+LIMITED_API = os.environ.get("PLESERVER_LIMITED_API", "1") != "0"
+# 3.11: the first whose limited API has the buffer protocol (both modules take
+# buffers: ids, rows, the mapped channel).
+LIMITED_API_HEX = "0x030B0000"
+LIMITED_API_TAG = "cp311"
 
 COMPILE_ARGS = [
     "-std=c11",
     "-O2",
     "-Wall",
     "-Wextra",
-    "-Werror",
+    *(["-Werror"] if WERROR else []),
     "-D_GNU_SOURCE",
     "-fvisibility=hidden",
 ]
+
+
+class BuildExt(build_ext):
+    """An in-place build also removes the module built under the other ABI's
+    file name: Python looks for ``_native.cpython-311-….so`` before
+    ``_native.abi3.so``, so an older full-API build left beside a new abi3 one
+    would be the one imported."""
+
+    def run(self) -> None:
+        super().run()
+        if not self.inplace:
+            return
+        for ext in self.extensions:
+            built = os.path.abspath(self.get_ext_fullpath(ext.name))
+            folder, stem = os.path.dirname(built), ext.name.rsplit(".", 1)[-1]
+            for other in glob(os.path.join(folder, f"{stem}.*.so")):
+                if os.path.abspath(other) != built:
+                    os.remove(other)
 
 
 def native(name: str, folder: str) -> Extension:
@@ -24,6 +62,8 @@ def native(name: str, folder: str) -> Extension:
         depends=sorted(glob(f"{folder}/*.h")),
         extra_compile_args=COMPILE_ARGS,
         extra_link_args=["-pthread"],
+        define_macros=[("Py_LIMITED_API", LIMITED_API_HEX)] if LIMITED_API else [],
+        py_limited_api=LIMITED_API,
     )
 
 
@@ -32,4 +72,6 @@ setup(
         native("pleserver._native", "pleserver/native"),
         native("pleclient._sync", "pleclient/native"),
     ],
+    cmdclass={"build_ext": BuildExt},
+    options={"bdist_wheel": {"py_limited_api": LIMITED_API_TAG}} if LIMITED_API else {},
 )

@@ -486,8 +486,10 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def ceiling(paths: list[str], seconds: float, kind: str) -> dict:
-    """The probe at each queue depth, each in a child process with a time limit,
+def ceiling(
+    paths: list[str], seconds: float, kind: str, depths: tuple[int, ...] = PROBE_DEPTHS
+) -> dict:
+    """The probe at each of ``depths``, each in a child process with a time limit,
     so that a probe that never returns (it runs with the GIL released, where no
     signal handler runs) cannot wedge the benchmark."""
     if native_module() is None:
@@ -496,7 +498,7 @@ def ceiling(paths: list[str], seconds: float, kind: str) -> dict:
         }
     out = {}
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    for qd in PROBE_DEPTHS:
+    for qd in depths:
         argv = [sys.executable, "-c", PROBE, json.dumps([paths, qd, seconds, kind])]
         try:
             done = subprocess.run(

@@ -106,24 +106,42 @@ class Result:
 
 # ----------------------------------------------------------------- the model
 class Model:
-    """The weights shared by every batch: ``W`` [H, H], ``Wp`` [16 · cols, H]."""
+    """The weights shared by every batch: ``W`` [H, H], ``Wp`` [16 · cols, H].
+    ``ple_at``: the PLE layers' indices (default: ``ple`` of them evenly spread)."""
 
-    def __init__(self, hidden: int, layers: int, ple: int, cols: int, row_dtype) -> None:
-        self.hidden, self.layers, self.row_dtype = hidden, layers, row_dtype
-        self.W = torch.randn(hidden, hidden, device=DEVICE, dtype=torch.bfloat16) / hidden**0.5
+    def __init__(
+        self,
+        hidden: int,
+        layers: int,
+        ple: int,
+        cols: int,
+        row_dtype,
+        ple_at: list[int] | None = None,
+        device: str = DEVICE,
+    ) -> None:
+        self.hidden, self.layers, self.row_dtype, self.device = hidden, layers, row_dtype, device
+        self.W = torch.randn(hidden, hidden, device=device, dtype=torch.bfloat16) / hidden**0.5
         k = IDS_PER_TOKEN * cols
-        self.Wp = torch.randn(k, hidden, device=DEVICE, dtype=torch.bfloat16) / (k**0.5 * 64)
-        # layer index → its lookup j, the PLE layers evenly spread
-        self.ple_at = {(j * layers) // ple + layers // (2 * ple): j for j in range(ple)}
+        self.Wp = torch.randn(k, hidden, device=device, dtype=torch.bfloat16) / (k**0.5 * 64)
+        if ple_at is None:
+            ple_at = [(j * layers) // ple + layers // (2 * ple) for j in range(ple)]
+        if sorted(set(ple_at)) != sorted(ple_at) or not all(0 <= i < layers for i in ple_at):
+            raise ValueError(f"PLE layers {ple_at} must be distinct layers of 0..{layers - 1}")
+        # layer index → its lookup j
+        self.ple_at = {i: j for j, i in enumerate(sorted(ple_at))}
 
-    def schedule(self, lookups: bool = True) -> list[tuple[str, int]]:
+    def schedule(self, lookups: bool = True, at_step_start: bool = False) -> list[tuple[str, int]]:
         """One step as ops: ("start", j) before the layer preceding PLE layer
-        j, ("collect", j) and ("use", j) at it, ("layer", i) the compute."""
+        j (vLLM's prefetch), or with ``at_step_start`` every PLE layer's start
+        before layer 0 (lookahead: a step's ids are known when it starts);
+        ("collect", j) and ("use", j) at it, ("layer", i) the compute."""
         ops: list[tuple[str, int]] = []
-        if 0 in self.ple_at:
+        if at_step_start:
+            ops += [("start", j) for j in self.ple_at.values()]
+        elif 0 in self.ple_at:
             ops.append(("start", self.ple_at[0]))
         for i in range(self.layers):
-            if i + 1 in self.ple_at:
+            if i + 1 in self.ple_at and not at_step_start:
                 ops.append(("start", self.ple_at[i + 1]))
             if i in self.ple_at:
                 ops += [("collect", self.ple_at[i]), ("use", self.ple_at[i])]
@@ -132,18 +150,32 @@ class Model:
 
 
 class Batch:
-    """A step's static buffers: hidden state, ids and rows per PLE layer."""
+    """A step's static buffers: hidden state, ids and rows per PLE layer.
+    ``id_sets`` [steps, PLE layers, tokens · 16]: the ids of each step (default:
+    ``sets`` steps of random ids); ``feed`` takes them in turn."""
 
-    def __init__(self, model: Model, tokens: int, row_bytes: int, rows: int, sets: int) -> None:
-        ple = len(model.ple_at)
+    def __init__(
+        self,
+        model: Model,
+        tokens: int,
+        row_bytes: int,
+        rows: int,
+        sets: int,
+        id_sets: torch.Tensor | None = None,
+    ) -> None:
+        ple, device = len(model.ple_at), model.device
         self.tokens, self.n = tokens, tokens * IDS_PER_TOKEN
-        gen = torch.Generator(device=DEVICE).manual_seed(tokens)
-        self.x = torch.randn(tokens, model.hidden, device=DEVICE, dtype=torch.bfloat16)
-        self.ids = torch.zeros(ple, self.n, device=DEVICE, dtype=torch.int64)
-        self.rows = torch.zeros(ple, self.n, row_bytes, device=DEVICE, dtype=torch.uint8)
-        self.id_sets = torch.randint(
-            0, rows, (sets, ple, self.n), device=DEVICE, dtype=torch.int64, generator=gen
-        )
+        gen = torch.Generator(device=device).manual_seed(tokens)
+        self.x = torch.randn(tokens, model.hidden, device=device, dtype=torch.bfloat16)
+        self.ids = torch.zeros(ple, self.n, device=device, dtype=torch.int64)
+        self.rows = torch.zeros(ple, self.n, row_bytes, device=device, dtype=torch.uint8)
+        if id_sets is None:
+            id_sets = torch.randint(
+                0, rows, (sets, ple, self.n), device=device, dtype=torch.int64, generator=gen
+            )
+        if tuple(id_sets.shape[1:]) != (ple, self.n):
+            raise ValueError(f"id_sets {tuple(id_sets.shape)} must be [steps, {ple}, {self.n}]")
+        self.id_sets = id_sets
 
     def feed(self, step: int) -> None:
         """Step ``step``'s ids into the static buffer (stream-ordered, no sync)."""
@@ -229,7 +261,7 @@ class GpuDriven:
                 f"{batch.n} ids need {len(self.chunks)} slots, a layer has {per_layer}"
             )
         self.side = torch.cuda.Stream() if side else None
-        self.done = [torch.cuda.Event() for _ in range(batch.ids.shape[0])]
+        self.done = [torch.cuda.Event() for _ in range(batch.ids.shape[0])] if side else []
 
     def start(self, j: int) -> None:
         for k, a, b in self.chunks:
@@ -365,13 +397,13 @@ def matmul_us(hidden: int, tokens: int, iters: int = 40) -> float:
     return begin.elapsed_time(end) * 1e3 / iters
 
 
-def calibrate(target_us: float, tokens: int) -> tuple[int, float]:
-    """The H (multiple of 256, ≤ 32 768) whose [tokens, H] @ [H, H] takes about
+def calibrate(target_us: float, tokens: int, cap: int = 32768) -> tuple[int, float]:
+    """The H (multiple of 256, ≤ ``cap``) whose [tokens, H] @ [H, H] takes about
     ``target_us``: a decode matmul reads W, so its time goes with H²."""
     hidden, took = 8192, matmul_us(8192, tokens)
     for _ in range(4):
         guess = hidden * math.sqrt(target_us / took)
-        nxt = min(32768, max(256, round(guess / 256) * 256))
+        nxt = min(cap, max(256, round(guess / 256) * 256))
         if nxt == hidden:
             break
         hidden, took = nxt, matmul_us(nxt, tokens)

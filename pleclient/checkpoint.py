@@ -26,6 +26,7 @@ Such a table has dtype ``NVFP4`` and is served as one row of
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
@@ -191,9 +192,11 @@ def read_header(path: str) -> tuple[dict[str, TensorEntry], list[str]]:
     """Parse a safetensors header; returns (tensors, problems). Never raises on
     bad content: every problem names the file and what to do."""
     problems: list[str] = []
+    at = None  # the offset being read, once the file is open
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
+            at = 0
             head = f.read(8)
             if len(head) < 8:
                 return {}, [
@@ -206,10 +209,12 @@ def read_header(path: str) -> tuple[dict[str, TensorEntry], list[str]]:
                     f"{path}: header length {header_len} runs past the end of the "
                     f"{size}-byte file (truncated or not safetensors; fetch it again)"
                 ]
+            at = 8
             raw = f.read(header_len)
     except OSError as exc:
+        where = "" if at is None else f" at offset {at}"
         return {}, [
-            f"{path}: cannot read ({exc.strerror}); check the path and that the "
+            f"{path}: cannot read{where} ({exc.strerror}); check the path and that the "
             "server's user may read the model directory"
         ]
     try:
@@ -570,9 +575,7 @@ def read_scale(entry: TensorEntry) -> tuple[float | None, str | None]:
             f"{entry.path}: tensor {entry.name}: expected one F32/F16/BF16 "
             f"value, found {entry.dtype} of shape {list(entry.shape)}"
         )
-    with open(entry.path, "rb") as f:
-        f.seek(entry.offset)
-        raw = f.read(entry.nbytes)
+    raw = read_at(entry.path, [entry.offset], entry.nbytes)[0]
     if entry.dtype == "BF16":
         value = np.frombuffer(raw[:2] + b"", dtype="<u2").astype("<u4") << 16
         return float(value.view("<f4")[0]), None
@@ -595,8 +598,29 @@ def table_fingerprint(table: TableSpec) -> str:
         # scales); one segment hashes exactly as before segments existed.
         for segment in segments:
             part = segment.shards[i]
-            with open(part.path, "rb") as f:
-                for r in sorted({0, shard.rows // 2, shard.rows - 1}):
-                    f.seek(part.offset + r * segment.row_bytes)
-                    h.update(f.read(segment.row_bytes))
+            rows = sorted({0, shard.rows // 2, shard.rows - 1})
+            offsets = [part.offset + r * segment.row_bytes for r in rows]
+            for row in read_at(part.path, offsets, segment.row_bytes):
+                h.update(row)
     return h.hexdigest()[:32]
+
+
+def read_at(path: str, offsets: list[int], size: int) -> list[bytes]:
+    """``size`` bytes at each of ``offsets`` of ``path`` (fewer at the end of
+    the file). An OSError names the file and the offset that failed: a disk
+    error (EIO) says where, not only what."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        out = []
+        for offset in offsets:
+            try:
+                out.append(os.pread(fd, size, offset))
+            except OSError as exc:
+                raise OSError(
+                    exc.errno,
+                    f"reading {size} bytes at offset {offset} of {path}: {exc.strerror}"
+                    + (" (a disk error? see the kernel log)" if exc.errno == errno.EIO else ""),
+                ) from None
+        return out
+    finally:
+        os.close(fd)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import select
 import socket
 import threading
@@ -44,6 +45,10 @@ SPIN_SECONDS = 200e-6
 loads) before it sleeps on the word's futex: a round trip through a sleeping
 futex costs tens of µs more than a spin, and most requests are answered within
 this window."""
+CONNECT_RETRY_FIRST_S = 0.001
+CONNECT_RETRY_MAX_S = 0.05
+"""A connect the server's queue had no room for is tried again after 1 ms,
+then twice as long each time up to 50 ms, until the connect timeout."""
 LIVENESS_SLICE = 0.05
 """While blocked, check the control socket this often, so a dead server is
 reported at once rather than at the end of the timeout."""
@@ -542,32 +547,73 @@ class PleClient:
 
 
 def _connect_socket(path: str, timeout: float) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
+    """A socket connected to ``path`` within ``timeout``. A server whose queue of
+    connections waiting for accept is full (EAGAIN: a burst of clients, or
+    another process flooding it) is tried again, and so is one that refuses
+    while it still listens; each with a backoff from ``CONNECT_RETRY_FIRST_S``
+    to ``CONNECT_RETRY_MAX_S``, until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    delay = CONNECT_RETRY_FIRST_S
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+            return sock
+        except FileNotFoundError:
+            sock.close()
+            raise ServerUnavailable(
+                f"socket {path} not found: is the ple-server service running? "
+                "`systemctl status ple-server` (or set PLE_SERVER_SOCKET / pass socket_path)"
+            ) from None
+        except BlockingIOError:  # EAGAIN: the queue is full; room comes with each accept
+            sock.close()
+            if time.monotonic() + delay > deadline:
+                raise ServerUnavailable(
+                    f"ple-server at {path} took no new connection within {timeout:.3g} s: "
+                    "its queue of connections stayed full (overloaded, or flooded by "
+                    "another process); see `systemctl status ple-server` and its journal"
+                ) from None
+        except ConnectionRefusedError:
+            sock.close()
+            if not _listening(path) or time.monotonic() + delay > deadline:
+                raise ServerUnavailable(
+                    f"nothing listens on {path} (a stale socket of a stopped server): "
+                    "`systemctl start ple-server`"
+                ) from None
+        except PermissionError:
+            sock.close()
+            raise ServerUnavailable(
+                f"permission denied on {path}: this user may not reach the socket; see "
+                "allow_uids/allow_gids in the ple-server configuration"
+            ) from None
+        except OSError as exc:
+            sock.close()
+            raise ServerUnavailable(f"cannot connect to {path}: {exc}") from None
+        time.sleep(delay * random.uniform(0.5, 1.0))  # spread the retries of many clients
+        delay = min(2 * delay, CONNECT_RETRY_MAX_S)
+
+
+def _listening(path: str) -> bool:
+    """Whether a socket bound to ``path`` listens now (``/proc/net/unix``, this
+    network namespace's): a refusal from it is passing, one from a stale
+    socket file is not."""
+    names = {path, os.path.abspath(path)}
     try:
-        sock.connect(path)
-    except FileNotFoundError:
-        sock.close()
-        raise ServerUnavailable(
-            f"socket {path} not found: is the ple-server service running? "
-            "`systemctl status ple-server` (or set PLE_SERVER_SOCKET / pass socket_path)"
-        ) from None
-    except ConnectionRefusedError:
-        sock.close()
-        raise ServerUnavailable(
-            f"nothing listens on {path} (a stale socket of a stopped server): "
-            "`systemctl start ple-server`"
-        ) from None
-    except PermissionError:
-        sock.close()
-        raise ServerUnavailable(
-            f"permission denied on {path}: this user may not reach the socket; see "
-            "allow_uids/allow_gids in the ple-server configuration"
-        ) from None
-    except OSError as exc:
-        sock.close()
-        raise ServerUnavailable(f"cannot connect to {path}: {exc}") from None
-    return sock
+        with open("/proc/net/unix") as f:
+            next(f, None)  # the header
+            for line in f:
+                fields = line.split(None, 7)
+                # Flags __SO_ACCEPTCON (0x10000): listen() was called on it.
+                if (
+                    len(fields) == 8
+                    and int(fields[3], 16) & 0x10000
+                    and fields[7].rstrip("\n") in names
+                ):
+                    return True
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def _send_hello(sock: socket.socket, name: str) -> None:
@@ -578,7 +624,7 @@ def _send_hello(sock: socket.socket, name: str) -> None:
                 "type": p.MessageType.HELLO.value,
                 "version": p.PROTOCOL_VERSION,
                 "pid": os.getpid(),
-                "name": name,
+                "name": name[: p.MAX_NAME_CHARS],
             },
         )
     except (BrokenPipeError, ConnectionResetError):

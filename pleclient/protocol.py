@@ -6,10 +6,15 @@ Control plane
 =============
 A Unix stream socket (default ``/run/ple-server/ple.sock``). Every message is a
 frame: a 4-byte little-endian length, then a msgpack map with a ``"type"`` key.
-Frames are at most ``MAX_FRAME_BYTES``, and at most ``MAX_HELLO_FRAME_BYTES``
-before the server has answered ``hello``. A frame must arrive whole within the
-server's ``frame_timeout_s`` of its first byte. One exchange per request, in
-order::
+A client's frames are at most ``MAX_REQUEST_FRAME_BYTES``, and at most
+``MAX_HELLO_FRAME_BYTES`` before the server has answered ``hello``; both are
+derived from the client's messages at their largest (``CLIENT_MESSAGES``), as
+are the limits the server decodes them under (``BEFORE_HELLO``,
+``AFTER_HELLO``: string, map and array lengths, nesting), so that no frame a
+client sends costs the server more than a real message. The server's frames
+are at most ``MAX_FRAME_BYTES`` (a STATS reply grows with the tables). A
+frame must arrive whole within the server's ``frame_timeout_s`` of its first
+byte. One exchange per request, in order::
 
     client                                   server
     HELLO {version, pid, name}        ─►
@@ -242,9 +247,12 @@ NAME_PREFIX = "ple"
 """Segments are memfds named ``ple.<server pid>.<session>`` (visible only in
 /proc/<pid>/maps and fd links, for the operator's benefit)."""
 
-MAX_FRAME_BYTES = 4 << 20
-MAX_HELLO_FRAME_BYTES = 64 << 10
 FRAME_HEADER = struct.Struct("<I")
+MAX_FRAME_BYTES = 4 << 20
+"""The largest frame a server sends (and a client accepts)."""
+MAX_NAME_CHARS = 64
+"""A client's name in HELLO (for logs and statistics): at most this many
+characters; the client shortens a longer one."""
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 CHANNEL_MAGIC = 0x43454C50  # b"PLEC" little-endian
@@ -330,6 +338,109 @@ class MessageType(enum.StrEnum):
     ERROR = "error"
 
 
+# ------------------------------------------------------------ frame limits
+_U64_MAX = 2**64 - 1
+HELLO_AT_ITS_LARGEST = {
+    "type": MessageType.HELLO.value,
+    "version": _U64_MAX,
+    "pid": _U64_MAX,
+    "name": "\U0010ffff" * MAX_NAME_CHARS,  # 4 bytes a character in UTF-8
+}
+CLIENT_MESSAGES = (
+    HELLO_AT_ITS_LARGEST,
+    {
+        "type": MessageType.OPEN_CHANNEL.value,
+        "capacity": _U64_MAX,
+        "depth": _U64_MAX,
+        "gpu_driven": True,
+    },
+    {"type": MessageType.STATS.value},
+    {"type": MessageType.BYE.value},
+)
+"""Every message a client sends, each field at its largest: what the limits on
+client frames are derived from. A new client message or field goes here."""
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """What a frame may hold: its body's bytes, and what the msgpack decoder
+    may build from it (string and binary bytes, array and map lengths, and how
+    deep containers nest: 1 for a map of scalars). Decoding a frame within
+    these costs time and memory in proportion to ``frame_bytes``, whatever its
+    bytes say."""
+
+    frame_bytes: int
+    str_bytes: int
+    bin_bytes: int
+    array_len: int
+    map_len: int
+    depth: int | None  # None: as deep as msgpack itself decodes (1024)
+
+    @classmethod
+    def covering(cls, messages: tuple[dict, ...] | list[dict]) -> DecodeLimits:
+        """The limits of ``messages`` at their largest, each rounded up to the
+        next power of two (room, not licence: a real message is never near
+        them)."""
+        frame = str_bytes = bin_bytes = array_len = map_len = depth = 0
+        for msg in messages:
+            frame = max(frame, len(msgpack.packb(msg, use_bin_type=True)))
+            for value, level in _walk(msg):
+                depth = max(depth, level)
+                if isinstance(value, str):
+                    str_bytes = max(str_bytes, len(value.encode()))
+                elif isinstance(value, bytes):
+                    bin_bytes = max(bin_bytes, len(value))
+                elif isinstance(value, list):
+                    array_len = max(array_len, len(value))
+                elif isinstance(value, dict):
+                    map_len = max(map_len, len(value))
+        return cls(
+            frame_bytes=_room(frame),
+            str_bytes=_room(str_bytes),
+            bin_bytes=_room(bin_bytes),
+            array_len=_room(array_len),
+            map_len=_room(map_len),
+            depth=depth,
+        )
+
+
+def _walk(obj, level: int = 0):
+    """Every object in ``obj`` (keys included), with the number of containers
+    holding it (a container counts itself)."""
+    if isinstance(obj, (dict, list)):
+        level += 1
+    yield obj, level
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _walk(key, level)
+            yield from _walk(value, level)
+    elif isinstance(obj, list):
+        for value in obj:
+            yield from _walk(value, level)
+
+
+def _room(n: int) -> int:
+    """The next power of two above ``n`` (0 stays 0: nothing of that kind)."""
+    return 1 << n.bit_length() if n else 0
+
+
+BEFORE_HELLO = DecodeLimits.covering([HELLO_AT_ITS_LARGEST])
+"""What the server decodes before it has answered HELLO (which alone may come)."""
+AFTER_HELLO = DecodeLimits.covering(CLIENT_MESSAGES)
+"""What the server decodes from a greeted client."""
+MAX_HELLO_FRAME_BYTES = BEFORE_HELLO.frame_bytes
+MAX_REQUEST_FRAME_BYTES = AFTER_HELLO.frame_bytes
+FROM_SERVER = DecodeLimits(
+    frame_bytes=MAX_FRAME_BYTES,
+    str_bytes=MAX_FRAME_BYTES,
+    bin_bytes=MAX_FRAME_BYTES,
+    array_len=1 << 20,
+    map_len=1 << 16,
+    depth=None,
+)
+"""What a client decodes from the server (its peer of trust: generous bounds)."""
+
+
 @dataclass(frozen=True)
 class ChannelLayout:
     """Byte geometry of one channel segment; both sides derive it the same way."""
@@ -409,14 +520,39 @@ def encode_frame(msg: dict) -> bytes:
     return FRAME_HEADER.pack(len(body)) + body
 
 
-def decode_body(body: bytes) -> dict:
+def decode_body(body: bytes, limits: DecodeLimits = FROM_SERVER) -> dict:
+    """A frame's body as a message; FrameError when it is not a msgpack map
+    with a string ``type``, or holds more than ``limits`` allow (the decoder
+    stops at the first string, array or map over them)."""
     try:
-        msg = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        msg = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=limits.str_bytes,
+            max_bin_len=limits.bin_bytes,
+            max_array_len=limits.array_len,
+            max_map_len=limits.map_len,
+            max_ext_len=0,
+        )
     except Exception as exc:  # msgpack raises several unrelated types
         raise FrameError(f"undecodable msgpack body: {exc}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
         raise FrameError("a message must be a msgpack map with a string 'type'")
+    if limits.depth is not None and _deeper_than(msg, limits.depth):
+        raise FrameError(f"a message nests containers deeper than {limits.depth}")
     return msg
+
+
+def _deeper_than(obj, depth: int) -> bool:
+    """Whether containers in ``obj`` nest more than ``depth`` deep (the walk
+    is bounded by the objects decoded, which the frame's size bounds)."""
+    if not isinstance(obj, (dict, list)):
+        return False
+    if depth <= 0:
+        return True
+    values = obj.values() if isinstance(obj, dict) else obj
+    return any(_deeper_than(v, depth - 1) for v in values)
 
 
 def send_message(sock: socket.socket, msg: dict, fds: list[int] | None = None) -> None:
@@ -462,39 +598,51 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes | None:
 
 
 class FrameReader:
-    """Reassembles frames from a non-blocking stream (the server side)."""
+    """Reassembles frames from a non-blocking stream: ``push`` what arrives,
+    ``pop`` one message at a time under the limits that apply to it (the
+    server's change once it has answered HELLO)."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
+        self._pushed_at = 0.0
         self.incomplete_since: float | None = None
         """When the frame now incomplete began to arrive (caller's clock)."""
 
-    def feed(
-        self, data: bytes, now: float | None = None, limit: int = MAX_FRAME_BYTES
-    ) -> list[dict]:
-        """Add received bytes (at ``now``, default ``time.monotonic()``); return
-        the complete messages.
-        Raises FrameError on a frame over ``limit`` bytes or an undecodable one
-        (the caller drops the session)."""
+    def push(self, data: bytes, now: float | None = None) -> None:
+        """Add received bytes (at ``now``, default ``time.monotonic()``)."""
         now = time.monotonic() if now is None else now
         if not self._buf:
             self.incomplete_since = now
         self._buf += data
+        self._pushed_at = now
+
+    def pop(self, limits: DecodeLimits) -> dict | None:
+        """The next complete message, or None. Raises FrameError on a frame
+        over ``limits`` — as soon as its length is seen, before its body is
+        waited for — or one that does not decode within them (the caller
+        drops the session)."""
+        if len(self._buf) < FRAME_HEADER.size:
+            return None
+        (length,) = FRAME_HEADER.unpack_from(self._buf)
+        if length > limits.frame_bytes:
+            raise FrameError(
+                f"frame of {length} bytes exceeds the {limits.frame_bytes}-byte limit"
+                + (" before 'hello'" if limits is BEFORE_HELLO else "")
+            )
+        end = FRAME_HEADER.size + length
+        if len(self._buf) < end:
+            return None
+        body = bytes(self._buf[FRAME_HEADER.size : end])
+        del self._buf[:end]
+        self.incomplete_since = self._pushed_at if self._buf else None
+        return decode_body(body, limits)
+
+    def feed(
+        self, data: bytes, now: float | None = None, limits: DecodeLimits = FROM_SERVER
+    ) -> list[dict]:
+        """``push``, then every complete message (all under ``limits``)."""
+        self.push(data, now)
         out = []
-        while len(self._buf) >= FRAME_HEADER.size:
-            (length,) = FRAME_HEADER.unpack_from(self._buf)
-            if length > limit:
-                raise FrameError(
-                    f"frame of {length} bytes exceeds the {limit}-byte limit"
-                    + (" before 'hello'" if limit < MAX_FRAME_BYTES else "")
-                )
-            end = FRAME_HEADER.size + length
-            if len(self._buf) < end:
-                break
-            body = bytes(self._buf[FRAME_HEADER.size : end])
-            del self._buf[:end]
-            self.incomplete_since = now
-            out.append(decode_body(body))
-        if not self._buf:
-            self.incomplete_since = None
+        while (msg := self.pop(limits)) is not None:
+            out.append(msg)
         return out

@@ -265,6 +265,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pleserver import __version__
     from pleserver.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, SETTINGS
 
     parser = argparse.ArgumentParser(
@@ -273,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Serve PLE (n-gram embedding) tables from NVMe to vLLM workers over shared memory."
         ),
     )
+    parser.add_argument("--version", action="version", version=f"pleserver {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser(

@@ -314,6 +314,20 @@ class ServerConfig:
         optional=True,
         metavar="HOST:PORT",
     )
+    metrics_max_connections: int = _setting(
+        32,
+        "int",
+        "Connections to the metrics port at most at once; past it a new one gets "
+        "503 and is closed.",
+        minimum=1,
+    )
+    metrics_timeout_s: float = _setting(
+        5.0,
+        "float",
+        "A metrics request must arrive whole, and its answer be taken, within this "
+        "long, else its connection is closed.",
+        minimum=0.01,
+    )
     log_level: str = _setting(
         "INFO", "choice", "DEBUG, INFO, WARNING or ERROR.", choices=LOG_LEVELS
     )

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pleclient.checkpoint import CheckpointError, TableSpec, discover_tables
-from pleserver import budget
+from pleserver import __version__, budget
 from pleserver.config import ServerConfig
 from pleserver.memory import memory_room
 from pleserver.stats import format_bytes
@@ -74,6 +74,7 @@ class Report:
 
     def to_json(self) -> dict:
         return {
+            "version": __version__,
             "ok": self.ok,
             "model": self.model,
             "checks": {

@@ -20,14 +20,33 @@ fingerprints differ) is ignored with a WARNING and never trusted: every key is
 also checked against its table's rows before any read. Written atomically
 (temp file, fsync, rename, fsync of the directory), so a crash mid-save leaves
 the previous file.
+
+What the state directory may hold is not trusted either, since whoever may
+write the directory chooses it:
+
+- the directory must be writable by this server's uid alone, and owned by it
+  (or root); otherwise the hot set is neither restored nor saved, with an
+  ERROR that says how to fix it (``check_state_dir``);
+- the file is opened ``O_NOFOLLOW | O_NONBLOCK`` (a symbolic link is refused,
+  and a FIFO can never block the open) and must be a regular file whose size
+  fits these tables: the header's bytes and one key per row at most. Its
+  magic, version, header and size are checked before its keys are read, and
+  the keys are read and hashed as a stream, keeping only those the cache can
+  hold: loading takes memory for the cache's keys, not for the file;
+- a save writes a temp file created ``O_EXCL | O_NOFOLLOW`` under a random
+  name in the directory opened at start, so no link planted there is ever
+  followed.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import secrets
+import stat
 import struct
 import threading
 import time
@@ -42,9 +61,16 @@ log = logging.getLogger(__name__)
 MAGIC = b"PLEHOTS\0"
 VERSION = 1
 FILE_NAME = "hotset.bin"
+TEMP_PREFIX = FILE_NAME + ".tmp."
 PREFIX = struct.Struct("<8sII")
+KEY_BYTES = 8
 DIGEST_BYTES = 32
 MAX_HEADER_BYTES = 1 << 20
+STREAM_KEYS = 1 << 17
+"""Keys read, checked and hashed at a time (1 MiB) when loading or saving."""
+STOP_JOIN_S = 10.0
+"""How long ``stop`` waits for the refill thread (a read stuck in the kernel
+must not hold up the server's exit)."""
 REFILL_CHUNK = 8192
 """Rows per ``fill`` call: enough to keep the miss engine's queue full, few
 enough that a stop request is seen quickly."""
@@ -64,57 +90,186 @@ def identity(tables: list[Table]) -> list[dict]:
     ]
 
 
-def encode(tables: list[Table], keys: np.ndarray) -> bytes:
-    keys = np.ascontiguousarray(keys, dtype="<u8")
-    header = json.dumps(
-        {"tables": identity(tables), "count": int(keys.size)}, separators=(",", ":")
-    ).encode()
-    body = PREFIX.pack(MAGIC, VERSION, len(header)) + header + keys.tobytes()
-    return body + hashlib.sha256(body).digest()
+class StateDirError(RuntimeError):
+    """The state directory is not safe to use; the message says why and the fix."""
 
 
-def decode(data: bytes, tables: list[Table]) -> np.ndarray:
-    """The keys of a hot-set file, checked against ``tables``; raises
-    ``HotSetError`` naming the first problem."""
-    if len(data) < PREFIX.size + DIGEST_BYTES:
-        raise HotSetError(f"{len(data)} bytes, shorter than any hot-set file (truncated)")
-    magic, version, header_len = PREFIX.unpack_from(data)
-    if magic != MAGIC:
-        raise HotSetError("not a hot-set file (bad magic)")
-    if version != VERSION:
-        raise HotSetError(f"format version {version}, this server reads {VERSION}")
-    body, digest = data[:-DIGEST_BYTES], data[-DIGEST_BYTES:]
-    if hashlib.sha256(body).digest() != digest:
-        raise HotSetError("checksum mismatch (truncated or corrupt)")
-    if header_len > min(MAX_HEADER_BYTES, len(body) - PREFIX.size):
-        raise HotSetError(f"header length {header_len} runs past the file")
+def open_state_dir(path: str) -> int:
+    """A descriptor of the state directory, checked by ``check_state_dir``;
+    FileNotFoundError when it does not exist."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        header = json.loads(body[PREFIX.size : PREFIX.size + header_len])
-        named, count = header["tables"], int(header["count"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise HotSetError(f"malformed header ({exc})") from None
-    if named != identity(tables):
-        raise HotSetError("it was saved for another checkpoint (table fingerprints differ)")
-    raw = body[PREFIX.size + header_len :]
-    if count < 0 or len(raw) != count * 8:
-        raise HotSetError(f"{len(raw)} bytes of keys for a count of {count}")
-    keys = np.frombuffer(raw, dtype="<u8").astype(np.uint64)
-    table_keys = keys >> np.uint64(KEY_ROW_BITS)
-    rows = keys & np.uint64(ROW_MASK)
-    limits = np.zeros(len(tables), dtype=np.uint64)
-    for t in tables:
-        limits[t.key] = t.rows
-    if keys.size and (
-        int(table_keys.max()) >= len(tables)
-        or bool(np.any(rows >= limits[np.minimum(table_keys, len(tables) - 1).astype(np.int64)]))
+        check_state_dir(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_state_dir(fd: int, path: str) -> None:
+    """Raise StateDirError unless the directory is owned by this server's uid
+    (or root) and writable by nobody else: whoever else may write it could
+    plant a link there that the server would write through, or a FIFO it
+    would block on."""
+    st = os.fstat(fd)
+    uid = os.geteuid()
+    problems = []
+    if st.st_uid not in (uid, 0):
+        problems.append(f"owned by uid {st.st_uid}, not by this server's uid {uid}")
+    writable = [
+        who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit
+    ]
+    if writable:
+        problems.append(
+            f"writable by {' and '.join(writable)} (mode {stat.S_IMODE(st.st_mode):04o})"
+        )
+    if problems:
+        raise StateDirError(
+            f"state_dir {path} is {' and '.join(problems)}: whoever else may write it "
+            "could make the server overwrite other files through links planted there; "
+            "the hot set is neither restored nor saved. Give it to the server's user "
+            f"alone: `chown {uid} {path} && chmod 0750 {path}` (the unit's "
+            "StateDirectory= does)"
+        )
+
+
+def _header(tables: list[Table], count: int) -> bytes:
+    return json.dumps(
+        {"tables": identity(tables), "count": int(count)}, separators=(",", ":")
+    ).encode()
+
+
+def write_file(fd: int, tables: list[Table], keys: np.ndarray) -> None:
+    """Write a hot-set file of ``keys`` to ``fd``, hashing as it goes (no copy
+    of the keys is made)."""
+    keys = np.ascontiguousarray(keys, dtype="<u8")
+    header = _header(tables, keys.size)
+    digest = hashlib.sha256()
+    raw = keys.data.cast("B")
+    parts = [PREFIX.pack(MAGIC, VERSION, len(header)) + header] + [
+        raw[i : i + STREAM_KEYS * KEY_BYTES] for i in range(0, len(raw), STREAM_KEYS * KEY_BYTES)
+    ]
+    for part in parts:
+        digest.update(part)
+        _write_all(fd, part)
+    _write_all(fd, digest.digest())
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def size_bounds(tables: list[Table]) -> tuple[int, int]:
+    """The smallest and the largest size a hot-set file of ``tables`` can have:
+    a key per row at most (the keys of a cache are distinct)."""
+    smallest = PREFIX.size + DIGEST_BYTES
+    return smallest, smallest + MAX_HEADER_BYTES + KEY_BYTES * sum(t.rows for t in tables)
+
+
+def read_file(
+    fd: int, tables: list[Table], keep: int, stop: threading.Event | None = None
+) -> tuple[np.ndarray, int] | None:
+    """The first ``keep`` keys of the hot-set file open at ``fd``, and how many
+    it holds; None if ``stop`` was set meanwhile. Raises HotSetError naming
+    the first problem. Every check that needs no key comes first (type, size,
+    magic, version, header, count); then the keys are read, checked against
+    their tables and hashed a slice at a time, and the checksum is compared
+    at the end: memory for ``keep`` keys, whatever the file's size."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise HotSetError(f"not a regular file ({_kind(st.st_mode)})")
+    smallest, largest = size_bounds(tables)
+    if st.st_size < smallest:
+        raise HotSetError(f"{st.st_size} bytes, shorter than any hot-set file (truncated)")
+    if st.st_size > largest:
+        raise HotSetError(
+            f"{st.st_size} bytes, more than a hot set of these tables can hold ({largest})"
+        )
+    with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
+        prefix = _read_exact(f, PREFIX.size)
+        magic, version, header_len = PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise HotSetError("not a hot-set file (bad magic)")
+        if version != VERSION:
+            raise HotSetError(f"format version {version}, this server reads {VERSION}")
+        if header_len > min(MAX_HEADER_BYTES, st.st_size - smallest):
+            raise HotSetError(f"header length {header_len} runs past the file")
+        header = _read_exact(f, header_len)
+        try:
+            parsed = json.loads(header)
+            named, count = parsed["tables"], int(parsed["count"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise HotSetError(f"malformed header ({exc})") from None
+        key_bytes = st.st_size - smallest - header_len
+        if count < 0 or key_bytes != count * KEY_BYTES:
+            raise HotSetError(f"{key_bytes} bytes of keys for a count of {count}")
+        if named != identity(tables):
+            raise HotSetError("it was saved for another checkpoint (table fingerprints differ)")
+        limits = np.zeros(len(tables), dtype=np.uint64)
+        for t in tables:
+            limits[t.key] = t.rows
+        digest = hashlib.sha256(prefix)
+        digest.update(header)
+        kept = np.empty(min(keep, count), dtype=np.uint64)
+        buf = bytearray(STREAM_KEYS * KEY_BYTES)
+        done = 0
+        while done < count:
+            if stop is not None and stop.is_set():
+                return None
+            n = min(STREAM_KEYS, count - done)
+            view = memoryview(buf)[: n * KEY_BYTES]
+            _read_into(f, view)
+            digest.update(view)
+            keys = np.frombuffer(view, dtype="<u8")
+            table_keys = keys >> np.uint64(KEY_ROW_BITS)
+            if int(table_keys.max()) >= len(tables) or bool(
+                np.any((keys & np.uint64(ROW_MASK)) >= limits[table_keys.astype(np.intp)])
+            ):
+                raise HotSetError("it holds keys outside the tables' rows")
+            if done < kept.size:
+                take = min(n, kept.size - done)
+                kept[done : done + take] = keys[:take]
+            done += n
+        if _read_exact(f, DIGEST_BYTES) != digest.digest():
+            raise HotSetError("checksum mismatch (truncated or corrupt)")
+    return kept, count
+
+
+def _read_exact(f, n: int) -> bytes:
+    buf = bytearray(n)
+    _read_into(f, memoryview(buf))
+    return bytes(buf)
+
+
+def _read_into(f, view: memoryview) -> None:
+    while view:
+        got = f.readinto(view)
+        if not got:
+            raise HotSetError("the file ended early (truncated while read)")
+        view = view[got:]
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
     ):
-        raise HotSetError("it holds keys outside the tables' rows")
-    return keys
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
 
 
 class HotSet:
     """Refills the cache from the saved file (first, in a thread), then saves
     the cache's keys every ``interval_s`` and at ``stop``.
+
+    Opens the state directory at once: FileNotFoundError when it does not
+    exist, StateDirError when others may write it (``check_state_dir``).
 
     States: pending → refilling → done | budget (the cache filled first) |
     none (no file) | ignored (untrusted file) | stopped | failed."""
@@ -143,6 +298,10 @@ class HotSet:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._save_lock = threading.Lock()
+        # Every name below is looked up in this directory, as opened (and
+        # checked) now: a path swapped under the server changes nothing.
+        self._dir_fd: int | None = open_state_dir(state_dir)
+        self._remove_temp_files()
 
     # ---------------------------------------------------------------- thread
     def start(self) -> None:
@@ -153,15 +312,29 @@ class HotSet:
         """Stop the refill and the periodic saves; save once more, unless the
         refill did not finish (the file on disk then still holds more)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if self.state in ("refilling", "stopped", "pending"):
-            log.info(
-                "hot set: not saved at stop (the refill did not finish; %s keeps the previous set)",
-                self.path,
-            )
-            return
-        self.save()
+        try:
+            if self._thread is not None:
+                self._thread.join(STOP_JOIN_S)
+                if self._thread.is_alive():
+                    log.warning(
+                        "hot set: the refill thread did not stop within %.0f s (a read "
+                        "stuck in the kernel?); not saved at stop",
+                        STOP_JOIN_S,
+                    )
+                    return
+            if self.state in ("refilling", "stopped", "pending"):
+                log.info(
+                    "hot set: not saved at stop (the refill did not finish; %s keeps "
+                    "the previous set)",
+                    self.path,
+                )
+                return
+            self.save()
+        finally:
+            with self._save_lock:
+                if self._dir_fd is not None:
+                    os.close(self._dir_fd)
+                    self._dir_fd = None
 
     def wait(self, timeout: float | None = None) -> None:
         """Until the refill is over (a test and benchmark helper)."""
@@ -204,64 +377,78 @@ class HotSet:
             self.save()
 
     # ---------------------------------------------------------------- refill
-    def load(self) -> np.ndarray | None:
-        """The saved keys, or None (no file, or a file not to trust: logged)."""
+    def load(self) -> tuple[np.ndarray, int] | None:
+        """The saved keys the cache can hold and how many the file holds, or
+        None (no file, a file not to trust — logged —, or a stop meanwhile)."""
+        assert self._dir_fd is not None  # (open until stop)
         try:
-            with open(self.path, "rb") as f:
-                data = f.read()
+            # O_NONBLOCK: opening a FIFO must not wait for a writer.
+            fd = os.open(
+                FILE_NAME,
+                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
+                dir_fd=self._dir_fd,
+            )
         except FileNotFoundError:
             return None
         except OSError as exc:
-            log.warning(
-                "hot set: cannot read %s (%s); starting with an empty cache",
-                self.path,
-                exc.strerror or exc,
+            self._ignore(
+                "a symbolic link (never followed)"
+                if exc.errno == errno.ELOOP
+                else f"cannot open it ({exc.strerror or exc})"
             )
-            self.state = "ignored"
             return None
         try:
-            return decode(data, self.tables)
+            return read_file(fd, self.tables, int(self.cache.capacity_rows), self._stop)
         except HotSetError as exc:
-            log.warning(
-                "hot set: ignoring %s: %s; starting with an empty cache (the "
-                "next save replaces it)",
-                self.path,
-                exc,
-            )
-            self.state = "ignored"
-            return None
+            self._ignore(str(exc))
+        except OSError as exc:
+            self._ignore(f"cannot read it ({exc.strerror or exc})")
+        finally:
+            os.close(fd)
+        return None
+
+    def _ignore(self, why: str) -> None:
+        log.warning(
+            "hot set: ignoring %s: %s; starting with an empty cache (the next save replaces it)",
+            self.path,
+            why,
+        )
+        self.state = "ignored"
 
     def _refill(self) -> None:
         started = time.monotonic()
-        keys = self.load()
-        if keys is None:
-            if self.state != "ignored":
+        loaded = self.load()
+        if loaded is None:
+            if self._stop.is_set():
+                self.state = "stopped"
+            elif self.state != "ignored":
                 self.state = "none"
                 log.info(
                     "hot set: no saved hot set at %s; the cache fills from requests", self.path
                 )
             return
-        in_file = int(keys.size)
-        self.target_rows = min(in_file, int(self.cache.capacity_rows))
-        keys = keys[: self.target_rows]
+        keys, in_file = loaded
+        self.target_rows = int(keys.size)
         self.state = "refilling"
         log.info(
             "hot set: refilling the row cache with %d rows from %s", self.target_rows, self.path
         )
         last_report = 0.0
-        table_keys = keys >> np.uint64(KEY_ROW_BITS)
+        keys.sort()  # in place: by table, then by row (ascending: neighbouring blocks)
         for table in self.tables:
-            rows = np.sort(
-                (keys[table_keys == table.key] & np.uint64(ROW_MASK)).astype(np.int64)
-            )  # ascending: neighbouring blocks
-            for start in range(0, rows.size, REFILL_CHUNK):
+            bounds = np.array([table.key, table.key + 1], dtype=np.uint64) << np.uint64(
+                KEY_ROW_BITS
+            )
+            first, end = np.searchsorted(keys, bounds)
+            for start in range(int(first), int(end), REFILL_CHUNK):
                 if self._stop.is_set():
                     self.state = "stopped"
                     return
                 if table.problem:  # its file changed: nothing of it is read any more
                     break
-                table.fill(rows[start : start + REFILL_CHUNK])
-                self.done_rows += min(REFILL_CHUNK, rows.size - start)
+                chunk = keys[start : min(start + REFILL_CHUNK, int(end))]
+                table.fill((chunk & np.uint64(ROW_MASK)).astype(np.int64))
+                self.done_rows += chunk.size
                 now = time.monotonic()
                 if now - last_report >= 1.0:
                     last_report = now
@@ -281,29 +468,42 @@ class HotSet:
     def save(self) -> bool:
         """Write the cache's keys atomically; False (logged) when it cannot."""
         with self._save_lock:
-            keys = self.cache.keys()
-            data = encode(self.tables, keys)
-            tmp = f"{self.path}.tmp.{os.getpid()}"
+            if self._dir_fd is None:  # stopped
+                return False
+            dir_fd = self._dir_fd
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+                check_state_dir(dir_fd, self.state_dir)  # its mode may have changed since
+            except StateDirError as exc:
+                if self.save_error is None:
+                    log.error("hot set: not saved: %s", exc)
+                self.save_error = str(exc)
+                return False
+            keys = self.cache.keys()
+            # A name no one can have planted a link under, created only if new.
+            tmp = TEMP_PREFIX + secrets.token_hex(8)
+            created = False
+            try:
+                fd = os.open(
+                    tmp,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o640,
+                    dir_fd=dir_fd,
+                )
+                created = True
                 try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view) :]
+                    write_file(fd, self.tables, keys)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-                os.rename(tmp, self.path)
-                dir_fd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                try:
-                    os.fsync(dir_fd)
-                finally:
-                    os.close(dir_fd)
+                os.rename(tmp, FILE_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                created = False
+                os.fsync(dir_fd)
             except OSError as exc:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+                if created:
+                    try:
+                        os.unlink(tmp, dir_fd=dir_fd)
+                    except OSError:
+                        pass
                 if self.save_error is None:
                     log.warning(
                         "hot set: cannot save %s (%s); check that state_dir is "
@@ -317,3 +517,22 @@ class HotSet:
             self.saved_rows, self.saved_at = int(keys.size), time.time()
             log.debug("hot set: saved %d keys to %s", keys.size, self.path)
             return True
+
+    def _remove_temp_files(self) -> None:
+        """Remove temp files of saves a crash interrupted (each has a name of
+        its own, so they would pile up). Unlinking never follows a link."""
+        assert self._dir_fd is not None
+        removed = 0
+        for name in os.listdir(self._dir_fd):
+            if name.startswith(TEMP_PREFIX):
+                try:
+                    os.unlink(name, dir_fd=self._dir_fd)
+                    removed += 1
+                except OSError:
+                    pass
+        if removed:
+            log.info(
+                "hot set: removed %d temp files of interrupted saves from %s",
+                removed,
+                self.state_dir,
+            )

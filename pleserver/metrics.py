@@ -1,54 +1,82 @@
-"""The optional Prometheus endpoint (``metrics_address = "host:port"``).
+"""The Prometheus series, and the endpoint that serves them (``metrics_address``).
 
-A custom collector reads ``Server.snapshot()`` at scrape time, so the endpoint
-shows exactly the numbers of ``pleserver stats`` and costs nothing between
-scrapes. Series (per-table ones carry the labels ``layer`` and ``table``; the
-table label is the tensor name prefix, the layer its PLE layer number):
+``SnapshotCollector`` turns one ``Server.snapshot()`` (the numbers of
+``pleserver stats``) into metric families; ``MetricsEndpoint`` serves them,
+with ``/healthz`` and ``/readyz``, through the bounded HTTP server of
+``pleserver.metrics_http``, which renders them off the data plane at most
+every ``RENDER_INTERVAL_S`` and never per request.
 
-- ``ple_requests_total``, ``ple_rows_total``, ``ple_bytes_total`` — served
-  lookups, rows and row bytes;
-- ``ple_errors_total{kind}`` — rejected requests by kind (``bad_table``,
-  ``bad_count``, ``id_out_of_range``, ``internal``);
-- ``ple_server_time_seconds``, ``ple_queue_time_seconds`` — histograms of the
-  time from taking a request to completing it, and from the client's submit to
-  the server taking it. Buckets are every third bucket of ``pleserver.stats``
-  (4 per decade, 1 µs to 100 s): the cumulative counts at these bounds are
-  exact;
-- ``ple_table_info{dtype,rows,cols,row_bytes,fingerprint}`` (always 1),
-  ``ple_table_size_bytes``, ``ple_table_resident_ratio`` (page-cache residency,
-  0–1, refreshed at most every 2 s; absent while unknown);
-- ``ple_cache_hits_total``, ``ple_cache_misses_total`` — rows found in and
-  missing from the row cache; ``ple_cache_hit_ratio`` (0–1, absent before the
-  first lookup), ``ple_cache_misses_per_second`` (over the last 10 s);
+Names follow Prometheus' naming guide: base units (seconds, bytes) in the
+name, ``_total`` on counters, ``_ratio`` for 0–1, ``_info`` for a constant 1
+whose labels are the value. Rates, ratios over time and times since an event
+are left to PromQL (``rate(ple_cache_misses_total[5m])``,
+``time() - process_start_time_seconds``), so nothing exported goes stale or
+cannot be aggregated across servers. A series that does not apply to the io
+mode in use is absent, not zero: a row cache's hits in mmap mode, a prewarm's
+progress with a row cache. Per-table series carry the labels ``layer`` (the
+PLE layer number) and ``table`` (the tensor name prefix).
+
+Every mode:
+
+- ``ple_server_info{version,model,socket}`` (1), ``ple_clients``,
+  ``ple_channels``, ``ple_gpu_channels``;
+- ``ple_channel_memory_used_bytes`` and ``ple_channel_memory_budget_bytes``
+  (``max_channel_memory``; absent when there is none) — the channels' shared
+  memory against its budget;
+- ``ple_sessions_refused_total{reason}`` (``not_allowed``: uid or groups not
+  in allow_uids/allow_gids; ``max_clients``; ``rate_limited``: past the
+  per-uid accept rate; ``version_mismatch``) and
+  ``ple_channels_refused_total{reason}`` (``no_resources``: the channel memory
+  budget, the segment could not be reserved, or no descriptor left;
+  ``channel_limit``: past max_capacity, max_depth or max_channel_bytes);
+- ``ple_io_mode{io}`` (1 for the mode in use), ``ple_io_info{io,reason}`` (1);
+- per table: ``ple_requests_total``, ``ple_rows_total``, ``ple_bytes_total``,
+  ``ple_errors_total{kind}`` (``bad_table``, ``bad_count``,
+  ``id_out_of_range``, ``read_error``, ``internal``), the histograms
+  ``ple_server_time_seconds`` (taking a request to completing it) and
+  ``ple_queue_time_seconds`` (the client's submit to the server taking it) —
+  every third bucket of ``pleserver.stats`` (4 per decade, 1 µs to 100 s), so
+  the cumulative counts are exact —, ``ple_table_info{dtype,rows,cols,
+  row_bytes,fingerprint}`` (1), ``ple_table_size_bytes``,
+  ``ple_table_io_mode{io}``;
+- per table, once the server counts prefetch hints: ``ple_hints_dropped_total``
+  (the table snapshot's field ``hints_dropped``);
+- ``ple_metrics_connections_rejected_total{reason}`` (``connection_cap``,
+  ``timeout``, ``bad_request``) — this endpoint's own refusals;
+- the standard ``process_*`` series (CPU, resident memory, open fds, start time).
+
+``io = direct`` or ``buffered`` (a row cache and a miss engine):
+
+- ``ple_cache_capacity_rows``, ``ple_cache_used_rows``,
+  ``ple_cache_budget_bytes``, ``ple_cache_occupancy_ratio``,
+  ``ple_cache_evictions_total``; ``ple_read_engine_info{kind,fallback_reason}``
+  (1), ``ple_read_queue_depth``;
+- per table: ``ple_cache_hits_total``, ``ple_cache_misses_total``,
   ``ple_disk_reads_total``, ``ple_disk_read_bytes_total``,
-  ``ple_disk_read_errors_total``, ``ple_disk_read_latency_seconds{quantile}``
-  (0.5 and 0.99, from the miss engine's histogram); ``ple_table_io_mode{io}``
-  (1 for the table's mode) — per table;
-- ``ple_io_mode{io}`` (1 for the mode in use), ``ple_io_info{io,reason}``;
-  ``ple_cache_capacity_rows``, ``ple_cache_used_rows``, ``ple_cache_budget_bytes``,
-  ``ple_cache_occupancy_ratio``, ``ple_cache_evictions_total``;
-  ``ple_read_engine_info{kind,fallback_reason}``, ``ple_read_queue_depth`` — the
-  row cache and the miss engine (zeros and kind ``none`` in mmap mode);
+  ``ple_disk_read_errors_total``, and the histogram
+  ``ple_disk_read_latency_seconds`` (the miss engine's own, one bucket per
+  power of two of nanoseconds, 4 µs to 17 s; a bound counts the reads under
+  it);
 - ``ple_hotset_target_rows``, ``ple_hotset_done_rows``,
-  ``ple_hotset_progress_ratio``, ``ple_hotset_state{state}`` — the refill of the
-  cache from the saved hot set; ``ple_hotset_saved_rows`` (at the last save);
-- ``ple_clients``, ``ple_channels`` — connected sessions, open channels;
+  ``ple_hotset_progress_ratio``, ``ple_hotset_state{state}``,
+  ``ple_hotset_saved_rows`` — the refill of the cache from the saved hot set.
+
+``io = mmap`` (the page cache):
+
 - ``ple_prewarm_done_bytes``, ``ple_prewarm_target_bytes``,
-  ``ple_prewarm_progress_ratio``, ``ple_prewarm_state{state}`` (1 for the current
-  state; ``none`` when prewarm is off);
-- ``ple_server_info{version,model,socket}`` (always 1), ``ple_uptime_seconds``;
-- the standard ``process_*`` series (CPU, resident memory, open fds).
+  ``ple_prewarm_progress_ratio``, ``ple_prewarm_state{state}`` (state ``none``
+  when prewarm is off);
+- per table: ``ple_table_resident_ratio`` (refreshed at most every 2 s).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -59,10 +87,10 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from pleserver.config import parse_host_port
-from pleserver.stats import BUCKETS_S, ERROR_KINDS
+from pleserver.metrics_http import Check, MetricsError, MetricsHTTPServer
+from pleserver.stats import BUCKETS_S, ERROR_KINDS, READ_BUCKETS_S
 
-if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
+__all__ = ["MetricsEndpoint", "MetricsError", "SnapshotCollector"]
 
 log = logging.getLogger(__name__)
 
@@ -81,20 +109,24 @@ HOTSET_STATES = (
 )
 IO_MODES = ("direct", "buffered", "mmap")
 BUCKET_STEP = 3  # export every third stats bucket: 4 per decade
-
-
-class MetricsError(OSError):
-    """The endpoint cannot start; the message names the address and the fix."""
+SESSION_REFUSALS = {
+    "not_allowed": "not_allowed",
+    "max_clients": "too_many_clients",
+    "rate_limited": "rate_limited",
+    "version_mismatch": "version_mismatch",
+}
+CHANNEL_REFUSALS = {"no_resources": "no_resources", "channel_limit": "channel_limit"}
+"""Series reason → the ERROR code (lower case) the control plane counted."""
 
 
 class SnapshotCollector(Collector):
-    """Turns one ``snapshot()`` dict into metric families, at scrape time."""
+    """Turns one ``snapshot()`` dict into metric families, at render time."""
 
     def __init__(self, snapshot: Callable[[], dict]) -> None:
         self._snapshot = snapshot
 
     def describe(self) -> list[Metric]:
-        return []  # no scrape at registration
+        return []  # no snapshot at registration
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
@@ -105,9 +137,6 @@ class SnapshotCollector(Collector):
         )
         info.add_metric([snap["version"], snap["model"], snap["socket"]], 1)
         yield info
-        yield GaugeMetricFamily(
-            "ple_uptime_seconds", "Seconds since the server started.", value=snap["uptime_s"]
-        )
         yield GaugeMetricFamily("ple_clients", "Connected client sessions.", value=snap["clients"])
         yield GaugeMetricFamily(
             "ple_channels", "Open shared-memory channels.", value=snap["channels"]
@@ -117,11 +146,50 @@ class SnapshotCollector(Collector):
             "Open channels driven by a GPU (their doorbells are polled).",
             value=snap.get("gpu_channels", 0),
         )
-        yield from _prewarm(snap.get("prewarm"))
-        yield from _dataplane(snap.get("dataplane"))
-        yield from _hotset(snap.get("hotset"))
+        yield from _control(snap)
+        plane = snap.get("dataplane") or {}
+        mode = plane.get("io")
+        yield from _dataplane(plane)
+        if mode == "mmap":
+            yield from _prewarm(snap.get("prewarm"))
+        elif mode is not None:
+            yield from _hotset(snap.get("hotset"))
         yield from _tables(snap["tables"])
-        yield from _table_io(snap["tables"])
+        if mode not in (None, "mmap"):
+            yield from _table_io(snap["tables"])
+        yield from _hints(snap["tables"])
+
+
+def _control(snap: dict) -> Iterator[Metric]:
+    memory = snap.get("channel_memory") or {}
+    yield GaugeMetricFamily(
+        "ple_channel_memory_used_bytes",
+        "Bytes of channel segments in existence or being reserved.",
+        value=memory.get("used_bytes", 0),
+    )
+    if memory.get("budget_bytes") is not None:
+        yield GaugeMetricFamily(
+            "ple_channel_memory_budget_bytes",
+            "The channels' memory budget (max_channel_memory); a channel past it is refused.",
+            value=memory["budget_bytes"],
+        )
+    errors = snap.get("control_errors") or {}
+    # Refusals at accept are counted by pleserver.connections, by its own reasons
+    # (a rate-limited uid and a full server share one ERROR code); the rest by
+    # the ERROR code the control plane sent.
+    counted = {**errors, **(snap.get("refused") or {})}
+    for name, help_text, reasons in (
+        (
+            "ple_sessions_refused",
+            "Sessions refused or ended at admission, by reason.",
+            SESSION_REFUSALS,
+        ),
+        ("ple_channels_refused", "Channel openings refused, by reason.", CHANNEL_REFUSALS),
+    ):
+        family = CounterMetricFamily(name, help_text, labels=["reason"])
+        for reason, code in reasons.items():
+            family.add_metric([reason], counted.get(code, 0))
+        yield family
 
 
 def _prewarm(pw: dict | None) -> Iterator[Metric]:
@@ -147,7 +215,7 @@ def _prewarm(pw: dict | None) -> Iterator[Metric]:
     yield state
 
 
-def _dataplane(plane: dict | None) -> Iterator[Metric]:
+def _dataplane(plane: dict) -> Iterator[Metric]:
     if not plane:
         return
     mode = GaugeMetricFamily("ple_io_mode", "1 for the io mode in use.", labels=["io"])
@@ -159,16 +227,9 @@ def _dataplane(plane: dict | None) -> Iterator[Metric]:
     )
     why.add_metric([plane["io"], plane["io_reason"]], 1)
     yield why
-    # Present in every mode (zeros, kind "none" without a row cache), so
-    # dashboards and alerts need no per-mode queries.
-    cache = plane.get("cache") or {
-        "capacity_rows": 0,
-        "used_rows": 0,
-        "budget_bytes": 0,
-        "occupancy": 0.0,
-        "evictions": 0,
-    }
-    engine = plane.get("engine") or {"kind": "none", "fallback_reason": None, "queue_depth": 0}
+    cache, engine = plane.get("cache"), plane.get("engine")
+    if not cache or not engine:  # mmap mode: no row cache, no miss engine
+        return
     yield GaugeMetricFamily(
         "ple_cache_capacity_rows", "Rows the row cache can hold.", value=cache["capacity_rows"]
     )
@@ -231,34 +292,26 @@ def _hotset(hs: dict | None) -> Iterator[Metric]:
 
 
 def _table_io(tables: list[dict]) -> Iterator[Metric]:
+    """The row cache's and the miss engine's per-table series (not in mmap mode)."""
     hits = CounterMetricFamily(
         "ple_cache_hits", "Rows found in the row cache.", labels=TABLE_LABELS
     )
     misses = CounterMetricFamily(
         "ple_cache_misses", "Rows missing from the row cache (read from disk).", labels=TABLE_LABELS
     )
-    ratio = GaugeMetricFamily(
-        "ple_cache_hit_ratio", "Hits over lookups, 0 to 1.", labels=TABLE_LABELS
-    )
-    rate = GaugeMetricFamily(
-        "ple_cache_misses_per_second", "Misses per second over the last 10 s.", labels=TABLE_LABELS
-    )
     reads = CounterMetricFamily(
         "ple_disk_reads", "Disk reads of the miss engine.", labels=TABLE_LABELS
     )
     read_bytes = CounterMetricFamily(
-        "ple_disk_read_bytes", "Bytes read from disk.", labels=TABLE_LABELS
+        "ple_disk_read_bytes", "Bytes read from disk (whole 4 KiB blocks).", labels=TABLE_LABELS
     )
     read_errors = CounterMetricFamily(
         "ple_disk_read_errors", "Failed or short disk reads.", labels=TABLE_LABELS
     )
-    latency = GaugeMetricFamily(
+    latency = HistogramMetricFamily(
         "ple_disk_read_latency_seconds",
-        "Disk read latency quantiles.",
-        labels=[*TABLE_LABELS, "quantile"],
-    )
-    mode = GaugeMetricFamily(
-        "ple_table_io_mode", "1 for the table's io mode.", labels=[*TABLE_LABELS, "io"]
+        "Seconds from submitting a disk read to its completion.",
+        labels=TABLE_LABELS,
     )
     for t in tables:
         io = t.get("io")
@@ -267,17 +320,25 @@ def _table_io(tables: list[dict]) -> Iterator[Metric]:
         labels = [str(t["layer"]), t["name"]]
         hits.add_metric(labels, io["hits"])
         misses.add_metric(labels, io["misses"])
-        if io["hit_rate"] is not None:
-            ratio.add_metric(labels, io["hit_rate"])
-        rate.add_metric(labels, io["misses_per_s"])
         reads.add_metric(labels, io["reads"])
         read_bytes.add_metric(labels, io["read_bytes"])
         read_errors.add_metric(labels, io["read_errors"])
-        latency.add_metric([*labels, "0.5"], io["read_p50_s"])
-        latency.add_metric([*labels, "0.99"], io["read_p99_s"])
-        for name in IO_MODES:
-            mode.add_metric([*labels, name], 1 if t.get("io_mode") == name else 0)
-    yield from (hits, misses, ratio, rate, reads, read_bytes, read_errors, latency, mode)
+        hist = io["read_latency"]
+        latency.add_metric(labels, _buckets(hist, READ_BUCKETS_S, 1), hist["sum_s"])
+    yield from (hits, misses, reads, read_bytes, read_errors, latency)
+
+
+def _hints(tables: list[dict]) -> Iterator[Metric]:
+    """Prefetch hints dropped (the disk saturated, or the cache budget could not
+    hold them), once the server counts them: a table's ``hints_dropped``."""
+    dropped = CounterMetricFamily(
+        "ple_hints_dropped", "Prefetch hints dropped, not read.", labels=TABLE_LABELS
+    )
+    for t in tables:
+        if t.get("hints_dropped") is not None:
+            dropped.add_metric([str(t["layer"]), t["name"]], t["hints_dropped"])
+    if dropped.samples:
+        yield dropped
 
 
 def _tables(tables: list[dict]) -> Iterator[Metric]:
@@ -307,8 +368,11 @@ def _tables(tables: list[dict]) -> Iterator[Metric]:
     )
     resident = GaugeMetricFamily(
         "ple_table_resident_ratio",
-        "Fraction of the table in the page cache, 0 to 1.",
+        "Fraction of the table in the page cache, 0 to 1 (mmap mode).",
         labels=TABLE_LABELS,
+    )
+    mode = GaugeMetricFamily(
+        "ple_table_io_mode", "1 for the table's io mode.", labels=[*TABLE_LABELS, "io"]
     )
     for t in tables:
         labels = [str(t["layer"]), t["name"]]
@@ -317,8 +381,12 @@ def _tables(tables: list[dict]) -> Iterator[Metric]:
         nbytes.add_metric(labels, t["bytes"])
         for kind in dict.fromkeys([*ERROR_KINDS, *t["errors"]]):
             errors.add_metric([*labels, kind], t["errors"].get(kind, 0))
-        server_time.add_metric(labels, _buckets(t["server_time"]), t["server_time"]["sum_s"])
-        queue_time.add_metric(labels, _buckets(t["queue_time"]), t["queue_time"]["sum_s"])
+        server_time.add_metric(
+            labels, _buckets(t["server_time"], BUCKETS_S, BUCKET_STEP), t["server_time"]["sum_s"]
+        )
+        queue_time.add_metric(
+            labels, _buckets(t["queue_time"], BUCKETS_S, BUCKET_STEP), t["queue_time"]["sum_s"]
+        )
         info.add_metric(
             [
                 *labels,
@@ -333,60 +401,116 @@ def _tables(tables: list[dict]) -> Iterator[Metric]:
         size.add_metric(labels, t["table_bytes"])
         if t.get("resident_fraction") is not None:
             resident.add_metric(labels, t["resident_fraction"])
-    yield from (requests, rows, nbytes, errors, server_time, queue_time, info, size, resident)
+        if t.get("io_mode"):
+            for name in IO_MODES:
+                mode.add_metric([*labels, name], 1 if t["io_mode"] == name else 0)
+    yield from (requests, rows, nbytes, errors, server_time, queue_time, info, size)
+    if resident.samples:
+        yield resident
+    yield mode
 
 
-def _buckets(hist: dict) -> list[tuple[str, float]]:
-    """Cumulative Prometheus buckets from a stats histogram (``counts[i]`` holds
-    the values in ``(BUCKETS_S[i-1], BUCKETS_S[i]]``, the last one the overflow)."""
+def _buckets(hist: dict, bounds: tuple[float, ...], step: int) -> list[tuple[str, float]]:
+    """Cumulative Prometheus buckets from a histogram snapshot over ``bounds``
+    (``buckets[i]`` counts the values between ``bounds[i-1]`` and ``bounds[i]``,
+    the last one the overflow), at every ``step``-th bound and the last."""
     counts = hist["buckets"]
     out, seen = [], 0
-    for i, bound in enumerate(BUCKETS_S):
+    for i, bound in enumerate(bounds):
         seen += counts[i]
-        if i % BUCKET_STEP == 0 or i == len(BUCKETS_S) - 1:
+        if i % step == 0 or i == len(bounds) - 1:
             out.append((floatToGoString(bound), seen))
     out.append(("+Inf", hist["count"]))
     return out
 
 
-class MetricsEndpoint:
-    """HTTP endpoint for Prometheus on a daemon thread; ``start()`` binds (and
-    raises ``MetricsError`` when it cannot), ``stop()`` closes it."""
+class _EndpointCollector(Collector):
+    """The endpoint's own counters."""
 
-    def __init__(self, address: str, snapshot: Callable[[], dict]) -> None:
+    def __init__(self, http: MetricsHTTPServer) -> None:
+        self._http = http
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        rejected = CounterMetricFamily(
+            "ple_metrics_connections_rejected",
+            "Connections to the metrics port closed unanswered or refused, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in self._http.rejected.items():
+            rejected.add_metric([reason], count)
+        yield rejected
+
+
+class _YieldingRegistry(Collector):
+    """A registry's families one at a time, the GIL given up between two: the
+    serving loop waits for one family's formatting at most, not a whole render."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            yield family
+            time.sleep(0)
+
+
+class MetricsEndpoint:
+    """The series above, ``/healthz`` (``alive``) and ``/readyz`` (``ready``) on
+    ``address``; ``start()`` binds (raising ``MetricsError`` when it cannot),
+    ``stop()`` closes it."""
+
+    def __init__(
+        self,
+        address: str,
+        snapshot: Callable[[], dict],
+        alive: Check,
+        ready: Check,
+        max_connections: int = 32,
+        timeout_s: float = 5.0,
+    ) -> None:
         self.address = address
+        try:
+            host, port = parse_host_port(address)
+        except ValueError as exc:
+            raise MetricsError(f"metrics_address: {exc}") from None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SnapshotCollector(snapshot))
         ProcessCollector(registry=self.registry)
-        self._httpd: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
+        self.http = MetricsHTTPServer(
+            address,
+            host,
+            port,
+            self.render,
+            {"/healthz": alive, "/readyz": ready},
+            max_connections,
+            timeout_s,
+        )
+        self.registry.register(_EndpointCollector(self.http))
+
+    def render(self) -> bytes:
+        """The exposition, in Prometheus' text format (on the render thread)."""
+        return generate_latest(_YieldingRegistry(self.registry))
 
     @property
     def port(self) -> int | None:
         """The bound port (useful with port 0), or None before ``start()``."""
-        return self._httpd.server_address[1] if self._httpd is not None else None
+        return self.http.port
 
     def start(self) -> None:
-        try:
-            host, port = parse_host_port(self.address)
-        except ValueError as exc:
-            raise MetricsError(f"metrics_address: {exc}") from None
-        try:
-            self._httpd, self._thread = start_http_server(port, host, registry=self.registry)
-        except OSError as exc:
-            raise MetricsError(
-                f"cannot serve metrics on {self.address}: "
-                f"{exc.strerror or exc}; choose a free port or another "
-                "address for metrics_address (or leave it out)"
-            ) from None
+        self.http.start()
+        host, _ = parse_host_port(self.address)
         shown = f"[{host}]" if ":" in host else host
-        log.info("metrics on http://%s:%d/metrics", shown, self.port)
+        log.info(
+            "metrics on http://%s:%d/metrics (and /healthz, /readyz); at most %d "
+            "connections, %g s each",
+            shown,
+            self.port,
+            self.http.max_connections,
+            self.http.timeout_s,
+        )
 
     def stop(self) -> None:
-        if self._httpd is None:
-            return
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        if self._thread is not None:
-            self._thread.join(5.0)
-        self._httpd = self._thread = None
+        self.http.stop()

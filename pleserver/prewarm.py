@@ -110,7 +110,14 @@ class Prewarm:
                             self.state = "memory"
                             return
                         n = min(PREWARM_BLOCK, end - pos, self.target - self.done_bytes)
-                        got = os.preadv(mapped.fd, [memoryview(buf)[:n]], pos)
+                        try:
+                            got = os.preadv(mapped.fd, [memoryview(buf)[:n]], pos)
+                        except OSError as exc:
+                            raise OSError(
+                                exc.errno,
+                                f"reading {n} bytes at offset {pos} of {mapped.path}: "
+                                f"{exc.strerror}",
+                            ) from None
                         if got <= 0:
                             raise OSError(f"{mapped.path}: short read at {pos}")
                         _populate(mapped, pos, got)
@@ -128,6 +135,9 @@ class Prewarm:
                     complete = complete and pos >= end
                 table.fully_resident = complete
             self.state = "done"
+        except OSError as exc:  # a disk error: said where, no traceback needed
+            self.state = "failed"
+            log.error("prewarm failed: %s; serving continues from disk", exc)
         except Exception:
             self.state = "failed"
             log.exception("prewarm failed; serving continues from disk")

@@ -35,8 +35,9 @@ from pleserver import __version__
 from pleserver.admission import DoorbellAdmission
 from pleserver.budget import ChannelBudget, default_channel_budget
 from pleserver.config import ServerConfig
+from pleserver.connections import listen_backlog
 from pleserver.dataplane import DataPlane, PlaneOptions
-from pleserver.hotset import HotSet
+from pleserver.hotset import HotSet, StateDirError
 from pleserver.memory import memory_room
 from pleserver.prewarm import Prewarm, resident_bytes
 from pleserver.segments import Reserver
@@ -54,6 +55,10 @@ log = logging.getLogger(__name__)
 RESIDENCY_CACHE_S = 2.0
 HOUSEKEEPING_S = 0.25
 """The control loop checks deadlines (hello, idle, frame) at least this often."""
+HEALTH_STALE_S = 15.0
+"""``/healthz`` fails once the serving or the control loop has not run for this
+long (the serving loop beats at least once a second, the control loop four
+times): the process is wedged, and a restart is what helps."""
 
 
 class StartupError(RuntimeError):
@@ -85,6 +90,9 @@ class Server:
         self.reserver = Reserver(self._wake)
         self._dropped: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
         self._serving_status = ""
+        self._ready = False  # READY=1 sent, not stopping: /readyz
+        self._watchdog = False  # the serving loop's beat pings systemd's watchdog
+        self._loop_beat = self._control_beat = 0.0  # when each loop last ran: /healthz
 
     # ------------------------------------------------------------- lifecycle
     def run(self) -> int:
@@ -135,20 +143,28 @@ class Server:
         if cfg.metrics_address:  # before the socket: a bad address fails the start cleanly
             from pleserver.metrics import MetricsEndpoint, MetricsError
 
-            self.metrics = MetricsEndpoint(cfg.metrics_address, self.snapshot)
             try:
+                self.metrics = MetricsEndpoint(
+                    cfg.metrics_address,
+                    self.snapshot,
+                    alive=self.alive,
+                    ready=self.ready,
+                    max_connections=cfg.metrics_max_connections,
+                    timeout_s=cfg.metrics_timeout_s,
+                )
                 self.metrics.start()
             except MetricsError as exc:
                 self.metrics = None
                 raise StartupError(str(exc)) from None
         self._set_budget()
         interval = cfg.watchdog_s or watchdog_interval()
+        self._watchdog = bool(interval)
         try:
             self.loop = ServingLoop(
                 self.tables,
                 self.table_stats,
                 cfg.spin_us * 1e-6,
-                heartbeat=self.notifier.watchdog if interval else None,
+                heartbeat=self._loop_heartbeat,
                 heartbeat_every_s=min(interval or 1.0, 1.0),
                 chunk_rows=cfg.chunk_rows,
                 on_drop=self._on_channel_dropped,
@@ -197,6 +213,7 @@ class Server:
         self._serving_status = f"serving {len(self.tables)} tables on {cfg.socket}"
         log.info("ple-server %s ready: %s", __version__, self._serving_status)
         self.notifier.ready(self._serving_status)
+        self._ready = True
         # After READY=1, as documented: a unit ordered after ple-server starts
         # at once, while the tables are read into the page cache (or the row
         # cache is refilled from the hot set).
@@ -211,7 +228,7 @@ class Server:
             self.prewarm.on_progress = self._report_prewarm
             self.prewarm.start()
         if self.plane.cache is not None:
-            if os.path.isdir(cfg.state_dir):
+            try:
                 self.hotset = HotSet(
                     cfg.state_dir,
                     self.tables,
@@ -219,13 +236,23 @@ class Server:
                     cfg.hotset_save_interval,
                     self._report_hotset,
                 )
-                self.hotset.start()
-            else:
+            except FileNotFoundError:
                 log.info(
                     "state_dir %s does not exist: the hot set is neither saved nor "
                     "restored (the unit's StateDirectory= creates it)",
                     cfg.state_dir,
                 )
+            except StateDirError as exc:
+                log.error("hot set: %s", exc)
+            except OSError as exc:
+                log.error(
+                    "hot set: cannot open state_dir %s (%s): the hot set is neither "
+                    "saved nor restored",
+                    cfg.state_dir,
+                    exc.strerror or exc,
+                )
+            else:
+                self.hotset.start()
 
     def _set_budget(self) -> None:
         cfg = self.config
@@ -294,7 +321,16 @@ class Server:
                 "directory exists and this user may write it"
             ) from None
         os.chmod(path, self.config.socket_mode)
-        listener.listen(128)
+        wanted, granted = listen_backlog()
+        listener.listen(wanted)
+        if granted is not None and granted < wanted:
+            log.warning(
+                "control socket: the kernel queues %d connections at most "
+                "(net.core.somaxconn); a burst beyond that makes clients retry. "
+                "Raise it: sysctl net.core.somaxconn=%d",
+                granted,
+                wanted,
+            )
         listener.setblocking(False)
         self._listener = listener
         self._selector.register(listener, selectors.EVENT_READ, "accept")
@@ -362,6 +398,7 @@ class Server:
         assert sessions is not None and listener is not None  # (start() made both)
         next_check = 0.0
         while not self._stopping:
+            self._control_beat = time.monotonic()
             for key, events in self._selector.select(timeout=HOUSEKEEPING_S):
                 if key.data == "accept":
                     sessions.accept(listener)
@@ -379,6 +416,34 @@ class Server:
                 next_check = now + HOUSEKEEPING_S
                 sessions.check_deadlines(now)
                 sessions.flush_log()
+
+    def _loop_heartbeat(self) -> None:
+        """(serving thread, at least once a second) The loop runs."""
+        self._loop_beat = time.monotonic()
+        if self._watchdog:
+            self.notifier.watchdog()
+
+    # ---------------------------------------------------------------- health
+    def alive(self) -> str | None:
+        """None while the process does its work (``/healthz``), else why not:
+        the serving loop ended, or one of the two loops has not run for
+        ``HEALTH_STALE_S``. Starting counts as alive (``/readyz`` says more)."""
+        now = time.monotonic()
+        if self.loop is not None and not self.loop.thread.is_alive() and not self._stopping:
+            return "the serving loop has stopped"
+        for name, beat in (("serving", self._loop_beat), ("control", self._control_beat)):
+            if beat and now - beat > HEALTH_STALE_S:
+                return f"the {name} loop has not run for {now - beat:.0f} s"
+        return None
+
+    def ready(self) -> str | None:
+        """None once the server serves (``/readyz``): tables open, serving loop
+        running, control socket listening; else why not."""
+        if self._stopping:
+            return f"stopping ({self._stop_reason or 'exit'})"
+        if not self._ready:
+            return "starting: the tables are open, the control socket is not listening yet"
+        return self.alive()
 
     def _wake(self) -> None:
         """Wake the control loop (from another thread)."""
@@ -443,12 +508,15 @@ class Server:
             "socket": self.config.socket,
             "uptime_s": now - self.started,
             "clients": len(self.sessions) if self.sessions is not None else 0,
+            "refused": dict(self.sessions.gate.counts) if self.sessions is not None else {},
             "channels": self.loop.channel_count if self.loop else 0,
             "gpu_channels": self.loop.channel_kinds()[DoorbellAdmission.kind] if self.loop else 0,
             "idle_wait": self.loop.idle_wait if self.loop else None,
             "prewarm": self.prewarm.snapshot() if self.prewarm else None,
             "dataplane": self.plane.snapshot() if self.plane else None,
             "hotset": self.hotset.snapshot() if self.hotset else None,
+            "channel_memory": {"used_bytes": self.budget.used, "budget_bytes": self.budget.limit},
+            "control_errors": self.sessions.errors_sent() if self.sessions is not None else {},
             "tables": tables,
         }
 

@@ -15,8 +15,9 @@ frame) close sessions that hold a slot without using it; log lines a peer can
 trigger at will are rate-limited.
 
 Access model (see docs/SECURITY.md):
-- who may connect: the peer's SO_PEERCRED uid/gids against ``allow_uids`` /
-  ``allow_gids`` (the server's own uid and root always may);
+- who may connect, and how often: the peer's SO_PEERCRED uid/gids against
+  ``allow_uids`` / ``allow_gids`` (the server's own uid and root always may),
+  decided at accept by ``pleserver.connections``, before a session exists;
 - a session's segment is a memfd: it never has a name another process could
   open; its file descriptor goes to the peer alone (SCM_RIGHTS); its size is
   sealed, so the peer cannot shrink it under the server's mapping; its
@@ -40,6 +41,7 @@ from pleserver import __version__
 from pleserver.admission import open_admission
 from pleserver.budget import ChannelBudget
 from pleserver.config import ServerConfig
+from pleserver.connections import ConnectionGate
 from pleserver.lograte import RateLimitedLog
 from pleserver.segments import Reservation, Reserver
 from pleserver.serving import Channel, ServingLoop
@@ -49,6 +51,10 @@ from pleserver.table import Table
 # pleserver.server, and operators filter the journal on that name.
 log = logging.getLogger("pleserver.server")
 
+ACCEPT_BATCH = 64
+"""Connections taken per wake-up of the control loop, at most (the others wait
+in the kernel's queue for the next pass)."""
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 OUTBOX_LIMIT_BYTES = 1 << 20
 """Replies queued for a session that does not read them, at most; past this the
 session is dropped (a STATS reply is a few KiB)."""
@@ -124,6 +130,13 @@ class Sessions:
         self._snapshot = snapshot
         self._next_id = 1
         self._peer_log = RateLimitedLog(log)
+        self.gate = ConnectionGate(config)
+        self._errors_sent = dict.fromkeys(p.ErrorCode, 0)  # refusals among them
+
+    def errors_sent(self) -> dict[str, int]:
+        """ERROR replies sent so far, by code in lower case (``not_allowed``,
+        ``too_many_clients``, ``no_resources``, …): stats and the metrics."""
+        return {code.name.lower(): n for code, n in self._errors_sent.items() if code}
 
     def __len__(self) -> int:
         return len(self.by_socket)
@@ -178,8 +191,10 @@ class Sessions:
             self._reject(s, p.ErrorCode.BAD_MESSAGE, f"channel closed: {reason}", close=True)
 
     def flush_log(self) -> None:
-        """Report the rate-limited log lines whose window has ended."""
+        """Report the rate-limited log lines whose window has ended (and forget
+        the accept rates of uids gone quiet)."""
         self._peer_log.flush()
+        self.gate.forget_idle()
 
     def shut_down(self, reason: str) -> None:
         """Tell every client that the server stops, and close its session."""
@@ -189,69 +204,45 @@ class Sessions:
 
     # ------------------------------------------------------------- admission
     def accept(self, listener: socket.socket) -> None:
-        """Take one connection: open its session, or refuse it (an ERROR frame
-        saying why, then close)."""
-        try:
-            sock, _ = listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:  # EMFILE and friends: keep serving the others
-            self._peer_log.log("accept-failed", logging.ERROR, "accept failed: %s", exc)
-            time.sleep(0.05)
-            return
-        pid, uid, gid = struct.unpack(
-            "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        )
-        session = Session(self._next_id, sock, pid, uid, gid)
-        self._next_id += 1
-        reason = self._refusal(session)
-        if reason:
-            code, text = reason
-            self._peer_log.log(
-                f"refused ({code.name})",
-                logging.WARNING,
-                "refused connection from %s: %s",
-                session.peer,
-                text,
-            )
-            sock.setblocking(False)  # one try: the buffer of a new socket is empty
+        """Take the connections waiting (``ACCEPT_BATCH`` at most): open a
+        session for each, or refuse it (``pleserver.connections``) before any
+        session exists: a frame encoded beforehand, then close."""
+        for _ in range(ACCEPT_BATCH):
             try:
-                sock.send(
-                    p.encode_frame(
-                        {"type": p.MessageType.ERROR.value, "code": int(code), "message": text}
-                    )
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and friends: keep serving the others
+                self._peer_log.log("accept-failed", logging.ERROR, "accept failed: %s", exc)
+                time.sleep(0.05)
+                return
+            pid, uid, gid = _PEERCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            )
+            refusal = self.gate.check(uid, pid, gid, len(self.by_socket))
+            if refusal is not None:
+                self._errors_sent[refusal.code] += 1
+                self._peer_log.log(
+                    f"refused ({refusal.code.name})",
+                    logging.WARNING,
+                    "refused connection from pid %d uid %d: %s",
+                    pid,
+                    uid,
+                    refusal.text,
                 )
-            except OSError:
-                pass
-            sock.close()
-            return
-        sock.setblocking(False)
-        self.by_socket[sock] = session
-        self.by_id[session.id] = session
-        self._selector.register(sock, selectors.EVENT_READ, session)
-
-    def _refusal(self, s: Session) -> tuple[p.ErrorCode, str] | None:
-        cfg = self.config
-        if not (
-            s.uid in (0, os.geteuid())
-            or s.uid in cfg.allow_uids
-            or (cfg.allow_gids and set(cfg.allow_gids) & _groups_of(s.pid, s.gid))
-        ):
-            return (
-                p.ErrorCode.NOT_ALLOWED,
-                f"uid {s.uid} (pid {s.pid}) may not use this ple-server; add the uid "
-                "to allow_uids or one of its groups to allow_gids in the server config",
-            )
-        # One session beyond max_clients, so that `pleserver stats` gets in when
-        # every client slot is taken; only max_clients of them may open channels.
-        if len(self.by_socket) >= cfg.max_clients + 1:
-            return (
-                p.ErrorCode.TOO_MANY_CLIENTS,
-                f"ple-server already has {len(self.by_socket)} sessions (max_clients = "
-                f"{cfg.max_clients}, plus one for `pleserver stats`); close idle "
-                "clients or raise max_clients",
-            )
-        return None
+                sock.setblocking(False)  # one try: the buffer of a new socket is empty
+                try:
+                    sock.send(refusal.frame)
+                except OSError:
+                    pass
+                sock.close()
+                continue
+            session = Session(self._next_id, sock, pid, uid, gid)
+            self._next_id += 1
+            sock.setblocking(False)
+            self.by_socket[sock] = session
+            self.by_id[session.id] = session
+            self._selector.register(sock, selectors.EVENT_READ, session)
 
     # -------------------------------------------------------------- messages
     def _on_readable(self, session: Session) -> None:
@@ -266,17 +257,17 @@ class Sessions:
             self._close_session(session, "client closed the connection")
             return
         session.last_active = time.monotonic()
-        try:
-            messages = session.reader.feed(
-                data,
-                session.last_active,
-                p.MAX_FRAME_BYTES if session.greeted else p.MAX_HELLO_FRAME_BYTES,
-            )
-        except p.FrameError as exc:
-            self._reject(session, p.ErrorCode.BAD_MESSAGE, str(exc), close=True)
-            return
-        for msg in messages:
-            if session.sock not in self.by_socket:
+        session.reader.push(data, session.last_active)
+        # One frame at a time: HELLO changes the limits the next one is read
+        # under. Each decodes within them, so no frame costs more than the
+        # largest real message, whatever it holds.
+        while session.sock in self.by_socket:
+            try:
+                msg = session.reader.pop(p.AFTER_HELLO if session.greeted else p.BEFORE_HELLO)
+            except p.FrameError as exc:
+                self._reject(session, p.ErrorCode.BAD_MESSAGE, str(exc), close=True)
+                return
+            if msg is None:
                 return
             try:
                 self._dispatch(session, msg)
@@ -312,7 +303,7 @@ class Sessions:
                 close=True,
             )
         name = msg.get("name")
-        s.name = name[:64] if isinstance(name, str) else ""
+        s.name = name[: p.MAX_NAME_CHARS] if isinstance(name, str) else ""
         s.greeted = True
         self._send(
             s,
@@ -515,6 +506,7 @@ class Sessions:
             )
 
     def _reject(self, s: Session, code: p.ErrorCode, text: str, close: bool = False) -> None:
+        self._errors_sent[code] += 1
         self._peer_log.log(
             f"session error ({code.name})",
             logging.WARNING,
@@ -554,16 +546,3 @@ class Sessions:
             time.monotonic() - s.opened_at,
             why,
         )
-
-
-def _groups_of(pid: int, gid: int) -> set[int]:
-    """The primary and supplementary groups of a live process."""
-    groups = {gid}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    groups.update(int(g) for g in line.split()[1:])
-    except OSError:
-        pass
-    return groups

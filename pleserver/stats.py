@@ -9,6 +9,7 @@ buckets, so p50/p99 are upper bounds with ≈ 19 % resolution.
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 import time
 from collections import deque
@@ -16,6 +17,11 @@ from dataclasses import dataclass, field
 
 # Bucket upper bounds in seconds: 12 per decade from 1 µs to 100 s.
 BUCKETS_S: tuple[float, ...] = tuple(10 ** (-6 + i / 12) for i in range(0, 8 * 12 + 1))
+# Disk read latency, from the miss engine's native histogram (4 buckets per
+# power of two of nanoseconds: buckets 0 .. 4k-1 hold the reads under 2^k ns,
+# pleserver/native/gather.h): one bucket per power of two, 4 µs to 17 s.
+READ_BUCKET_BITS = range(12, 35)
+READ_BUCKETS_S: tuple[float, ...] = tuple(2**k * 1e-9 for k in READ_BUCKET_BITS)
 ERROR_KINDS = ("bad_table", "bad_count", "id_out_of_range", "read_error", "internal")
 RATE_WINDOW_S = 10.0
 
@@ -77,6 +83,23 @@ class RateMeter:
             return (count - c0) / (now - t0) if now > t0 else 0.0
 
 
+def read_latency(source: dict) -> dict:
+    """The disk read latency histogram of a native source's stats, in the shape
+    of ``Histogram.snapshot`` over ``READ_BUCKETS_S``: ``buckets[i]`` counts
+    the reads in ``[READ_BUCKETS_S[i-1], READ_BUCKETS_S[i])``, the last one
+    those of ``READ_BUCKETS_S[-1]`` and over."""
+    native = source.get("read_ns_buckets") or ()
+    below = list(itertools.accumulate(native))  # below[b]: reads in buckets 0..b
+    total = below[-1] if below else 0
+    counts, seen = [], 0
+    for k in READ_BUCKET_BITS:
+        under = below[min(4 * k, len(below)) - 1] if below else 0
+        counts.append(under - seen)
+        seen = under
+    counts.append(total - seen)
+    return {"count": total, "sum_s": source.get("read_ns_sum", 0) * 1e-9, "buckets": counts}
+
+
 def io_snapshot(source: dict, misses_per_s: float) -> dict:
     """A table's row-cache and disk numbers, from its native source's stats."""
     hits, misses = source.get("hits", 0), source.get("misses", 0)
@@ -90,6 +113,7 @@ def io_snapshot(source: dict, misses_per_s: float) -> dict:
         "read_errors": source.get("read_errors", 0),
         "read_p50_s": source.get("read_ns_p50", 0) * 1e-9,
         "read_p99_s": source.get("read_ns_p99", 0) * 1e-9,
+        "read_latency": read_latency(source),
         "evictions": source.get("evictions"),
     }
 
@@ -163,6 +187,12 @@ def format_human(stats: dict) -> str:
         + "  "
         f"model {stats['model']}"
     ]
+    refused = stats.get("refused") or {}
+    if any(refused.values()):
+        lines.append(
+            "refused connections: "
+            + ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in refused.items())
+        )
     plane = stats.get("dataplane") or {}
     if plane:
         lines.append(f"io {plane['io']} ({plane['io_reason']})")

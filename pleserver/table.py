@@ -14,8 +14,9 @@ whatever the io mode (``pleserver.dataplane`` chooses it):
 
 Large requests (``parallel_min_rows`` or more) are split over native threads.
 A checkpoint file changed under the server is caught by ``check_files``: its
-tables then answer errors (``problem``), as reading a truncated mapping would
-raise SIGBUS and a rewritten file would give other rows. What of a mapped
+tables then answer errors (``problem``): a truncated file's rows are gone and a
+rewritten file would give other rows (in direct mode mixed with old rows still
+in the cache). What of a mapped
 table is in the page cache (prewarm, residency) is ``pleserver.prewarm``'s.
 """
 
@@ -42,6 +43,10 @@ log = logging.getLogger(__name__)
 
 KEY_ROW_BITS = 40
 """A row cache key is ``(table_key << 40) | row`` (the native module's layout)."""
+
+
+_METADATA = {"st_mode": "mode", "st_uid": "owner", "st_gid": "group", "st_nlink": "link count"}
+"""What moves a file's ctime without touching its bytes (``CheckpointFile.check``)."""
 
 
 class CheckpointFile:
@@ -79,30 +84,45 @@ class CheckpointFile:
     def check(self) -> str | None:
         """Whether the file changed under the server (two stat calls).
 
-        Changed in place (size or mtime): rows may be gone — a mapping touched
-        past the new end of the file raises SIGBUS, which kills the process; a
-        read comes back short — or different, so the problem is returned (and
-        kept) and its tables answer errors. Replaced (another file renamed over
-        the path, as downloads and rsync do) or removed: the open file is still
-        the old one, whole and consistent, so serving goes on; logged once."""
+        Changed in place (its size, its modification time, or its change time
+        without any metadata change that would explain it — a rewrite whose
+        mtime was put back moves the ctime, which no one can set): rows may be
+        gone — a read comes back short, a mapped page past the new end fails
+        its request — or different, so the problem is returned (and kept) and
+        its tables answer errors. A ctime moved by a chmod, chown or link
+        (mode, owner or link count changed) is logged, not a problem. Replaced
+        (another file renamed over the path, as downloads and rsync do) or
+        removed: the open file is still the old one, whole and consistent, so
+        serving goes on; logged once."""
         if self.problem is None:
             try:
                 st = os.fstat(self.fd)
             except OSError as exc:
                 st, error = None, exc.strerror
-            if st is None or (st.st_size, st.st_mtime_ns) != (
-                self.stat.st_size,
-                self.stat.st_mtime_ns,
-            ):
-                what = (
-                    f"cannot stat it ({error})"
-                    if st is None
-                    else (
-                        f"size {self.stat.st_size} → {st.st_size} bytes"
-                        if st.st_size != self.stat.st_size
-                        else "rewritten in place, same size"
+            what = None
+            if st is None:
+                what = f"cannot stat it ({error})"
+            elif st.st_size != self.stat.st_size:
+                what = f"size {self.stat.st_size} → {st.st_size} bytes"
+            elif st.st_mtime_ns != self.stat.st_mtime_ns:
+                what = "rewritten in place, same size"
+            elif st.st_ctime_ns != self.stat.st_ctime_ns:
+                changed = [
+                    name for name in _METADATA if getattr(st, name) != getattr(self.stat, name)
+                ]
+                if changed:
+                    log.warning(
+                        "checkpoint file %s: its %s changed; ple-server keeps serving it",
+                        self.path,
+                        ", ".join(_METADATA[name] for name in changed),
                     )
-                )
+                    self.stat = st  # the ctime that explains, as the baseline
+                else:
+                    what = (
+                        "rewritten in place, same size and modification time: its change "
+                        "time moved with no chmod, chown or link to explain it"
+                    )
+            if what is not None:
                 self.problem = (
                     f"checkpoint file {self.path} changed on disk while "
                     f"ple-server had it {self.HELD} ({what}); its tables are no "

@@ -21,6 +21,30 @@ SMALL_TABLES = (
 )
 
 
+def pytest_report_header(config) -> list[str]:
+    """The host facts some tests depend on, in the run's header: a report names
+    the CPU it passed on, and whether vLLM's AMX path was shown forced."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() in ("flags", "Features"):
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    shown = sorted(flags & {"amx_tile", "amx_bf16", "avx512f", "avx512_bf16", "avx2"})
+    amx = os.environ.get("PLESERVER_TEST_AMX", "host")
+    return [
+        f"cpu: {model} ({os.cpu_count()} cpus); flags: {' '.join(shown) or 'none of interest'}",
+        f"PLESERVER_TEST_AMX={amx} (vLLM's AMX check in scenario processes: "
+        f"{'as the host says' if amx == 'host' else 'forced ' + amx})",
+    ]
+
+
 @pytest.fixture(autouse=True)
 def no_host_config(monkeypatch):
     """Nothing a test runs reads this host's /etc/ple-server/config.toml (the

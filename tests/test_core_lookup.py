@@ -13,6 +13,7 @@ from pleclient import PleClient, PleError, RequestError, ServerUnavailable
 from pleclient import protocol as p
 from pleserver.synthetic import read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
+from tests.host import require_futex_waitv
 
 
 @pytest.mark.parametrize("layer", [1, 3], ids=["fp8", "bf16"])
@@ -188,6 +189,8 @@ def test_requests_after_idle_gaps_are_served_by_either_idle_wait(
 ):
     """Each request comes after the loop has gone to sleep (its spin is 0):
     woken through futex_waitv on the channel's counter, or found by polling."""
+    if idle_wait == "futex_waitv":
+        require_futex_waitv()
     server = start_server(checkpoint, "--idle-wait", idle_wait, "--spin-us", "0")
     with server.client() as client:
         for i in range(20):

@@ -9,6 +9,7 @@ import socket
 
 import pytest
 
+from pleclient import PleClient
 from pleclient import protocol as p
 from pleclient.channel import ChannelMap
 from pleclient.errors import ProtocolMismatch
@@ -50,3 +51,26 @@ def test_a_segment_of_protocol_1_is_refused_naming_both_versions():
         assert server_side.close()
     finally:
         os.close(fd)
+
+
+def test_every_client_message_at_its_largest_is_read_within_the_limits():
+    """The limits on client frames come from the client's messages: each, every
+    field at its largest, fits the frame size and decodes within them."""
+    import msgpack
+
+    for msg in p.CLIENT_MESSAGES:
+        body = msgpack.packb(msg, use_bin_type=True)
+        assert len(body) <= p.MAX_REQUEST_FRAME_BYTES
+        assert p.decode_body(body, p.AFTER_HELLO) == msg
+    hello = msgpack.packb(p.HELLO_AT_ITS_LARGEST, use_bin_type=True)
+    assert len(hello) <= p.MAX_HELLO_FRAME_BYTES
+    assert p.decode_body(hello, p.BEFORE_HELLO) == p.HELLO_AT_ITS_LARGEST
+    for extra in ([[]] * 3, {"x": 1}, b"\0"):  # nothing a real message holds
+        with pytest.raises(p.FrameError):
+            p.decode_body(msgpack.packb({"type": "stats", "x": extra}), p.AFTER_HELLO)
+
+
+def test_a_client_with_a_long_name_still_connects(server):
+    with PleClient.connect(server.socket, name="w" * 5000) as client:
+        assert client.lookup(1, [1]).shape == (1, 160)
+    assert f"({'w' * p.MAX_NAME_CHARS})" in server.log()

@@ -3,12 +3,19 @@ and never trusted when corrupt, truncated or saved for another checkpoint."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
+import stat
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pleserver.synthetic import read_reference, write_checkpoint
+from pleserver import hotset
+from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
 from tests.harness import wait_until
 
@@ -127,3 +134,132 @@ def test_the_refill_progress_reaches_systemd_status(start_server, model, state_d
     final = server.wait_for(serving + "hot set refill done")
     rows = HOT_IDS.size * len(SMALL_TABLES)
     assert f"{serving}hot set refill done: 100.0% ({rows} of {rows} rows)" in final, final
+
+
+# ------------------------------------------------ files planted in the state dir
+STOP_BUDGET_S = 10.0
+"""SIGTERM to exit, well inside the unit's TimeoutStopSec=30."""
+
+
+def stops_in_budget(server) -> None:
+    started = time.monotonic()
+    code = server.stop(timeout=STOP_BUDGET_S + 5)
+    took = time.monotonic() - started
+    assert code == 0 and took < STOP_BUDGET_S, (code, took, server.log_tail())
+
+
+@pytest.mark.parametrize("plant", ["FIFO", "symlink to a FIFO"])
+def test_a_hot_set_file_that_is_a_fifo_is_refused_and_sigterm_completes(
+    start_server, model, state_dir, tmp_path, plant
+):
+    """Opening a FIFO for reading waits for a writer: the refill thread blocked
+    there, the state stayed `pending` with no log line, and SIGTERM never
+    completed. The file is now opened O_NONBLOCK | O_NOFOLLOW and must be a
+    regular file."""
+    path = state_dir / "hotset.bin"
+    if plant == "FIFO":
+        os.mkfifo(path)
+    else:
+        os.mkfifo(tmp_path / "fifo")
+        os.symlink(tmp_path / "fifo", path)
+    server = direct(start_server, model, state_dir)
+    with server.client() as client:
+        stats = refill_over(client)
+        assert stats["hotset"]["state"] == "ignored", stats["hotset"]
+        t = client.tables[0]
+        assert np.array_equal(
+            client.lookup(t.layer, HOT_IDS), read_reference(model, t.name)[HOT_IDS]
+        )
+    why = "not a regular file (a FIFO)" if plant == "FIFO" else "a symbolic link (never followed)"
+    assert f"hot set: ignoring {path}: {why}" in server.log(), server.log_tail()
+    stops_in_budget(server)
+    assert stat.S_ISREG(os.lstat(path).st_mode)  # the save at stop replaced it
+    if plant != "FIFO":
+        assert stat.S_ISFIFO(os.stat(tmp_path / "fifo").st_mode)  # the link's target untouched
+
+
+# A table of 4 M rows of 16 bytes (64 MB): room for a valid hot set of 32 MB.
+BIG_TABLE = SyntheticTable(layer=1, rows=4_000_000, cols=16, dtype="F8_E4M3", parts=4)
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("big-model")
+    write_checkpoint(str(path), [BIG_TABLE], files=1)
+    yield path
+    shutil.rmtree(path)
+
+
+def peak_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def write_hotset(path: Path, like: bytes, keys: np.ndarray) -> None:
+    """A valid hot-set file of ``keys``, with the table header of ``like`` (a
+    file the server saved)."""
+    _, _, header_len = hotset.PREFIX.unpack_from(like)
+    header = json.loads(like[hotset.PREFIX.size : hotset.PREFIX.size + header_len])
+    header["count"] = int(keys.size)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    body = hotset.PREFIX.pack(hotset.MAGIC, hotset.VERSION, len(raw)) + raw + keys.tobytes()
+    path.write_bytes(body + hashlib.sha256(body).digest())
+
+
+@pytest.mark.parametrize(
+    "plant", ["symlink to /dev/zero", "sparse file of 3 GiB", "valid, 4 M keys"]
+)
+def test_loading_a_hot_set_takes_memory_for_the_cache_not_for_the_file(
+    start_server, big_model, state_dir, plant
+):
+    """The refill read the whole file into memory and decoded it in copies: a
+    link to /dev/zero got the server OOM-killed, a sparse 3 GiB file took
+    2.9 GiB before "bad magic", and a valid 229 MiB file 8 × its size. Now the
+    size is checked against what the tables can hold before anything is read,
+    and the keys are read as a stream, keeping what the cache can hold (4096
+    keys here). The server runs with a 1 GiB data limit (as a MemoryMax= would
+    put it), so the old way failed rather than swallow the machine."""
+    flags = ("--io", "direct", "--cache-size", "64K", "--state-dir", str(state_dir))
+    limit = ("prlimit", f"--data={1 << 30}", "--")
+    ids = np.arange(0, 4_000_000, 1000)
+    baseline = start_server(big_model, *flags, prefix=limit)
+    with baseline.client() as client:
+        assert refill_over(client)["hotset"]["state"] == "none"
+        client.lookup(1, ids)
+    baseline_peak = peak_rss_kib(baseline.pid)
+    stops_in_budget(baseline)
+    path = state_dir / "hotset.bin"
+    saved = path.read_bytes()
+    path.unlink()
+    if plant == "symlink to /dev/zero":
+        os.symlink("/dev/zero", path)
+        expected, why = "ignored", "a symbolic link (never followed)"
+    elif plant == "sparse file of 3 GiB":
+        with open(path, "wb") as f:
+            f.truncate(3 << 30)
+        expected, why = "ignored", f"{3 << 30} bytes, more than a hot set of these tables can hold"
+    else:
+        write_hotset(path, saved, np.arange(BIG_TABLE.rows, dtype="<u8"))
+        expected, why = "budget", None
+    try:
+        server = start_server(big_model, *flags, prefix=limit)
+        with server.client() as client:
+            hs = refill_over(client)["hotset"]
+            client.lookup(1, ids)
+        peak = peak_rss_kib(server.pid)
+        log = server.log()
+        stops_in_budget(server)
+    finally:
+        path.unlink()
+    print(
+        f"{plant}: hot set {hs['state']}, {hs['done_rows']} rows refilled; peak RSS "
+        f"{peak / 1024:.0f} MiB, {(peak - baseline_peak) / 1024:+.1f} MiB against no hot set"
+    )
+    assert hs["state"] == expected, (hs, log[-3000:])
+    if why:
+        assert f"hot set: ignoring {path}: {why}" in log, log[-3000:]
+    else:
+        assert hs["target_rows"] == hs["done_rows"] > 0
+        assert f"refilled {hs['done_rows']} of the {BIG_TABLE.rows} saved rows" in log
+    # The valid file alone is 32 MiB: it is never held whole.
+    assert peak - baseline_peak < 16 << 10, (baseline_peak, peak)

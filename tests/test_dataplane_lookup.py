@@ -15,6 +15,7 @@ from pleclient.checkpoint import discover_tables
 from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
 from tests.harness import child_report, python_child
+from tests.host import require_o_direct
 
 BLOCK = 4096
 MODES = ("direct", "buffered", "mmap")
@@ -49,6 +50,8 @@ def expect_mode(client, io: str) -> None:
 
 @pytest.mark.parametrize("io", MODES)
 def test_rows_are_bit_exact_in_every_mode(start_server, model, tmp_path, io):
+    if io == "direct":
+        require_o_direct(model)
     server = start_server(
         model, "--io", io, "--state-dir", str(tmp_path), "--parallel-min-rows", "4096"
     )
@@ -74,6 +77,8 @@ def test_rows_are_bit_exact_in_every_mode(start_server, model, tmp_path, io):
 
 @pytest.mark.parametrize("io", MODES)
 def test_nvfp4_rows_are_values_then_block_scales_from_the_files(start_server, model, tmp_path, io):
+    if io == "direct":
+        require_o_direct(model)
     server = start_server(model, "--io", io, "--state-dir", str(tmp_path))
     spec = next(t for t in discover_tables(str(model)) if t.dtype == "NVFP4")
     values, scales = spec.segments
@@ -142,6 +147,7 @@ def test_auto_serves_tables_that_fit_from_the_page_cache(start_server, model, tm
 
 
 def test_auto_reads_tables_larger_than_the_cache_directly(start_server, model, tmp_path):
+    require_o_direct(model)
     server = start_server(model, "--state-dir", str(tmp_path), "--cache-size", "1M")
     with server.client() as client:
         plane = client.stats()["dataplane"]

@@ -5,6 +5,7 @@ file, offset and errno, and the disk probe."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from pleclient.checkpoint import discover_tables
 from pleserver import _native as nat
 from pleserver.synthetic import SyntheticTable, write_checkpoint
+from tests.host import require_o_direct
 from tests.test_native_gather import Opened, file_rows, opened, specs  # noqa: F401 (fixtures)
 
 
@@ -184,6 +186,7 @@ def test_bad_constructor_arguments_raise(specs, tmp_path):
 
 def test_probe_reports_the_disk_rate(specs):
     paths = specs["F8_E4M3"].files
+    require_o_direct(os.path.dirname(paths[0]))
     for kind in ("auto", "threads"):
         r = nat.probe_random_reads(paths, block=4096, queue_depth=4, seconds=0.2, kind=kind)
         assert r["reads"] > 0 and r["reads_per_s"] > 0
@@ -195,6 +198,7 @@ def test_probe_reports_the_disk_rate(specs):
 
 def test_probe_rejects_bad_arguments(specs, tmp_path):
     paths = specs["F8_E4M3"].files
+    require_o_direct(os.path.dirname(paths[0]))
     with pytest.raises(ValueError):
         nat.probe_random_reads(paths, block=1000)
     with pytest.raises(ValueError):
@@ -218,3 +222,121 @@ def test_empty_requests_do_nothing(fp8):
     assert fp8.source.gather_hits(ids, out) == 0
     assert fp8.source.fill(ids) == 0
     assert fp8.source.stats()["reads"] == 0
+
+
+# --------------------------------------------------- unreadable mapped pages
+@pytest.fixture(params=["BF16", "NVFP4"])
+def mapped_copy(tmp_path, request):
+    """A checkpoint of its own (one file) that a test may truncate, mapped."""
+    write_checkpoint(
+        str(tmp_path),
+        (SyntheticTable(layer=2, rows=6000, cols=160, dtype=request.param, parts=2),),
+        files=1,
+    )
+    return discover_tables(str(tmp_path), fingerprint=False)[0]
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["mmap", "cache-over-mapping"])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_mapped_page_that_cannot_be_read_fails_the_gather_not_the_process(
+    mapped_copy, opened, cached, threads
+):
+    """Touching a mapped page past the end of a truncated file raises SIGBUS,
+    as a disk's I/O error under a mapping does: the gather fails with a read
+    error naming the file and the offset, in the calling thread and in the
+    native threads of a split gather, and the process serves on."""
+    spec = mapped_copy
+    expected = file_rows(spec)
+    o = opened(spec, "mmap")
+    if cached:  # the same mappings, through a row cache
+        cache = nat.RowCache(16 << 20, spec.row_bytes)
+        shards = [
+            (-1, s.offset, s.rows, s.path, o.views[0].ctypes.data)
+            for i in range(spec.parts)
+            for s in (segment.shards[i] for segment in spec.segments)
+        ]
+        source = nat.TableSource(
+            9, spec.row_bytes, spec.shard_size, shards, cache, None, False,
+            segments=[segment.row_bytes for segment in spec.segments],
+        )  # fmt: skip
+    else:
+        cache, source = None, o.source
+    try:
+        path = spec.files[0]
+        last = spec.segments[-1].shards[-1]  # the file's last shard: its rows end the file
+        keep = last.offset + 100 * spec.segments[-1].row_bytes
+        os.truncate(path, keep - keep % mmap.PAGESIZE)
+        lost = np.concatenate([np.arange(0, 2000), np.arange(spec.rows - 3000, spec.rows)])
+        out = np.empty((lost.size, spec.row_bytes), np.uint8)
+        for _ in range(3):  # every time, not once
+            with pytest.raises(nat.ReadError) as caught:
+                source.gather(lost, out, threads)
+            exc = caught.value
+            assert exc.errno == errno.EIO, exc
+            assert f"of {path} through its mapping" in str(exc) and "offset" in str(exc), exc
+        ok = np.arange(0, 2000)
+        got = np.empty((ok.size, spec.row_bytes), np.uint8)
+        source.gather(ok, got, threads)
+        np.testing.assert_array_equal(got, expected[ok])
+        if cache is not None:  # what failed was not cached; what was read was
+            assert source.gather_hits(lost, out) > 0 and source.gather_hits(ok, got) == 0
+    finally:
+        if cache is not None:
+            source.close()
+            cache.close()
+
+
+SIGBUS_ELSEWHERE = """
+import faulthandler, mmap, os, sys
+import numpy as np
+from pleserver import _native as nat
+if sys.argv[1] == "faulthandler":
+    faulthandler.enable()
+path = os.path.abspath("rows")  # in the test's temporary directory
+with open(path, "wb") as f:
+    f.write(bytes(2 * mmap.PAGESIZE))
+fd = os.open(path, os.O_RDONLY)
+mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+view = np.frombuffer(mm, np.uint8)
+shards = [(fd, 0, 64, path, view.ctypes.data)]
+source = nat.TableSource(1, 16, 64, shards, None, None, False)
+source.gather(np.arange(4, dtype=np.int64), np.empty((4, 16), np.uint8))  # the guard is in
+if sys.argv[1] == "faulthandler-after":  # installed over ours, chaining to it; then ours again
+    faulthandler.enable()
+    source = nat.TableSource(2, 16, 64, shards, None, None, False)
+os.truncate(path, 0)
+try:
+    source.gather(np.arange(4, dtype=np.int64), np.empty((4, 16), np.uint8))
+except nat.ReadError:
+    print("guarded", flush=True)
+print("touching", flush=True)
+print(view[mmap.PAGESIZE])  # not a guarded copy: SIGBUS, as without the guard
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("handler", ["faulthandler", "faulthandler-after", "none"])
+def test_a_sigbus_outside_a_guarded_copy_still_ends_the_process(tmp_path, handler):
+    """The guard takes only faults of its own copies: any other SIGBUS goes
+    on to the handler before it (CPython's faulthandler, which prints the
+    tracebacks) or the default action, as if the guard were not there. A
+    handler installed over the guard's (faulthandler enabled later) is
+    chained to when the next table is opened: guarded copies are the
+    guard's again."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", SIGBUS_ELSEWHERE, handler],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(tmp_path),
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert "guarded" in run.stdout and "touching" in run.stdout, run.stdout + run.stderr
+    assert "survived" not in run.stdout and run.returncode != 0, run.stdout + run.stderr
+    if handler.startswith("faulthandler"):
+        assert "Fatal Python error: Bus error" in run.stderr, run.stderr
+    else:  # the default action (or, under the sanitizers, ASan's report)
+        assert run.returncode == -7 or "AddressSanitizer" in run.stderr, run

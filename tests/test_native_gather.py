@@ -16,6 +16,7 @@ import pytest
 from pleclient.checkpoint import TableSpec, discover_tables
 from pleserver import _native as nat
 from pleserver.synthetic import SyntheticTable, write_checkpoint
+from tests.host import require_o_direct
 
 # FP8 rows of 160 bytes, BF16 rows of 320 bytes and NVFP4 rows of 90 (80
 # bytes of packed values from one tensor, 10 of block scales from another);
@@ -70,6 +71,8 @@ class Opened:
             self.engine = engine or nat.ReadEngine(queue_depth=64)
         else:
             self.cache = self.engine = None
+        if mode == "direct":
+            require_o_direct(os.path.dirname(spec.files[0]))
         flags = os.O_RDONLY | (os.O_DIRECT if mode == "direct" else 0)
         fds = {p: os.open(p, flags) for p in spec.files}
         try:
@@ -166,6 +169,23 @@ def test_rows_are_bit_exact_cold_and_warm(specs, opened, mode, dtype):
         assert stats["hits"] + stats["misses"] == 2 * ids.size
         assert stats["hits"] >= ids.size  # the second pass is all hits
         assert stats["reads"] > 0 and stats["read_bytes"] >= 4096 * stats["reads"] // 2
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered"])
+def test_read_latency_histogram_counts_every_read(specs, opened, mode):
+    """The histogram the metrics endpoint exports: one count per timed read,
+    its sum in nanoseconds, quantiles that agree with the buckets."""
+    o = opened(specs["F8_E4M3"], mode)
+    o.gather(np.arange(0, 20_000, 37))
+    stats = o.source.stats()
+    buckets = stats["read_ns_buckets"]
+    assert len(buckets) == 256 and sum(buckets) == stats["reads"] > 0
+    assert stats["read_ns_sum"] >= stats["reads"]  # every read took a nanosecond or more
+    # p50 is the upper edge of the bucket holding the median: 4 buckets per
+    # power of two, so the reads under 2^k ns are buckets 0 .. 4k-1.
+    k = stats["read_ns_p50"].bit_length()
+    assert sum(buckets[: 4 * k]) * 2 > stats["reads"]
+    assert sum(buckets[: 4 * (k - 1)]) * 2 <= stats["reads"]
 
 
 @pytest.mark.parametrize("dtype", ["F8_E4M3", "BF16", "NVFP4"])
@@ -357,6 +377,7 @@ def test_request_read_in_several_rounds_is_exact(tmp_path, kind):
     table = data[offset:].reshape(rows, row_bytes)
     cache = nat.RowCache(2 << 20, row_bytes)  # far smaller than the request: evictions too
     engine = nat.ReadEngine(queue_depth=32, kind=kind, threads=4)
+    require_o_direct(tmp_path)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         src = nat.TableSource(
@@ -400,6 +421,7 @@ def test_a_split_request_whose_ranges_read_in_rounds_never_deadlocks(tmp_path):
     table = data.reshape(rows, row_bytes)
     cache = nat.RowCache(2 << 20, row_bytes)  # every pass misses again
     engine = nat.ReadEngine(queue_depth=32, kind="auto", threads=4)
+    require_o_direct(tmp_path)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         src = nat.TableSource(

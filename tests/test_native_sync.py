@@ -15,6 +15,7 @@ import time
 import pytest
 
 from pleclient import _sync
+from tests.host import require_futex_waitv
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VALUE, WAITERS = 0, 4  # byte offsets of an eventcount's two words
@@ -95,6 +96,7 @@ def test_wait_while_times_out_with_the_unchanged_value_and_deregisters(shared):
 
 
 def test_futex_waitv_wakes_on_whichever_word_moves(shared):
+    require_futex_waitv()
     fd, words = shared
     own = _sync.Words(bytearray(8))
     entries = [(own, 0, 0)] + [(words, 4 * i, 0) for i in range(1, 64)]
@@ -114,6 +116,7 @@ def test_futex_waitv_wakes_on_whichever_word_moves(shared):
 
 
 def test_futex_waitv_returns_at_once_when_a_word_differs_and_times_out_otherwise(shared):
+    require_futex_waitv()
     _, words = shared
     words.store(8, 5)
     assert _sync.futex_waitv([(words, 0, 0), (words, 8, 4)], 10.0) == -1  # 5 ≠ 4

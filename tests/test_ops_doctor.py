@@ -15,6 +15,7 @@ import pytest
 from pleclient import _sync
 from pleserver import _native
 from pleserver.launcher import ServerLauncher
+from tests.host import require_o_direct
 
 CHECKS = ("io_uring", "futex_waitv", "tables", "o_direct", "memlock", "thp", "memory", "disk")
 STATUSES = {"ok", "warn", "fail", "info"}
@@ -165,6 +166,7 @@ def test_doctor_without_a_model_checks_the_host_only():
 
 @pytest.mark.parametrize("io", ["buffered", "mmap"])
 def test_doctor_starts_from_the_config_it_is_given(checkpoint, tmp_path, io):
+    require_o_direct(checkpoint)  # the advice below is direct's
     config = tmp_path / "config.toml"
     config.write_text(f'model = "{checkpoint}"\nio = "{io}"\ncache_size = "1M"\n')
     report = as_json(doctor("--config", str(config), "--json", "--probe-seconds", "0.1"))

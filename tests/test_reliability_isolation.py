@@ -318,23 +318,23 @@ def test_refusals_are_logged_a_few_at_a_time_with_a_count_of_the_rest(start_serv
 def test_half_frames_are_capped_before_hello_and_time_out_after(start_server, checkpoint):
     server = start_server(checkpoint, "--frame-timeout-s", "1")
     baseline = quiet_footprint(server.pid, segments=0)
-    header = struct.pack("<I", p.MAX_FRAME_BYTES - 1)
     before_hello = [RawSession(server.socket) for _ in range(30)]
     try:
         for raw in before_hello:
-            raw.send_bytes(header + b"\0" * 60_000)
+            raw.send_bytes(struct.pack("<I", p.MAX_FRAME_BYTES - 1) + b"\0" * 60_000)
         for raw in before_hello:
             msg, _ = raw.recv()
             assert msg["code"] == p.ErrorCode.BAD_MESSAGE
-            assert "65536-byte limit before 'hello'" in msg["message"]
+            assert f"{p.MAX_HELLO_FRAME_BYTES}-byte limit before 'hello'" in msg["message"]
     finally:
         for raw in before_hello:
             raw.close()
+    header = struct.pack("<I", p.MAX_REQUEST_FRAME_BYTES - 1)
     trickled = [RawSession(server.socket) for _ in range(10)]
     try:
         for raw in trickled:
             raw.hello()
-            raw.send_bytes(header + b"\x81" * 200_000)  # most of 4 MiB never comes
+            raw.send_bytes(header + b"\x81" * 200)  # most of the frame never comes
         open_ = list(trickled)
         deadline = time.monotonic() + 10
         while open_ and time.monotonic() < deadline:  # a byte at a time: never a frame
@@ -393,3 +393,91 @@ def test_submit_times_a_client_could_not_have_are_not_recorded(server, monkeypat
     after, worst = queue_count()
     assert after == count + 1, "an impossible submit time was recorded"
     assert worst < 60, f"queue time max {worst} s"
+
+
+# ------------------------------- 11: frames that cost more than a real message
+HEAVY_FRAMES = """
+path, attack, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+import msgpack, struct
+
+def frame(msg):
+    body = msgpack.packb(msg, use_bin_type=True)
+    return struct.pack("<I", len(body)) + body
+
+hello = {"type": "hello", "version": p.PROTOCOL_VERSION, "pid": os.getpid(), "name": "heavy"}
+if attack == "stats after hello":  # a valid STATS, 4 MiB of empty lists beside its type
+    heavy = frame({"type": "stats", "x": [[]] * 4_000_000})
+else:  # a valid HELLO of 64 KiB, nearly all of it empty lists
+    base = len(msgpack.packb({**hello, "x": []}))
+    heavy = frame({**hello, "x": [[]] * ((64 << 10) - base - 4)})
+print("ready", flush=True)
+answers, stop = [], time.monotonic() + seconds
+while time.monotonic() < stop:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(path)
+        if attack == "stats after hello":
+            s.sendall(frame(hello))
+            p.recv_message(s)
+        try:
+            s.sendall(heavy)
+        except (BrokenPipeError, ConnectionResetError):  # refused before the last byte
+            pass
+        try:
+            msg, _ = p.recv_message(s)
+        except ConnectionResetError:
+            msg = None
+        answers.append(msg and (msg["type"], msg.get("message")))
+print(json.dumps({"frames": len(answers), "answers": answers[:20]}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("attack", ["stats after hello", "hello of 64 KiB"])
+def test_frames_larger_than_any_real_message_are_refused_unread_and_stall_no_one(
+    start_server, checkpoint, references, attack
+):
+    """Two processes send valid control frames that are mostly empty lists: a
+    STATS of 4 MiB (each took 1.4–3 s of the GIL to decode, with the serving
+    loop waiting: a 16-row lookup beside it took 0.2–3 s) or a HELLO of 64 KiB.
+    Each is now refused on its length, before a byte of its body is decoded,
+    and a 16-row lookup beside them stays fast."""
+    server = start_server(checkpoint)
+    baseline = quiet_footprint(server.pid, segments=0)
+    seconds = 4.0
+    attackers = [python_child(HEAVY_FRAMES, server.socket, attack, str(seconds)) for _ in range(2)]
+    latencies = []
+    try:
+        with server.client(name="bystander", capacity=16, depth=1) as client:
+            for a in attackers:
+                assert a.stdout.readline().strip() == "ready", a.stderr.read()
+            ids = np.arange(16) * 97
+            stop = time.monotonic() + seconds - 0.5
+            while time.monotonic() < stop:
+                started = time.monotonic()
+                rows = client.lookup(1, ids)
+                latencies.append(time.monotonic() - started)
+                assert np.array_equal(rows, references[1][ids])
+                time.sleep(0.005)
+        reports = [
+            json.loads(a.communicate(timeout=60)[0].strip().splitlines()[-1]) for a in attackers
+        ]
+    finally:
+        for a in attackers:
+            if a.poll() is None:
+                a.kill()
+                a.communicate()
+    p50, worst = float(np.median(latencies)), max(latencies)
+    print(
+        f"{attack}: {sum(r['frames'] for r in reports)} frames sent; bystander {len(latencies)} "
+        f"lookups of 16 rows, p50 {p50 * 1e3:.2f} ms, max {worst * 1e3:.1f} ms; "
+        f"answers: {reports[0]['answers'][:2]}"
+    )
+    # Generous bounds (a busy machine's scheduling lands here too): before the
+    # limits a 4 MiB STATS held every lookup for a second or more.
+    assert len(latencies) >= 50 and p50 < 0.05 and worst < 1.0, (len(latencies), p50, worst)
+    limit = p.MAX_HELLO_FRAME_BYTES if attack.startswith("hello") else p.MAX_REQUEST_FRAME_BYTES
+    for kind, text in (answer for r in reports for answer in r["answers"] if answer):
+        assert kind == "error" and f"exceeds the {limit}-byte limit" in text, (kind, text)
+    assert server.running
+    assert no_growth(baseline, settles_to(server.pid, baseline))
+    assert stops_in_budget(server) == 0

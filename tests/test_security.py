@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pleclient.protocol import ErrorCode
@@ -282,3 +285,154 @@ def test_a_socket_directory_the_server_may_not_write_is_a_clear_startup_error(
     )  # `public` is root's, 0755
     assert server.exit_code() == 2
     assert "cannot bind" in server.log() and "Permission denied" in server.log()
+
+
+# ----------------------------------------------------------- the state directory
+@pytest.mark.parametrize("mode", [0o777, 0o750], ids=["0777", "0750"])
+def test_saving_the_hot_set_never_writes_through_a_planted_link(start_server, tmp_path, mode):
+    """A link planted where the save used to put its temp file
+    (``hotset.bin.tmp.<pid>``) and one at ``hotset.bin`` point at a victim
+    file, as another uid can do in a state directory it may write (0777). Such
+    a directory is now refused: neither restored nor saved, with an ERROR that
+    says how to fix it. In a directory of the server's alone (0750) the save
+    creates a temp file of a random name, O_EXCL | O_NOFOLLOW, and renames it
+    over the link. Either way the victim is untouched (before: overwritten at
+    SIGTERM)."""
+    model = write_checkpoint(str(tmp_path / "model"), SMALL_TABLES, files=2)
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chmod(state, mode)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious\n")
+    os.chmod(victim, 0o600)
+    before = victim.stat()
+    server = start_server(model, "--io", "direct", "--state-dir", str(state))
+    with server.client() as client:
+        client.lookup(1, [1, 2, 3])
+    os.symlink(victim, state / f"hotset.bin.tmp.{server.pid}")
+    os.symlink(victim, state / "hotset.bin")
+    assert server.stop() == 0
+    log = server.log()
+    assert victim.read_bytes() == b"precious\n"
+    after = victim.stat()
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
+    if mode == 0o777:
+        assert (
+            f"ERROR pleserver.server: hot set: state_dir {state} is writable by group and "
+            "others (mode 0777)" in log
+        ), log[-3000:]
+        assert "chmod 0750" in log
+        assert os.path.islink(state / "hotset.bin")  # nothing there was touched
+    else:
+        assert stat.S_ISREG(os.lstat(state / "hotset.bin").st_mode), log[-3000:]
+
+
+def test_a_state_dir_owned_by_another_uid_is_refused(start_server, users, tmp_path):
+    """Its owner may plant links in it whatever its mode: refused like a
+    directory others may write; the server serves on without a hot set."""
+    other = users[0][2]
+    model = write_checkpoint(str(tmp_path / "model"), SMALL_TABLES, files=2)
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chown(state, other.uid, other.gid)
+    os.chmod(state, 0o755)
+    server = start_server(model, "--io", "direct", "--state-dir", str(state))
+    with server.client() as client:
+        assert client.stats()["hotset"] is None
+        assert client.lookup(1, [1]).shape == (1, 160)
+    assert server.stop() == 0
+    assert f"state_dir {state} is owned by uid {other.uid}, not by this server's uid 0" in (
+        server.log()
+    )
+    assert os.listdir(state) == []
+
+
+# ----------------------------------------------------------- a connect flood
+FLOOD = """
+path, seconds = sys.argv[1], float(sys.argv[2])
+print("ready", flush=True)
+connected = full = 0
+stop = time.monotonic() + seconds
+while time.monotonic() < stop:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setblocking(False)
+    try:
+        s.connect(path)
+        connected += 1
+    except BlockingIOError:
+        full += 1
+    except OSError:
+        pass
+    s.close()
+print(json.dumps({"connected": connected, "full": full}), flush=True)
+"""
+
+NEWCOMERS = """
+path, count, gap = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+ok, failures = 0, []
+for _ in range(count):
+    try:
+        with PleClient.connect(path, name="newcomer", capacity=16, depth=1) as client:
+            client.lookup(1, [1, 2, 3])
+        ok += 1
+    except PleError as exc:
+        failures.append(f"{type(exc).__name__}: {exc}")
+    time.sleep(gap)
+print(json.dumps({"ok": ok, "failures": failures}), flush=True)
+"""
+
+
+def test_a_connect_flood_from_a_refused_uid_locks_out_no_new_client(
+    start_server, users, public, socket_dir
+):
+    """Three processes of a uid the server refuses open and close connections
+    as fast as they can. Before: the listen backlog (128) stayed full, new
+    clients of an allowed uid failed at once with EAGAIN (`ServerUnavailable`),
+    and the server spent its CPU refusing. Now the backlog is as long as
+    somaxconn allows, a refusal costs an accept, a frame encoded once and a
+    close, a uid past its accept rate is refused before anything else, and a
+    client retries a full queue: all 17 newcomers get in, the bystander is
+    served, and the refusals are counted."""
+    (_, client_user, other), _ = users
+    server = start_server(
+        public / "model",
+        "--allow-uid",
+        str(client_user.uid),
+        socket_path=str(socket_dir / "ple.sock"),
+    )
+    seconds = 8.0
+    flood = [python_child(FLOOD, server.socket, str(seconds), user=other) for _ in range(3)]
+    latencies = []
+    try:
+        with server.client(name="bystander", capacity=16, depth=1) as bystander:
+            for f in flood:
+                assert f.stdout.readline().strip() == "ready", f.stderr.read()
+            newcomers = python_child(NEWCOMERS, server.socket, "17", "0.3", user=client_user)
+            ids = np.arange(16) * 101
+            while newcomers.poll() is None:
+                started = time.monotonic()
+                bystander.lookup(1, ids)
+                latencies.append(time.monotonic() - started)
+                time.sleep(0.005)
+            out, err = newcomers.communicate(timeout=60)
+            floods = [json.loads(f.communicate(timeout=60)[0].splitlines()[-1]) for f in flood]
+            refused = bystander.stats().get("refused", {})
+    finally:
+        for f in flood:
+            if f.poll() is None:
+                f.kill()
+                f.communicate()
+    report = json.loads(out.splitlines()[-1]) if out.strip() else {"error": err}
+    p50, worst = float(np.median(latencies)), max(latencies)
+    print(
+        f"flood: {sum(f['connected'] for f in floods)} connections, "
+        f"{sum(f['full'] for f in floods)} found the queue full; newcomers {report}; "
+        f"refused {refused}; bystander {len(latencies)} lookups, p50 {p50 * 1e3:.2f} ms, "
+        f"max {worst * 1e3:.0f} ms"
+    )
+    assert report.get("ok") == 17 and not report.get("failures"), report
+    assert p50 < 0.05 and worst < 2.0, (p50, worst)
+    assert refused.get("not_allowed", 0) > 0 and refused.get("rate_limited", 0) > 0, refused
+    assert server.running
+    started = time.monotonic()
+    assert server.stop() == 0 and time.monotonic() - started < 10

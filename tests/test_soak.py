@@ -71,3 +71,47 @@ def test_bounded_soak_verifies_every_row_and_the_server_stays_flat(tmp_path):
     ]
     assert run.returncode == 0
     assert not shm_entries()
+
+
+INTEGRITY_SECONDS = float(os.environ.get("PLE_INTEGRITY_SOAK_SECONDS", "3"))
+
+
+def test_integrity_soak_smoke_every_mode_verifies_rows_and_none_is_wrong(tmp_path):
+    """``bench/integrity_soak.py`` for ``$PLE_INTEGRITY_SOAK_SECONDS`` (default
+    3 s) per io mode: attackers rewriting their slots beside honest clients
+    that check every row; no row may differ from the checkpoint."""
+    out = tmp_path / "integrity.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "integrity_soak.py"),
+            "--seconds",
+            str(INTEGRITY_SECONDS),
+            "--rows",
+            "30000",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=5 * INTEGRITY_SECONDS + 400,
+        cwd=REPO,
+    )
+    print(run.stdout)
+    assert out.exists(), run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [m["mode"] for m in report["modes"]] == [
+        "mmap",
+        "direct:io_uring",
+        "direct:threads",
+        "buffered:io_uring",
+        "buffered:threads",
+    ]
+    for mode in report["modes"]:
+        assert mode["wrong_rows"] == 0, mode
+        assert mode["failed_requests"] == 0 and not mode["crashed_clients"], mode
+        assert mode["rows_verified"] > 0 and mode["attacker_requests"] > 0, mode
+        assert mode["rewrites"] > 0, mode
+        assert mode["server_exit"] == 0 and mode["tracebacks_in_log"] == 0, mode
+    assert report["ok"] and run.returncode == 0
+    assert not shm_entries()

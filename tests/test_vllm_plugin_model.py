@@ -69,6 +69,18 @@ def test_vllm_loader_loads_every_weight_and_the_shm_build_differs_only_by_the_ta
     assert built["loaded_shm_only"] == []
 
 
+def test_vllm_takes_the_cpu_gemm_path_the_host_calls_for(built):
+    # With AMX visible, vLLM packs small weights for its sgl kernels, which the
+    # CUDA wheel lacks: the stand-ins (tests/vllm_helpers/cpu_kernels.py) must
+    # have run. Without AMX, vLLM's portable fallback runs and they must not.
+    gemm = built["cpu_gemm"]
+    calls = gemm["standin_calls"]
+    if gemm["amx_visible"]:
+        assert calls["convert_weight_packed"] > 0 and calls["weight_packed_linear"] > 0, gemm
+    else:
+        assert calls == {"convert_weight_packed": 0, "weight_packed_linear": 0}, gemm
+
+
 def test_the_builds_use_the_checkpoint_table_format(built):
     assert built["storage"] == ["Qwen4ExpPLEShmEmbedding"]
     assert built["row_path"] == ("gpu-driven (CPU stand-in)" if built["gpu_driven"] else "host")

@@ -13,6 +13,7 @@ set -euo pipefail
 
 MODEL=${MODEL:-/models/Qwen3.8-Flash-Next}
 TP=${TP:-1}
+PYTHON=${PYTHON:-python3}   # vLLM's Python (pleserver is installed there)
 HERE=$(cd "$(dirname "$0")" && pwd)
 
 set -a
@@ -20,10 +21,32 @@ set -a
 . "$HERE/ple-shm.env"
 set +a
 
-# Fail here, with the service's own words, rather than in every worker.
-if ! pleserver stats --socket "$VLLM_PLE_SHM_SOCKET" >/dev/null; then
-    echo "no ple-server on $VLLM_PLE_SHM_SOCKET: systemctl start ple-server" >&2
-    exit 1
+# Fail here, in the plugin's own words, rather than in every worker: the server
+# the workers will use must answer (VLLM_PLE_SHM_SOCKET if set, else the one in
+# the socket directory that serves this checkpoint, found as the workers find
+# it). A --model that is no local directory is checked by the workers only.
+CHECKPOINT=${VLLM_PLE_SHM_CHECKPOINT:-$MODEL}
+if [ -d "$CHECKPOINT" ]; then
+    SOCKET=$("$PYTHON" - "$CHECKPOINT" <<'PY'
+import sys
+
+from pleclient import PleClient, PleError
+from pleclient.vllm_plugin import PleBackendError, SettingsError
+from pleclient.vllm_plugin.discovery import find_socket
+from pleclient.vllm_plugin.settings import ShmSettings
+
+try:
+    s = ShmSettings.from_env()
+    if s.socket:
+        PleClient.query_tables(s.socket, timeout=s.connect_timeout)
+        print(s.socket)
+    else:
+        print(find_socket(sys.argv[1], s.socket_dir, s.connect_timeout))
+except (PleError, PleBackendError, SettingsError) as exc:
+    sys.exit(f"serve.sh: {exc}")
+PY
+    ) || exit 1
+    echo "PLE rows for $CHECKPOINT from ple-server at $SOCKET" >&2
 fi
 
 # CUDA graphs: Qwen4Exp on CUDA runs breakable CUDA graphs by default in vLLM

@@ -93,7 +93,12 @@ static void Words_dealloc(Words *self)
 {
     if (self->held)
         PyBuffer_Release(&self->view);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    /* A heap type (the limited API has no static ones): each instance holds a
+     * reference to it. */
+    PyTypeObject *type = Py_TYPE((PyObject *)self);
+    freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    tp_free(self);
+    Py_DECREF(type);
 }
 
 static PyObject *Words_release(Words *self, PyObject *Py_UNUSED(ignored))
@@ -316,18 +321,32 @@ static PyGetSetDef Words_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject WordsType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "pleclient._sync.Words",
-    .tp_doc = "Words(buffer): atomic 32-bit words and futexes inside a writable buffer.",
-    .tp_basicsize = sizeof(Words),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Words_init,
-    .tp_dealloc = (destructor)Words_dealloc,
-    .tp_methods = Words_methods,
-    .tp_getset = Words_getset,
+static PyType_Slot Words_slots[] = {
+    {Py_tp_doc, "Words(buffer): atomic 32-bit words and futexes inside a writable buffer."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, (initproc)Words_init},
+    {Py_tp_dealloc, (destructor)Words_dealloc},
+    {Py_tp_methods, Words_methods},
+    {Py_tp_getset, Words_getset},
+    {0, NULL},
 };
+
+static PyType_Spec Words_spec = {
+    .name = "pleclient._sync.Words",
+    .basicsize = sizeof(Words),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = Words_slots,
+};
+
+/* Made from Words_spec at import. */
+static PyObject *WordsType;
+
+/* Item i of a PySequence_Fast result (a list or a tuple), borrowed: the
+ * PySequence_Fast_GET_ITEM macro is not in the limited API. */
+static PyObject *fast_item(PyObject *fast, Py_ssize_t i)
+{
+    return PyList_Check(fast) ? PyList_GetItem(fast, i) : PyTuple_GetItem(fast, i);
+}
 
 /* ---------------------------------------------------------- futex_waitv */
 
@@ -344,7 +363,7 @@ static PyObject *sync_futex_waitv(PyObject *Py_UNUSED(module), PyObject *args)
                                           "(Words, offset, expected) tuples");
     if (!fast)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t n = PySequence_Size(fast);
     if (n < 1 || n > PLE_FUTEX_WAITV_MAX) {
         Py_DECREF(fast);
         return PyErr_Format(PyExc_ValueError, "futex_waitv takes 1 to %d words, not %zd",
@@ -353,12 +372,13 @@ static PyObject *sync_futex_waitv(PyObject *Py_UNUSED(module), PyObject *args)
     ple_futex_wait_entry entries[PLE_FUTEX_WAITV_MAX];
     Words *owners[PLE_FUTEX_WAITV_MAX];
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        PyObject *item = fast_item(fast, i);
         PyObject *words;
         Py_ssize_t offset;
         unsigned int expected;
         if (!PyTuple_Check(item)
-            || !PyArg_ParseTuple(item, "O!nI", &WordsType, &words, &offset, &expected)) {
+            || !PyArg_ParseTuple(item, "O!nI", (PyTypeObject *)WordsType, &words, &offset,
+                                 &expected)) {
             if (!PyErr_Occurred())
                 PyErr_Format(PyExc_TypeError, "futex_waitv entry %zd is not a "
                              "(Words, offset, expected) tuple", i);
@@ -410,17 +430,16 @@ static struct PyModuleDef sync_module = {
 
 PyMODINIT_FUNC PyInit__sync(void)
 {
-    if (PyType_Ready(&WordsType) < 0)
+    WordsType = PyType_FromSpec(&Words_spec);
+    if (!WordsType)
         return NULL;
     PyObject *m = PyModule_Create(&sync_module);
     if (!m)
         return NULL;
-    Py_INCREF(&WordsType);
-    if (PyModule_AddObject(m, "Words", (PyObject *)&WordsType) < 0
+    if (PyModule_AddObjectRef(m, "Words", WordsType) < 0
         || PyModule_AddIntConstant(m, "HAVE_FUTEX_WAITV", ple_futex_waitv_available()) < 0
         || PyModule_AddIntConstant(m, "FUTEX_WAITV_MAX", PLE_FUTEX_WAITV_MAX) < 0
         || PyModule_AddIntConstant(m, "SCAN_MAX", PLE_DOORBELL_SCAN_MAX) < 0) {
-        Py_DECREF(&WordsType);
         Py_DECREF(m);
         return NULL;
     }

@@ -11,11 +11,14 @@ unset (or ``vllm``) it does nothing at all. With ``shm``:
 * ``loader``             — vLLM's loader never reads the shard tensors;
 * ``rows``               — the worker's ple-server session, device copies and
   the reconnect policy; ``identity`` — server vs checkpoint check;
-* ``settings``           — every environment knob, with defaults.
+* ``settings``           — every environment knob, with defaults; ``register``
+  declares them to vLLM's environment check;
+* ``compat``             — the vLLM versions it supports, and the checks that
+  stop ``shm`` on a vLLM whose classes it cannot patch.
 """
 
-from pleclient.vllm_plugin.errors import IdentityMismatch, PleBackendError
+from pleclient.vllm_plugin.errors import IdentityMismatch, PleBackendError, UnsupportedVllm
 from pleclient.vllm_plugin.registration import register
 from pleclient.vllm_plugin.settings import SettingsError
 
-__all__ = ["register", "PleBackendError", "IdentityMismatch", "SettingsError"]
+__all__ = ["register", "PleBackendError", "IdentityMismatch", "SettingsError", "UnsupportedVllm"]

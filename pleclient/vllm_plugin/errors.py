@@ -9,3 +9,7 @@ class PleBackendError(RuntimeError):
 
 class IdentityMismatch(PleBackendError):
     """The server does not serve the checkpoint vLLM loads."""
+
+
+class UnsupportedVllm(PleBackendError):
+    """This vLLM lacks a class the plugin patches (moved, renamed, replaced)."""

@@ -84,15 +84,9 @@ class ShmVocabEmbedding(nn.Module):
 
 
 def patch_module(module: ModuleType) -> None:
-    """``vllm.models.qwen3_8_flash_next.<platform>.ple_layer``."""
-    cls = getattr(module, "Qwen3_8FlashNextNGramEmbedding", None)
-    if cls is None:
-        log.warning(
-            "PLE backend shm: %s has no Qwen3_8FlashNextNGramEmbedding; not patched",
-            module.__name__,
-        )
-        return
-    apply(cls)
+    """``vllm.models.qwen3_8_flash_next.<platform>.ple_layer`` (``registration``
+    checked that it defines the class)."""
+    apply(module.Qwen3_8FlashNextNGramEmbedding)
 
 
 def apply(cls: Any) -> None:  # a vLLM class, patched in place: Any to mypy

@@ -6,7 +6,9 @@
   method, prefetch buffers — with the module's storage classes
   (``Qwen4ExpPLEDeviceEmbedding``, ``Qwen4ExpPLEPinnedHostEmbedding``) standing
   in for ``Qwen4ExpPLEShmEmbedding`` for the duration of the call, so nothing
-  table-sized is allocated. Then: no SP reduce-scatter (every rank holds full
+  table-sized is allocated. A storage of any other class fails the build
+  (``UnsupportedVllm``: this vLLM picks its storage in a way the plugin does
+  not patch). Then: no SP reduce-scatter (every rank holds full
   rows; summing TP copies would multiply them by the TP size), and the storage
   binds to its ple-server table (connect, identity check) — startup fails here
   if the server is missing or serves another checkpoint.
@@ -30,9 +32,11 @@ from typing import Any
 
 import torch
 
+from pleclient.vllm_plugin import compat
+from pleclient.vllm_plugin.registration import QWEN4_EXP_STORAGE as STORAGE_NAMES
+
 log = logging.getLogger("pleclient.vllm_plugin")
 
-STORAGE_NAMES = ("Qwen4ExpPLEDeviceEmbedding", "Qwen4ExpPLEPinnedHostEmbedding")
 SHARD_PREFIX = "ngram_embedding.shard_"
 
 
@@ -65,9 +69,16 @@ def patch_ngram_embedding(module: ModuleType, cls: Any) -> None:  # patched in p
             for name, value in saved.items():
                 setattr(module, name, value)
         storage = self.ngram_embedding
-        if isinstance(storage, Qwen4ExpPLEShmEmbedding):
-            self.use_reduce_scatter = False
-            storage.bind(self.split_ngram_parts)
+        if not isinstance(storage, Qwen4ExpPLEShmEmbedding):
+            raise compat.unsupported(
+                f"vLLM built the PLE row storage {getattr(storage, 'prefix', '?')} as "
+                f"{type(storage).__module__}.{type(storage).__qualname__}, not as the "
+                f"plugin's {Qwen4ExpPLEShmEmbedding.__name__}: this vLLM's "
+                f"{cls.__name__} does not take its storage class from the names the "
+                f"plugin replaces in {module.__name__} ({', '.join(STORAGE_NAMES)})"
+            )
+        self.use_reduce_scatter = False
+        storage.bind(self.split_ngram_parts)
 
     @functools.wraps(original_load_weights)
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

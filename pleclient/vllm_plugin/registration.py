@@ -2,48 +2,97 @@
 
 vLLM calls ``register()`` once in every process it starts (API server, engine
 core, workers); it may be called again (tests, nested launches), so it is
-re-entrant. With ``VLLM_PLE_BACKEND`` unset or ``vllm`` it returns at once and
-changes nothing. With ``shm`` it installs an import hook: when vLLM imports one
-of the modules in ``TARGETS``, the matching adapter patches it right after the
-module's own code ran (modules already imported are patched at once). Nothing
-is imported ahead of vLLM, so the API server process never loads model code it
-does not use, and the patch cannot be undone by a later import order.
+re-entrant. It first declares the plugin's ``VLLM_PLE_*`` variables to vLLM
+whenever one is set (``declare_variables``). With ``VLLM_PLE_BACKEND`` unset or
+``vllm`` it then returns and changes nothing else. With ``shm`` it checks that
+this vLLM has every module it patches (``compat.check_layout``) and installs
+an import hook: when vLLM imports one of the modules in ``TARGETS``, the
+matching adapter patches it right after the module's own code ran (modules
+already imported are patched at once). Nothing is imported ahead of vLLM, so
+the API server process never loads model code it does not use, and the patch
+cannot be undone by a later import order.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
 
-from pleclient.vllm_plugin import settings
+from pleclient.vllm_plugin import compat, settings
+from pleclient.vllm_plugin.compat import QWEN4_EXP, QWEN38_FLASH_NEXT, Target
 
 log = logging.getLogger("pleclient.vllm_plugin")
 
+QWEN4_EXP_STORAGE = ("Qwen4ExpPLEDeviceEmbedding", "Qwen4ExpPLEPinnedHostEmbedding")
+"""The row storage classes ``Qwen4ExpNGramEmbedding`` picks from its module's
+namespace (pinned host with Engram ``cpu_offload``, else device)."""
+_QWEN4_NGRAM = ("Qwen4ExpNGramEmbedding", *QWEN4_EXP_STORAGE)
+_QWEN4_MODELS = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
+_SEED_NGRAM = ("Qwen3_8FlashNextNGramEmbedding", "VocabParallelEmbedding")
+
 _ADAPTERS = "pleclient.vllm_plugin"
-TARGETS: dict[str, str] = {
+TARGETS: dict[str, Target] = {
     # Qwen4Exp (vLLM 0.33): storage of the n-gram embedding, per platform.
-    "vllm.models.qwen4_exp.nvidia.ngram_embedding": f"{_ADAPTERS}.qwen4_exp:patch_nvidia",
-    "vllm.models.qwen4_exp.amd.ple_layer": f"{_ADAPTERS}.qwen4_exp:patch_amd",
-    # Model classes: declare the shard tensors unused, so the loader skips them.
-    "vllm.models.qwen4_exp.nvidia.model": f"{_ADAPTERS}.loader:patch_model_module",
-    "vllm.models.qwen4_exp.amd.model": f"{_ADAPTERS}.loader:patch_model_module",
-    "vllm.models.qwen4_exp.nvidia.mtp": f"{_ADAPTERS}.loader:patch_model_module",
-    "vllm.models.qwen4_exp.amd.mtp": f"{_ADAPTERS}.loader:patch_model_module",
-    # Shards in files shared with other tensors: skipped before they are read.
-    "vllm.model_executor.model_loader.weight_utils": f"{_ADAPTERS}.loader:patch_weight_utils",
-    # Lookups outside piecewise CUDA graphs.
-    "vllm.config.compilation": f"{_ADAPTERS}.compilation:patch_compilation_module",
-    # The seed's interface (qwen38-flash-next vLLM builds).
-    "vllm.models.qwen3_8_flash_next.nvidia.ple_layer": (
-        f"{_ADAPTERS}.qwen38_flash_next:patch_module"
+    f"{QWEN4_EXP}.nvidia.ngram_embedding": Target(
+        f"{_ADAPTERS}.qwen4_exp:patch_nvidia", _QWEN4_NGRAM, QWEN4_EXP, "nvidia"
     ),
-    "vllm.models.qwen3_8_flash_next.amd.ple_layer": f"{_ADAPTERS}.qwen38_flash_next:patch_module",
+    f"{QWEN4_EXP}.amd.ple_layer": Target(
+        f"{_ADAPTERS}.qwen4_exp:patch_amd", _QWEN4_NGRAM, QWEN4_EXP, "amd"
+    ),
+    # Model classes: declare the shard tensors unused, so the loader skips them.
+    # Each imports its platform's n-gram embedding: that one, and no other.
+    f"{QWEN4_EXP}.nvidia.model": Target(
+        f"{_ADAPTERS}.loader:patch_model_module",
+        _QWEN4_MODELS,
+        QWEN4_EXP,
+        "nvidia",
+        implies=(f"{QWEN4_EXP}.nvidia.ngram_embedding",),
+    ),
+    f"{QWEN4_EXP}.amd.model": Target(
+        f"{_ADAPTERS}.loader:patch_model_module",
+        _QWEN4_MODELS,
+        QWEN4_EXP,
+        "amd",
+        implies=(f"{QWEN4_EXP}.amd.ple_layer",),
+    ),
+    f"{QWEN4_EXP}.nvidia.mtp": Target(
+        f"{_ADAPTERS}.loader:patch_model_module",
+        ("Qwen4ExpMTP",),
+        QWEN4_EXP,
+        "nvidia",
+        implies=(f"{QWEN4_EXP}.nvidia.ngram_embedding",),
+    ),
+    f"{QWEN4_EXP}.amd.mtp": Target(
+        f"{_ADAPTERS}.loader:patch_model_module",
+        ("Qwen4ExpMTP",),
+        QWEN4_EXP,
+        "amd",
+        implies=(f"{QWEN4_EXP}.amd.ple_layer",),
+    ),
+    # Shards in files shared with other tensors: skipped before they are read.
+    "vllm.model_executor.model_loader.weight_utils": Target(
+        f"{_ADAPTERS}.loader:patch_weight_utils", ("should_skip_weight",)
+    ),
+    # Lookups outside piecewise CUDA graphs.
+    "vllm.config.compilation": Target(
+        f"{_ADAPTERS}.compilation:patch_compilation_module",
+        ("CompilationConfig.set_splitting_ops_for_v1",),
+    ),
+    # The seed's interface (qwen38-flash-next vLLM builds).
+    f"{QWEN38_FLASH_NEXT}.nvidia.ple_layer": Target(
+        f"{_ADAPTERS}.qwen38_flash_next:patch_module", _SEED_NGRAM, QWEN38_FLASH_NEXT, "nvidia"
+    ),
+    f"{QWEN38_FLASH_NEXT}.amd.ple_layer": Target(
+        f"{_ADAPTERS}.qwen38_flash_next:patch_module", _SEED_NGRAM, QWEN38_FLASH_NEXT, "amd"
+    ),
 }
 
 _lock = threading.RLock()
@@ -53,9 +102,11 @@ _finder: _PatchOnImport | None = None
 def register() -> None:
     """Entry point: activate the selected PLE backend in this process."""
     selected = settings.backend()  # raises SettingsError on a bad value
+    declare_variables()
     if selected == settings.BACKEND_VLLM:
         return
     settings.ShmSettings.from_env()  # validate every knob now, in every process
+    compat.check_layout(TARGETS)  # raises UnsupportedVllm, naming what is missing
     global _finder
     with _lock:
         if _finder is None:
@@ -68,19 +119,62 @@ def register() -> None:
                 apply_patch(name, module)
 
 
+def declare_variables() -> bool:
+    """Add the plugin's variables to ``vllm.envs.environment_variables``, vLLM's
+    registry of its own, when one of them is set; returns whether it did.
+
+    ``EngineArgs.create_engine_config`` checks the environment against that
+    registry (``Platform.validate_environ``): it warns about each ``VLLM_*``
+    name it does not know, and ``--fail-on-environ-validation`` refuses to
+    start. It runs in the process that builds the config (the API server, or
+    ``LLM``), after ``EngineArgs.__post_init__`` loaded the plugins. The engine
+    core and the workers load them too: the registry also makes up the key of
+    vLLM's compile cache there (``envs.compile_factors()``), so a model
+    compiled with the stock table is never reused with ``shm``. With none of
+    the variables set, vLLM's registry stays as it was."""
+    if not any(name in os.environ for name in settings.VARIABLES):
+        return False
+    import vllm.envs
+
+    registry = getattr(vllm.envs, "environment_variables", None)
+    if not isinstance(registry, dict):
+        log.debug("PLE backend: this vLLM has no environment registry to declare to")
+        return False
+    for name in settings.VARIABLES:
+        # The raw value, as vLLM's own string variables: the plugin parses and
+        # checks them itself (settings.ShmSettings).
+        registry.setdefault(name, functools.partial(os.environ.get, name))
+    return True
+
+
 def is_registered() -> bool:
     return _finder is not None
 
 
 def apply_patch(name: str, module: ModuleType) -> None:
-    """Run the adapter for ``name`` on its module (idempotent per module)."""
+    """Run the adapter for ``name`` on its module (idempotent per module);
+    raises ``UnsupportedVllm`` when the module lacks what the adapter patches,
+    or loaded without the PLE modules it should have imported."""
     with _lock:
-        done: set[str] = module.__dict__.setdefault("_ple_shm_patched_by", set())
         target = TARGETS[name]
-        if target in done:
+        done: set[str] = module.__dict__.setdefault("_ple_shm_patched_by", set())
+        if target.adapter in done:
             return
-        _resolve(target)(module)
-        done.add(target)
+        missing = [r for r in target.requires if not compat.has_attribute(module, r)]
+        if missing:
+            raise compat.unsupported(
+                f"{name} has no {', '.join(missing)}, which the plugin patches"
+            )
+        _resolve(target.adapter)(module)
+        done.add(target.adapter)
+        for implied in target.implies:
+            implied_module = sys.modules.get(implied)
+            if implied_module is None:
+                raise compat.unsupported(
+                    f"{name} loaded without importing {implied}, whose classes the "
+                    "plugin patches: this vLLM builds its PLE layers from other classes"
+                )
+            apply_patch(implied, implied_module)
 
 
 def _resolve(target: str) -> Callable[[ModuleType], None]:

@@ -68,6 +68,25 @@ GPU_PATH_STANDIN = "standin"
 GPU_PATHS = ("auto", "off", GPU_PATH_STANDIN)
 ENV_ALLOW_DUMMY = "VLLM_PLE_SHM_ALLOW_DUMMY"
 
+VARIABLES = (
+    ENV_BACKEND,
+    ENV_SOCKET,
+    ENV_SOCKET_DIR,
+    ENV_CONNECT_TIMEOUT,
+    ENV_LOOKUP_TIMEOUT,
+    ENV_RECONNECT,
+    ENV_DEPTH,
+    ENV_CAPACITY,
+    ENV_PREFETCH,
+    ENV_CHECKPOINT,
+    ENV_GPU_PATH,
+    ENV_ALLOW_DUMMY,
+)
+"""Every environment variable the plugin reads whose name starts with ``VLLM_``:
+``registration`` declares them to vLLM, whose environment check refuses (or
+warns about) ``VLLM_*`` names it does not know. ``PLE_SERVER_SOCKET`` is the
+client library's and not checked by vLLM."""
+
 MIN_DEPTH = 2  # prefetch needs the next layer's request beside the current one
 
 

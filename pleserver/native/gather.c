@@ -2,7 +2,8 @@
  *
  * gather, per range of ids (one range per native thread):
  *   1. each id is checked and located; a cache hit is copied into `out`;
- *      without an engine a miss is copied from the file mapping;
+ *      without an engine a miss is copied from the file mapping, under the
+ *      guard of mapped.h (an unreadable page fails the request, not us);
  *   2. the misses are sorted by (file, offset) and read in rounds of up to
  *      ROUND_BLOCKS distinct 4 KiB blocks (a row straddling two blocks
  *      needs both). Each block is registered in the table's in-flight set:
@@ -12,6 +13,15 @@
  *   3. every row is checked against the bytes its read returned (an error
  *      or a short read fails the request with file, offset and errno), then
  *      copied into `out` and into the cache.
+ *
+ * The cache is filled only from memory no client can write: the read
+ * buffers, a mapping of the file, or a scratch row of the server's own.
+ * `out` is often a client's slot, which that client may rewrite at any
+ * moment, so nothing is ever read back from it: a row read back from `out`
+ * into the cache would be served to every client, with whatever the one
+ * client wrote there in between. Every path that puts a row into the cache
+ * (gather, split gathers, fill, and whatever reads rows ahead of requests)
+ * keeps to this.
  *
  * In-flight set: buckets of entries, each entry owned by the request that
  * reads the block and living in that request's memory. One mutex guards
@@ -27,9 +37,10 @@
  * Segments: a served row may be the concatenation of several tensors' rows
  * (NVFP4: packed values, then block scales), each with its own shards in
  * possibly other files. Every segment of a missed row is a miss of its own
- * (offset, bytes, and where in the output row it goes); the row goes into
- * the cache only once all of its segments are in `out`, so the cache holds
- * whole composed rows. */
+ * (offset, bytes, and where in the output row it goes). Its segments are
+ * put together in a private row (`composed`) and the whole row goes to
+ * `out` and into the cache once all of them arrived, so the cache holds
+ * whole composed rows and a hit is one copy. */
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -38,7 +49,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "buffers.h"
 #include "gather.h"
+#include "mapped.h"
 #include "pool.h"
 
 #define ROUND_BLOCKS 4096u        /* distinct blocks per round: 16 MiB of buffer */
@@ -47,7 +60,7 @@
 #define INFLIGHT_BUCKETS 1024u
 #define SPLIT_MIN_ROWS 1024u      /* the fewest rows worth a thread of their own */
 #define FILL_CHUNK_ROWS 4096u
-#define HIST_BUCKETS 256u         /* latency: 4 buckets per power of two of ns */
+#define HIST_BUCKETS PLE_READ_HIST_BUCKETS  /* latency: see gather.h */
 #define BLOCK_BITS 40             /* key of a block: fd << 40 | block number */
 #define FD_MAX ((1 << 23) - 1)
 #define OFFSET_MAX (1ULL << 52)   /* block numbers < 2^40 */
@@ -84,7 +97,7 @@ struct ple_source {
     inflight *buckets[INFLIGHT_BUCKETS];
     /* Statistics: relaxed counters (see common.h). */
     _Atomic uint64_t hits, misses, reads, read_bytes, read_errors, evictions;
-    _Atomic uint64_t read_ns[HIST_BUCKETS];
+    _Atomic uint64_t read_ns[HIST_BUCKETS], read_ns_sum;
 };
 
 /* What one range of a request counted; added to the shared counters once. */
@@ -100,6 +113,7 @@ typedef struct miss {
     uint32_t pos;       /* in the request */
     uint32_t shard;     /* index into src->shards: table shard * nsegs + segment */
     uint32_t block;     /* index of its first block in the round */
+    uint32_t row;       /* rows of several segments: its row in `composed` */
 } miss;
 
 /* ------------------------------------------------------------- helpers */
@@ -235,9 +249,43 @@ typedef struct round_mem {
     ple_read reads[ROUND_BLOCKS];
     uint32_t first_block[ROUND_BLOCKS];  /* of each read */
     unsigned char *buf;                  /* ROUND_BLOCKS blocks, 4 KiB-aligned */
+    unsigned char *scratch;              /* a row that straddles blocks, put together */
+    size_t touched;                      /* bytes of this buffer that may be in memory */
 } round_mem;
 
-/* Copy one row out of the round's blocks; 0, or -1 with err set. */
+/* A round's memory is one buffer of the pool (buffers.h): this struct, a
+ * scratch row, then the blocks. */
+#define ALIGN_BLOCK(x) (((x) + PLE_BLOCK - 1) / PLE_BLOCK * PLE_BLOCK)
+#define ROUND_SCRATCH_AT ALIGN_BLOCK(sizeof(round_mem))
+#define ROUND_BUF_AT (ROUND_SCRATCH_AT + ALIGN_BLOCK(PLE_ROW_BYTES_MAX))
+#define ROUND_MEM_BYTES (ROUND_BUF_AT + (size_t)ROUND_BLOCKS * PLE_BLOCK)
+
+/* Whether `take` bytes at `in_block` of block `e` were read; 0, or -1 with
+ * err set (file, offset, errno). */
+static int block_read(const ple_source *src, const miss *m, const inflight *e, uint32_t in_block,
+                      uint32_t take, ple_error *err)
+{
+    uint64_t block_offset = (e->key & ((1ULL << BLOCK_BITS) - 1)) * PLE_BLOCK;
+    const char *path = src->shards[m->shard].path;
+    if (e->valid < 0) {
+        ple_error_set(err, PLE_ERR_READ, -e->valid,
+                      "reading the %u-byte block at offset %llu of %s: %s", PLE_BLOCK,
+                      (unsigned long long)block_offset, path, strerror(-e->valid));
+        return -1;
+    }
+    if (in_block + take > (uint32_t)e->valid) {
+        ple_error_set(err, PLE_ERR_READ, EIO,
+                      "short read at offset %llu of %s: %d of %u bytes, the file ends "
+                      "before row offset %llu (truncated?): %s",
+                      (unsigned long long)block_offset, path, e->valid, PLE_BLOCK,
+                      (unsigned long long)m->offset, strerror(EIO));
+        return -1;
+    }
+    return 0;
+}
+
+/* Copy one segment of a row out of the round's blocks into dst; 0, or -1
+ * with err set. */
 static int copy_row(ple_source *src, const round_mem *rm, const miss *m, unsigned char *dst,
                     ple_error *err)
 {
@@ -246,26 +294,27 @@ static int copy_row(ple_source *src, const round_mem *rm, const miss *m, unsigne
         const inflight *e = rm->use[j++];
         uint32_t in_block = (uint32_t)((m->offset + done) % PLE_BLOCK);
         uint32_t take = rb - done < PLE_BLOCK - in_block ? rb - done : PLE_BLOCK - in_block;
-        uint64_t block_offset = (e->key & ((1ULL << BLOCK_BITS) - 1)) * PLE_BLOCK;
-        const char *path = src->shards[m->shard].path;
-        if (e->valid < 0) {
-            ple_error_set(err, PLE_ERR_READ, -e->valid,
-                          "reading the %u-byte block at offset %llu of %s: %s", PLE_BLOCK,
-                          (unsigned long long)block_offset, path, strerror(-e->valid));
+        if (block_read(src, m, e, in_block, take, err) != 0)
             return -1;
-        }
-        if (in_block + take > (uint32_t)e->valid) {
-            ple_error_set(err, PLE_ERR_READ, EIO,
-                          "short read at offset %llu of %s: %d of %u bytes, the file ends "
-                          "before row offset %llu (truncated?): %s",
-                          (unsigned long long)block_offset, path, e->valid, PLE_BLOCK,
-                          (unsigned long long)m->offset, strerror(EIO));
-            return -1;
-        }
         memcpy(dst + done, e->data + in_block, take);
         done += take;
     }
     return 0;
+}
+
+/* A one-segment row as read, in memory no client can write: in its block
+ * when it lies in one (no copy), else put together in the round's scratch
+ * row. NULL with err set when its read failed. */
+static const unsigned char *read_row(ple_source *src, const round_mem *rm, const miss *m,
+                                     ple_error *err)
+{
+    uint32_t in_block = (uint32_t)(m->offset % PLE_BLOCK);
+    if (in_block + src->row_bytes <= PLE_BLOCK) {
+        const inflight *e = rm->use[m->block];
+        return block_read(src, m, e, in_block, src->row_bytes, err) == 0 ? e->data + in_block
+                                                                           : NULL;
+    }
+    return copy_row(src, rm, m, rm->scratch, err) == 0 ? rm->scratch : NULL;
 }
 
 /* Plan a round from m[start..]: the distinct blocks in order and each miss's
@@ -298,10 +347,15 @@ static void record_read(ple_source *src, const ple_read *rd)
     ple_count(&src->reads, 1);
     ple_count(&src->read_bytes, rd->res > 0 ? (uint64_t)rd->res : 0);
     ple_count(&src->read_ns[histogram_bucket(rd->ns)], 1);
+    ple_count(&src->read_ns_sum, rd->ns);
 }
 
+/* Read a round's blocks and take its rows: a one-segment row into `out` and
+ * into the cache, a segment of a longer row into its private row of
+ * `composed` (the caller moves whole rows on). */
 static int read_round(ple_source *src, miss *m, size_t start, size_t end, size_t nb,
-                      round_mem *rm, unsigned char *out, tally *t, ple_error *err)
+                      round_mem *rm, unsigned char *out, unsigned char *composed, tally *t,
+                      ple_error *err)
 {
     /* (a) register */
     pthread_mutex_lock(&src->inflight_lock);
@@ -355,16 +409,26 @@ static int read_round(ple_source *src, miss *m, size_t start, size_t end, size_t
 
     int rc = 0;
     for (size_t i = start; i < end; i++) {
-        unsigned char *dst = out + (size_t)m[i].pos * src->row_bytes;
-        if (copy_row(src, rm, &m[i], dst + src->seg_off[miss_seg(src, &m[i])], err) != 0) {
+        if (src->nsegs > 1) {
+            /* Whole only after every round: out and cache then, by gather_range. */
+            unsigned char *row = composed + (size_t)m[i].row * src->row_bytes;
+            if (copy_row(src, rm, &m[i], row + src->seg_off[miss_seg(src, &m[i])], err) != 0) {
+                t->read_errors++;
+                rc = -1;
+            }
+            continue;
+        }
+        const unsigned char *row = read_row(src, rm, &m[i], err);
+        if (!row) {
             t->read_errors++;
             rc = -1;
             continue;
         }
-        /* A row of several segments is whole only after every round: cached
-         * then, by gather_range. */
-        if (src->cache && src->nsegs == 1)
-            store_row(src, miss_row_key(src, &m[i]), dst, t);
+        memcpy(out + (size_t)m[i].pos * src->row_bytes, row, src->row_bytes);
+        /* From the read buffer (or the scratch row), never from `out`: the
+         * client may have rewritten its slot since the copy above. */
+        if (src->cache)
+            store_row(src, miss_row_key(src, &m[i]), row, t);
     }
 
     /* (d) drop our references, (e) wait for our waiters, leave the set */
@@ -386,20 +450,28 @@ static int read_round(ple_source *src, miss *m, size_t start, size_t end, size_t
     return rc;
 }
 
+/* Memory for rounds of up to `blocks` blocks (a warm buffer if the pool
+ * has one); NULL when none can be had. */
 static round_mem *round_mem_new(size_t blocks)
 {
-    round_mem *rm = malloc(sizeof *rm);
-    if (rm && posix_memalign((void **)&rm->buf, PLE_BLOCK, blocks * PLE_BLOCK + 1) != 0) {
-        free(rm);
-        rm = NULL;
-    }
+    round_mem *rm = ple_buffer_take(ROUND_MEM_BYTES, ROUND_BUF_AT + blocks * PLE_BLOCK);
+    if (!rm)
+        return NULL;
+    rm->scratch = (unsigned char *)rm + ROUND_SCRATCH_AT;
+    rm->buf = (unsigned char *)rm + ROUND_BUF_AT;
+    rm->touched = ROUND_BUF_AT;
     return rm;
+}
+
+static void round_mem_used(round_mem *rm, size_t blocks)
+{
+    if (ROUND_BUF_AT + blocks * PLE_BLOCK > rm->touched)
+        rm->touched = ROUND_BUF_AT + blocks * PLE_BLOCK;
 }
 
 static void round_mem_free(round_mem *rm)
 {
-    free(rm->buf);
-    free(rm);
+    ple_buffer_give(rm, ROUND_MEM_BYTES, rm->touched);
 }
 
 /* The rounds of one request, ROUNDS_AT_ONCE at a time: one round's reads
@@ -410,7 +482,7 @@ typedef struct rounds {
     const size_t *bounds;  /* round r: misses [bounds[r], bounds[r + 1]) */
     size_t nrounds, blocks;
     _Atomic size_t next;   /* relaxed: only hands out round numbers */
-    unsigned char *out;
+    unsigned char *out, *composed;
     tally tallies[ROUNDS_AT_ONCE];
     ple_error errors[ROUNDS_AT_ONCE];
     int rcs[ROUNDS_AT_ONCE];
@@ -431,8 +503,9 @@ static void rounds_task(void *ctx, size_t k)
             break;
         size_t nb;
         plan_round(rs->src, rs->m, rs->bounds[r], rs->bounds[r + 1], rm, &nb);
+        round_mem_used(rm, nb);
         if (read_round(rs->src, rs->m, rs->bounds[r], rs->bounds[r + 1], nb, rm, rs->out,
-                       &rs->tallies[k], &rs->errors[k]) != 0)
+                       rs->composed, &rs->tallies[k], &rs->errors[k]) != 0)
             rs->rcs[k] = -1;
     }
     round_mem_free(rm);
@@ -440,11 +513,11 @@ static void rounds_task(void *ctx, size_t k)
 
 static ple_pool *get_split_pool(unsigned workers);
 
-static int read_misses(ple_source *src, miss *m, size_t n, unsigned char *out, tally *t,
-                       ple_error *err)
+static int read_misses(ple_source *src, miss *m, size_t n, unsigned char *out,
+                       unsigned char *composed, tally *t, ple_error *err)
 {
     qsort(m, n, sizeof *m, cmp_miss);
-    rounds rs = {.src = src, .m = m, .out = out};
+    rounds rs = {.src = src, .m = m, .out = out, .composed = composed};
     rs.blocks = n * ((src->row_bytes + PLE_BLOCK - 1) / PLE_BLOCK + 1);
     if (rs.blocks > ROUND_BLOCKS)
         rs.blocks = ROUND_BLOCKS;
@@ -520,6 +593,27 @@ static int locate_batch(ple_source *src, const int64_t *ids, size_t count, locat
     return 0;
 }
 
+/* Copies out of the file mappings, each of a segment at `offsets[k]` of
+ * shard entry `parts[k]`, guarded (mapped.h): an unreadable page fails the
+ * request with a read error naming the file and offset, never the server. */
+static int copy_mapped(const ple_source *src, const ple_copy *copies, const uint32_t *parts,
+                       const uint64_t *offsets, size_t n, ple_error *err)
+{
+    const void *fault = NULL;
+    size_t k = ple_mapped_copies(copies, n, &fault);
+    if (k == n)
+        return 0;
+    const src_shard *sh = &src->shards[parts[k]];
+    uint64_t at = offsets[k] + (uint64_t)((const unsigned char *)fault
+                                          - (const unsigned char *)copies[k].src);
+    ple_error_set(err, PLE_ERR_READ, EIO,
+                  "reading %zu bytes at offset %llu of %s through its mapping: the page at "
+                  "offset %llu cannot be read (a disk error, or the file was truncated): %s",
+                  copies[k].len, (unsigned long long)offsets[k], sh->path,
+                  (unsigned long long)(at - at % PLE_BLOCK), strerror(EIO));
+    return -1;
+}
+
 /* One range of a request, in the calling thread. */
 static int gather_range(ple_source *src, const int64_t *ids, size_t n, unsigned char *out,
                         tally *t, ple_error *err)
@@ -532,15 +626,27 @@ static int gather_range(ple_source *src, const int64_t *ids, size_t n, unsigned 
         ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory for %zu misses", n);
         return -1;
     }
+    /* A cache over mappings takes rows from a private row put together here
+     * (never from `out`, nor from the mapping under the cache's lock). */
+    unsigned char *private_row = NULL;
+    if (!src->engine && src->cache && !(private_row = malloc(rb))) {
+        ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory for a row of %u bytes", rb);
+        return -1;
+    }
     int rc = 0;
+    uint32_t missed = 0;  /* rows, numbered for `composed` */
     located loc[LOOKUP_BATCH];
-    for (size_t base = 0; base < n; base += LOOKUP_BATCH) {
-        size_t count = n - base < LOOKUP_BATCH ? n - base : LOOKUP_BATCH;
+    /* Without an engine: a batch's copies out of the mappings, done at once. */
+    ple_copy copies[LOOKUP_BATCH * PLE_SEGMENTS_MAX];
+    uint32_t parts[LOOKUP_BATCH * PLE_SEGMENTS_MAX];
+    uint64_t offsets[LOOKUP_BATCH * PLE_SEGMENTS_MAX];
+    for (size_t base = 0; base < n && rc == 0; base += LOOKUP_BATCH) {
+        size_t count = n - base < LOOKUP_BATCH ? n - base : LOOKUP_BATCH, nc = 0;
         if (locate_batch(src, ids + base, count, loc, err) != 0) {
             rc = -1;
             break;
         }
-        for (size_t k = 0; k < count; k++) {
+        for (size_t k = 0; k < count && rc == 0; k++) {
             size_t i = base + k;
             unsigned char *dst = out + i * rb;
             if (src->cache && ple_cache_get_prepared(src->cache, &loc[k].probe, dst, rb)) {
@@ -548,30 +654,66 @@ static int gather_range(ple_source *src, const int64_t *ids, size_t n, unsigned 
                 continue;
             }
             t->misses++;
+            unsigned char *into = private_row ? private_row : dst;
+            size_t first = nc;
             for (unsigned g = 0; g < nsegs; g++) {
                 uint32_t flat = loc[k].shard * nsegs + g;
                 const src_shard *sh = &src->shards[flat];
                 uint64_t offset = sh->file_offset + loc[k].row * src->seg_bytes[g];
-                if (src->engine)
+                if (src->engine) {
                     m[nm++] = (miss){.sort_key = (uint64_t)sh->fd << BLOCK_BITS
                                                  | offset / PLE_BLOCK,
-                                     .offset = offset, .pos = (uint32_t)i, .shard = flat};
-                else
-                    memcpy(dst + src->seg_off[g], sh->map + offset, src->seg_bytes[g]);
+                                     .offset = offset, .pos = (uint32_t)i, .shard = flat,
+                                     .row = missed};
+                    continue;
+                }
+                copies[nc] = (ple_copy){into + src->seg_off[g], sh->map + offset,
+                                        src->seg_bytes[g]};
+                parts[nc] = flat;
+                offsets[nc++] = offset;
             }
-            if (!src->engine && src->cache)
-                store_row(src, loc[k].probe.key, dst, t);
+            missed++;
+            if (!private_row)
+                continue;
+            /* A cache over mappings: the row from the mapping into the private
+             * row, then into `out` and into the cache from there. */
+            if (copy_mapped(src, copies + first, parts + first, offsets + first, nc - first,
+                            err) != 0) {
+                t->read_errors++;
+                rc = -1;
+                break;
+            }
+            nc = first;
+            memcpy(dst, private_row, rb);
+            store_row(src, loc[k].probe.key, private_row, t);
+        }
+        if (rc == 0 && nc && copy_mapped(src, copies, parts, offsets, nc, err) != 0) {
+            t->read_errors++;
+            rc = -1;
         }
     }
+    unsigned char *composed = NULL;
+    if (rc == 0 && nm && nsegs > 1 && !(composed = malloc((size_t)missed * rb))) {
+        ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory for %u rows", missed);
+        rc = -1;
+    }
     if (rc == 0 && nm)
-        rc = read_misses(src, m, nm, out, t, err);
-    /* Rows of several segments: every segment is in `out` now (rc == 0);
-     * each row once, through its first segment's miss. A failed request
-     * caches nothing of its rows. */
-    if (rc == 0 && nsegs > 1 && src->cache)
-        for (size_t j = 0; j < nm; j++)
-            if (miss_seg(src, &m[j]) == 0)
-                store_row(src, miss_row_key(src, &m[j]), out + (size_t)m[j].pos * rb, t);
+        rc = read_misses(src, m, nm, out, composed, t, err);
+    /* Rows of several segments: every segment is in its private row now
+     * (rc == 0); each row once, through its first segment's miss, into `out`
+     * and from the private row into the cache. A failed request caches
+     * nothing of its rows. */
+    if (rc == 0 && composed)
+        for (size_t j = 0; j < nm; j++) {
+            if (miss_seg(src, &m[j]) != 0)
+                continue;
+            const unsigned char *row = composed + (size_t)m[j].row * rb;
+            memcpy(out + (size_t)m[j].pos * rb, row, rb);
+            if (src->cache)
+                store_row(src, miss_row_key(src, &m[j]), row, t);
+        }
+    free(composed);
+    free(private_row);
     free(m);
     return rc;
 }
@@ -811,6 +953,11 @@ ple_source *ple_source_open(uint32_t table_key, uint32_t row_bytes, uint64_t sha
                       (unsigned long long)shard_size, nshards);
         return NULL;
     }
+    if (!engine && ple_mapped_guard_install() != 0) {
+        ple_error_set(err, PLE_ERR_OS, errno, "cannot install the SIGBUS handler that lets a "
+                      "read of an unreadable mapped page fail its request: %s", strerror(errno));
+        return NULL;
+    }
     if (cache && row_bytes > ple_cache_slot_bytes(cache)) {
         ple_error_set(err, PLE_ERR_VALUE, 0, "rows of %u bytes do not fit the cache's %u-byte "
                       "slots", row_bytes, ple_cache_slot_bytes(cache));
@@ -887,9 +1034,10 @@ uint64_t ple_source_rows(const ple_source *src)
 
 void ple_source_get_stats(ple_source *src, ple_source_stats *st)
 {
-    uint64_t h[HIST_BUCKETS], total = 0;
+    uint64_t *h = st->read_ns_hist, total = 0;
     for (unsigned b = 0; b < HIST_BUCKETS; b++)
         total += h[b] = ple_counted(&src->read_ns[b]);
+    st->read_ns_sum = ple_counted(&src->read_ns_sum);
     st->hits = ple_counted(&src->hits);
     st->misses = ple_counted(&src->misses);
     st->reads = ple_counted(&src->reads);

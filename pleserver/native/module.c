@@ -11,6 +11,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -63,6 +64,36 @@ static const char *kind_name(int kind)
     return kind == PLE_KIND_IO_URING ? "io_uring" : "threads";
 }
 
+/* ------------------------------------------------- limited-API helpers */
+
+/* A TypeError "<fmt % type(obj).__qualname__>": tp_name is not in the
+ * limited API. fmt has one %U. */
+static void type_error(const char *fmt, PyObject *obj)
+{
+    PyObject *name = PyType_GetQualName(Py_TYPE(obj));
+    if (name) {
+        PyErr_Format(PyExc_TypeError, fmt, name);
+        Py_DECREF(name);
+    }
+}
+
+/* Item i of a PySequence_Fast result (a list or a tuple), borrowed: the
+ * PySequence_Fast_GET_ITEM macro is not in the limited API. */
+static PyObject *fast_item(PyObject *fast, Py_ssize_t i)
+{
+    return PyList_Check(fast) ? PyList_GetItem(fast, i) : PyTuple_GetItem(fast, i);
+}
+
+/* The dealloc of a heap type (the limited API has no static ones): each
+ * instance holds a reference to its type. */
+static void free_instance(PyObject *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    freefunc tp_free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    tp_free(self);
+    Py_DECREF(type);
+}
+
 /* ------------------------------------------------------------ buffers */
 
 /* Format of one little-endian/native item: "B", "<q", "=l"... → "B", "q", "l". */
@@ -78,8 +109,7 @@ static int get_ids(PyObject *obj, Py_buffer *view)
 {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "ids must be a C-contiguous int64 array, not %.100s",
-                     Py_TYPE(obj)->tp_name);
+        type_error("ids must be a C-contiguous int64 array, not %U", obj);
         return -1;
     }
     const char *f = item_format(view);
@@ -109,8 +139,7 @@ static int get_out(PyObject *obj, Py_buffer *view, Py_ssize_t n, uint32_t row_by
         } else {
             PyErr_Clear();
         }
-        PyErr_Format(PyExc_TypeError, "out must be a writable C-contiguous uint8 array, "
-                     "not %.100s", Py_TYPE(obj)->tp_name);
+        type_error("out must be a writable C-contiguous uint8 array, not %U", obj);
         return -1;
     }
     if (view->itemsize != 1 || strcmp(item_format(view), "B")) {
@@ -171,8 +200,9 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
     self->kind = ple_engine_kind(eng);
     self->queue_depth = (unsigned)queue_depth;
     self->threads = (unsigned)threads;
-    Py_XSETREF(self->fallback_reason,
-               reason[0] ? PyUnicode_FromString(reason) : Py_NewRef(Py_None));
+    PyObject *old = self->fallback_reason;
+    self->fallback_reason = reason[0] ? PyUnicode_FromString(reason) : Py_NewRef(Py_None);
+    Py_XDECREF(old);
     return self->fallback_reason ? 0 : -1;
 }
 
@@ -181,7 +211,7 @@ static void Engine_dealloc(EngineObject *self)
     if (self->eng)
         ple_engine_unref(self->eng);
     Py_XDECREF(self->fallback_reason);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    free_instance((PyObject *)self);
 }
 
 static PyObject *Engine_close(EngineObject *self, PyObject *unused)
@@ -229,19 +259,26 @@ static PyGetSetDef Engine_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject EngineType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "pleserver._native.ReadEngine",
-    .tp_basicsize = sizeof(EngineObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "ReadEngine(queue_depth=128, kind=\"auto\", threads=16): the miss engine "
-              "(io_uring, else a pool of pread threads).",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Engine_init,
-    .tp_dealloc = (destructor)Engine_dealloc,
-    .tp_methods = Engine_methods,
-    .tp_getset = Engine_getset,
+static PyType_Slot Engine_slots[] = {
+    {Py_tp_doc, "ReadEngine(queue_depth=128, kind=\"auto\", threads=16): the miss engine "
+                "(io_uring, else a pool of pread threads)."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, (initproc)Engine_init},
+    {Py_tp_dealloc, (destructor)Engine_dealloc},
+    {Py_tp_methods, Engine_methods},
+    {Py_tp_getset, Engine_getset},
+    {0, NULL},
 };
+
+static PyType_Spec Engine_spec = {
+    .name = "pleserver._native.ReadEngine",
+    .basicsize = sizeof(EngineObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = Engine_slots,
+};
+
+/* Made from Engine_spec at import. */
+static PyObject *EngineType;
 
 /* ------------------------------------------------------------ RowCache */
 
@@ -295,7 +332,7 @@ static void Cache_dealloc(CacheObject *self)
 {
     if (self->cache)
         ple_cache_unref(self->cache);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    free_instance((PyObject *)self);
 }
 
 static PyObject *Cache_close(CacheObject *self, PyObject *unused)
@@ -384,19 +421,26 @@ static PyGetSetDef Cache_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject CacheType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "pleserver._native.RowCache",
-    .tp_basicsize = sizeof(CacheObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "RowCache(budget_bytes, slot_bytes, hugepages=True, mlock=False): the row "
-              "cache (SIEVE eviction, sharded).",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Cache_init,
-    .tp_dealloc = (destructor)Cache_dealloc,
-    .tp_methods = Cache_methods,
-    .tp_getset = Cache_getset,
+static PyType_Slot Cache_slots[] = {
+    {Py_tp_doc, "RowCache(budget_bytes, slot_bytes, hugepages=True, mlock=False): the row "
+                "cache (SIEVE eviction, sharded)."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, (initproc)Cache_init},
+    {Py_tp_dealloc, (destructor)Cache_dealloc},
+    {Py_tp_methods, Cache_methods},
+    {Py_tp_getset, Cache_getset},
+    {0, NULL},
 };
+
+static PyType_Spec Cache_spec = {
+    .name = "pleserver._native.RowCache",
+    .basicsize = sizeof(CacheObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = Cache_slots,
+};
+
+/* Made from Cache_spec at import. */
+static PyObject *CacheType;
 
 /* --------------------------------------------------------- TableSource */
 
@@ -422,7 +466,7 @@ static int parse_shards(PyObject *seq, ple_shard_spec **out, Py_ssize_t *count)
     PyObject *fast = PySequence_Fast(seq, "shards must be a sequence of tuples");
     if (!fast)
         return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t n = PySequence_Size(fast);
     if (n < 1 || n > 1 << 20) {
         PyErr_Format(PyExc_ValueError, "a table needs 1..%d shards, not %zd", 1 << 20, n);
         Py_DECREF(fast);
@@ -436,7 +480,7 @@ static int parse_shards(PyObject *seq, ple_shard_spec **out, Py_ssize_t *count)
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long offset, rows, map;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iKKsK;shard: (fd, "
+        if (!PyArg_ParseTuple(fast_item(fast, i), "iKKsK;shard: (fd, "
                               "file_offset, rows, path, map_address)", &specs[i].fd, &offset,
                               &rows, &specs[i].path, &map)) {
             PyMem_Free(specs);
@@ -473,7 +517,7 @@ static int Source_init(SourceObject *self, PyObject *args, PyObject *kw)
         PyObject *fast = PySequence_Fast(segments_obj, "segments must be a sequence of ints");
         if (!fast)
             return -1;
-        Py_ssize_t ns = PySequence_Fast_GET_SIZE(fast);
+        Py_ssize_t ns = PySequence_Size(fast);
         if (ns < 1 || ns > (Py_ssize_t)PLE_SEGMENTS_MAX) {
             PyErr_Format(PyExc_ValueError, "a row has 1..%u segments, not %zd",
                          PLE_SEGMENTS_MAX, ns);
@@ -481,7 +525,7 @@ static int Source_init(SourceObject *self, PyObject *args, PyObject *kw)
             return -1;
         }
         for (Py_ssize_t g = 0; g < ns; g++) {
-            unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(fast, g));
+            unsigned long v = PyLong_AsUnsignedLong(fast_item(fast, g));
             if (v == (unsigned long)-1 && PyErr_Occurred()) {
                 Py_DECREF(fast);
                 return -1;
@@ -500,7 +544,7 @@ static int Source_init(SourceObject *self, PyObject *args, PyObject *kw)
     ple_cache *cache = NULL;
     ple_engine *engine = NULL;
     if (cache_obj != Py_None) {
-        if (!PyObject_TypeCheck(cache_obj, &CacheType)) {
+        if (!PyObject_TypeCheck(cache_obj, (PyTypeObject *)CacheType)) {
             PyErr_SetString(PyExc_TypeError, "cache must be a RowCache or None");
             return -1;
         }
@@ -510,7 +554,7 @@ static int Source_init(SourceObject *self, PyObject *args, PyObject *kw)
         }
     }
     if (engine_obj != Py_None) {
-        if (!PyObject_TypeCheck(engine_obj, &EngineType)) {
+        if (!PyObject_TypeCheck(engine_obj, (PyTypeObject *)EngineType)) {
             PyErr_SetString(PyExc_TypeError, "engine must be a ReadEngine or None");
             return -1;
         }
@@ -551,7 +595,7 @@ static void Source_dealloc(SourceObject *self)
 {
     if (self->src)
         ple_source_unref(self->src);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    free_instance((PyObject *)self);
 }
 
 static PyObject *Source_close(SourceObject *self, PyObject *unused)
@@ -645,10 +689,23 @@ static PyObject *Source_stats(SourceObject *self, PyObject *unused)
     ple_source_stats st;
     ple_source_get_stats(src, &st);
     ple_source_unref(src);
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "hits", st.hits,
+    /* The read latency histogram, bucket by bucket (gather.h says which
+     * nanoseconds each holds), for the metrics endpoint's histogram. */
+    PyObject *hist = PyTuple_New(PLE_READ_HIST_BUCKETS);
+    if (!hist)
+        return NULL;
+    for (unsigned b = 0; b < PLE_READ_HIST_BUCKETS; b++) {
+        PyObject *n = PyLong_FromUnsignedLongLong(st.read_ns_hist[b]);
+        if (!n || PyTuple_SetItem(hist, b, n) < 0) {  /* steals n, even on failure */
+            Py_DECREF(hist);
+            return NULL;
+        }
+    }
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:N}", "hits", st.hits,
                          "misses", st.misses, "reads", st.reads, "read_bytes", st.read_bytes,
                          "read_errors", st.read_errors, "read_ns_p50", st.read_ns_p50,
-                         "read_ns_p99", st.read_ns_p99, "evictions", st.evictions);
+                         "read_ns_p99", st.read_ns_p99, "evictions", st.evictions,
+                         "read_ns_sum", st.read_ns_sum, "read_ns_buckets", hist);
 }
 
 static PyObject *Source_get_rows(SourceObject *self, void *closure)
@@ -683,21 +740,28 @@ static PyGetSetDef Source_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject SourceType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "pleserver._native.TableSource",
-    .tp_basicsize = sizeof(SourceObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "TableSource(table_key, row_bytes, shard_size, shards, cache, engine, direct, "
-              "segments=None): row lookup for one table. shards: (fd, file_offset, rows, path, "
-              "map_address) per shard; with segments (byte widths adding up to row_bytes, in "
-              "row order) one per segment of every shard, shard-major.",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Source_init,
-    .tp_dealloc = (destructor)Source_dealloc,
-    .tp_methods = Source_methods,
-    .tp_getset = Source_getset,
+static PyType_Slot Source_slots[] = {
+    {Py_tp_doc, "TableSource(table_key, row_bytes, shard_size, shards, cache, engine, direct, "
+                "segments=None): row lookup for one table. shards: (fd, file_offset, rows, path, "
+                "map_address) per shard; with segments (byte widths adding up to row_bytes, in "
+                "row order) one per segment of every shard, shard-major."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, (initproc)Source_init},
+    {Py_tp_dealloc, (destructor)Source_dealloc},
+    {Py_tp_methods, Source_methods},
+    {Py_tp_getset, Source_getset},
+    {0, NULL},
 };
+
+static PyType_Spec Source_spec = {
+    .name = "pleserver._native.TableSource",
+    .basicsize = sizeof(SourceObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = Source_slots,
+};
+
+/* Made from Source_spec at import. */
+static PyObject *SourceType;
 
 /* --------------------------------------------------------------- probe */
 
@@ -729,7 +793,7 @@ static PyObject *probe_random_reads(PyObject *module, PyObject *args, PyObject *
     PyObject *fast = PySequence_Fast(paths_obj, "paths must be a sequence of paths");
     if (!fast)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t n = PySequence_Size(fast);
     PyObject **encoded = PyMem_Calloc((size_t)n + 1, sizeof *encoded);
     const char **paths = PyMem_Calloc((size_t)n + 1, sizeof *paths);
     PyObject *result = NULL;
@@ -742,9 +806,9 @@ static PyObject *probe_random_reads(PyObject *module, PyObject *args, PyObject *
         goto out;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(fast, i), &encoded[i]))
+        if (!PyUnicode_FSConverter(fast_item(fast, i), &encoded[i]))
             goto out;
-        paths[i] = PyBytes_AS_STRING(encoded[i]);
+        paths[i] = PyBytes_AsString(encoded[i]);
     }
     ple_error err = {0};
     ple_probe_result res = {0};
@@ -793,8 +857,10 @@ static struct PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit__native(void)
 {
-    if (PyType_Ready(&EngineType) < 0 || PyType_Ready(&CacheType) < 0
-        || PyType_Ready(&SourceType) < 0)
+    EngineType = PyType_FromSpec(&Engine_spec);
+    CacheType = EngineType ? PyType_FromSpec(&Cache_spec) : NULL;
+    SourceType = CacheType ? PyType_FromSpec(&Source_spec) : NULL;
+    if (!SourceType)
         return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (!m)
@@ -804,9 +870,9 @@ PyMODINIT_FUNC PyInit__native(void)
         "A read of a checkpoint file failed or came back short; the message names the "
         "file, the offset and the error.", PyExc_OSError, NULL);
     if (!ReadError || PyModule_AddObjectRef(m, "ReadError", ReadError) < 0
-        || PyModule_AddObjectRef(m, "ReadEngine", (PyObject *)&EngineType) < 0
-        || PyModule_AddObjectRef(m, "RowCache", (PyObject *)&CacheType) < 0
-        || PyModule_AddObjectRef(m, "TableSource", (PyObject *)&SourceType) < 0) {
+        || PyModule_AddObjectRef(m, "ReadEngine", EngineType) < 0
+        || PyModule_AddObjectRef(m, "RowCache", CacheType) < 0
+        || PyModule_AddObjectRef(m, "TableSource", SourceType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -23,7 +23,10 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import numpy as np
 import torch
 
+from tests.vllm_helpers import cpu_kernels
 from tests.vllm_helpers import model as m
+
+cpu_kernels.prepare()
 
 SCENARIOS: dict[str, Callable[[dict], dict]] = {}
 
@@ -340,11 +343,13 @@ def plugin_off(args: dict) -> dict:
         for obj in vars(mod).values():
             if isinstance(obj, type) and any(k.startswith("_ple_shm") for k in vars(obj)):
                 classes.append(obj.__qualname__)
+    import vllm.envs
     from vllm.model_executor.model_loader import weight_utils
 
     with m.vllm_context():
         module = m.build_ngram_embedding(m.BF16_LAYER)
     return {
+        "declared": sorted(n for n in vllm.envs.environment_variables if n.startswith("VLLM_PLE")),
         "splitting_ops": _piecewise_splitting_ops(),
         "imported": sorted(modules),
         "touched_modules": touched,
@@ -404,7 +409,12 @@ def entry_point_hook(args: dict) -> dict:
         )
     except ImportError as exc:
         model_classes["import_error"] = str(exc)
+    from pleclient.vllm_plugin import compat
+
+    compat.check_layout(registration.TARGETS)  # raises on a vLLM it cannot patch
     return {
+        "vllm_version": compat.vllm_version(),
+        "untested_warning": compat._warned,
         "splitting_ops": _piecewise_splitting_ops(),
         "explicit_splitting_ops": _piecewise_splitting_ops(["vllm::my_attention"]),
         "registered": registration.is_registered(),
@@ -664,6 +674,128 @@ def seed_interface(args: dict) -> dict:
     return result
 
 
+# ------------------------------------------------------------ vLLM's rules
+@scenario
+def environment_check(args: dict) -> dict:
+    """vLLM's own environment check (``Platform.validate_environ``, which
+    ``--fail-on-environ-validation`` makes fatal) over the plugin's variables:
+    before any plugin loaded, then after vLLM loaded them — through
+    ``load_general_plugins`` as the engine core and workers do, or (with
+    ``model``) through the ``EngineArgs`` → ``create_engine_config`` path of
+    ``vllm serve --fail-on-environ-validation``."""
+    import vllm.envs as envs
+    from vllm.platforms import current_platform
+
+    # VLLM_* names of the test runner's environment that vLLM does not know
+    # and that are not the plugin's are no part of this check.
+    for name in list(os.environ):
+        if (
+            name.startswith("VLLM_")
+            and not name.startswith("VLLM_PLE_")
+            and name not in envs.environment_variables
+        ):
+            del os.environ[name]
+    result: dict = {"before_plugins": _environment_error(current_platform)}
+    if args.get("model"):
+        from vllm.engine.arg_utils import EngineArgs
+
+        engine_args = EngineArgs(  # __post_init__ loads the plugins, as in vllm serve
+            model=args["model"],
+            dtype="bfloat16",
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            fail_on_environ_validation=True,
+        )
+        try:
+            config = engine_args.create_engine_config()
+            result["engine_config"] = {"architectures": config.model_config.architectures}
+        except Exception as exc:  # reported to the test
+            result["engine_config"] = {"error": f"{type(exc).__name__}: {exc}"}
+    else:
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
+    result["after_plugins"] = _environment_error(current_platform)
+    declared = sorted(n for n in envs.environment_variables if n.startswith("VLLM_PLE"))
+    factors = envs.compile_factors()
+    result.update(
+        declared=declared,
+        values={n: getattr(envs, n) for n in declared},
+        compile_factors={n: factors.get(n) for n in declared},
+    )
+    return result
+
+
+def _environment_error(platform) -> str | None:
+    try:
+        platform.validate_environ(hard_fail=True)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _error_of(action: Callable[[], object]) -> dict | None:
+    try:
+        action()
+    except Exception as exc:  # reported to the test
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return None
+
+
+@scenario
+def fake_vllm_layout(args: dict) -> dict:
+    """``register()``, then the imports vLLM would do, with a vLLM-shaped tree
+    (``tests.vllm_helpers.fake_vllm``) first on PYTHONPATH as ``vllm``."""
+    import importlib
+    import logging
+
+    import vllm
+
+    check(
+        os.path.realpath(vllm.__file__).startswith(os.path.realpath(args["root"])),
+        f"not the fake vLLM: {vllm.__file__}",
+    )
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("pleclient.vllm_plugin").addHandler(handler)
+    result: dict = {"register": _error_of(register_plugin), "imports": {}}
+    for name in args.get("imports", []):
+        result["imports"][name] = _error_of(lambda name=name: importlib.import_module(name))
+    import vllm.envs
+
+    result.update(
+        warnings=warnings,
+        declared=sorted(vllm.envs.environment_variables),
+        version=vllm.__version__,
+        path=os.path.dirname(vllm.__file__),
+    )
+    return result
+
+
+@scenario
+def storage_not_swapped(args: dict) -> dict:
+    """A vLLM 0.33 whose ``Qwen4ExpNGramEmbedding`` gets its storage class from
+    somewhere the plugin does not replace it (simulated: the constructor puts
+    the stock classes back into its module first). Building the layer fails
+    naming the class, before any server is asked."""
+    import vllm.models.qwen4_exp.nvidia.ngram_embedding as ne
+    from vllm.models.qwen4_exp.common import ngram_embedding as common
+
+    stock_init = ne.Qwen4ExpNGramEmbedding.__init__
+
+    def init_with_other_storage(self, *a, **kw):
+        ne.Qwen4ExpPLEDeviceEmbedding = common.Qwen4ExpPLEDeviceEmbedding
+        ne.Qwen4ExpPLEPinnedHostEmbedding = common.Qwen4ExpPLEPinnedHostEmbedding
+        stock_init(self, *a, **kw)
+
+    ne.Qwen4ExpNGramEmbedding.__init__ = init_with_other_storage
+    register_plugin()
+    with m.vllm_context():
+        error = _error_of(lambda: m.build_ngram_embedding(m.BF16_LAYER))
+    return {"build": error}
+
+
 # ------------------------------------------------------------ whole model
 def _prefill_batch(seed: int) -> m.Batch:
     """Two new prefill requests of different lengths, an EOS inside the second
@@ -781,6 +913,7 @@ def whole_model(args: dict) -> dict:
             }
     result["server_requests"] = _server_requests()
     result["row_path"] = _row_path()
+    result["cpu_gemm"] = cpu_kernels.gemm_report()
     result["seconds"] = time.monotonic() - started
     return result
 

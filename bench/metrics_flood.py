@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+"""Metrics-port benchmark: a bystander's lookup latency while the metrics port
+is flooded.
+
+Writes one synthetic BF16 table (default 500 000 rows × 160 cols, ≈ 150 MiB)
+into a temporary directory, starts ``pleserver serve --prewarm full
+--metrics-address 127.0.0.1:PORT``, and measures a *bystander* — one client of
+capacity 16, depth 1, doing ``lookup`` of 16 random ids, one every
+``--gap-ms`` — in each case:
+
+- ``none``: nobody touches the metrics port (the baseline);
+- ``prometheus``: one scrape of ``/metrics`` a second (what monitoring costs);
+- ``scrape-flood``: ``--flooders`` processes, each scraping ``/metrics`` as
+  fast as the server answers, a new connection each time;
+- ``health-flood``: the same on ``/healthz`` (no render: the cheapest answer);
+- ``connect-flood``: the same, connecting and closing without a request;
+- ``idle-3000``: 3 000 connections holding half-sent requests for the whole case.
+
+For each case it reports the bystander's p50 / p99 / p99.9 / max latency (the
+whole ``lookup`` call) and their ratios to ``none`` measured in the same run,
+the requests the flooders got answered (200) and refused (503) per second, the
+server's CPU share, and the CPU share that processes other than the
+benchmark, its server and its flooders used meanwhile (``others_cpu``): a run
+with high ``others_cpu`` should be repeated. Everything is removed at the end.
+
+    python bench/metrics_flood.py                     # every case, 10 s each
+    python bench/metrics_flood.py --cases none,scrape-flood --seconds 30 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lookup import OthersMeter, Server, _proc_ticks, loadavg, machine, source  # noqa: E402
+from pleclient import PleClient  # noqa: E402
+from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+
+CASES = ("none", "prometheus", "scrape-flood", "health-flood", "connect-flood", "idle-3000")
+
+FLOODER = """
+import http.client, json, resource, selectors, socket, sys, time
+host, port, seconds, mode = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+stop = time.monotonic() + seconds
+counts = {"ok": 0, "busy": 0, "failed": 0}
+if mode == "idle":
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (4096, hard))
+    held, selector = [], selectors.DefaultSelector()
+    for _ in range(3000):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex((host, port))
+        held.append(s)
+        selector.register(s, selectors.EVENT_WRITE)
+    while selector.get_map() and time.monotonic() < stop:
+        for key, _ in selector.select(0.5):
+            selector.unregister(key.fileobj)
+            try:
+                key.fileobj.send(b"GET /metrics HTTP/1.1\\r\\n")
+                counts["ok"] += 1
+            except OSError:
+                counts["failed"] += 1
+    print("ready", flush=True)
+    time.sleep(max(0.0, stop - time.monotonic()))
+else:
+    print("ready", flush=True)
+    path = "/metrics" if mode == "scrape" else "/healthz"
+    interval = 1.0 if mode == "prometheus" else 0.0
+    while time.monotonic() < stop:
+        started = time.monotonic()
+        try:
+            if mode == "connect":
+                socket.create_connection((host, port), timeout=5).close()
+                counts["ok"] += 1
+            else:
+                conn = http.client.HTTPConnection(host, port, timeout=5)
+                conn.request("GET", "/metrics" if mode == "prometheus" else path)
+                response = conn.getresponse()
+                response.read()
+                conn.close()
+                counts["ok" if response.status == 200 else "busy"] += 1
+        except OSError:
+            counts["failed"] += 1
+        time.sleep(max(0.0, interval - (time.monotonic() - started)))
+print(json.dumps(counts), flush=True)
+"""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")
+    ap.add_argument("--rows", type=int, default=500_000)
+    ap.add_argument("--cols", type=int, default=160)
+    ap.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
+    ap.add_argument("--flooders", type=int, default=4, help="flooding processes (default 4)")
+    ap.add_argument("--seconds", type=float, default=10.0, help="per case (default 10)")
+    ap.add_argument(
+        "--gap-ms", type=float, default=1.0, help="pause between the bystander's lookups"
+    )
+    ap.add_argument("--json", help="also write the results here")
+    return ap.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_flooders(case: str, port: int, args) -> list[subprocess.Popen]:
+    mode, count = {
+        "none": ("", 0),
+        "prometheus": ("prometheus", 1),
+        "scrape-flood": ("scrape", args.flooders),
+        "health-flood": ("health", args.flooders),
+        "connect-flood": ("connect", args.flooders),
+        "idle-3000": ("idle", 1),
+    }[case]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", FLOODER, "127.0.0.1", str(port), str(args.seconds + 3), mode],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(count)
+    ]
+    for child in children:
+        assert child.stdout is not None
+        if child.stdout.readline().strip() != "ready":
+            raise RuntimeError("a flooder did not start")
+    return children
+
+
+def run_case(server: Server, port: int, case: str, args) -> dict:
+    children = start_flooders(case, port, args)
+    try:
+        time.sleep(1.0)  # the flood in its steady state
+        rng = np.random.default_rng(7)
+        samples = []
+        meter = OthersMeter([server.proc.pid] + [c.pid for c in children])
+        server_ticks = _proc_ticks(server.proc.pid)
+        with PleClient.connect(server.socket, name="bystander", capacity=16, depth=1) as client:
+            table = client.table(0)
+            out = np.empty((16, table.row_bytes), dtype=np.uint8)
+            meter.start()
+            started = time.monotonic()
+            stop = started + args.seconds
+            while time.monotonic() < stop:
+                ids = rng.integers(0, table.rows, 16)
+                t0 = time.perf_counter_ns()
+                client.lookup(table, ids, out=out)
+                samples.append(time.perf_counter_ns() - t0)
+                time.sleep(args.gap_ms * 1e-3)
+            wall = time.monotonic() - started
+            others = meter.stop()
+            server_cpu = (_proc_ticks(server.proc.pid) - server_ticks) / OthersMeter.HZ / wall
+        reports = [
+            json.loads(child.communicate(timeout=60)[0].strip().splitlines()[-1])
+            for child in children
+        ]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    ms = np.array(samples) / 1e6
+    span = args.seconds + 3
+    return {
+        "case": case,
+        "bystander_lookups": len(samples),
+        "p50_ms": round(float(np.percentile(ms, 50)), 3),
+        "p99_ms": round(float(np.percentile(ms, 99)), 3),
+        "p999_ms": round(float(np.percentile(ms, 99.9)), 3),
+        "max_ms": round(float(ms.max()), 3),
+        "answered_per_s": round(sum(r["ok"] for r in reports) / span, 1),
+        "refused_per_s": round(sum(r["busy"] for r in reports) / span, 1),
+        "failed_per_s": round(sum(r["failed"] for r in reports) / span, 1),
+        "server_cpu": round(server_cpu, 3),
+        "others_cpu": others,
+        "loadavg": loadavg(),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    workdir = tempfile.mkdtemp(prefix="ple-metrics-flood-", dir=args.dir)
+    server = None
+    try:
+        model = os.path.join(workdir, "model")
+        write_checkpoint(
+            model,
+            [SyntheticTable(layer=0, rows=args.rows, cols=args.cols, dtype="BF16", parts=8)],
+            files=1,
+        )
+        port = free_port()
+        server = Server("metrics", model, 0, 16, ["--metrics-address", f"127.0.0.1:{port}"])
+        server.wait_ready()
+        result = {"machine": machine(), "source": source(), "args": vars(args), "cases": []}
+        print(
+            f"{'case':>13} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} {'p99.9 ms':>9} "
+            f"{'max ms':>8} {'p50 ×':>6} {'p99 ×':>6} {'200/s':>7} {'503/s':>7} "
+            f"{'server cpu':>10} {'others cpu':>10}"
+        )
+        base = None
+        for case in [c.strip() for c in args.cases.split(",") if c.strip()]:
+            row = run_case(server, port, case, args)
+            base = base or row
+            row["p50_ratio"] = round(row["p50_ms"] / base["p50_ms"], 2)
+            row["p99_ratio"] = round(row["p99_ms"] / base["p99_ms"], 2)
+            result["cases"].append(row)
+            print(
+                f"{case:>13} {row['bystander_lookups']:>8} {row['p50_ms']:>8.3f} "
+                f"{row['p99_ms']:>8.3f} {row['p999_ms']:>9.3f} {row['max_ms']:>8.3f} "
+                f"{row['p50_ratio']:>6.2f} {row['p99_ratio']:>6.2f} "
+                f"{row['answered_per_s']:>7.1f} {row['refused_per_s']:>7.1f} "
+                f"{100 * row['server_cpu']:>9.1f}% {100 * row['others_cpu']:>9.1f}%",
+                flush=True,
+            )
+        print(
+            f"commit {result['source']['commit']}"
+            f"{' (modified)' if result['source']['modified'] else ''}, "
+            f"{result['machine'].get('model_name', '?')}, {result['machine']['cores']} cores; "
+            f"ratios against the first case of this run"
+        )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

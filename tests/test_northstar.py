@@ -1,0 +1,103 @@
+"""``bench/northstar.py`` at a small size on the CPU: a real cold server per
+path, the GPU-driven channel's CPU stand-in, the report. The trace here is a
+small one made for the test (Zipf-distributed ids, so that rows repeat as in
+text); the benchmark itself runs on ``bench/text_trace.py``'s real text.
+
+What must hold: every path that ran returned the table's rows; a server path's
+misses are exactly the trace's first-touch ids (a row cache that starts empty
+and never evicts misses those and nothing else), so the server was cold and
+the warm-up touched none of the timed rows; the paths that cannot run here say
+why; nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from tests.harness import REPO, shm_entries
+
+sys.path.insert(0, str(REPO / "bench"))
+
+from text_trace import HEADS, write_npz
+
+TRACE_ROWS = 320_001_536  # the trace's geometry: ids are scaled from it onto the table
+
+
+def small_trace(path, tokens: int = 20_000) -> None:
+    rng = np.random.default_rng(7)
+    # each token's 16 ids: a Zipf-ranked n-gram, hashed per head into the head's range
+    rank = rng.zipf(1.3, size=(tokens, 1)) % 400_000
+    heads = np.arange(HEADS, dtype=np.uint64)
+    span = TRACE_ROWS // HEADS
+    ids = (heads * span + (rank.astype(np.uint64) * 2_654_435_761 + heads) % span).astype(np.uint32)
+    meta = {"format": "pleserver-trace/1", "geometry": {"rows": TRACE_ROWS}, "tokens": tokens}
+    write_npz(
+        str(path),
+        {
+            "ids": ids,
+            "tokens": np.zeros(tokens, np.int32),
+            "doc_starts": np.array([0, tokens], np.int64),
+            "meta": np.array(json.dumps(meta)),
+        },
+    )
+
+
+def test_northstar_on_the_cpu_checks_rows_and_counts_every_cold_miss(tmp_path):
+    trace, out = tmp_path / "trace.npz", tmp_path / "northstar.json"
+    small_trace(trace)
+    argv = [
+        sys.executable,
+        str(REPO / "bench" / "northstar.py"),
+        "--cpu",
+        "--trace",
+        str(trace),
+        "--workdir",
+        str(tmp_path),
+        "--layers",
+        "4",
+        "--ple-at",
+        "2",
+        "--batches",
+        "8",
+        "--steps",
+        "60",
+        "--prompts",
+        "2",
+        "--chunk-tokens",
+        "128",
+        "--probe-seconds",
+        "0.2",
+        "--json",
+        str(out),
+    ]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=REPO)
+    print(run.stdout[-4000:])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["disk"]["1"]["reads_per_s"] > 0 and report["disk"]["128"]["reads_per_s"] > 0
+    runs = {(c["kind"], r["path"]): r for c in report["cases"] for r in c["runs"]}
+    assert set(runs) == {("decode", p) for p in ("a", "b", "e", "d")} | {
+        ("prefill", p) for p in ("a", "b", "prompt-ahead-arrival", "prompt-ahead", "e", "d")
+    }
+    assert "CUDA" in runs["decode", "b"]["unavailable"]
+    for (kind, path), r in runs.items():
+        if r["unavailable"]:
+            assert path in ("b", "prompt-ahead-arrival", "prompt-ahead"), (kind, path, r)
+            continue
+        assert r["error"] is None, r["error"]
+        assert r["exact"] is True and r["checked_steps"] > 0, (kind, path)
+        if path in ("e", "d", "prompt-ahead-arrival", "prompt-ahead"):
+            assert r["server"]["requests"] > 0
+            if not path.startswith("prompt-ahead"):  # hints change what a lookup misses
+                assert r["server"]["misses"] == r["trace"]["misses"] > 0, (kind, path)
+    decode = {p: runs["decode", p] for p in ("a", "e", "d")}
+    for r in decode.values():
+        assert r["steps"] == 60 and len(r["step_ms"]) == 60
+        assert [r["windows"][w]["steps"] for w in ("first 50", "warming", "steady")] == [15, 15, 30]
+    assert set(decode["e"]["bound"]) == {"first 50", "warming", "steady", "whole"}
+    assert runs["prefill", "e"]["prompts"]["prompt_ms"][0] > 0
+    assert not list(tmp_path.glob("ple-northstar-*")), "the benchmark left its directory"
+    assert not shm_entries()
