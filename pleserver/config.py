@@ -358,10 +358,18 @@ class ServerConfig:
         50,
         "duration",
         "How often the serving loop looks at the doorbells of GPU-driven "
-        "channels once it stops spinning (a GPU cannot wake it); after a second "
+        "channels once it stops spinning (a GPU cannot wake it); after 0.1 s "
         "without a doorbell, every millisecond.",
         minimum=1,
         unit="us",
+    )
+    max_gpu_slots_per_uid: int = _setting(
+        1024,
+        "int",
+        "GPU-driven slots (the depths of GPU-driven channels) one uid may hold "
+        "at once, all its sessions together: the serving loop polls them, since a GPU "
+        "cannot wake it. An open_channel past it gets CHANNEL_LIMIT.",
+        minimum=1,
     )
     idle_wait: str = _setting(
         "auto",

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from pleclient import protocol as p
 from pleclient.checkpoint import discover_tables
 from pleserver import __version__
+from pleserver.admission import DoorbellAdmission
 from pleserver.budget import ChannelBudget, default_channel_budget
 from pleserver.config import ServerConfig
 from pleserver.connections import listen_backlog
@@ -510,7 +511,7 @@ class Server:
             "clients": len(self.sessions) if self.sessions is not None else 0,
             "refused": dict(self.sessions.gate.counts) if self.sessions is not None else {},
             "channels": self.loop.channel_count if self.loop else 0,
-            "gpu_channels": self.loop.gpu_channel_count if self.loop else 0,
+            "gpu_channels": self.loop.channel_kinds()[DoorbellAdmission.kind] if self.loop else 0,
             "idle_wait": self.loop.idle_wait if self.loop else None,
             "prewarm": self.prewarm.snapshot() if self.prewarm else None,
             "dataplane": self.plane.snapshot() if self.plane else None,
