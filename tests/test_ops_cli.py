@@ -298,7 +298,7 @@ def test_ctrl_c_ends_the_demo_quietly_with_130_and_leaves_nothing_running(tmp_pa
 
     def processes() -> list[str]:
         out = subprocess.run(
-            ["ps", "-g", str(proc.pid), "-o", "args="], capture_output=True, text=True
+            ["ps", "-ww", "-g", str(proc.pid), "-o", "args="], capture_output=True, text=True
         ).stdout
         return out.splitlines()
 
