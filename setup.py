@@ -11,6 +11,11 @@ Environment:
                             not, so a newer compiler's new warning cannot fail it.
   PLESERVER_LIMITED_API=0   build for this interpreter's full C API instead
                             (bench/abi3_overhead.py compares the two).
+
+The package also carries the files an operator installs, copied from deploy/
+at build time (``BuildPy``): the systemd units, the sysusers.d and tmpfiles.d
+snippets and the default config, so that a wheel installs the service without
+the source tree (``pleserver files``, ``pleserver config default``).
 """
 
 import os
@@ -18,6 +23,12 @@ from glob import glob
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
+
+# deploy/'s files the package carries, as pleserver/deploy/<same path>
+# (pleserver/deployfiles.py says where each one installs). MANIFEST.in puts
+# them in the sdist, which wheels may be built from.
+DEPLOY_DATA = ["deploy/config.toml", *sorted(glob("deploy/systemd/*"))]
 
 WERROR = os.environ.get("PLESERVER_WERROR", "0") == "1"
 LIMITED_API = os.environ.get("PLESERVER_LIMITED_API", "1") != "0"
@@ -55,6 +66,28 @@ class BuildExt(build_ext):
                     os.remove(other)
 
 
+class BuildPy(build_py):
+    """Copies ``DEPLOY_DATA`` into the built package. An editable install
+    builds nothing: ``pleserver.deployfiles`` reads the checkout's deploy/."""
+
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        for source, target in self._deploy_data():
+            self.mkpath(os.path.dirname(target))
+            self.copy_file(source, target, preserve_mode=False)
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        outputs = super().get_outputs(include_bytecode)
+        if getattr(self, "editable_mode", False):
+            return outputs
+        return outputs + [target for _, target in self._deploy_data()]
+
+    def _deploy_data(self) -> list[tuple[str, str]]:
+        return [(path, os.path.join(self.build_lib, "pleserver", path)) for path in DEPLOY_DATA]
+
+
 def native(name: str, folder: str) -> Extension:
     return Extension(
         name,
@@ -72,6 +105,6 @@ setup(
         native("pleserver._native", "pleserver/native"),
         native("pleclient._sync", "pleclient/native"),
     ],
-    cmdclass={"build_ext": BuildExt},
+    cmdclass={"build_ext": BuildExt, "build_py": BuildPy},
     options={"bdist_wheel": {"py_limited_api": LIMITED_API_TAG}} if LIMITED_API else {},
 )

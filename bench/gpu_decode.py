@@ -21,7 +21,7 @@ Paths, in the same run:
             (forked at the start, joined at the use); one CUDA graph per step
   b         vLLM's ``cpu_offload``: a Triton kernel reading the pinned host
             table over UVA, on a side stream like a; one CUDA graph per step
-  c         today's plugin path: ``RowService.submit`` / ``collect`` (what the
+  c         the plugin's host route: ``LayerLookups.start`` / ``finish`` (what the
             vLLM plugin runs: ids device → host with a host sync, server round
             trip, pinned DMA) run eagerly between CUDA graphs of the compute
             segments (vLLM's breakable graphs)
@@ -227,20 +227,25 @@ class SideGather:
 
 
 class Plugin:
-    """c: the vLLM plugin's ``RowService``, eager (it refuses graph capture)."""
+    """c: the vLLM plugin's host route, eager (it refuses graph capture)."""
 
     capturable = False
 
-    def __init__(self, batch: Batch, service, binding) -> None:
-        self.batch, self.service, self.binding = batch, service, binding
-        self.pending: dict[int, object] = {}
+    def __init__(self, batch: Batch, routes, layer) -> None:
+        from pleclient.vllm_plugin.lookups import LayerLookups, StoredRows
+
+        self.batch, self.binding = batch, layer.binding
+        # One layer's lookups per PLE layer of the step, on the host route.
+        self.layers = [
+            LayerLookups(self.binding, routes, StoredRows(self.binding), route=routes.host)
+            for _ in range(batch.ids.shape[0])
+        ]
 
     def start(self, j: int) -> None:
-        self.pending[j] = self.service.submit(self.binding, self.batch.ids[j])
+        self.layers[j].start(self.batch.ids[j])
 
     def collect(self, j: int) -> None:
-        out = self.batch.rows[j].view(self.binding.storage_dtype)
-        self.service.collect(self.pending.pop(j), out)
+        self.layers[j].finish(self.batch.rows[j].view(self.binding.storage_dtype))
 
 
 class GpuDriven:
@@ -421,7 +426,7 @@ class Setup:
     table_gpu: torch.Tensor  # a's table, and the reference of the bit-exact checks
     pinned: torch.Tensor  # b's table
     uva: object  # b's kernel, None without Triton
-    plugin: tuple  # c: (RowService, TableBinding)
+    plugin: tuple  # c: (Routes, LayerLookups)
     lookups: object = None  # d: GpuLookups, None when unavailable
     table_info: object = None  # d: the table's TableInfo
     per_layer: int = 0  # d: slots per PLE layer
@@ -630,7 +635,9 @@ def main(argv=None) -> int:
         reference = torch.from_numpy(read_table(table))
         plugin = make_plugin(server.socket, model_dir, table, args.capacity)
         setup = Setup(
-            Model(hidden, args.layers, args.ple_layers, table.cols, plugin[1].storage_dtype),
+            Model(
+                hidden, args.layers, args.ple_layers, table.cols, plugin[1].binding.storage_dtype
+            ),
             table,
             table_gpu=reference.cuda(),
             pinned=reference.pin_memory(),

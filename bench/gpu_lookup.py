@@ -11,7 +11,7 @@ starts ``pleserver serve`` on it, and for each lookup size (16, 4 096 and
   gpu         the physical best: ``index_select`` on a GPU-resident table
   uva         vLLM's cpu_offload path: a kernel reading the table from pinned
               host memory over UVA (Triton; skipped without it)
-  plugin      what the vLLM plugin runs per layer (``RowService.lookup``): ids
+  plugin      what the vLLM plugin runs per layer on its host route: ids
               on the GPU → host → ple-server → pinned DMA into the layer's
               output tensor, slots released on copy events
 
@@ -185,11 +185,11 @@ def bench_size(
             Result("uva", n, statistics.median(times), _p90(times), bool(torch.equal(out, want)))
         )
 
-    service, binding = plugin
-    typed = torch.empty((n, table.cols), dtype=binding.storage_dtype, device="cuda")
+    lookups = plugin[1]
+    typed = torch.empty((n, table.cols), dtype=lookups.binding.storage_dtype, device="cuda")
 
     def plugin_lookup() -> None:
-        service.lookup(binding, ids_gpu, typed)
+        lookups.lookup(ids_gpu, typed)
 
     typed.view(torch.uint8).zero_()
     times = timed(plugin_lookup, args.iters)
@@ -206,13 +206,18 @@ def bench_size(
 
 
 def make_plugin(socket_path: str, model: str, table: TableSpec, capacity: int):
-    """The vLLM plugin's row service, bound to ``table`` (no vLLM needed)."""
+    """The vLLM plugin's routes, and ``table``'s layer lookups on its host
+    route (no vLLM needed)."""
     from pleclient.vllm_plugin.identity import Expected
+    from pleclient.vllm_plugin.lookups import LayerLookups, StoredRows
+    from pleclient.vllm_plugin.routes import Routes
     from pleclient.vllm_plugin.rows import RowService
     from pleclient.vllm_plugin.settings import ShmSettings
 
-    service = RowService(ShmSettings(socket=socket_path, capacity=capacity, checkpoint=model))
-    binding = service.bind(
+    routes = Routes(
+        RowService(ShmSettings(socket=socket_path, capacity=capacity, checkpoint=model))
+    )
+    binding = routes.service.bind(
         Expected(
             prefix=table.name,
             rows=table.rows,
@@ -221,7 +226,7 @@ def make_plugin(socket_path: str, model: str, table: TableSpec, capacity: int):
             parts=table.parts,
         )
     )
-    return service, binding
+    return routes, LayerLookups(binding, routes, StoredRows(binding), route=routes.host)
 
 
 def _p90(times: list[float]) -> float:

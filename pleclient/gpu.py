@@ -13,8 +13,9 @@ captured CUDA graph and runs again, unchanged, on every replay::
 enqueues the wait for the slot's done word, the rows' copy, the done word's
 reset and a device-side check that the answer was not an error. The words, and
 why each write is ordered as it is, are in ``pleclient.protocol`` ("GPU-driven
-channels"). A slot serves one call site: ring it again only after its
-``collect`` (stream order does that inside one graph).
+channels"; the stream's ordering edges are G1-G3 there). A slot serves one
+call site: ring it again only after its ``collect`` (stream order does that
+inside one graph).
 
 Two streams run the same words:
 
@@ -45,7 +46,7 @@ from typing import Protocol
 import numpy as np
 
 from pleclient import protocol as p
-from pleclient.channel import SlotView
+from pleclient.channel import RUNG_AT, SlotView
 from pleclient.client import PleClient, TableInfo
 from pleclient.errors import PleError
 
@@ -173,6 +174,7 @@ class CudaStream:
             raise
         self._base = dptr.value  # the segment's device address (its host address on UVA)
         self._layout = client.channel.layout
+        self._rung_address = self._base + RUNG_AT
         # Each slot's done word as the GPU saw it, for the device-side check.
         self._seen = torch.zeros(self._layout.depth, dtype=torch.int32, device=self.device)
 
@@ -199,8 +201,10 @@ class CudaStream:
                 "cuStreamWriteValue32",
             )
         # A fence scoped to the stream precedes every write (the v2 API has no
-        # opt-out: NO_MEMORY_BARRIER is refused), so the ids, table and count
-        # are visible before the doorbell (release).
+        # opt-out: NO_MEMORY_BARRIER is refused). G1: the ids, table and count
+        # visible before the doorbell (pairs with the server's D1). G2: the
+        # doorbell before the channel's rung word, the one word the server
+        # polls (pairs with its X1). See pleclient.protocol, "Ordering edges".
         _check(
             lib.cuStreamWriteValue32_v2(
                 stream,
@@ -210,12 +214,18 @@ class CudaStream:
             ),
             "cuStreamWriteValue32 (doorbell)",
         )
+        _check(
+            lib.cuStreamWriteValue32_v2(
+                stream, self._rung_address, p.Doorbell.RUNG, _CU_STREAM_WRITE_VALUE_DEFAULT
+            ),
+            "cuStreamWriteValue32 (rung word)",
+        )
 
     def collect(self, slot: SlotView, out, count: int, row_bytes: int) -> None:
         lib, stream = _cuda(), self._stream()
         done = self._address(slot, p.SL_DONE)
-        # Work after the wait starts once done ≥ OK (OK or ERROR); the server
-        # wrote the rows before done with a release store.
+        # G3: work after the wait starts once done ≥ OK (OK or ERROR); the
+        # server wrote the rows before done with a release store (E1).
         _check(
             lib.cuStreamWaitValue32_v2(stream, done, p.Done.OK, _CU_STREAM_WAIT_VALUE_GEQ),
             "cuStreamWaitValue32 (done)",

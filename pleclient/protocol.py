@@ -21,7 +21,7 @@ byte. One exchange per request, in order::
                                       ◄─     WELCOME {version, server, instance, pid,
                                                       tables, features}
     OPEN_CHANNEL {capacity, depth,    ─►
-                  gpu_driven}
+                  gpu_driven, rung_word}
                                       ◄─     CHANNEL {layout, gpu_driven} + the
                                                       segment's fd (SCM_RIGHTS)
     STATS {}                          ─►
@@ -58,7 +58,10 @@ Channel header (uint32 words unless noted):
   16 **submit counter**: the number of submits so far (mod 2³²), written by
      the client; the futex word the server sleeps on ·
   17 **server sleeping**: non-zero while the server may be asleep on the
-     submit counter, written by the server
+     submit counter, written by the server ·
+  18 **rung**: RUNG after a GPU rang any of the channel's doorbells, taken
+     back to IDLE by the server before it reads them (GPU-driven channels
+     only, below)
 
 Slot header (uint32 words):
   0 **state** (``SlotState``): the futex word the client sleeps on ·
@@ -81,39 +84,66 @@ layout is involved, and the server never trusts one of these words further
 than a number: its waits are bounded, a value out of range drops the channel,
 and it makes at most one wake-up call per answered request.
 
-The writer **publishes**: payload first, then a *release* store of the word,
-then a *seq_cst* fence, then it reads the sleepers word and wakes the futex if
-it is non-zero. The waiter spins on an *acquire* load for a while, then
-**registers** (increments the sleepers word or sets it, then a *seq_cst*
-fence), reads the word once more and sleeps in ``futex`` only if it is still
-unchanged. The two fences guarantee that at least one side sees the other's
-store (no lost wake-up); the release/acquire pair makes the payload visible
-with the word, on x86-64 and on weakly ordered CPUs such as aarch64 alike.
+The writer **publishes**: payload first, then a *release* store of the word
+(E1), then a *seq_cst* fence, then it reads the sleepers word and wakes the
+futex if it is non-zero (E3). The waiter spins on an *acquire* load for a
+while (E2), then **registers** (increments the sleepers word or sets it, then
+a *seq_cst* fence: E4, or E5 for the server's sleeping word), reads the word
+once more and sleeps in ``futex`` only if it is still unchanged. The two
+fences guarantee that at least one side sees the other's store (no lost
+wake-up); the release/acquire pair makes the payload visible with the word,
+on x86-64 and on weakly ordered CPUs such as aarch64 alike.
+
+Ordering edges
+--------------
+Every synchronizing pair has a name, written beside the atomic that makes it
+(as DPDK's ``rte_ring_c11_pvt.h`` names its own) and cited where this
+module, ``pleclient.channel`` and ``pleclient.gpu`` rely on it::
+
+    edge  what                                          pairs with  where
+    E1    publish: release store of the word            E2          native/eventcount.c
+    E2    acquire load of the word (load, wait)         E1, W1      native/eventcount.c
+    E3    publish: seq_cst fence, then read the         E4, E5      native/eventcount.c
+          sleepers word, wake if non-zero
+    E4    wait: count in the sleepers word, seq_cst     E3          native/eventcount.c
+          fence, last check, futex sleep
+    E5    announce: the server's sleeping word,         E3          native/eventcount.c
+          seq_cst fence (then futex_waitv checks)
+    W1    store: release store                          E2, D1, X1  native/sync.c
+    X1    exchange: acq_rel (take the rung word)        W1, G2      native/sync.c
+    D1    doorbell scan: acquire load of each doorbell  W1, G1      native/doorbell.c
+    A1    add: acq_rel (the serving loop's wake count)  E2          native/sync.c
+    G1    the stream's fence before its doorbell write  D1          pleclient/gpu.py
+    G2    the stream's fence before its rung word write X1          pleclient/gpu.py
+    G3    the stream's wait for done ≥ OK, then its     E1          pleclient/gpu.py
+          copies of the rows
 
 Slot state machine
 ------------------
 1. FREE       → the client owns the slot: writes ids, table, count, sequence,
-   submit time, then the state SUBMITTED, then *publishes* the submit counter
-   (+1) — the release that makes all of it visible to the server.
+   submit time, then the state SUBMITTED (W1), then *publishes* the submit
+   counter (+1; E1, E3) — the release that makes all of it visible to the
+   server.
 2. SUBMITTED  → the server owns the slot. It reads the submit counter with
-   *acquire* (pairs with that release), then only slots whose sequence is
+   *acquire* (E2, pairs with that E1), then only slots whose sequence is
    below it; copies count and ids out, validates the copies, gathers rows
    into the rows area, writes count/error/time, then *publishes* the state
-   DONE or ERROR (the release that makes the rows visible).
+   DONE or ERROR (E1, E3: the release that makes the rows visible).
 3. DONE/ERROR → the client owns the slot again. It reads the state with
-   *acquire* (spinning, then sleeping on the futex), uses the rows, and stores
-   FREE when it releases the ticket.
+   *acquire* (E2, spinning, then sleeping on the futex: E4), uses the rows,
+   and stores FREE (W1) when it releases the ticket.
 
 GPU-driven channels
 -------------------
-A channel opened with ``OPEN_CHANNEL {gpu_driven: true}`` (offered when WELCOME
-lists ``"gpu_driven"`` in its ``features``) is driven by a CUDA stream, not by
-a CPU thread: a GPU can write and wait on a 32-bit word in host memory (the
-driver's stream memory operations, ``cuStreamWriteValue32`` /
-``cuStreamWaitValue32``) but cannot make a ``futex`` call, and a captured CUDA
-graph replays exactly the same operations with exactly the same values each
-time. So such a channel ignores the submit counter and the slot state, and
-each slot has three more words (slot header words 10-12):
+A channel opened with ``OPEN_CHANNEL {gpu_driven: true, rung_word: true}``
+(offered when WELCOME lists ``"gpu_driven"`` in its ``features``) is driven by
+a CUDA stream, not by a CPU thread: a GPU can write and wait on a 32-bit word
+in host memory (the driver's stream memory operations,
+``cuStreamWriteValue32`` / ``cuStreamWaitValue32``) but cannot make a
+``futex`` call, and a captured CUDA graph replays exactly the same operations
+with exactly the same values each time. So such a channel ignores the submit
+counter and the slot state; the server polls it. Each slot has three more
+words (slot header words 10-12):
 
 * **doorbell** — IDLE 0, RUNG 1 (written by the GPU), CLAIMED 2 (written by
   the server when it takes the request);
@@ -121,19 +151,39 @@ each slot has three more words (slot header words 10-12):
   ERROR 2 (written by the server, or by the client's watchdog);
 * **answers** — how many requests the server answered in this slot, so a
   watchdog that samples the doorbell can tell one long wait from many short
-  ones.
+  ones;
+
+and the channel header has one (word 18), so that a poll costs the server one
+load per channel, however many slots the channel has:
+
+* **rung** — RUNG 1, written by the GPU after every doorbell it rings; IDLE 0,
+  written by the server, which *takes* the word (an atomic exchange, acq_rel)
+  and reads the channel's doorbells only when it took RUNG.
+
+Written the same value on every replay, the rung word is a flag, not a count:
+rings between two polls leave one RUNG, and the one scan after it sees each of
+their doorbells. A ring never goes unseen: if the exchange took the RUNG
+written after a doorbell, the acquire makes that doorbell visible to the scan;
+if it took a value from before that RUNG, the RUNG comes after the exchange
+and the next poll takes it. A client that ``OPEN_CHANNEL``s ``gpu_driven``
+without ``rung_word`` (written before the word existed) is refused with
+VERSION_MISMATCH: its rings would never be seen. A server bounds the
+GPU-driven slots one uid holds over all its sessions (its
+``max_gpu_slots_per_uid``); an OPEN_CHANNEL past that gets CHANNEL_LIMIT.
 
 One lookup, as the stream runs it (every replay the same)::
 
     GPU (stream order)                         server
     ids → ids area        (async copy)
     table, count          (writes, fenced)
-    doorbell = RUNG       (write, fenced)  ─►  sees RUNG (acquire load)
-                                               doorbell = CLAIMED
+    doorbell = RUNG       (write, G1)
+    rung = RUNG           (write, G2)      ─►  takes rung: RUNG (X1)
+                                               sees RUNG (D1)
+                                               doorbell = CLAIMED (W1)
                                                validates, gathers rows
                                                error word, answers + 1,
-                                               doorbell = IDLE
-    wait done ≥ OK        (wait)           ◄─  done = OK | ERROR (release store)
+                                               doorbell = IDLE (W1)
+    wait done ≥ OK        (wait, G3)       ◄─  done = OK | ERROR (E1, E3)
     rows → device         (async copy)
     done → device word    (async copy)
     done = WAITING        (write)
@@ -149,18 +199,21 @@ Ordering (x86-64 and aarch64 alike): ``cuStreamWriteValue32`` is preceded
 by a fence scoped to the stream (like ``__threadfence_system``; the v2 API,
 CUDA 12 on, has no opt-out: it refuses ``NO_MEMORY_BARRIER``): the ids copy
 and the table and count words, written before it in stream order, are
-visible before the doorbell. The server's acquire load of RUNG pairs with that fence.
-The server writes the rows and the error word, then ``done`` with a release
-store (``stlr`` on aarch64), so a GPU that sees OK reads the rows written
-before it: the copies that follow the wait in stream order start only after
-the wait is satisfied, and host memory read over PCIe or NVLink-C2C is
-coherent with the CPU's caches.
+visible before the doorbell (G1), and the doorbell before the rung word
+(G2). The server's exchange of the rung word (X1, acquire) pairs with G2,
+its acquire load of the doorbell (D1) with G1. The server writes the rows
+and the error word, then publishes ``done`` (E1: a release store, ``stlr``
+on aarch64), so a GPU that sees OK reads the rows written before it (G3):
+the copies that follow the wait in stream order start only after the wait
+is satisfied, and host memory read over PCIe or NVLink-C2C is coherent with
+the CPU's caches. The CPU stand-in writes the same words with W1 and waits
+with E2/E4.
 
 Failure: a GPU waiting on a server that died would wait forever, and a
 graph cannot raise. The client's watchdog (``pleclient.gpu``) watches every
 slot whose doorbell is not IDLE; when the server is gone, or a request waited
 longer than the timeout, it writes the error text and code, then ``done`` =
-ERROR (release). The stream's wait ends, the device-side check traps, and the
+ERROR (E1). The stream's wait ends, the device-side check traps, and the
 step fails: the GPU never uses zeros or stale rows. (A device-side trap ends
 the CUDA context, so the worker must restart; its log holds the watchdog's
 reason.)
@@ -214,6 +267,7 @@ CH_MAGIC, CH_VERSION, CH_DEPTH, CH_CAPACITY, CH_MAX_ROW_BYTES, CH_HEADER_BYTES =
 CH_SLOT_STRIDE = 6  # uint64 over words 6-7
 CH_SUBMIT_COUNTER = 16
 CH_SERVER_SLEEPING = 17
+CH_RUNG = 18  # GPU-driven channels only
 
 # Slot header word indexes (uint32).
 SL_STATE, SL_TABLE, SL_COUNT, SL_ERROR, SL_SEQUENCE, SL_WAITERS = range(6)
@@ -240,7 +294,8 @@ class SlotState(enum.IntEnum):
 
 
 class Doorbell(enum.IntEnum):
-    """A GPU-driven slot's doorbell word."""
+    """A GPU-driven slot's doorbell word (and the channel's rung word, which
+    is IDLE or RUNG)."""
 
     IDLE = 0
     RUNG = 1  # the GPU's: a request is in the slot

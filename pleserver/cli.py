@@ -1,4 +1,9 @@
-"""The ``pleserver`` command: serve, config check, inspect, doctor, stats, demo."""
+"""The ``pleserver`` command: serve, config (check, show, default), inspect,
+doctor, stats, demo, files, completion.
+
+The ``serve`` flags are generated from the settings' metadata
+(``pleserver.flags``); every other option is written out here, each with its
+help and its default."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NoReturn
 
 from pleclient import protocol as p
 
@@ -21,6 +26,7 @@ log = logging.getLogger("pleserver")
 
 
 EX_CONFIG = 78  # sysexits.h: configuration error (the unit does not restart on it)
+EXIT_SIGINT = 130  # 128 + SIGINT: what a shell reports for a command ended by Ctrl-C
 
 
 class _JournalFormatter(logging.Formatter):
@@ -63,9 +69,10 @@ def setup_logging(level: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pleclient.checkpoint import CheckpointError
     from pleserver.config import CONFIG_ENV, SETTINGS, ConfigError, load_config
+    from pleserver.flags import deprecations, given_settings
     from pleserver.server import Server
 
-    flags = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
+    flags = given_settings(args)
     try:
         loaded = load_config(args.config or os.environ.get(CONFIG_ENV) or None, flags)
     except ConfigError as exc:
@@ -73,6 +80,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return EX_CONFIG
     setup_logging(loaded.config.log_level)
+    for note in deprecations(args):
+        log.warning("%s", note)
     # A watchdog kill is a SIGABRT: dump every thread's stack first (to stderr,
     # the journal), so a wedged server says where it was stuck.
     faulthandler.enable(all_threads=True)
@@ -122,6 +131,60 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         )
     else:
         print(loaded.to_toml(), end="")
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from pleserver.config import CONFIG_ENV, ConfigError, load_config
+    from pleserver.flags import deprecations, given_settings
+
+    for note in deprecations(args):
+        print(f"warning: {note}", file=sys.stderr)
+    path = args.config or os.environ.get(CONFIG_ENV) or None
+    try:
+        loaded = load_config(path, given_settings(args))
+    except ConfigError as exc:
+        return print_problems(args.json, {"file": path}, exc)
+    if args.json:
+        report = {"file": loaded.file, "ok": True, "config": loaded.to_dict()}
+        print(json.dumps({**report, "sources": loaded.sources}, indent=1))
+    else:
+        print(loaded.to_toml(), end="")
+    return 0
+
+
+def cmd_config_default(args: argparse.Namespace) -> int:
+    from pleserver import deployfiles
+
+    print(deployfiles.read("config.toml"), end="")
+    return 0
+
+
+def cmd_files(args: argparse.Namespace) -> int:
+    from pleserver import deployfiles
+
+    folder = deployfiles.directory()
+    if args.dir:
+        print(folder)
+    elif args.json:
+        files = [
+            {"path": str(folder / f.path), "installs_to": f.installs_to, "what": f.what}
+            for f in deployfiles.FILES
+        ]
+        print(json.dumps({"dir": str(folder), "files": files}, indent=1))
+    else:
+        print(folder)
+        path_width = max(len(f.path) for f in deployfiles.FILES)
+        to_width = max(len(f.installs_to) for f in deployfiles.FILES)
+        for f in deployfiles.FILES:
+            print(f"  {f.path:<{path_width}}  → {f.installs_to:<{to_width}}  {f.what}")
+    return 0
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    from pleserver.completion import script
+
+    print(script(build_parser(), args.shell), end="")
     return 0
 
 
@@ -234,7 +297,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if not args.watch:
             return 0
         sys.stdout.flush()
-        time.sleep(args.watch)
+        time.sleep(args.watch)  # Ctrl-C here: main() exits quietly with 130
         if not args.json:
             print()
 
@@ -264,112 +327,274 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser whose usage errors exit with ``usage_error_status``: ``serve``
+    says 78 (EX_CONFIG), so that a unit with a bad flag is not restarted in a
+    loop."""
+
+    usage_error_status = 2
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(self.usage_error_status, f"{self.prog}: error: {message}\n")
+
+
+SETTINGS_USAGE = "%(prog)s [-h] [--config PATH] [--model DIR] [--SETTING VALUE | --[no-]SWITCH ...]"
+SETTINGS_EPILOG = """\
+Every setting is also a key of the config file, with "_" for "-" (--max-clients: \
+max_clients; --allow-uid and --allow-gid: allow_uids and allow_gids), in the same groups \
+as `pleserver config default` prints. Flags override the file, the file the defaults; \
+"none" drops an optional value the file sets.
+
+Values: sizes in bytes or with a binary unit (512M, 16G, 1.5T); durations as a number in \
+the unit the name says (--spin-us 2000, --hello-timeout-s 5) or with a unit (500ms, 2s, \
+50us, 10m, 1m30s); switches as --NAME or --no-NAME; users and groups as names or numbers."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pleserver import __version__
-    from pleserver.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, SETTINGS
+    from pleserver.completion import SHELLS
+    from pleserver.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, LOG_LEVELS
+    from pleserver.flags import HelpFormatter, add_setting_flags, complete, duration_type
 
-    parser = argparse.ArgumentParser(
+    def command(parent, name: str, help: str, description: str | None = None, **kwargs):
+        sub = parent.add_parser(
+            name,
+            help=help,
+            description=description or help[:1].upper() + help[1:] + ".",
+            formatter_class=HelpFormatter,
+            **kwargs,
+        )
+        sub.set_defaults(parser=sub)  # the innermost command's: main() reports with it
+        return sub
+
+    def json_flag(parser) -> None:
+        parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    config_default = f"${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH} when it exists"
+    parser = _Parser(
         prog="pleserver",
         description=(
             "Serve PLE (n-gram embedding) tables from NVMe to vLLM workers over shared memory."
         ),
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"pleserver {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"pleserver {__version__}",
+        help="print the version and exit",
+    )
+    parser.set_defaults(parser=parser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser(
+    serve = command(
+        sub,
         "serve",
-        help="run the ple-server daemon in the foreground",
-        description="Run the daemon. Settings come from the defaults, "
-        "then the config file, then these flags.",
+        "run the ple-server daemon in the foreground",
+        "Run the daemon. Settings come from the defaults, then the config file, then "
+        "these flags.\nA command-line error exits with status 78, as a bad config file "
+        "does (systemd does not restart the unit for it).",
+        usage=SETTINGS_USAGE,
+        epilog=SETTINGS_EPILOG,
     )
-    serve.add_argument(
-        "--config",
-        metavar="PATH",
-        help=f"TOML config file (default: "
-        f"${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH} when it exists)",
-    )
-    for s in SETTINGS.values():
+    serve.usage_error_status = EX_CONFIG
+    complete(
         serve.add_argument(
-            s.flag,
-            dest=s.name,
-            default=argparse.SUPPRESS,
-            action="append" if s.repeatable else "store",
-            metavar=s.metavar or s.name.split("_")[-1].upper(),
-            help=s.help + (" Repeatable." if s.repeatable else ""),
-        )
+            "--config", metavar="PATH", help=f"TOML config file (default: {config_default})"
+        ),
+        "file",
+    )
+    add_setting_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
-    config = sub.add_parser("config", help="work with the config file")
-    config_sub = config.add_subparsers(dest="config_command", required=True)
-    check = config_sub.add_parser(
+    config = command(sub, "config", "check, show and print config files")
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="COMMAND")
+    check = command(
+        config_sub,
         "check",
-        help="validate a config file and print the effective configuration (exit 1 when invalid)",
+        "validate a config file and print the effective configuration (exit 1 when invalid)",
     )
-    check.add_argument(
+    complete(
+        check.add_argument(
+            "file",
+            nargs="?",
+            default=os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH,
+            help=f"the file to check (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH})",
+        ),
         "file",
-        nargs="?",
-        default=os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH,
-        help=f"default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH}",
     )
-    check.add_argument("--json", action="store_true")
+    json_flag(check)
     check.set_defaults(func=cmd_config_check)
+    show = command(
+        config_sub,
+        "show",
+        "print the configuration `serve` would run with, given the same flags",
+        "Print the effective configuration, each value with its source, that `pleserver "
+        "serve` would run with given the same flags: paste a unit's ExecStart arguments "
+        "after `config show`. Exit status 1 when it is invalid.",
+        usage=SETTINGS_USAGE,
+        epilog=SETTINGS_EPILOG,
+    )
+    complete(
+        show.add_argument(
+            "--config", metavar="PATH", help=f"TOML config file (default: {config_default})"
+        ),
+        "file",
+    )
+    json_flag(show)
+    add_setting_flags(show)
+    show.set_defaults(func=cmd_config_show)
+    default = command(
+        config_sub,
+        "default",
+        "print the default config file, every key documented",
+        "Print the documented default config file (deploy/config.toml in the source "
+        "tree): `pleserver config default > /etc/ple-server/config.toml`, then edit it.",
+    )
+    default.set_defaults(func=cmd_config_default)
 
-    inspect = sub.add_parser("inspect", help="list and validate a checkpoint's PLE tables")
-    inspect.add_argument("model")
-    inspect.add_argument("--json", action="store_true")
+    inspect = command(sub, "inspect", "list and validate a checkpoint's PLE tables")
+    complete(
+        inspect.add_argument(
+            "model", metavar="DIR", help="the checkpoint directory (safetensors files)"
+        ),
+        "dir",
+    )
+    json_flag(inspect)
     inspect.set_defaults(func=cmd_inspect)
 
-    doctor = sub.add_parser(
+    doctor = command(
+        sub,
         "doctor",
-        help="check this host for ple-server and recommend settings",
-        description="Check io_uring, O_DIRECT on the model's file system, memlock, "
-        "transparent huge pages, memory against the planned row cache, the disk's "
-        "random-read rate (a probe at queue depths 1, 64 and 128) and the checkpoint's "
-        "tables; then recommend io, cache_size, read_engine and queue_depth, each with "
-        "its reason. Exit status 1 when the checkpoint cannot be served.",
+        "check this host for ple-server and recommend settings",
+        "Check io_uring, O_DIRECT on the model's file system, memlock, transparent huge "
+        "pages, memory against the planned row cache, the disk's random-read rate (a "
+        "probe at queue depths 1, 64 and 128) and the checkpoint's tables; then "
+        "recommend io, cache_size, read_engine and queue_depth, each with its reason.\n"
+        "Exit status 1 when the checkpoint cannot be served.",
     )
-    doctor.add_argument(
-        "--model", metavar="DIR", help="the checkpoint (default: the config's model)"
+    complete(
+        doctor.add_argument(
+            "--model", metavar="DIR", help="the checkpoint (default: the config's model)"
+        ),
+        "dir",
     )
-    doctor.add_argument(
-        "--config",
-        metavar="PATH",
-        help=f"the config the advice starts "
-        f"from (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH} when it "
-        "exists, else the defaults)",
+    complete(
+        doctor.add_argument(
+            "--config",
+            metavar="PATH",
+            help=f"the config the advice starts from (default: {config_default}, "
+            "else the defaults)",
+        ),
+        "file",
     )
     doctor.add_argument(
         "--probe-seconds",
-        type=float,
+        type=duration_type("s", minimum=0.001),
         default=2.0,
-        metavar="S",
-        help="how long the disk probe reads at each queue depth (default 2)",
+        metavar="DURATION",
+        help="how long the disk probe reads at each queue depth, in seconds or with a "
+        "unit (default: 2s)",
     )
-    doctor.add_argument("--json", action="store_true")
+    json_flag(doctor)
     doctor.set_defaults(func=cmd_doctor)
 
-    stats = sub.add_parser("stats", help="show a running server's statistics")
-    stats.add_argument(
-        "--socket", default=None, help=f"default: ${p.SOCKET_ENV} or {p.DEFAULT_SOCKET}"
+    stats = command(sub, "stats", "show a running server's statistics")
+    complete(
+        stats.add_argument(
+            "--socket",
+            metavar="PATH",
+            default=None,
+            help=f"the server's control socket (default: ${p.SOCKET_ENV}, else {p.DEFAULT_SOCKET})",
+        ),
+        "file",
     )
-    stats.add_argument("--json", action="store_true")
-    stats.add_argument("--watch", type=float, metavar="SECONDS")
+    json_flag(stats)
+    stats.add_argument(
+        "--watch",
+        type=duration_type("s", minimum=0.01),
+        metavar="DURATION",
+        help="print them again every DURATION (seconds, or 500ms, 2s) until Ctrl-C",
+    )
     stats.set_defaults(func=cmd_stats)
 
-    demo = sub.add_parser("demo", help="generate a demo checkpoint, serve it, drive it")
-    demo.add_argument("--cache-dir", default=None)
-    demo.add_argument("--seconds", type=float, default=3.0)
-    demo.add_argument("--clients", type=int, default=2)
-    demo.add_argument("--json", action="store_true")
-    demo.add_argument("--log-level", default="WARNING")
+    demo = command(sub, "demo", "generate a demo checkpoint, serve it, drive it")
+    complete(
+        demo.add_argument(
+            "--cache-dir",
+            metavar="DIR",
+            default=None,
+            help="where the demo checkpoint is generated and kept "
+            "(default: $XDG_CACHE_HOME/pleserver, else ~/.cache/pleserver)",
+        ),
+        "dir",
+    )
+    demo.add_argument(
+        "--seconds",
+        type=duration_type("s", minimum=0.0),
+        default=3.0,
+        metavar="DURATION",
+        help="how long the clients drive the server, in seconds or with a unit (default: 3s)",
+    )
+    demo.add_argument(
+        "--clients",
+        type=int,
+        default=2,
+        metavar="N",
+        help="client processes, each checking every row it gets",
+    )
+    json_flag(demo)
+    demo.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=LOG_LEVELS,
+        type=str.upper,
+        help="the demo's own log level (the server logs warnings and errors)",
+    )
     demo.set_defaults(func=cmd_demo)
+
+    files = command(
+        sub,
+        "files",
+        "list the unit files, snippets and default config this version ships",
+        "List the files an operator installs, as this installation carries them: the "
+        "systemd units, the sysusers.d and tmpfiles.d snippets and the default config, "
+        "each with where it goes (deploy/README.md installs them).",
+    )
+    files.add_argument("--dir", action="store_true", help="print only their folder (for scripts)")
+    json_flag(files)
+    files.set_defaults(func=cmd_files)
+
+    completion = command(
+        sub,
+        "completion",
+        "print a shell completion script",
+        "Print the completion script for SHELL.\n"
+        "  bash: pleserver completion bash > /etc/bash_completion.d/pleserver\n"
+        '  zsh:  pleserver completion zsh > "${fpath[1]}/_pleserver"\n'
+        "Install it again after an upgrade.",
+    )
+    completion.add_argument("shell", choices=SHELLS, help="the shell")
+    completion.set_defaults(func=cmd_completion)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the subcommand's own parser reports it, with its exit status
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        # Ctrl-C ends a long-running command (stats --watch, demo, doctor's
+        # probe): quietly, with the shell's status for SIGINT.
+        return EXIT_SIGINT
+    except BrokenPipeError:
+        # stdout closed early (`pleserver stats --watch 1 | head`): no traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -13,16 +13,24 @@ Every setting has the same name everywhere: a top-level key in the file, a
 field here, a flag with ``-`` for ``_`` (``max_clients`` → ``--max-clients``).
 The two lists are repeatable flags in the singular, ``--allow-uid`` and
 ``--allow-gid``; a list given on the command line replaces the file's list.
-``deploy/config.toml`` documents every key.
+Each field's metadata (``_setting``) holds all the command line needs: the
+kind of value, the help, the ``group`` it is listed in, a duration's unit;
+``pleserver.cli`` generates the flags from it. ``deploy/config.toml``
+documents every key, in sections that are the groups.
 
 Values:
 - sizes: an integer number of bytes, or a string with a binary unit
   (``"8G"``, ``"512M"``, ``"1.5T"``, ``"64KiB"``);
 - users and groups: names or numbers; names are resolved with the host's
   user database when the config is loaded;
+- durations: a number in the unit the key's name ends with (``spin_us`` in
+  microseconds, ``hello_timeout_s`` in seconds; ``hotset_save_interval`` in
+  seconds), or a string with units, ``"500ms"``, ``"2s"``, ``"50us"``,
+  ``"10m"``, ``"1m30s"`` (``parse_duration``);
 - ``socket_mode``: an integer (TOML ``0o666``) or an octal string (``"0666"``);
 - switches (``cache_hugepages``, ``cache_mlock``): TOML ``true``/``false``, or
-  ``true``/``false``/``yes``/``no``/``on``/``off``/``1``/``0`` as strings;
+  ``true``/``false``/``yes``/``no``/``on``/``off``/``1``/``0`` as strings; on
+  the command line ``--cache-mlock`` and ``--no-cache-mlock``;
 - optional settings (``max_channel_memory``, ``prewarm_budget``, ``cache_size``,
   ``watchdog_s``, ``metrics_address``):
   leave the key out for none; ``"none"`` also means none (on the command line,
@@ -39,6 +47,7 @@ import grp
 import math
 import os
 import pwd
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -56,6 +65,42 @@ IO_MODES = ("auto", "direct", "buffered", "mmap")
 READ_ENGINES = ("auto", "io_uring", "threads")
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes, NUL included
 
+# The settings' groups, in the order of `pleserver serve --help` and of
+# deploy/config.toml's sections: key → (title, what the group is about).
+GROUPS: dict[str, tuple[str, str]] = {
+    "model": ("model and socket", "What to serve, and where clients connect."),
+    "access": (
+        "access",
+        "Who may connect besides root and the server's own user (decided from the "
+        "peer's credentials, SO_PEERCRED).",
+    ),
+    "channels": (
+        "channels and limits",
+        "One channel (shared memory) per client session; each vLLM worker holds one.",
+    ),
+    "sessions": ("sessions", "Sessions that hold a slot without using it are closed."),
+    "io": ("io and cache", "How rows are read: io mode, row cache, miss engine."),
+    "hotset": (
+        "hot set and prewarm",
+        "Refilling the row cache after a restart (direct, buffered), or the page "
+        "cache at start (mmap).",
+    ),
+    "serving": ("serving loop", "The threads that answer requests, and how they wait."),
+    "ops": ("logging and metrics", "The log, and the Prometheus endpoint."),
+}
+# A duration is a number in its setting's unit (the one its name ends with:
+# spin_us in µs, hello_timeout_s in s), or a string of numbers with units,
+# "500ms", "2s", "50us", "1m30s". Unit → seconds.
+DURATION_UNITS: dict[str, float] = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "µs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+
 
 def _setting(
     default: Any,
@@ -67,7 +112,17 @@ def _setting(
     optional: bool = False,
     flag: str | None = None,
     metavar: str | None = None,
+    group: str | None = None,
+    unit: str | None = None,
 ) -> Any:
+    """A setting's field. ``group`` (a key of ``GROUPS``) places it in ``serve
+    --help`` and in deploy/config.toml; left out, it is the group of the field
+    before it. ``unit``: a duration's unit (``DURATION_UNITS``), the one a bare
+    number is read in."""
+    if group is not None and group not in GROUPS:
+        raise ValueError(f"no settings group {group!r}: one of {', '.join(GROUPS)}")
+    if (kind == "duration") != (unit is not None) or (unit and unit not in DURATION_UNITS):
+        raise ValueError(f"a duration, and only a duration, has a unit: {kind!r}, {unit!r}")
     meta = {
         "kind": kind,
         "help": help,
@@ -76,6 +131,8 @@ def _setting(
         "optional": optional,
         "flag": flag,
         "metavar": metavar,
+        "group": group,
+        "unit": unit,
     }
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
@@ -85,7 +142,11 @@ def _setting(
 @dataclass
 class ServerConfig:
     model: str = _setting(
-        "", "path", "Model directory holding the safetensors checkpoint (required).", metavar="DIR"
+        "",
+        "path",
+        "Model directory holding the safetensors checkpoint (required).",
+        metavar="DIR",
+        group="model",
     )
     socket: str = _setting(
         p.DEFAULT_SOCKET,
@@ -106,6 +167,7 @@ class ServerConfig:
         "Users (names or uids) that may connect, besides the server's own uid and root.",
         flag="--allow-uid",
         metavar="USER",
+        group="access",
     )
     allow_gids: list[int] = _setting(  # noqa: RUF009
         [],
@@ -115,7 +177,11 @@ class ServerConfig:
         metavar="GROUP",
     )
     max_clients: int = _setting(
-        64, "int", "Sessions at most at once (each vLLM worker holds one).", minimum=1
+        64,
+        "int",
+        "Sessions at most at once (each vLLM worker holds one).",
+        minimum=1,
+        group="channels",
     )
     max_capacity: int = _setting(
         262144, "int", "Largest rows-per-request a client may ask for its channel.", minimum=1
@@ -160,25 +226,30 @@ class ServerConfig:
         "Rows the serving loop gathers for one client before it looks at "
         "the others: a small request waits for at most one such chunk.",
         minimum=1,
+        group="serving",
     )
     hello_timeout_s: float = _setting(
         5.0,
-        "float",
+        "duration",
         "A session that has not said hello this long after connecting is closed.",
         minimum=0.01,
+        group="sessions",
+        unit="s",
     )
     idle_timeout_s: float = _setting(
         60.0,
-        "float",
+        "duration",
         "A session without a channel that sends nothing for this long is closed.",
         minimum=0.01,
+        unit="s",
     )
     frame_timeout_s: float = _setting(
         10.0,
-        "float",
+        "duration",
         "A control frame must arrive whole within this long of its "
         "first byte, else the session is closed.",
         minimum=0.01,
+        unit="s",
     )
     prewarm: str = _setting(
         "none",
@@ -186,6 +257,7 @@ class ServerConfig:
         "'none' or 'full': read the tables into the page cache at "
         "start (in the background, after readiness).",
         choices=PREWARM_MODES,
+        group="hotset",
     )
     prewarm_budget: int | None = _setting(
         None, "size", "Bytes at most to prewarm (none: the whole tables).", minimum=0, optional=True
@@ -201,6 +273,7 @@ class ServerConfig:
         "(the files mapped; for tables that fit in memory), or 'auto': mmap when the "
         "tables fit in cache_size, direct otherwise.",
         choices=IO_MODES,
+        group="io",
     )
     cache_size: int | None = _setting(
         None,
@@ -242,9 +315,14 @@ class ServerConfig:
         "the unit's StateDirectory=. Not created: when it is missing, the hot set is not "
         "saved.",
         metavar="DIR",
+        group="hotset",
     )
     hotset_save_interval: float = _setting(
-        600.0, "float", "Seconds between saves of the hot set (0: only at stop).", minimum=0
+        600.0,
+        "duration",
+        "Time between saves of the hot set (0: only at stop).",
+        minimum=0,
+        unit="s",
     )
     gather_workers: int = _setting(
         4,
@@ -253,6 +331,7 @@ class ServerConfig:
         "with cache misses, and large ones); also how many native threads split one "
         "large request.",
         minimum=1,
+        group="serving",
     )
     parallel_min_rows: int = _setting(
         16384,
@@ -270,16 +349,26 @@ class ServerConfig:
     )
     spin_us: int = _setting(
         2000,
-        "int",
-        "How long (µs) the serving loop spins after the last request before it blocks.",
+        "duration",
+        "How long the serving loop spins after the last request before it blocks (0: never spin).",
         minimum=0,
+        unit="us",
     )
     gpu_poll_us: int = _setting(
         50,
-        "int",
-        "How often (µs) the serving loop looks at the doorbells of GPU-driven "
-        "channels once it stops spinning (a GPU cannot wake it); after a second "
+        "duration",
+        "How often the serving loop looks at the doorbells of GPU-driven "
+        "channels once it stops spinning (a GPU cannot wake it); after 0.1 s "
         "without a doorbell, every millisecond.",
+        minimum=1,
+        unit="us",
+    )
+    max_gpu_slots_per_uid: int = _setting(
+        1024,
+        "int",
+        "GPU-driven slots (the depths of GPU-driven channels) one uid may hold "
+        "at once, all its sessions together: the serving loop polls them, since a GPU "
+        "cannot wake it. An open_channel past it gets CHANNEL_LIMIT.",
         minimum=1,
     )
     idle_wait: str = _setting(
@@ -292,12 +381,13 @@ class ServerConfig:
     )
     watchdog_s: float | None = _setting(
         None,
-        "float",
+        "duration",
         "Longest gap between systemd watchdog pings (none: half of the "
         "unit's WatchdogSec, from WATCHDOG_USEC); the serving loop pings at least once a "
         "second either way.",
         minimum=0.01,
         optional=True,
+        unit="s",
     )
     metrics_address: str | None = _setting(
         None,
@@ -305,6 +395,7 @@ class ServerConfig:
         "host:port for the Prometheus endpoint (none: disabled).",
         optional=True,
         metavar="HOST:PORT",
+        group="ops",
     )
     metrics_max_connections: int = _setting(
         32,
@@ -315,13 +406,14 @@ class ServerConfig:
     )
     metrics_timeout_s: float = _setting(
         5.0,
-        "float",
+        "duration",
         "A metrics request must arrive whole, and its answer be taken, within this "
         "long, else its connection is closed.",
         minimum=0.01,
+        unit="s",
     )
     log_level: str = _setting(
-        "INFO", "choice", "DEBUG, INFO, WARNING or ERROR.", choices=LOG_LEVELS
+        "INFO", "choice", "What the log shows: INFO and above by default.", choices=LOG_LEVELS
     )
 
 
@@ -338,15 +430,36 @@ class Setting:
     optional: bool
     flag: str
     metavar: str | None
+    group: str  # a key of GROUPS
+    unit: str | None  # a duration's unit
 
     @property
     def repeatable(self) -> bool:
         return self.kind in ("uids", "gids")
 
+    def format(self, value: Any) -> str:
+        """A value as a person writes it: ``1G``, ``2ms``, ``0o666``, ``auto``."""
+        if value is None:
+            return "none"
+        if isinstance(value, list):
+            return ", ".join(str(v) for v in value) or "none"
+        if self.kind == "size":
+            return format_size(value)
+        if self.kind == "duration":
+            assert self.unit is not None
+            return format_duration(value * DURATION_UNITS[self.unit])
+        if self.kind == "mode":
+            return f"0o{value:03o}"
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return str(value)
+
 
 SETTINGS: dict[str, Setting] = {}
+_group = next(iter(GROUPS))
 for _f in fields(ServerConfig):
     _m = _f.metadata
+    _group = _m["group"] or _group  # left out: the group of the field before
     SETTINGS[_f.name] = Setting(
         _f.name,
         _m["kind"],
@@ -357,6 +470,8 @@ for _f in fields(ServerConfig):
         _m["optional"],
         _m["flag"] or "--" + _f.name.replace("_", "-"),
         _m["metavar"],
+        _group,
+        _m["unit"],
     )
 
 
@@ -487,6 +602,62 @@ def parse_size(text: str | int) -> int:
     return int(number * units[unit])
 
 
+_DURATION_PART = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ns|us|µs|ms|s|m|h)")
+
+
+def parse_duration(text: str | float, unit: str = "s") -> float:
+    """A duration in ``unit`` (a key of ``DURATION_UNITS``): a number is in
+    ``unit`` already; a string is a number in ``unit`` (``"2000"``) or numbers
+    with units, ``"500ms"``, ``"2s"``, ``"50us"``, ``"1m30s"``, ``"-1s"``.
+    Raises ``ValueError`` for anything else."""
+    how = 'a number, or one with a unit: "500ms", "2s", "50us", "1m30s"'
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    elif isinstance(text, str):
+        body = text.strip()
+        sign = -1.0 if body.startswith("-") else 1.0
+        body = body.removeprefix("-").removeprefix("+")
+        try:
+            value = float(body)  # no unit: the setting's own
+        except ValueError:
+            seconds, end = 0.0, 0
+            for m in _DURATION_PART.finditer(body):
+                if m.start() != end:
+                    break
+                seconds += float(m.group(1)) * DURATION_UNITS[m.group(2)]
+                end = m.end()
+            if end == 0 or end != len(body):
+                raise ValueError(f"not a duration: {text!r} ({how})") from None
+            value = seconds / DURATION_UNITS[unit]
+        value *= sign
+    else:
+        raise ValueError(f"not a duration: {text!r} ({how})")
+    if not math.isfinite(value):
+        raise ValueError(f"not a finite duration: {text!r}")
+    return value
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds in the largest unit that keeps a whole number, as
+    ``parse_duration`` reads it back: ``2ms``, ``50us``, ``10m``, ``0.25s``."""
+    if seconds == 0:
+        return "0s"
+    for unit in ("h", "m", "s", "ms", "us", "ns"):
+        count = seconds / DURATION_UNITS[unit]
+        if abs(count) >= 1 and math.isclose(count, round(count), rel_tol=1e-9, abs_tol=1e-9):
+            return f"{round(count)}{unit}"
+    return f"{seconds:g}s"
+
+
+def format_size(n: int) -> str:
+    """Bytes in the largest binary unit that keeps a whole number, as
+    ``parse_size`` reads it back: ``1G``, ``64M``, ``4096``."""
+    for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
 def parse_host_port(text: str) -> tuple[str, int]:
     """``"127.0.0.1:9478"``, ``"[::1]:9478"``, ``"localhost:0"`` → (host, port).
 
@@ -538,7 +709,7 @@ def _parse(s: Setting, value: Any) -> Any:
     parse = _PARSERS[s.kind]
     result = parse(s, value)
     if s.minimum is not None and result < s.minimum:
-        raise _Invalid(f"must be at least {s.minimum:g}, got {value!r}")
+        raise _Invalid(f"must be at least {s.format(s.minimum)}, got {value!r}")
     return result
 
 
@@ -575,6 +746,20 @@ def _float(s: Setting, value: Any) -> float:
     if not math.isfinite(result):
         raise _Invalid(f"must be a finite number, got {value!r}")
     return result
+
+
+def _duration(s: Setting, value: Any) -> float | int:
+    assert s.unit is not None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise _Invalid(
+            f'must be a duration like "500ms", "2s" or a number of {s.unit}, got {value!r}'
+        )
+    try:
+        result = parse_duration(value, s.unit)
+    except ValueError as exc:
+        raise _Invalid(f"{exc}; a bare number is in {s.unit}") from None
+    # Settings kept in whole units (spin_us) stay integers.
+    return round(result) if isinstance(s.default, int) else result
 
 
 def _choice(s: Setting, value: Any) -> str:
@@ -675,6 +860,7 @@ _PARSERS: dict[str, Callable[[Setting, Any], Any]] = {
     "int": _int,
     "size": _size,
     "float": _float,
+    "duration": _duration,
     "bool": _bool,
     "choice": _choice,
     "path": _path,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import time
 
 import numpy as np
@@ -40,6 +41,13 @@ def demo_checkpoint(cache_dir: str | None = None) -> str:
         log.info("writing the demo checkpoint to %s", path)
         write_checkpoint(path, DEMO_TABLES, files=2)
     return path
+
+
+def ignore_sigint() -> None:
+    """A client process's start: Ctrl-C reaches the whole foreground process
+    group, and only the demo itself answers it (it ends the clients and stops
+    the server), so that the clients print no tracebacks of their own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def drive(socket_path: str, model: str, seconds: float, seed: int) -> dict:
@@ -70,7 +78,7 @@ def run_demo(
     model = demo_checkpoint(cache_dir)
     with ServerLauncher(model, "--prewarm", "full", log_level="WARNING").start() as server:
         ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(clients) as pool:
+        with ctx.Pool(clients, initializer=ignore_sigint) as pool:
             results = pool.starmap(
                 drive, [(server.socket, model, seconds, seed) for seed in range(clients)]
             )

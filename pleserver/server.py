@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from pleclient import protocol as p
 from pleclient.checkpoint import discover_tables
 from pleserver import __version__
+from pleserver.admission import DoorbellAdmission
 from pleserver.budget import ChannelBudget, default_channel_budget
 from pleserver.config import ServerConfig
 from pleserver.connections import listen_backlog
@@ -250,8 +251,9 @@ class Server:
         """Log readiness and tell systemd (READY=1); ``/readyz`` says ready."""
         self._serving_status = f"serving {len(self.tables)} tables on {self.config.socket}"
         log.info("ple-server %s ready: %s", __version__, self._serving_status)
-        self.notifier.ready(self._serving_status)
+        # Ready before READY=1: whoever saw READY=1 finds /readyz true.
         self._ready = True
+        self.notifier.ready(self._serving_status)
 
     def _start_prewarm(self) -> None:
         """``prewarm = full`` in mmap mode: read the tables into the page cache
@@ -561,7 +563,7 @@ class Server:
             "clients": len(self.sessions) if self.sessions is not None else 0,
             "refused": dict(self.sessions.gate.counts) if self.sessions is not None else {},
             "channels": self.loop.channel_count if self.loop else 0,
-            "gpu_channels": self.loop.gpu_channel_count if self.loop else 0,
+            "gpu_channels": self.loop.channel_kinds()[DoorbellAdmission.kind] if self.loop else 0,
             "idle_wait": self.loop.idle_wait if self.loop else None,
             "prewarm": self.prewarm.snapshot() if self.prewarm else None,
             "dataplane": self.plane.snapshot() if self.plane else None,

@@ -1,12 +1,15 @@
 """The data plane: one loop polls every channel, gathers rows into slots.
 
 Threads, and why:
-- **one serving loop** polls all channels' submit counters (one load each), so
-  many clients never mean many spinning Python threads fighting for the GIL.
-  After ``spin`` seconds without work it sleeps on all of them at once: one
-  ``futex_waitv`` call over every channel's submit counter and the loop's own
-  wake word (Linux ≥ 5.16). Where the kernel lacks that call, or
-  ``idle_wait = poll`` says so, it polls the counters every ``POLL_S`` instead;
+- **one serving loop** asks every channel's admission (``pleserver.admission``:
+  a submit counter, or a GPU-driven channel's rung word and doorbells) whether
+  a request may be waiting, one load each, so many clients never mean many
+  spinning Python threads fighting for the GIL. After ``spin`` seconds
+  without work it sleeps on all of them at once: one ``futex_waitv`` call over
+  every admission's futex word and the loop's own wake word (Linux ≥ 5.16),
+  and no longer than the next look that a channel whose client cannot wake it
+  (a GPU) needs. Where the kernel lacks that call, or ``idle_wait = poll``
+  says so, it polls every ``POLL_S`` instead;
 - **gather workers** (``workers`` threads): the loop answers inline what needs
   no disk read (rows in the row cache, or mmap mode) and hands off the rest of
   a request with a cache miss, and any request of ``parallel_min_rows`` rows or
@@ -14,10 +17,12 @@ Threads, and why:
   large requests) and completes the slot, so one request's reads never hold up
   other channels.
 
-Every request: read the submit counter with acquire (pairs with the client's
-publish), copy count and ids out of shared memory, validate the copies, gather,
-and answer through the slot's ``complete`` or ``fail`` (the release of the
-state word; see ``pleclient.protocol``).
+Every request: admitted by its channel's admission (which reads the words
+that say it was submitted with acquire), its count and ids copied out of
+shared memory, the copies validated, gathered, and answered through the
+admission's ``complete`` or ``fail`` (a release of the word its client waits
+on; see ``pleclient.protocol``). The loop never asks which kind of client a
+channel has.
 
 Fairness is by rows, not by requests: a deficit round robin over the channels
 with work, one *turn* at a time. A turn serves at most ``chunk_rows`` rows of
@@ -30,14 +35,14 @@ the other channels have queued. A hand-off costs the channel's turn
 hand-offs in order.
 
 A client owns its segment and may write anything into it, so the loop bounds
-what one channel can cost it: per pass it reads the counter once and each slot
-once, its sleep always has a deadline, and it makes at most one wake-up call
-per answered request. More pending submits than the channel has slots cannot
-come from a client that follows the protocol (each submit needs a free slot):
-such a channel is dropped and ``on_drop`` tells the control plane, which
-answers the client with an error and closes its session. A client that
-scribbles on the words it shares with the server (its ``server sleeping``
-word, its slots' ``waiters``) can only delay its own answers.
+what one channel can cost it: per pass its admission reads each word once,
+its sleep always has a deadline, and it makes at most one wake-up call per
+answered request. An admission that finds words no protocol-following client
+could write (more pending submits than slots) raises ``HostileChannel``: the
+channel is dropped and ``on_drop`` tells the control plane, which answers the
+client with an error and closes its session. A client that scribbles on the
+words it shares with the server (its ``server sleeping`` word, its slots'
+``waiters``, its rung word) can only delay its own answers.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ import os
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,7 +62,8 @@ import numpy as np
 
 from pleclient import _sync
 from pleclient import protocol as p
-from pleclient.channel import COUNTER_AT, ChannelMap, SlotView
+from pleclient.channel import ChannelMap, SlotView
+from pleserver.admission import Admission, Arrival, HostileChannel
 from pleserver.config import IDLE_WAITS
 from pleserver.stats import TableStats
 from pleserver.table import Table, nat
@@ -68,22 +74,27 @@ POLL_S = 0.0005
 """Without ``futex_waitv``, an idle loop looks at the submit counters this
 often (what a request arriving after an idle gap may wait, at most)."""
 DEFAULT_GPU_POLL_S = 0.00005
-"""While GPU-driven channels are active, the loop looks at their doorbells at
-least this often when it does not spin (a GPU cannot wake a sleeper)."""
-GPU_ACTIVE_S = 1.0
-GPU_IDLE_POLL_S = 0.001
-"""After ``GPU_ACTIVE_S`` without a doorbell, GPU-driven channels are looked
-at every millisecond: an idle server does not keep a core awake."""
+"""While a channel whose client cannot wake the loop (a GPU) is active, the
+loop looks at it at least this often when it does not spin."""
+POLL_ACTIVE_S = 0.1
+POLL_IDLE_S = 0.001
+"""After ``POLL_ACTIVE_S`` without a request, such a channel is looked at
+every millisecond: an idle server does not keep a core awake, and neither
+does a rare ring (a GPU that decodes keeps ringing faster than that, so it
+keeps the fast poll)."""
 TIMER_SLACK_NS = 1000
 """The serving thread's timer slack (Linux's default is 50 µs, which would
 stretch every short poll of a GPU-driven channel to ≈ 100 µs)."""
 _PR_SET_TIMERSLACK = 29
+_PR_SET_NAME = 15
+SERVING_THREAD_NAME = b"ple-serving"
+"""The serving loop's thread name in the kernel (``top -H``, ``/proc/PID/task/TID/comm``);
+the gather workers are ``ple-gather-N``."""
 DEFAULT_CHUNK_ROWS = 4096
 """Rows gathered in one turn: ≈ 0.2 ms of page-cache reads for 320-byte rows."""
 REQUEST_COST_ROWS = 256
 """What a request costs besides its rows (validation, completion, statistics:
 ≈ 10 µs), in rows of gather: many small requests fill a turn too."""
-U32 = 0xFFFFFFFF
 READ_ERROR_LOG_S = 10.0
 """Failed reads are logged at most once per this many seconds (each request
 that meets one gets its own error text, and stats count them all)."""
@@ -94,8 +105,15 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_
 _libc.fallocate.restype = ctypes.c_int
 
 
+def _name_thread(name: bytes) -> None:
+    """Name the calling thread for the kernel (at most 15 bytes are kept)."""
+    _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+
+
 class Channel:
-    """The server's side of one session's channel.
+    """The server's side of one session's channel: its segment, the admission
+    chosen when it opened (``pleserver.admission``), and its place in the
+    loop's schedule.
 
     ``fd`` (the segment's memfd, owned here once given) lets ``destroy`` free
     the pages even while the client keeps its mapping; ``on_destroy`` runs
@@ -108,20 +126,19 @@ class Channel:
         mapping: ChannelMap,
         fd: int | None = None,
         on_destroy: Callable[[Channel], None] | None = None,
-        gpu_driven: bool = False,
+        *,
+        admission: Admission,
     ) -> None:
         self.session_id = session_id
         self.peer = peer
         self.map = mapping
-        self.depth = mapping.layout.depth
+        self.admission = admission
         self.size = mapping.layout.size
         self.fd = fd
         self.on_destroy = on_destroy
-        self.gpu_driven = gpu_driven  # doorbells, not the submit counter (protocol.py)
         self.opened_ns = time.monotonic_ns()  # older submit times are not believed
-        self.seen = 0  # the submit counter as the loop last read it (it starts at 0)
+        self.last_arrival = -POLL_ACTIVE_S  # when the loop last admitted a request here
         self.queued: deque[Request] = deque()  # admitted, served by the loop's turns
-        self.busy: set[int] = set()  # slots of the queued and handed-off requests
         self.handed = 0  # requests with a gather worker (guarded by the loop's lock)
         self.deficit = 0  # rows this channel may still be served in its turn
         self.scheduled = False  # in the loop's fresh or old list
@@ -178,10 +195,6 @@ class Request:
         return self.ids.shape[0]
 
 
-class HostileChannel(Exception):
-    """The channel's words break what any protocol-following client can write."""
-
-
 class ServingLoop:
     def __init__(
         self,
@@ -212,7 +225,6 @@ class ServingLoop:
         self.chunk_rows = chunk_rows
         self.on_drop = on_drop
         self.gpu_poll_s = gpu_poll_s
-        self._last_ring = -GPU_ACTIVE_S  # when a GPU-driven doorbell last rang
         self.channels: list[Channel] = []  # replaced, never mutated: the loop reads it lock-free
         self._change = threading.Lock()
         self._retired: list[Channel] = []
@@ -235,7 +247,7 @@ class ServingLoop:
         # change with its load.
         self._handed: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
         self.workers = [
-            threading.Thread(target=self._worker, name=f"gather-{i}", daemon=True)
+            threading.Thread(target=self._worker, args=(i,), name=f"gather-{i}", daemon=True)
             for i in range(max(1, workers))
         ]
         self.thread = threading.Thread(target=self._run, name="serving", daemon=True)
@@ -270,10 +282,9 @@ class ServingLoop:
     def channel_count(self) -> int:
         return len(self.channels)
 
-    @property
-    def gpu_channel_count(self) -> int:
-        """Channels driven by a GPU (their doorbells are polled)."""
-        return sum(1 for c in self.channels if c.gpu_driven)
+    def channel_kinds(self) -> Counter[str]:
+        """Channels by the kind of their admission ("counter", "doorbell")."""
+        return Counter(c.admission.kind for c in self.channels)
 
     def start(self) -> None:
         """Start the workers and the loop. Raises RuntimeError (what started is
@@ -310,19 +321,11 @@ class ServingLoop:
         self._reap(force=True)
 
     def _pending_work(self) -> bool:
-        return any(
-            c.queued
-            or (
-                any(slot.doorbell == p.Doorbell.RUNG for slot in c.map.slots)
-                if c.gpu_driven
-                else c.map.submit_counter != c.seen
-            )
-            for c in self.channels
-            if not c.closing
-        )
+        return any(c.queued or c.admission.waiting() for c in self.channels if not c.closing)
 
     # ------------------------------------------------------------------- loop
     def _run(self) -> None:
+        _name_thread(SERVING_THREAD_NAME)
         if _libc.prctl(_PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0) != 0:
             log.debug("serving: cannot set the timer slack: %s", os.strerror(ctypes.get_errno()))
         idle_since = time.monotonic()
@@ -357,31 +360,36 @@ class ServingLoop:
                 if not self._draining
                 else 0.002
             )
-            if any(c.gpu_driven for c in self.channels):  # a GPU cannot wake us: poll
-                active = now - self._last_ring < GPU_ACTIVE_S
-                timeout = min(timeout, self.gpu_poll_s if active else GPU_IDLE_POLL_S)
-            self._sleep(wake_seen, timeout)
+            self._sleep(wake_seen, timeout, now)
 
-    def _sleep(self, wake_seen: int, timeout: float) -> None:
-        """Sleep until a channel's submit counter moves, the wake word moves
-        from ``wake_seen`` (``wake``), or ``timeout`` passes (in poll mode:
-        ``POLL_S``). A retired channel a gather worker still holds does not
-        keep the loop awake: the worker's answer wakes it."""
-        channels = [c for c in self.channels if not c.closing and not c.gpu_driven]
+    def _sleep(self, wake_seen: int, timeout: float, now: float) -> None:
+        """Sleep until an admission's futex word moves, the wake word moves
+        from ``wake_seen`` (``wake``), a channel that cannot wake the loop is
+        due for a look, or ``timeout`` passes (in poll mode: ``POLL_S``). A
+        retired channel a gather worker still holds does not keep the loop
+        awake: the worker's answer wakes it."""
+        words = [(self._wake_words, 0, wake_seen)]
+        sleepers: list[Admission] = []
+        for ch in self.channels:
+            if ch.closing:
+                continue
+            word = ch.admission.futex_word()
+            if word is None:  # its client cannot wake us: look again soon, sooner while active
+                active = now - ch.last_arrival < POLL_ACTIVE_S
+                timeout = min(timeout, self.gpu_poll_s if active else POLL_IDLE_S)
+            else:
+                words.append(word)
+                sleepers.append(ch.admission)
         # One call takes at most FUTEX_WAITV_MAX words, the loop's own among
         # them: past 127 channels (max_clients) the loop polls instead.
-        if self.idle_wait == "futex_waitv" and len(channels) < _sync.FUTEX_WAITV_MAX:
-            # Announce, then wait on each counter at the value we last read: a
-            # counter that moved since makes the call return at once, and a
-            # client that publishes after our announcement sees it and wakes us.
-            for c in channels:
-                c.map.set_server_sleeping(True)
+        if self.idle_wait == "futex_waitv" and len(words) <= _sync.FUTEX_WAITV_MAX:
+            # Announce, then wait on each word at the value last read: a word
+            # that moved since makes the call return at once, and a client
+            # that publishes after our announcement sees it and wakes us.
+            for admission in sleepers:
+                admission.announce_sleep(True)
             try:
-                _sync.futex_waitv(
-                    [(self._wake_words, 0, wake_seen)]
-                    + [(c.map.sync, COUNTER_AT, c.seen) for c in channels],
-                    timeout,
-                )
+                _sync.futex_waitv(words, timeout)
             except OSError as exc:  # ENOSYS/EPERM: refused after all (seccomp)
                 log.warning(
                     "futex_waitv failed (%s): the serving loop polls its channels "
@@ -391,21 +399,29 @@ class ServingLoop:
                 )
                 self.idle_wait = "poll"
             finally:
-                for c in channels:
-                    c.map.set_server_sleeping(False)
+                for admission in sleepers:
+                    admission.announce_sleep(False)
             return
         self._wake_words.wait_while(0, wake_seen, 4, min(timeout, POLL_S))
 
     def _admit_all(self) -> bool:
-        """Admit what every channel submitted since the last pass; True if any."""
+        """Admit, validate and queue what every channel's admission found since
+        the last pass; True if any found a request."""
         did = False
         for ch in self.channels:
-            if ch.closing:
-                continue
-            if not ch.gpu_driven and ch.map.submit_counter == ch.seen:
+            if ch.closing or not ch.admission.pending():  # one load per channel
                 continue
             try:
-                did |= self._admit_rung(ch) if ch.gpu_driven else self._admit(ch)
+                arrivals = ch.admission.admit()
+                if not arrivals:
+                    continue
+                did = True
+                ch.last_arrival = time.monotonic()
+                for arrival in arrivals:
+                    request = self._validate(ch, arrival)
+                    if request is not None:
+                        ch.queued.append(request)
+                self._schedule_fresh(ch)
             except HostileChannel as exc:
                 self._drop(ch, str(exc))
             except Exception:  # one channel never stops the loop
@@ -417,55 +433,6 @@ class ServingLoop:
                 self._drop(ch, "internal error while serving this channel")
         return did
 
-    def _admit(self, ch: Channel) -> bool:
-        """Read ``ch``'s submit counter, then each slot once: validate and queue
-        the requests submitted since the last pass. True if the counter moved."""
-        # acquire: every slot submitted before the counter reached this value
-        # is visible from here on.
-        counter = ch.map.submit_counter
-        pending = (counter - ch.seen) & U32
-        if pending == 0:
-            return False
-        if pending > ch.depth:
-            raise HostileChannel(
-                f"its submit counter ran {pending} submits ahead of the server, over its "
-                f"{ch.depth} slots: the channel's words were overwritten"
-            )
-        ch.seen = counter
-        for slot in ch.map.slots:
-            if slot.state != p.SlotState.SUBMITTED or slot.index in ch.busy:
-                continue
-            # Only slots submitted before the counter we read: their ids are visible.
-            if ((counter - slot.words[p.SL_SEQUENCE] - 1) & U32) >= 0x80000000:
-                continue
-            request = self._validate(ch, slot)
-            if request is None:
-                continue
-            ch.busy.add(slot.index)
-            ch.queued.append(request)
-        self._schedule_fresh(ch)
-        return True
-
-    def _admit_rung(self, ch: Channel) -> bool:
-        """Claim and queue the requests whose doorbells rang in ``ch`` (a
-        GPU-driven channel), reading each slot's doorbell once. True if any."""
-        rung = False
-        for slot in ch.map.slots:
-            # acquire: the ids, table and count the GPU wrote before the doorbell.
-            if slot.index in ch.busy or slot.doorbell != p.Doorbell.RUNG:
-                continue
-            rung = True
-            slot.claim()
-            request = self._validate(ch, slot)
-            if request is None:
-                continue
-            ch.busy.add(slot.index)
-            ch.queued.append(request)
-        if rung:
-            self._last_ring = time.monotonic()
-            self._schedule_fresh(ch)
-        return rung
-
     def _schedule_fresh(self, ch: Channel) -> None:
         """A channel with queued work that was idle goes to the front (``fresh``)."""
         if ch.queued and not ch.scheduled:
@@ -473,9 +440,10 @@ class ServingLoop:
             ch.deficit = 0
             self._fresh.append(ch)
 
-    def _validate(self, ch: Channel, slot: SlotView) -> Request | None:
-        """The request in ``slot``, validated, or None once it was failed."""
+    def _validate(self, ch: Channel, arrival: Arrival) -> Request | None:
+        """The request that arrived, validated, or None once it was failed."""
         started = time.monotonic_ns()
+        slot = arrival.slot
         words = slot.words
         table_index = words[p.SL_TABLE]
         count = words[p.SL_COUNT]  # copied once: the client may rewrite the slot
@@ -489,8 +457,8 @@ class ServingLoop:
             )
             return None
         table = self.tables[table_index]
-        # A GPU has no clock of ours: its requests' queue time is not known.
-        submitted = started if ch.gpu_driven else slot.words64[p.SL_SUBMIT_NS // 2]
+        # Without the client's submit time, the queue time is not known.
+        submitted = started if arrival.submitted_ns is None else arrival.submitted_ns
         r = Request(ch, slot, table, self.stats[table_index], started, submitted)
         if table.problem:  # its file changed on disk: reading it could SIGBUS us
             self._fail(r, p.ErrorCode.INTERNAL, "internal", table.problem)
@@ -579,7 +547,8 @@ class ServingLoop:
             r.channel.handed += 1
         self._handed.put(r)
 
-    def _worker(self) -> None:
+    def _worker(self, index: int) -> None:
+        _name_thread(f"ple-gather-{index}".encode())
         while True:
             r = self._handed.get()
             if r is None:
@@ -588,8 +557,8 @@ class ServingLoop:
                 if not r.channel.closing:
                     self._answer(r)
             finally:
-                # (busy was cleared before the post, in _complete/_fail: clearing
-                # it here could clear the mark of a request resubmitted there)
+                # (the admission cleared the slot's mark before its answer:
+                # clearing it here could clear a request resubmitted there)
                 with self._inflight_lock:
                     self._inflight -= 1
                     r.channel.handed -= 1
@@ -625,12 +594,7 @@ class ServingLoop:
 
     def _complete(self, r: Request) -> None:
         done = time.monotonic_ns()
-        # Not busy before the answer: the client may reuse the slot at once.
-        r.channel.busy.discard(r.slot.index)
-        if r.channel.gpu_driven:
-            r.slot.answer_gpu(p.ErrorCode.OK, "", done - r.started_ns)
-        else:
-            r.slot.complete(done - r.started_ns)
+        r.channel.admission.complete(r.slot, done - r.started_ns)
         # A submit time from before the channel opened, or after the request was
         # admitted, is not a time this client could have had: not recorded.
         believable = r.channel.opened_ns <= r.submitted_ns <= r.started_ns
@@ -647,11 +611,7 @@ class ServingLoop:
         r.stats.record_error(kind)
 
     def _answer_error(self, ch: Channel, slot: SlotView, code: p.ErrorCode, text: str) -> None:
-        ch.busy.discard(slot.index)  # (as in _complete)
-        if ch.gpu_driven:
-            slot.answer_gpu(code, text, 0)
-        else:
-            slot.fail(code, text)
+        ch.admission.fail(slot, code, text)
         log.debug("session %d (%s): request rejected: %s", ch.session_id, ch.peer, text)
 
     def _drop(self, ch: Channel, reason: str) -> None:

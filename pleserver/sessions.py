@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from pleclient import protocol as p
 from pleserver import __version__
+from pleserver.admission import open_admission
 from pleserver.budget import ChannelBudget
 from pleserver.config import ServerConfig
 from pleserver.connections import ConnectionGate
@@ -57,6 +58,12 @@ _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 OUTBOX_LIMIT_BYTES = 1 << 20
 """Replies queued for a session that does not read them, at most; past this the
 session is dropped (a STATS reply is a few KiB)."""
+GPU_WITHOUT_RUNG_WORD = (
+    "this client opens GPU-driven channels without the channel's rung word, "
+    "which this ple-server polls instead of every doorbell: upgrade pleclient "
+    f"(the vLLM plugin's package) to this server's version, {__version__}, or use the host "
+    "path (VLLM_PLE_SHM_GPU_PATH=off)"
+)
 
 
 @dataclass(eq=False)
@@ -81,6 +88,7 @@ class Session:
     channel: Channel | None = None
     opening: bool = False  # its channel is being reserved
     gpu_driven: bool = False  # its channel (asked for in OPEN_CHANNEL) is GPU-driven
+    gpu_slots: int = 0  # the slots of that channel when GPU-driven (max_gpu_slots_per_uid)
     opened_at: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)  # last frame received
     outbox: deque[Outgoing] = field(default_factory=deque)
@@ -337,6 +345,10 @@ class Sessions:
             return self._reject(
                 s, p.ErrorCode.BAD_MESSAGE, f"gpu_driven must be true or false, not {gpu_driven!r}"
             )
+        if gpu_driven and msg.get("rung_word") is not True:
+            return self._reject(s, p.ErrorCode.VERSION_MISMATCH, GPU_WITHOUT_RUNG_WORD)
+        if gpu_driven and (refusal := self._gpu_slots_refusal(s, depth)) is not None:
+            return self._reject(s, p.ErrorCode.CHANNEL_LIMIT, refusal)
         layout = p.ChannelLayout(depth, capacity, max(t.row_bytes for t in self.tables))
         if layout.size > cfg.max_channel_bytes:
             return self._reject(
@@ -368,7 +380,23 @@ class Sessions:
             )
         s.opening = True
         s.gpu_driven = gpu_driven
+        s.gpu_slots = depth if gpu_driven else 0
         self.reserver.submit(Reservation(s.id, f"{self.instance}.{s.id}", layout))
+
+    def _gpu_slots_refusal(self, s: Session, depth: int) -> str | None:
+        """Why ``s`` may not open a GPU-driven channel of ``depth`` slots (the
+        serving loop polls them: their number is bounded per uid), or None."""
+        limit = self.config.max_gpu_slots_per_uid
+        mine = [o for o in self.by_socket.values() if o.uid == s.uid and (o.channel or o.opening)]
+        held = sum(o.gpu_slots for o in mine)
+        if held + depth <= limit:
+            return None
+        return (
+            f"uid {s.uid} holds {held} GPU-driven slots in "
+            f"{sum(1 for o in mine if o.gpu_slots)} channels; {depth} more would pass "
+            f"max_gpu_slots_per_uid = {limit}: close idle GPU-driven clients, ask for "
+            "fewer slots, or raise max_gpu_slots_per_uid"
+        )
 
     def on_reserved(self, job: Reservation) -> None:
         """A channel segment is ready (or could not be made): serve it, answer."""
@@ -391,7 +419,7 @@ class Sessions:
             job.mapping,
             job.fd,
             on_destroy=lambda ch: self.budget.give_back(ch.size),
-            gpu_driven=s.gpu_driven,
+            admission=open_admission(job.mapping, s.gpu_driven),
         )
         try:
             self.loop.add(channel)  # served (and logged) before the client has the fd

@@ -41,7 +41,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_ops_install import WHEEL_CHECK, check_installed, check_wheel_tags
+from tests.test_ops_install import (
+    WHEEL_CHECK,
+    check_deploy_files,
+    check_installed,
+    check_wheel_tags,
+)
 
 
 def under_qemu(test):
@@ -298,7 +303,17 @@ def test_the_package_builds_from_source_on_aarch64(source_build):
 
 @under_qemu
 def test_the_native_tests_pass_on_aarch64(arm64, source_build):
-    select = "-k 'not futex_waitv'" if EMULATED else ""
+    # qemu-user also loops on a SIGBUS that CPython's faulthandler, installed
+    # over ours, raises again from inside its handler (a nested synchronous
+    # signal it emulates apart from the kernel's): that case runs natively,
+    # in `make test`; the two other handler orders run here.
+    select = (
+        "-k 'not futex_waitv' --deselect "
+        "'tests/test_native_errors.py::"
+        "test_a_sigbus_outside_a_guarded_copy_still_ends_the_process[faulthandler-after]'"
+        if EMULATED
+        else ""
+    )
     result = arm64.run(
         f"PYTHONPATH=/src {BUILD_PY} -m pytest -p no:cacheprovider -q {select} "
         "tests/test_native_*.py",
@@ -309,6 +324,10 @@ def test_the_native_tests_pass_on_aarch64(arm64, source_build):
     print(f"aarch64 native tests: {summary}")
     if EMULATED:
         print("  deselected: the futex_waitv tests (qemu-user has no futex_waitv)")
+        print(
+            "  deselected: a SIGBUS re-raised by faulthandler over our handler "
+            "(qemu-user loops on it; run natively in make test)"
+        )
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
 
@@ -317,6 +336,7 @@ def test_the_native_tests_pass_on_aarch64(arm64, source_build):
 def test_the_wheel_is_manylinux_abi3_aarch64_and_installs_without_a_compiler(arm64, wheel):
     print(f"aarch64 wheel: {wheel.name}")
     check_wheel_tags(wheel, "aarch64")
+    check_deploy_files(wheel)
     # The fresh venv has only the wheel and its dependencies; run away from /src.
     result = arm64.run(f"cd /tmp && {FRESH}/bin/python - <<'PY'\n{WHEEL_CHECK}\nPY")
     check_installed(result.stdout, FRESH)
@@ -403,18 +423,29 @@ ACQUIRE = ("ldar", "ldapr")
 RELEASE = ("stlr",)
 RMW = ("ldaddal", "ldaxr")  # LSE, or the load-exclusive of an LL/SC loop
 RMW_HELPERS = ("__aarch64_ldadd4_acq_rel", "__aarch64_ldadd4_sync")  # -moutline-atomics
+SWAP = ("swpal", "ldaxr")
+SWAP_HELPERS = ("__aarch64_swp4_acq_rel",)
+# The instructions each outline-atomics helper must hold (it picks LSE or LL/SC at run time).
+HELPER_FORMS = {
+    **{helper: ("ldaddal", "ldaxr", "stlxr") for helper in RMW_HELPERS},
+    **{helper: ("swpal", "ldaxr", "stlxr") for helper in SWAP_HELPERS},
+}
 ORDERING = {
-    # pleclient._sync: the words of the channel.
+    # pleclient._sync: the words of the channel (edges E1-E5, W1, X1, D1, A1:
+    # pleclient/protocol.py, "Ordering edges"). The eventcount is plain C
+    # (eventcount.c), called by the binding's methods.
     ("Words_load",): {"acquire load": ACQUIRE},
     ("Words_store",): {"release store": RELEASE},
-    ("Words_publish",): {"release store": RELEASE, "seq_cst fence": ("dmb ish",)},
-    ("Words_store_fenced",): {"seq_cst fence": ("dmb ish",)},
-    ("Words_wait_while",): {
+    ("ple_ec_publish",): {"release store": RELEASE, "seq_cst fence": ("dmb ish",)},
+    ("ple_ec_announce",): {"seq_cst fence": ("dmb ish",)},
+    ("ple_ec_wait_while",): {
         "acquire load": ACQUIRE,
         "seq_cst fence": ("dmb ish",),
         "seq_cst add": RMW + RMW_HELPERS,
     },
     ("Words_add",): {"acq_rel add": RMW + RMW_HELPERS},
+    ("Words_exchange",): {"acq_rel exchange": SWAP + SWAP_HELPERS},
+    ("ple_doorbell_scan",): {"acquire load": ACQUIRE},
     # pleserver._native: the io_uring rings and the row cache's seqlock.
     ("ple_ring_submit_and_reap", "reap"): {
         "acquire load (CQ tail, SQ head)": ACQUIRE,
@@ -469,16 +500,17 @@ def check_ordering(disassembly: str) -> tuple[list[str], list[str]]:
             (seen if hits else missing).append(f"{'/'.join(names)}: {what} → {hits or patterns}")
     # An RMW through the outline-atomics helper: the helper has both forms,
     # chosen at run time (LSE where the CPU has it).
-    for helper in RMW_HELPERS:
+    for helper, forms in HELPER_FORMS.items():
         if helper in code and any(uses(code[n], helper) for n in code if n != helper):
-            for form in ("ldaddal", "ldaxr", "stlxr"):
+            for form in forms:
                 (seen if uses(code[helper], form) else missing).append(f"{helper}: {form}")
-    # The publish order: the release store, then the fence, then the waiters load.
-    publish = code.get("Words_publish", [])
+    # The publish order (E1 then E3): the release store, then the fence, then
+    # the waiters load.
+    publish = code.get("ple_ec_publish", [])
     stores = [k for k, i in enumerate(publish) if i.startswith("stlr")]
     fences = [k for k, i in enumerate(publish) if i == "dmb ish"]
     if not (stores and fences and stores[0] < fences[-1]):
-        missing.append("Words_publish: STLR before DMB ISH")
+        missing.append("ple_ec_publish: STLR before DMB ISH")
     return seen, missing
 
 
@@ -499,15 +531,24 @@ def test_the_aarch64_build_uses_the_documented_ordering(arm64, wheel):
 LISTING = {
     "Words_load": ["ldar\tw0, [x1]", "ret"],
     "Words_store": ["stlr\tw2, [x0]", "ret"],
-    "Words_publish": ["stlr\tw2, [x0]", "dmb\tish", "ldr\tw1, [x3]", "ret"],
-    "Words_store_fenced": ["str\tw2, [x0]", "dmb\tish", "ret"],
-    "Words_wait_while": [
+    "ple_ec_publish": ["stlr\tw2, [x0]", "dmb\tish", "ldr\tw1, [x3]", "ret"],
+    "ple_ec_announce": ["str\tw2, [x0]", "dmb\tish", "ret"],
+    "ple_ec_wait_while": [
         "ldar\tw0, [x19]",
         "bl\t1a40 <__aarch64_ldadd4_acq_rel>",
         "dmb\tish",
         "ldar\tw0, [x19]",
     ],
     "Words_add": ["bl\t1a40 <__aarch64_ldadd4_acq_rel>", "ret"],
+    "Words_exchange": ["bl\t1b00 <__aarch64_swp4_acq_rel>", "ret"],
+    "ple_doorbell_scan": ["ldar\tw4, [x0]", "ret"],
+    "__aarch64_swp4_acq_rel": [
+        "cbz\tw16, 1b14 <__aarch64_swp4_acq_rel+0x14>",
+        "swpal\tw0, w0, [x1]",
+        "ret",
+        "ldaxr\tw16, [x1]",
+        "stlxr\tw15, w0, [x1]",
+    ],
     "__aarch64_ldadd4_acq_rel": [
         "cbz\tw16, 1a54 <__aarch64_ldadd4_acq_rel+0x14>",
         "ldaddal\tw0, w0, [x1]",
@@ -533,11 +574,13 @@ def listing(code: dict[str, list[str]]) -> str:
 
 def test_the_ordering_check_finds_a_missing_barrier():
     seen, missing = check_ordering(listing(LISTING))
-    assert not missing and len(seen) == 18, (seen, missing)
+    assert not missing and len(seen) == 23, (seen, missing)
     for function, old, new, complaint in (
-        ("Words_publish", "stlr\tw2, [x0]", "str\tw2, [x0]", "Words_publish: release store"),
-        ("Words_store_fenced", "dmb\tish", "nop", "Words_store_fenced: seq_cst fence"),
+        ("ple_ec_publish", "stlr\tw2, [x0]", "str\tw2, [x0]", "ple_ec_publish: release store"),
+        ("ple_ec_announce", "dmb\tish", "nop", "ple_ec_announce: seq_cst fence"),
         ("Words_load", "ldar\tw0, [x1]", "ldr\tw0, [x1]", "Words_load: acquire load"),
+        ("ple_doorbell_scan", "ldar\tw4, [x0]", "ldr\tw4, [x0]", "ple_doorbell_scan: acquire"),
+        ("__aarch64_swp4_acq_rel", "swpal\tw0, w0, [x1]", "swp\tw0, w0, [x1]", "swpal"),
         ("get_optimistic", "dmb\tishld", "nop", "acquire fence"),
         ("ple_cache_put", "dmb\tish", "dmb\tishst", "ple_cache_put: release fence"),
     ):
@@ -545,8 +588,8 @@ def test_the_ordering_check_finds_a_missing_barrier():
         _, missing = check_ordering(listing(broken))
         assert any(complaint in m for m in missing), (function, missing)
     # The fence before the store in publish: the order is checked too.
-    swapped = {**LISTING, "Words_publish": ["dmb\tish", "stlr\tw2, [x0]", "ret"]}
-    assert "Words_publish: STLR before DMB ISH" in check_ordering(listing(swapped))[1]
+    swapped = {**LISTING, "ple_ec_publish": ["dmb\tish", "stlr\tw2, [x0]", "ret"]}
+    assert "ple_ec_publish: STLR before DMB ISH" in check_ordering(listing(swapped))[1]
     # Without the functions (an x86-64 build, say): every one is missing.
     _, missing = check_ordering(listing({"main": ["ret"]}))
     assert len(missing) == len(ORDERING) + 1, missing

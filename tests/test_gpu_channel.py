@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from pleclient import PleClient, PleError
+from pleclient import PleClient, PleError, RequestError
 from pleclient import protocol as p
-from pleclient.gpu import GpuLookupError, GpuLookups
+from pleclient.channel import RUNG_AT
+from pleclient.gpu import GpuLookupError, GpuLookups, HostStream
 from pleserver.stats import format_human
 from tests.harness import (
     Bystander,
@@ -49,7 +51,7 @@ def rows_of(gl: GpuLookups, slot: int, layer: int, ids: np.ndarray) -> np.ndarra
 def test_the_server_offers_gpu_driven_channels(server):
     with RawSession(server.socket) as raw:
         assert p.FEATURE_GPU_DRIVEN in raw.hello()["features"]
-        reply, fds = raw.open_channel(gpu_driven=True)
+        reply, fds = raw.open_channel(gpu_driven=True, rung_word=True)
         for fd in fds:
             os.close(fd)
         assert reply["type"] == "channel" and reply["gpu_driven"] is True
@@ -119,6 +121,7 @@ def test_a_bad_request_gets_the_error_mark_and_the_channel_goes_on(
     slot.words[p.SL_TABLE] = scribble.get("table", 0)
     slot.words[p.SL_COUNT] = scribble.get("count", ids.shape[0])
     lookups.client.channel.sync.store(slot.word_address(p.SL_DOORBELL, 0), p.Doorbell.RUNG)
+    lookups.client.channel.sync.store(RUNG_AT, p.Doorbell.RUNG)
     assert slot.wait_done(5.0) == p.Done.ERROR
     assert slot.words[p.SL_ERROR] == code and text in slot.error_text()
     assert slot.doorbell == p.Doorbell.IDLE
@@ -138,7 +141,7 @@ def test_an_error_answer_fails_the_collect_never_returns_rows(lookups, reference
 
 
 def test_a_ring_after_a_long_idle_is_answered(lookups, references, server):
-    """Past a second without doorbells the loop polls every millisecond, and
+    """Past its active window without doorbells the loop polls every millisecond, and
     on a quiet server it burns little CPU meanwhile."""
     rows_of(lookups, 0, 1, np.arange(10))
     time.sleep(1.5)  # past the active window: the slow poll
@@ -248,3 +251,231 @@ def test_a_killed_gpu_driven_client_leaks_nothing_and_others_are_served(server, 
     assert now.segments == 0 and now.fds <= baseline.fds, (baseline, now)
     assert wait_until(lambda: server.running)
     assert "Traceback" not in server.log(), server.log_tail()
+
+
+def test_a_client_without_the_rung_word_is_refused_with_the_upgrade_named(server):
+    """A client written before the rung word would ring doorbells this server
+    never reads: it gets VERSION_MISMATCH, and the text says what to do."""
+    with RawSession(server.socket) as raw:
+        raw.hello()
+        reply, fds = raw.open_channel(gpu_driven=True)
+        assert not fds
+        assert reply["type"] == "error" and reply["code"] == p.ErrorCode.VERSION_MISMATCH
+        assert "rung word" in reply["message"] and "upgrade pleclient" in reply["message"]
+        assert "VLLM_PLE_SHM_GPU_PATH=off" in reply["message"]
+    with server.client() as client:  # the host path is not concerned
+        assert client.lookup(1, np.arange(3)).shape == (3, 160)
+
+
+def test_the_server_reads_a_channels_doorbells_only_once_its_rung_word_is_set(lookups, references):
+    slot = lookups.client.channel.slots[1]
+    ids = np.arange(40, 60)
+    slot.ids[:20] = ids
+    slot.words[p.SL_TABLE] = 0
+    slot.words[p.SL_COUNT] = 20
+    sync = lookups.client.channel.sync
+    sync.store(slot.word_address(p.SL_DOORBELL, 0), p.Doorbell.RUNG)  # the doorbell alone
+    assert slot.wait_done(0.3) == p.Done.WAITING and slot.doorbell == p.Doorbell.RUNG
+    sync.store(RUNG_AT, p.Doorbell.RUNG)  # then the rung word, as a stream writes it
+    assert slot.wait_done(5.0) == p.Done.OK
+    assert np.array_equal(slot.rows_view(20, 160), references[1][ids])
+    assert sync.load(RUNG_AT) == p.Doorbell.IDLE  # taken by the server
+    slot.reset_done()
+
+
+def test_a_uid_past_max_gpu_slots_per_uid_is_refused_and_its_slots_come_back(
+    start_server, checkpoint
+):
+    server = start_server(checkpoint, "--max-gpu-slots-per-uid", "100")
+    first = PleClient.connect(server.socket, capacity=16, depth=64, gpu_driven=True)
+    try:
+        with pytest.raises(RequestError) as refused:
+            PleClient.connect(server.socket, capacity=16, depth=64, gpu_driven=True)
+        assert refused.value.code == p.ErrorCode.CHANNEL_LIMIT
+        text = str(refused.value)
+        assert f"uid {os.getuid()} holds 64 GPU-driven slots in 1 channels" in text
+        assert "max_gpu_slots_per_uid = 100" in text
+        with PleClient.connect(server.socket, capacity=16, depth=36, gpu_driven=True):
+            pass  # what is left fits
+        with server.client(depth=64) as host:  # host-path channels do not count
+            assert host.lookup(1, np.arange(3)).shape == (3, 160)
+    finally:
+        first.close()
+    # The closed session's slots are free again (its close may take a moment).
+    assert wait_until(lambda: _opens(server, depth=64), timeout=10)
+
+
+def _opens(server, depth: int) -> bool:
+    try:
+        PleClient.connect(server.socket, capacity=16, depth=depth, gpu_driven=True).close()
+        return True
+    except RequestError:
+        return False
+
+
+MANY_CHANNELS, MANY_SLOTS = 120, 64
+
+
+def serving_thread_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of the server's serving loop (its thread is
+    named ``ple-serving``)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            if f.read().strip() != "ple-serving":
+                continue
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    raise AssertionError(f"server {pid} has no thread named ple-serving")
+
+
+class RareRinger:
+    """Rings one slot of one of ``channels`` every 0.9 s (the CPU stand-in,
+    another channel and slot each time) and checks the rows it gets."""
+
+    def __init__(self, channels: list[PleClient], reference: np.ndarray) -> None:
+        self.channels, self.reference = channels, reference
+        self.rings = 0
+        self.failure: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        stream, rng = HostStream(wait_timeout=10.0), np.random.default_rng(7)
+        out = np.empty((16, 160), dtype=np.uint8)
+        try:
+            while not self._stop.wait(0.9):
+                channel = self.channels[int(rng.integers(len(self.channels)))].channel
+                slot = channel.slots[int(rng.integers(channel.layout.depth))]
+                ids = rng.integers(0, self.reference.shape[0], 16)
+                stream.ring(slot, 0, ids, 16)
+                stream.collect(slot, out, 16, 160)
+                assert np.array_equal(out, self.reference[ids])
+                self.rings += 1
+        except BaseException as exc:
+            self.failure = exc
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def test_many_gpu_driven_channels_cost_the_loop_by_their_rings_not_their_number(
+    start_server, checkpoint, references
+):
+    """Two servers, one with a GPU-driven channel of 64 slots, one with 120,
+    each rung once every 0.9 s (the CPU stand-in). The loop reads one rung
+    word per channel and scans only a channel that rang, so a bystander that
+    alternates between the two servers is served about as fast beside 120
+    channels as beside one (alternating, the machine's load weighs on both
+    alike), and the serving thread beside 120 mostly sleeps. (Reading all
+    7 680 doorbells on every pass multiplied the bystander's p50 and kept the
+    thread busy most of the time.)"""
+    flags = ("--max-clients", str(MANY_CHANNELS + 8))
+    flags += ("--max-gpu-slots-per-uid", str(MANY_CHANNELS * MANY_SLOTS))
+    few, many = start_server(checkpoint, *flags), start_server(checkpoint, *flags)
+    channels: dict[str, list[PleClient]] = {"few": [], "many": []}
+    ringers: list[RareRinger] = []
+    try:
+        for name, server, count in (("few", few, 1), ("many", many, MANY_CHANNELS)):
+            for i in range(count):
+                channels[name].append(
+                    server.client(name=f"gpu-{i}", capacity=16, depth=MANY_SLOTS, gpu_driven=True)
+                )
+            ringers.append(RareRinger(channels[name], references[1]))
+        latencies: dict[str, list[float]] = {"few": [], "many": []}
+        rng = np.random.default_rng(8)
+        with (
+            few.client(name="bystander", capacity=16, depth=1) as by_few,
+            many.client(name="bystander", capacity=16, depth=1) as by_many,
+        ):
+            deadline = time.monotonic() + 4.0
+            while time.monotonic() < deadline:
+                for name, bystander in (("few", by_few), ("many", by_many)):
+                    ids = rng.integers(0, references[1].shape[0], 16)
+                    started = time.perf_counter()
+                    rows = bystander.lookup(1, ids)
+                    latencies[name].append(time.perf_counter() - started)
+                    assert np.array_equal(rows, references[1][ids])
+                    time.sleep(0.001)
+        time.sleep(0.3)  # the loop stops spinning after the bystander's last lookup
+        before, started = serving_thread_cpu_seconds(many.pid), time.monotonic()
+        time.sleep(4.5)  # 5 rings
+        cpu = (serving_thread_cpu_seconds(many.pid) - before) / (time.monotonic() - started)
+    finally:
+        for ringer in ringers:
+            ringer.stop()
+        for client in channels["few"] + channels["many"]:
+            client.close()
+    for ringer in ringers:
+        assert ringer.failure is None, ringer.failure
+        assert ringer.rings >= 5, ringer.rings
+    beside_one, beside_many = (float(np.median(latencies[k])) for k in ("few", "many"))
+    # Generous bounds: a quiet machine gives ≈ 0.1 ms either way and a few percent.
+    assert beside_many < 1e-3 + 3 * beside_one, (
+        f"the bystander's p50 was {beside_many * 1e3:.2f} ms beside {MANY_CHANNELS} "
+        f"GPU-driven channels, {beside_one * 1e3:.2f} ms beside one"
+    )
+    assert cpu < 0.2, f"the serving thread used {cpu:.0%} of a core for a ring every 0.9 s"
+
+
+SCRIBBLER = """
+import random
+from pleclient.channel import WORD
+path, seconds = sys.argv[1], float(sys.argv[2])
+client = PleClient.connect(path, name="scribbler", capacity=64, depth=64, gpu_driven=True)
+layout = client.channel.layout
+words = client.channel.sync
+# Every word of the channel header and of each slot's header: the rung word,
+# doorbells, done and answers words, table, count, sequence, waiters, …
+offsets = [WORD * i for i in range(32)] + [
+    layout.slot_offset(s) + WORD * i for s in range(layout.depth) for i in range(32)
+]
+values = (0, 1, 2, 3, 0xFFFFFFFF, 0x80000000)
+rng, writes = random.Random(5), 0
+print("ready", flush=True)
+stop = time.monotonic() + seconds
+while time.monotonic() < stop:
+    for _ in range(1000):
+        value = rng.choice(values) if rng.random() < 0.7 else rng.getrandbits(32)
+        words.store(rng.choice(offsets), value)
+    writes += 1000
+print(writes, flush=True)
+client.close()
+"""
+
+
+def test_a_client_that_scribbles_on_every_word_of_its_gpu_channel_harms_only_itself(
+    server, references
+):
+    """Random values, at full speed, in every header word of a GPU-driven
+    channel (its rung word set and cleared, doorbells rung and unrung, done
+    and answers words, counts and tables): a bystander on the host path and a
+    well-behaved GPU-driven client beside it get exact rows throughout, and
+    the server stays up and stops on SIGTERM."""
+    with Bystander(server, references) as bystander:
+        good = GpuLookups.open(server.socket, device="cpu", capacity=512, depth=2, timeout=5.0)
+        try:
+            scribbler = python_child(SCRIBBLER, server.socket, "4")
+            try:
+                assert scribbler.stdout.readline().strip() == "ready", scribbler.stderr.read()
+                rng = np.random.default_rng(11)
+                deadline = time.monotonic() + 3.0
+                while time.monotonic() < deadline:
+                    ids = rng.integers(0, references[3].shape[0], 300)
+                    assert np.array_equal(rows_of(good, 0, 3, ids), references[3][ids])
+                bystander.wait_for_lookups(10)
+                out, err = scribbler.communicate(timeout=60)
+            finally:
+                scribbler.kill()
+                scribbler.wait()
+            assert scribbler.returncode == 0, err
+            assert int(out.split()[-1]) > 10_000  # it did scribble
+        finally:
+            good.close()
+    assert server.running, server.log_tail()
+    assert "Traceback" not in server.log(), server.log_tail()
+    started = time.monotonic()
+    assert server.stop() == 0, server.log_tail()
+    assert time.monotonic() - started < 10, "SIGTERM took longer than its budget"

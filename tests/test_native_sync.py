@@ -143,6 +143,8 @@ def test_offsets_outside_the_buffer_or_unaligned_are_refused(shared, offset):
         lambda: words.wait_while(offset, 0, 4, 0.0),
         lambda: words.wake(offset),
         lambda: words.add(offset, 1),
+        lambda: words.exchange(offset, 1),
+        lambda: words.scan(offset, 4, 1, 0),
         lambda: _sync.futex_waitv([(words, offset, 0)], 0.0),
     ):
         with pytest.raises((ValueError, OverflowError)):
@@ -189,3 +191,42 @@ def test_add_wraps_modulo_two_to_the_32(shared):
     words.store(0, 0xFFFFFFFF)
     assert words.add(0, 1) == 0
     assert words.add(0, -1) == 0xFFFFFFFF
+
+
+def test_exchange_returns_the_word_it_replaced(shared):
+    _, words = shared
+    words.store(8, 1)
+    assert words.exchange(8, 0) == 1
+    assert words.exchange(8, 0) == 0
+    assert words.load(8) == 0
+
+
+def test_scan_answers_which_words_at_a_stride_hold_the_value(shared):
+    _, words = shared
+    for offset in (40, 40 + 3 * 64, 40 + 63 * 64):  # 64 words, 64 bytes apart
+        words.store(offset, 1)
+    words.store(40 + 5 * 64, 2)
+    assert words.scan(40, 64, 64, 1) == 1 | 1 << 3 | 1 << 63
+    assert words.scan(40, 64, 3, 1) == 1
+    assert words.scan(40, 64, 64, 7) == 0
+    assert words.scan(4092, 4, 1, 0) == 1  # the buffer's last word
+
+
+@pytest.mark.parametrize(
+    "offset, stride, count",
+    [
+        (0, 4, 0),  # no word
+        (0, 4, 65),  # past the 64 bits of the answer
+        (0, 6, 2),  # unaligned stride
+        (0, 0, 2),
+        (0, -4, 2),
+        (4092, 4, 2),  # the second word past the end
+        (0, 4096, 2),
+        (0, 1 << 62, 3),  # an offset that overflows
+        (2, 4, 1),
+    ],
+)
+def test_scan_refuses_words_outside_the_buffer(shared, offset, stride, count):
+    _, words = shared
+    with pytest.raises((ValueError, OverflowError)):
+        words.scan(offset, stride, count, 0)

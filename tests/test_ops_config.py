@@ -15,7 +15,17 @@ from pathlib import Path
 import pytest
 
 from pleclient import protocol as p
-from pleserver.config import SETTINGS, ConfigError, load_config, parse_host_port
+from pleserver.config import (
+    GROUPS,
+    SETTINGS,
+    ConfigError,
+    format_duration,
+    format_size,
+    load_config,
+    parse_duration,
+    parse_host_port,
+    parse_size,
+)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "config.toml"
 EX_CONFIG = 78
@@ -109,6 +119,89 @@ def test_sizes_and_modes_accept_their_written_forms(write):
     assert load_config(str(write('socket_mode = "0640"'))).config.socket_mode == 0o640
 
 
+DURATIONS = [  # (value as written, the setting's unit, value in that unit)
+    (2, "s", 2.0),
+    (0.5, "s", 0.5),
+    ("2", "s", 2.0),
+    ("2s", "s", 2.0),
+    ("500ms", "s", 0.5),
+    ("50us", "s", 50e-6),
+    ("50µs", "s", 50e-6),
+    ("10m", "s", 600.0),
+    ("1h", "s", 3600.0),
+    ("1m30s", "s", 90.0),
+    (" 1.5 s ", "s", 1.5),
+    ("2000", "us", 2000.0),
+    ("2ms", "us", 2000.0),
+    ("1.5e3ns", "us", 1.5),
+    ("-1s", "s", -1.0),
+]
+
+
+@pytest.mark.parametrize("text,unit,value", DURATIONS, ids=[repr(d[:2]) for d in DURATIONS])
+def test_durations_read_as_numbers_in_the_settings_unit_or_with_units(text, unit, value):
+    assert parse_duration(text, unit) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text", ["", "s", "ms5", "5 parsecs", "1s2", "1 s 2", "2ms ms", "inf"])
+def test_a_duration_that_is_not_one_is_an_error(text):
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize(
+    "seconds,text",
+    [(5.0, "5s"), (60.0, "1m"), (600.0, "10m"), (2e-3, "2ms"), (50e-6, "50us"), (0.25, "250ms")],
+)
+def test_durations_are_shown_in_the_largest_whole_unit_and_read_back(seconds, text):
+    assert format_duration(seconds) == text
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    "size,text", [(1 << 30, "1G"), (4 << 30, "4G"), (64 << 10, "64K"), (100, "100")]
+)
+def test_sizes_are_shown_in_the_largest_whole_unit_and_read_back(size, text):
+    assert format_size(size) == text and parse_size(text) == size
+
+
+def test_every_duration_setting_takes_units_in_the_file_and_on_the_command_line(write):
+    durations = [s for s in SETTINGS.values() if s.kind == "duration"]
+    assert {s.name for s in durations} >= {
+        "hello_timeout_s",
+        "idle_timeout_s",
+        "frame_timeout_s",
+        "hotset_save_interval",
+        "spin_us",
+        "gpu_poll_us",
+        "watchdog_s",
+        "metrics_timeout_s",
+    }
+    path = write("\n".join(f'{s.name} = "1500ms"' for s in durations))
+    from_file = load_config(str(path)).config
+    from_flags = load_config(str(write("")), {s.name: "1.5s" for s in durations}).config
+    for s in durations:
+        expected = 1.5 if s.unit == "s" else 1_500_000
+        assert getattr(from_file, s.name) == getattr(from_flags, s.name) == expected, s.name
+        # µs settings stay whole numbers: the serving loop takes them as such.
+        assert type(getattr(from_file, s.name)) is type(s.default or 0.0), s.name
+
+
+def test_bare_numbers_keep_their_old_meaning(write):
+    cfg = load_config(
+        str(write("spin_us = 2000\nhello_timeout_s = 5\nhotset_save_interval = 600"))
+    ).config
+    assert (cfg.spin_us, cfg.hello_timeout_s, cfg.hotset_save_interval) == (2000, 5.0, 600.0)
+
+
+def test_every_setting_is_in_a_group_and_a_new_one_inherits_the_group_before_it():
+    assert {s.group for s in SETTINGS.values()} <= set(GROUPS)
+    names = list(SETTINGS)
+    # gather_workers names its group; parallel_min_rows, after it, names none.
+    assert SETTINGS["parallel_min_rows"].group == SETTINGS["gather_workers"].group == "serving"
+    assert names.index("parallel_min_rows") == names.index("gather_workers") + 1
+
+
 def test_default_capacity_follows_a_lower_max_capacity(write):
     cfg = load_config(str(write("max_capacity = 100\nmax_depth = 2"))).config
     assert (cfg.default_capacity, cfg.default_depth) == (100, 2)
@@ -151,8 +244,14 @@ BAD_VALUES = [
     ('metrics_address = "127.0.0.1:99999"', "metrics_address", "host:port"),
     ('metrics_address = "::1:9478"', "metrics_address", "goes in brackets: [::1]:9478"),
     ('log_level = "LOUD"', "log_level", "one of DEBUG"),
-    ("watchdog_s = 0", "watchdog_s", "at least 0.01"),
+    ("watchdog_s = 0", "watchdog_s", "at least 10ms, got 0"),
     ('watchdog_s = "nan"', "watchdog_s", "finite"),
+    ('hello_timeout_s = "1ms"', "hello_timeout_s", "at least 10ms, got '1ms'"),
+    ('hello_timeout_s = "5 parsecs"', "hello_timeout_s", "not a duration"),
+    ('spin_us = "2ms3"', "spin_us", "a bare number is in us"),
+    ('spin_us = "-1ms"', "spin_us", "at least 0s"),
+    ("spin_us = true", "spin_us", "must be a duration"),
+    ("idle_timeout_s = [1]", "idle_timeout_s", "must be a duration"),
     ("max_depth = 65", "max_depth", f"at most {p.MAX_DEPTH}"),
     ("max_depth = 4\ndefault_depth = 8", "default_depth", "exceeds max_depth (4"),
     ("max_capacity = 10\ndefault_capacity = 20", "default_capacity", "exceeds max_capacity"),
@@ -337,4 +436,34 @@ def test_the_example_config_documents_every_key():
 def test_every_setting_is_a_serve_flag():
     result = pleserver("serve", "--help")
     for setting in SETTINGS.values():
-        assert re.search(rf"^  {setting.flag} ", result.stdout, re.MULTILINE), setting.flag
+        assert re.search(rf"^  {setting.flag}[ ,]", result.stdout, re.MULTILINE), setting.flag
+
+
+def example_sections() -> list[tuple[str, set[str]]]:
+    """deploy/config.toml's ``# --- Title ---`` sections and the keys in each."""
+    sections: list[tuple[str, set[str]]] = []
+    for line in EXAMPLE.read_text().splitlines():
+        heading = re.fullmatch(r"# --- (.*?) -+", line)
+        if heading:
+            sections.append((heading.group(1), set()))
+            continue
+        key = re.match(r"^(?:# )?([a-z_]+) = ", line)
+        if key and sections:
+            sections[-1][1].add(key.group(1))
+    return sections
+
+
+def test_the_example_configs_sections_are_the_groups_of_serve_help():
+    sections = example_sections()
+    groups = [
+        (title, {s.name for s in SETTINGS.values() if s.group == key})
+        for key, (title, _) in GROUPS.items()
+    ]
+    assert len(sections) == len(groups), [title for title, _ in sections]
+    for (title, keys), (section, documented) in zip(groups, sections, strict=True):
+        assert section.lower().startswith(title.lower()), (section, title)
+        assert documented == keys, (
+            f"deploy/config.toml's section {section!r} documents {sorted(documented)}; the "
+            f"settings of group {title!r} are {sorted(keys)} (a setting's `group`, in "
+            "pleserver/config.py, places it in both)"
+        )

@@ -1,6 +1,6 @@
 """What a user installs: the version the CLI and the reports carry, the
 license the metadata names, and the wheel (marker ``wheels``: ``make wheels``
-builds it and runs those)."""
+builds it and runs those), with the deploy files an operator installs from it."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import pleserver
-from pleserver import doctor
+from pleserver import deployfiles, doctor
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -88,6 +88,19 @@ def check_wheel_tags(wheel: Path, machine: str) -> str:
     return m["platform"]
 
 
+def check_deploy_files(wheel: Path) -> None:
+    """The wheel carries deploy/'s units, snippets and config, byte for byte."""
+    with zipfile.ZipFile(wheel) as z:
+        packed = {
+            n: z.read(n)
+            for n in z.namelist()
+            if n.startswith("pleserver/deploy/") and not n.endswith("/")  # not folders
+        }
+    assert set(packed) == {f"pleserver/deploy/{f.path}" for f in deployfiles.FILES}, sorted(packed)
+    for f in deployfiles.FILES:
+        assert packed[f"pleserver/deploy/{f.path}"] == (REPO / "deploy" / f.path).read_bytes()
+
+
 def check_installed(report: str, prefix: str) -> None:
     """What WHEEL_CHECK printed: the version, and both modules from ``prefix``."""
     out = json.loads(report.strip().splitlines()[-1])
@@ -121,6 +134,11 @@ def test_the_wheel_is_manylinux_abi3_with_the_license(wheel):
 
 
 @pytest.mark.wheels
+def test_the_wheel_carries_the_units_snippets_and_default_config(wheel):
+    check_deploy_files(wheel)
+
+
+@pytest.mark.wheels
 def test_the_wheel_installs_into_a_fresh_venv_without_a_compiler(wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
@@ -147,3 +165,23 @@ def test_the_wheel_installs_into_a_fresh_venv_without_a_compiler(wheel, tmp_path
         timeout=60,
     )
     assert cli.stdout == f"pleserver {version('pleserver')}\n", cli.stderr
+    # The installed files, as deploy/README.md installs them, from the venv.
+    files = subprocess.run(
+        [str(venv / "bin" / "pleserver"), "files", "--dir"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    folder = Path(files.stdout.strip())
+    assert files.returncode == 0 and folder.is_relative_to(venv), files.stdout + files.stderr
+    for f in deployfiles.FILES:
+        assert (folder / f.path).read_bytes() == (REPO / "deploy" / f.path).read_bytes(), f.path
+    default = subprocess.run(
+        [str(venv / "bin" / "pleserver"), "config", "default"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert default.stdout == (REPO / "deploy" / "config.toml").read_text(), default.stderr

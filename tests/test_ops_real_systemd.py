@@ -86,6 +86,7 @@ def test_the_readme_sections_hold_the_whole_install():
     commands = readme_commands()
     for step in (
         "pip install .",
+        "pleserver files --dir",
         "systemd-sysusers",
         "systemd-tmpfiles --create",
         "pleserver inspect",
@@ -98,6 +99,8 @@ def test_the_readme_sections_hold_the_whole_install():
         "enable --now ple-server@flash-next ple-server@qwen4-exp",
     ):
         assert step in commands, f"deploy/README.md no longer runs {step!r}"
+    # The units and snippets come from the package installed, not the tree.
+    assert not re.search(r"(?<!\$)deploy/systemd", commands)
     # Nothing a stock Debian lacks, nothing that waits for ever.
     assert not re.search(r"^\s*(sudo )?(setfacl|curl|sudoedit)\b", commands, re.M)
     assert not re.search(r"journalctl[^\n]* -f\b", commands)

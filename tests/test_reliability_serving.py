@@ -18,6 +18,7 @@ import pytest
 from pleclient import protocol as p
 from pleclient.channel import ChannelMap
 from pleclient.checkpoint import discover_tables
+from pleserver.admission import CounterAdmission
 from pleserver.dataplane import DataPlane
 from pleserver.serving import Channel, ServingLoop
 from pleserver.stats import TableStats
@@ -46,7 +47,8 @@ class Kit:
         fd = os.memfd_create(f"ple.test.{session}", os.MFD_CLOEXEC)
         os.ftruncate(fd, layout.size)
         self.fds.append(fd)
-        channel = Channel(session, f"test {session}", ChannelMap(fd, layout, format_header=True))
+        mapping = ChannelMap(fd, layout, format_header=True)
+        channel = Channel(session, f"test {session}", mapping, admission=CounterAdmission(mapping))
         self.loop.add(channel)
         client = ChannelMap(fd, layout)
         self.client_maps.append(client)

@@ -14,6 +14,8 @@ torch = pytest.importorskip("torch")
 from pleclient.vllm_plugin import IdentityMismatch, PleBackendError, settings  # noqa: E402
 from pleclient.vllm_plugin.discovery import find_socket, sockets_in  # noqa: E402
 from pleclient.vllm_plugin.identity import Expected  # noqa: E402
+from pleclient.vllm_plugin.lookups import LayerLookups, StoredRows  # noqa: E402
+from pleclient.vllm_plugin.routes import Routes  # noqa: E402
 from pleclient.vllm_plugin.rows import RowService  # noqa: E402
 from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint  # noqa: E402
 from tests.conftest import SMALL_TABLES  # noqa: E402
@@ -123,17 +125,18 @@ def test_the_row_service_binds_and_reads_from_the_discovered_server(
     monkeypatch.setenv("VLLM_PLE_SHM_SOCKET_DIR", str(socket_dir))
     monkeypatch.setenv("VLLM_PLE_SHM_CHECKPOINT", str(other_checkpoint))
     service = RowService(settings.ShmSettings.from_env())
+    routes = Routes(service)
     try:
         assert service.settings.socket is None
         binding = service.bind(expected(OTHER_TABLE))
         assert service.settings.socket == two_servers[1].socket
         ids = torch.tensor([0, 1, OTHER_TABLE.rows - 1, 77], dtype=torch.int64)
         out = torch.empty((4, OTHER_TABLE.cols), dtype=torch.bfloat16)
-        service.lookup(binding, ids, out)
+        LayerLookups(binding, routes, StoredRows(binding)).lookup(ids, out)
         reference = read_reference(str(other_checkpoint), OTHER_TABLE.name)
         assert np.array_equal(out.view(torch.uint8).numpy(), reference[ids.numpy()])
     finally:
-        service.close()
+        routes.close()
 
 
 def test_an_explicit_socket_is_used_as_given(two_servers, monkeypatch, socket_dir):

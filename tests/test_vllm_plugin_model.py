@@ -112,3 +112,26 @@ def test_ple_output_is_not_trivial_and_a_wrong_row_shows(built):
         # the first token that reads it, and only where the conv carries it.
         assert layer["wrong_row_first_changed_token"] == layer["wrong_row_first_reader"]
         assert 0 < layer["wrong_row_changed_tokens"] < layer["tokens"]
+
+
+def test_every_ple_layer_lookup_starts_with_the_step(built):
+    """Qwen4ExpModel.forward's own calls, with the plugin: before decoder layer
+    0 runs, both PLE layers (decoder layers 1 and 2) have their lookup in flight,
+    each sent once for the step; layer 2's stays in flight until layer 2."""
+    step = built["step"]
+    assert step["stamped_layers"] == qm.LAYERS
+    assert step["routes"] == (
+        ["gpu-driven (CPU stand-in)"] if built["gpu_driven"] else ["host"]
+    )  # the GPU-driven route: no host work, nothing on the host route
+    assert step["in_flight"]["0"] == {"1": True, "2": True}
+    assert step["in_flight"]["1"] == {"1": True, "2": True}
+    assert step["in_flight"]["2"] == {"1": False, "2": True}
+    assert step["requests"] == {table.removesuffix(".weight"): 1 for table in TABLES}
+    assert step["outputs_equal"]  # bit-identical to the stock build's forward
+
+
+def test_without_the_step_start_vllm_starts_one_layer_ahead(built):
+    """The same forward with the plugin's step start undone: at decoder layer 0
+    only layer 1's lookup is out (so the check above can fail)."""
+    assert built["step"]["in_flight_one_ahead"]["0"] == {"1": True, "2": False}
+    assert built["step"]["in_flight_one_ahead"]["1"] == {"1": True, "2": True}

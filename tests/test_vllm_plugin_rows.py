@@ -21,6 +21,8 @@ from pleclient.vllm_plugin import (  # noqa: E402
     settings,
 )
 from pleclient.vllm_plugin.identity import Expected  # noqa: E402
+from pleclient.vllm_plugin.lookups import LayerLookups, StoredRows  # noqa: E402
+from pleclient.vllm_plugin.routes import Routes  # noqa: E402
 from pleclient.vllm_plugin.rows import RowService  # noqa: E402
 from pleserver.synthetic import read_reference  # noqa: E402
 from tests.conftest import SMALL_TABLES  # noqa: E402
@@ -41,18 +43,26 @@ def expected(table, **changes) -> Expected:
 
 
 @pytest.fixture
-def service(server, checkpoint):
-    rows = RowService(
-        settings.ShmSettings(
-            socket=server.socket,
-            checkpoint=str(checkpoint),
-            capacity=100,
-            depth=2,
-            reconnect_window=0,
+def routes(server, checkpoint):
+    rows = Routes(
+        RowService(
+            settings.ShmSettings(
+                socket=server.socket,
+                checkpoint=str(checkpoint),
+                capacity=100,
+                depth=2,
+                reconnect_window=0,
+            )
         )
     )
     yield rows
     rows.close()
+
+
+def layer(routes: Routes, table, **changes) -> LayerLookups:
+    """A PLE layer's lookups over ``table`` (bound now), as a storage holds them."""
+    binding = routes.service.bind(expected(table, **changes))
+    return LayerLookups(binding, routes, StoredRows(binding))
 
 
 @pytest.fixture(scope="module")
@@ -145,78 +155,82 @@ def test_identity_reports_both_sides(checkpoint):
     assert f"fingerprint: server '{'0' * 32}' ≠ checkpoint '{spec.fingerprint}'" in text
 
 
-def test_identity_against_the_model_geometry(service):
+def test_identity_against_the_model_geometry(routes):
     with pytest.raises(IdentityMismatch, match="cols: checkpoint 160, model expects 16"):
-        service.bind(expected(FP8, cols=16))
+        routes.service.bind(expected(FP8, cols=16))
     with pytest.raises(IdentityMismatch, match="dtype: checkpoint 'BF16', model expects"):
-        service.bind(expected(BF16, dtypes=("F8_E4M3",)))
+        routes.service.bind(expected(BF16, dtypes=("F8_E4M3",)))
 
 
 # ------------------------------------------------------------------- lookups
-def test_lookup_larger_than_every_slot_together_is_exact(service, reference):
-    binding = service.bind(expected(BF16))
+def test_lookup_larger_than_every_slot_together_is_exact(routes, reference):
+    bf16 = layer(routes, BF16)
     ids = torch.from_numpy(np.random.default_rng(0).integers(0, BF16.rows, 1000))
     out = typed(BF16, 1000)  # 10 requests of 100 rows over 2 slots
-    service.lookup(binding, ids, out)
+    bf16.lookup(ids, out)
     assert np.array_equal(as_bytes(out), reference[3][ids.numpy()])
 
 
-def test_two_prefetches_in_flight_collect_in_any_order(service, reference):
-    fp8, bf16 = service.bind(expected(FP8)), service.bind(expected(BF16))
+def test_two_prefetches_in_flight_collect_in_any_order(routes, reference):
+    fp8, bf16 = layer(routes, FP8), layer(routes, BF16)
     rng = np.random.default_rng(1)
     a = torch.from_numpy(rng.integers(0, FP8.rows, (25, 6)))  # 150 ids: 2 requests
     b = torch.from_numpy(rng.integers(0, BF16.rows, 70))
-    pa, pb = service.submit(fp8, a), service.submit(bf16, b)
+    fp8.start(a)
+    bf16.start(b)
     out_b, out_a = typed(BF16, 70), typed(FP8, 150)
-    service.collect(pb, out_b)
-    service.collect(pa, out_a)
+    bf16.finish(out_b)
+    fp8.finish(out_a)
     assert np.array_equal(as_bytes(out_a), reference[1][a.reshape(-1).numpy()])
     assert np.array_equal(as_bytes(out_b), reference[3][b.numpy()])
 
 
-def test_a_third_uncollected_prefetch_asks_for_more_depth(service):
-    binding = service.bind(expected(BF16))
+def test_a_third_uncollected_prefetch_asks_for_more_depth(routes):
+    held = [layer(routes, BF16), layer(routes, BF16)]
     ids = torch.arange(10)
-    held = [service.submit(binding, ids), service.submit(binding, ids)]
+    for lookups in held:
+        lookups.start(ids)
     with pytest.raises(PleBackendError, match="VLLM_PLE_SHM_DEPTH"):
-        service.submit(binding, ids)
-    for pending in held:
-        service.discard(pending)
+        layer(routes, BF16).start(ids)
+    for lookups in held:
+        lookups.discard()
     out = typed(BF16, 10)
-    service.lookup(binding, ids, out)  # the slots came back
+    held[0].lookup(ids, out)  # the slots came back
 
 
-def test_rows_convert_to_the_model_dtype(service, reference):
-    binding = service.bind(expected(BF16))
+def test_rows_convert_to_the_model_dtype(routes, reference):
+    bf16 = layer(routes, BF16)
     ids = torch.arange(0, BF16.rows, 97)
     out = torch.empty((ids.numel(), BF16.cols), dtype=torch.float32)
-    service.lookup(binding, ids, out)
+    bf16.lookup(ids, out)
     want = torch.from_numpy(reference[3][ids.numpy()].copy()).view(torch.bfloat16).float()
     assert torch.equal(out, want)
 
 
-def test_server_gone_with_no_reconnect_window_fails_at_once(server, service):
-    binding = service.bind(expected(BF16))
+def test_server_gone_with_no_reconnect_window_fails_at_once(server, routes):
+    bf16 = layer(routes, BF16)
     server.stop()
     with pytest.raises(PleBackendError, match="systemctl start ple-server"):
-        service.lookup(binding, torch.arange(5), typed(BF16, 5))
+        bf16.lookup(torch.arange(5), typed(BF16, 5))
 
 
 def test_a_server_back_within_the_window_answers_the_lookup_that_waited(
     start_server, checkpoint, reference, caplog
 ):
     first = start_server(checkpoint)
-    rows = RowService(
-        settings.ShmSettings(
-            socket=first.socket,
-            checkpoint=str(checkpoint),
-            capacity=100,
-            depth=2,
-            reconnect_window=60,
+    rows = Routes(
+        RowService(
+            settings.ShmSettings(
+                socket=first.socket,
+                checkpoint=str(checkpoint),
+                capacity=100,
+                depth=2,
+                reconnect_window=60,
+            )
         )
     )
     try:
-        binding = rows.bind(expected(BF16))
+        bf16 = layer(rows, BF16)
         first.stop()
         ids = torch.arange(0, BF16.rows, 61)
         out = typed(BF16, ids.numel())
@@ -225,7 +239,7 @@ def test_a_server_back_within_the_window_answers_the_lookup_that_waited(
             ThreadPoolExecutor(1) as pool,
         ):  # the next server starts while the lookup waits
             second = pool.submit(start_server, checkpoint, socket_path=first.socket)
-            rows.lookup(binding, ids, out)
+            bf16.lookup(ids, out)
             second.result()
         assert np.array_equal(as_bytes(out), reference[3][ids.numpy()])
         assert f"reconnected to ple-server at {first.socket}" in caplog.text
@@ -239,3 +253,49 @@ def test_missing_server_names_the_socket(tmp_path, checkpoint):
     )
     with pytest.raises(PleBackendError, match=r"no\.sock.*systemctl start ple-server"):
         rows.bind(expected(FP8))
+
+
+def test_a_lookup_larger_than_its_layer_slots_takes_them_in_turns(server, checkpoint, reference):
+    """The GPU-driven route (its CPU stand-in) sizes each layer's slots for its
+    largest lookup; a larger one rings its later requests as slots come back."""
+    rows = Routes(
+        RowService(
+            settings.ShmSettings(
+                socket=server.socket, checkpoint=str(checkpoint), capacity=100, gpu_path="standin"
+            )
+        )
+    )
+    try:
+        binding = rows.service.bind(expected(BF16), max_ids=200)  # 2 slots of 100 ids
+        bf16 = LayerLookups(binding, rows, StoredRows(binding))
+        ids = torch.from_numpy(np.random.default_rng(2).integers(0, BF16.rows, 450))
+        out = typed(BF16, 450)
+        bf16.lookup(ids, out)  # 5 requests over the layer's 2 slots
+        assert bf16.route is not None and bf16.route.name == "gpu-driven (CPU stand-in)"
+        assert np.array_equal(as_bytes(out), reference[3][ids.numpy()])
+        bf16.start(ids[:150])
+        out = typed(BF16, 150)
+        bf16.finish(out)
+        assert np.array_equal(as_bytes(out), reference[3][ids[:150].numpy()])
+    finally:
+        rows.close()
+
+
+def test_step_layers_outnumbering_the_slots_take_them_in_layer_order(routes, reference):
+    """Four PLE layers started together with the step on a 2-slot channel (the
+    host route): the first layers' requests go out at once, the others as the
+    earlier layers finish; every layer's rows are exact, none waits forever."""
+    layers = [layer(routes, BF16) for _ in range(4)]
+    for lookups in layers:
+        lookups.binding.with_step = True  # what the step start marks (step.adopt)
+    rng = np.random.default_rng(3)
+    ids = [torch.from_numpy(rng.integers(0, BF16.rows, n)) for n in (150, 30, 250, 70)]
+    for lookups, layer_ids in zip(layers, ids, strict=True):
+        lookups.start(layer_ids)  # 2 + 1 + 3 + 1 requests of at most 100 ids
+    client = routes.service.client
+    assert client is not None and client.free_slots == 0  # the first layer holds both
+    for lookups, layer_ids in zip(layers, ids, strict=True):
+        out = typed(BF16, layer_ids.numel())
+        lookups.finish(out)
+        assert np.array_equal(as_bytes(out), reference[3][layer_ids.numpy()])
+    assert client.free_slots == 2

@@ -1,42 +1,34 @@
-/* pleclient._sync: the channel's synchronization words (protocol v2).
+/* pleclient._sync: the binding of the channel's synchronization words
+ * (protocol v2) to Python.
  *
  * A Words object wraps a writable buffer (a mapped channel segment) and
- * operates on the 32-bit words at byte offsets inside it: C11 atomics with
- * the ordering written beside each one, and futex wait/wake with flags this
- * code chooses (shared, never private: two processes map the words). Nothing
- * here reads a layout owned by libc, and nothing aborts on what the peer
- * wrote: a word is only ever a number.
+ * operates on the 32-bit words at byte offsets inside it. Each method parses
+ * its arguments, checks its offsets at the door (4-byte aligned, inside the
+ * buffer), releases the GIL around anything that can block, and calls the
+ * plain C that does the work: eventcount.c (publish, wait, announce, wake),
+ * doorbell.c (the doorbell scan), futex.c (the system calls). The single
+ * atomics (load, store, exchange, add) are written here, each with its
+ * ordering edge named as in eventcount.h:
  *
- * Every entry point checks its offsets at the door (4-byte aligned, inside
- * the buffer) and releases the GIL around anything that can block.
+ *   W1  store: release store                  pairs with E2 (a load, a wait)
+ *   X1  exchange: acq_rel                     pairs with W1, or the stream's
+ *                                             fence before the rung word (G2)
+ *   A1  add: acq_rel                          the loop's own wake counter
+ *   (load is an E2: acquire, pairs with E1 and W1)
  *
- * The protocol built on these words (which word, which side, which order) is
- * written down in pleclient/protocol.py; this file only promises:
- *   publish: every store before the call is visible to whoever reads the
- *            word with acquire and sees the new value (release store), and
- *            the store is ordered before the read of the waiters word
- *            (seq_cst fence), so a sleeper that registered is always woken;
- *   wait_while: returns with an acquire load of the word (what the peer
- *            stored before publishing is visible), registers as a waiter with
- *            a seq_cst read-modify-write and fence before its last check.
- * On x86-64 the release and acquire operations are plain moves and the fences
- * are MFENCE (or a locked instruction); on aarch64 they are STLR / LDAR and
- * DMB ISH. The kernel's futex calls add full barriers of their own. */
+ * Nothing here reads a layout owned by libc, and nothing aborts on what the
+ * peer wrote: a word is only ever a number. Which word, which side, which
+ * order: pleclient/protocol.py. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <errno.h>
-#include <limits.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
-#include <time.h>
 
+#include "doorbell.h"
+#include "eventcount.h"
 #include "futex.h"
-
-/* Cross-process atomics need lock-free (hence address-free) 32-bit words. */
-_Static_assert(ATOMIC_INT_LOCK_FREE == 2, "32-bit atomics must be lock-free");
-_Static_assert(sizeof(atomic_uint) == sizeof(uint32_t), "atomic_uint must be 32 bits");
 
 #define MAX_TIMEOUT_S 86400.0
 
@@ -46,13 +38,6 @@ typedef struct {
     int held;  /* view is valid */
     int busy;  /* calls running with the GIL released (guarded by the GIL) */
 } Words;
-
-static int64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 /* The word at offset, after the door checks; NULL with an exception set. */
 static atomic_uint *word_at(Words *self, Py_ssize_t offset)
@@ -137,8 +122,8 @@ static PyObject *Words_load(Words *self, PyObject *arg)
     atomic_uint *w = word_at(self, offset);
     if (!w)
         return NULL;
-    /* acquire: what the peer stored before it published this value is
-     * visible after this load. */
+    /* E2: acquire, pairs with E1 and W1: what the peer stored before it
+     * published this value is visible after this load. */
     return PyLong_FromUnsignedLong(atomic_load_explicit(w, memory_order_acquire));
 }
 
@@ -151,8 +136,8 @@ static PyObject *Words_store(Words *self, PyObject *args)
     atomic_uint *w = word_at(self, offset);
     if (!w)
         return NULL;
-    /* release: every store before this one is visible to an acquire load
-     * that sees this value. */
+    /* W1: release, pairs with E2: every store before this one is visible to
+     * an acquire load that sees this value. */
     atomic_store_explicit(w, value, memory_order_release);
     Py_RETURN_NONE;
 }
@@ -166,11 +151,7 @@ static PyObject *Words_store_fenced(Words *self, PyObject *args)
     atomic_uint *w = word_at(self, offset);
     if (!w)
         return NULL;
-    /* A waiter announcing itself (Dekker's pattern): the store, then a
-     * seq_cst fence, so the caller's next load cannot be satisfied before
-     * the peer can see the store. The peer's publish has the mirror fence. */
-    atomic_store_explicit(w, value, memory_order_relaxed);
-    atomic_thread_fence(memory_order_seq_cst);
+    ple_ec_announce(w, value); /* E5 */
     Py_RETURN_NONE;
 }
 
@@ -184,18 +165,9 @@ static PyObject *Words_publish(Words *self, PyObject *args)
     atomic_uint *waiters = w ? word_at(self, waiters_offset) : NULL;
     if (!waiters)
         return NULL;
-    /* release: the payload (ids, rows, result words) before the word. */
-    atomic_store_explicit(w, value, memory_order_release);
-    /* seq_cst fence: the word before the read of the waiters count. Paired
-     * with the fence a waiter runs after registering, at least one side sees
-     * the other: the waiter sees the new value, or we see the waiter. */
-    atomic_thread_fence(memory_order_seq_cst);
-    if (atomic_load_explicit(waiters, memory_order_relaxed) == 0)
-        Py_RETURN_FALSE;
-    /* Whatever the waiters word says, one wake call per publish: a peer that
-     * scribbles on it costs us one system call per request, never a storm. */
-    ple_futex_wake((const uint32_t *)w, INT_MAX);
-    Py_RETURN_TRUE;
+    /* E1, E3 (a wake call is a system call that does not block: the GIL
+     * stays held). */
+    return PyBool_FromLong(ple_ec_publish(w, value, waiters));
 }
 
 static PyObject *Words_wake(Words *self, PyObject *args)
@@ -211,7 +183,7 @@ static PyObject *Words_wake(Words *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "wake needs n ≥ 1, not %d", n);
         return NULL;
     }
-    int rc = ple_futex_wake((const uint32_t *)w, n);
+    int rc = ple_ec_wake(w, n);
     if (rc < 0) {
         errno = -rc;
         return PyErr_SetFromErrno(PyExc_OSError);
@@ -228,10 +200,57 @@ static PyObject *Words_add(Words *self, PyObject *args)
     atomic_uint *w = word_at(self, offset);
     if (!w)
         return NULL;
-    /* acq_rel: a read-modify-write that both publishes and observes (used for
-     * the loop's own wake counter). Unsigned: wraps, never overflows. */
+    /* A1: acq_rel, a read-modify-write that both publishes and observes (the
+     * loop's own wake counter). Unsigned: wraps, never overflows. */
     unsigned int old = atomic_fetch_add_explicit(w, (unsigned int)delta, memory_order_acq_rel);
     return PyLong_FromUnsignedLong(old + (unsigned int)delta);
+}
+
+static PyObject *Words_exchange(Words *self, PyObject *args)
+{
+    Py_ssize_t offset;
+    unsigned int value;
+    if (!PyArg_ParseTuple(args, "nI:exchange", &offset, &value))
+        return NULL;
+    atomic_uint *w = word_at(self, offset);
+    if (!w)
+        return NULL;
+    /* X1: acq_rel, pairs with W1 or with the stream's fence before the rung
+     * word (G2, protocol.py): the value taken was published with release, so
+     * what its writer stored before it is visible after this. Used to take a
+     * GPU-driven channel's rung word back to IDLE before its doorbells are
+     * read (D1, doorbell.c). */
+    return PyLong_FromUnsignedLong(atomic_exchange_explicit(w, value, memory_order_acq_rel));
+}
+
+static PyObject *Words_scan(Words *self, PyObject *args)
+{
+    Py_ssize_t offset, stride;
+    unsigned int count, value;
+    if (!PyArg_ParseTuple(args, "nnII:scan", &offset, &stride, &count, &value))
+        return NULL;
+    if (count < 1 || count > PLE_DOORBELL_SCAN_MAX) {
+        return PyErr_Format(PyExc_ValueError, "scan reads 1 to %d words, not %u",
+                            PLE_DOORBELL_SCAN_MAX, count);
+    }
+    if (stride < 4 || stride % 4 != 0) {
+        return PyErr_Format(PyExc_ValueError, "scan needs a stride that is a positive "
+                            "multiple of 4 bytes, not %zd", stride);
+    }
+    /* The first word aligned and inside the buffer, and the last one inside
+     * too (offset + (count - 1) * stride <= len - 4, checked without the
+     * product, which could overflow): then every word between is. */
+    if (!word_at(self, offset))
+        return NULL;
+    Py_ssize_t room = self->view.len - 4 - offset;
+    if (count > 1 && stride > room / (Py_ssize_t)(count - 1)) {
+        return PyErr_Format(PyExc_ValueError, "scan of %u words %zd bytes apart from offset "
+                            "%zd runs past the %zd-byte buffer", count, stride, offset,
+                            self->view.len);
+    }
+    uint64_t rung = ple_doorbell_scan((char *)self->view.buf + offset, (size_t)stride, count,
+                                      value);
+    return PyLong_FromUnsignedLongLong(rung);
 }
 
 static PyObject *Words_wait_while(Words *self, PyObject *args, PyObject *kwds)
@@ -249,41 +268,15 @@ static PyObject *Words_wait_while(Words *self, PyObject *args, PyObject *kwds)
     if (!waiters || to_timeout_ns(timeout_s, "timeout", &timeout_ns) != 0
         || to_timeout_ns(spin_s, "spin", &spin_ns) != 0)
         return NULL;
-    unsigned int seen;
-    int err = 0;
+    uint32_t seen;
+    int rc;
     self->busy++;
     Py_BEGIN_ALLOW_THREADS
-    int64_t start = now_ns();
-    int64_t spin_end = start + (spin_ns < timeout_ns ? spin_ns : timeout_ns);
-    int64_t deadline = start + timeout_ns;
-    /* Spin, yielding the CPU between loads: on a busy machine the peer may
-     * need this very core to answer. acquire: see the payload with the word. */
-    while ((seen = atomic_load_explicit(w, memory_order_acquire)) == value && now_ns() < spin_end)
-        sched_yield();
-    if (seen == value && timeout_ns > 0) {
-        /* Register (seq_cst RMW, then the fence that pairs with publish's),
-         * check once more, sleep. The count may be shared with other threads
-         * of this process waiting on the same word. */
-        atomic_fetch_add_explicit(waiters, 1, memory_order_seq_cst);
-        atomic_thread_fence(memory_order_seq_cst);
-        for (;;) {
-            seen = atomic_load_explicit(w, memory_order_acquire);
-            int64_t left = deadline - now_ns();
-            if (seen != value || left <= 0)
-                break;
-            int rc = ple_futex_wait((const uint32_t *)w, value, left);
-            if (rc != 0 && rc != -EAGAIN && rc != -ETIMEDOUT && rc != -EINTR) {
-                err = -rc;
-                break;
-            }
-        }
-        atomic_fetch_sub_explicit(waiters, 1, memory_order_seq_cst);
-        seen = atomic_load_explicit(w, memory_order_acquire);
-    }
+    rc = ple_ec_wait_while(w, value, waiters, timeout_ns, spin_ns, &seen); /* E2, E4 */
     Py_END_ALLOW_THREADS
     self->busy--;
-    if (err) {
-        errno = err;
+    if (rc != 0) {
+        errno = -rc;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     return PyLong_FromUnsignedLong(seen);
@@ -308,6 +301,11 @@ static PyMethodDef Words_methods[] = {
      "wake(offset, n=all) -> int: wake up to n sleepers on the word."},
     {"add", (PyCFunction)Words_add, METH_VARARGS,
      "add(offset, delta) -> int: atomically add delta (mod 2**32); the new value."},
+    {"exchange", (PyCFunction)Words_exchange, METH_VARARGS,
+     "exchange(offset, value) -> int: atomically replace the word (acq_rel); the old value."},
+    {"scan", (PyCFunction)Words_scan, METH_VARARGS,
+     "scan(offset, stride, count, value) -> int: a bitmask, bit i set where the word at "
+     "offset + i*stride equals value (1 <= count <= 64; each read with acquire)."},
     {"wait_while", (PyCFunction)(void (*)(void))Words_wait_while, METH_VARARGS | METH_KEYWORDS,
      "wait_while(offset, value, waiters_offset, timeout, spin=0.0) -> int: wait until the "
      "word differs from value (spinning up to spin seconds first, then sleeping on the "
@@ -440,7 +438,8 @@ PyMODINIT_FUNC PyInit__sync(void)
         return NULL;
     if (PyModule_AddObjectRef(m, "Words", WordsType) < 0
         || PyModule_AddIntConstant(m, "HAVE_FUTEX_WAITV", ple_futex_waitv_available()) < 0
-        || PyModule_AddIntConstant(m, "FUTEX_WAITV_MAX", PLE_FUTEX_WAITV_MAX) < 0) {
+        || PyModule_AddIntConstant(m, "FUTEX_WAITV_MAX", PLE_FUTEX_WAITV_MAX) < 0
+        || PyModule_AddIntConstant(m, "SCAN_MAX", PLE_DOORBELL_SCAN_MAX) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -9,8 +9,10 @@ unset (or ``vllm``) it does nothing at all. With ``shm``:
 * ``qwen38_flash_next``  — the seed interface ``Qwen3_8FlashNextNGramEmbedding``
   of qwen38-flash-next vLLM builds, with the custom op ``vllm::ple_shm_lookup``;
 * ``loader``             — vLLM's loader never reads the shard tensors;
-* ``rows``               — the worker's ple-server session, device copies and
-  the reconnect policy; ``identity`` — server vs checkpoint check;
+* ``rows``               — the worker's ple-server session and its reconnects;
+  ``routes`` — how a layer's lookups reach it (host or GPU-driven);
+  ``lookups`` — one layer's lookups; ``step`` — all of them start with the
+  step; ``identity`` — server vs checkpoint check;
 * ``settings``           — every environment knob, with defaults; ``register``
   declares them to vLLM's environment check;
 * ``compat``             — the vLLM versions it supports, and the checks that

@@ -1,19 +1,22 @@
-"""The plugin's GPU-driven path: PLE lookups a captured CUDA graph can hold.
+"""The GPU-driven route: PLE lookups a captured CUDA graph can hold.
 
-``RowService`` chooses it (``choose``) at the first lookup on a CUDA device
-when ``VLLM_PLE_SHM_GPU_PATH`` is ``auto`` (the default), the device has
-stream memory operations and the server offers GPU-driven channels; otherwise,
-and on CPU runs, lookups keep the host path (a round trip per layer, eager
-breaks in graphs). The log says which path is in use and why.
+``routes.Routes`` opens it (``choose``) at the first lookup on a CUDA device
+when ``VLLM_PLE_SHM_GPU_PATH`` is ``auto`` (the default), the device has stream
+memory operations and the server offers GPU-driven channels; otherwise, and on
+CPU runs, lookups take the host route (a round trip per layer, eager breaks in
+graphs). The log says which route is in use and why.
 
 A replayed graph repeats the very slots it was captured with, so every PLE
 layer owns fixed slots of one GPU-driven channel: ``slots_per_layer`` of them,
 enough for its largest lookup (``max_ids``: vLLM's token budget × n-gram heads,
 in chunks of ``capacity`` ids). ``start`` rings a layer's chunks on the
 current stream and ``finish`` collects them into the output: no host sync,
-nothing to release afterwards (the rows land in ``out`` on the stream).
-Slots of one layer are rung again only after ``finish`` (or ``discard``),
-which vLLM's order — start for layer i+1, finish it at layer i+1 — gives.
+nothing to release afterwards (the rows land in ``out`` on the stream). A
+lookup with more chunks than its layer has slots (larger than vLLM's budget)
+rings the rest during ``finish``, each once its slot's previous chunk is
+collected. Slots of one layer are rung again only after ``finish`` (or
+``discard``), which vLLM's order — start a layer, finish it at that layer —
+gives.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from pleclient import protocol
 from pleclient.gpu import GpuLookupError, GpuLookups, stream_memops_supported
 from pleclient.vllm_plugin.errors import PleBackendError
+from pleclient.vllm_plugin.rows import TableBinding
 from pleclient.vllm_plugin.settings import ENV_CAPACITY, ENV_GPU_PATH, GPU_PATH_STANDIN
 
 log = logging.getLogger("pleclient.vllm_plugin")
@@ -37,21 +41,33 @@ DEFAULT_MAX_IDS = 2048 * 16
 
 @dataclass(eq=False)
 class GpuPending:
-    """One layer's lookup, rung and not yet collected."""
+    """One layer's lookup, rung (``rung`` of its chunks) and not yet collected."""
 
-    layer_slots: range
-    count: int
+    binding: TableBinding
+    ids: torch.Tensor  # flattened int64, kept for the chunks rung during finish
     chunks: list[tuple[int, int, int]]  # (slot, start, end) of the ids
+    rung: int
+
+    @property
+    def count(self) -> int:
+        return int(self.ids.shape[0])
 
 
 class GpuRoute:
     """A GPU-driven channel shared by every PLE layer of the worker."""
 
+    capturable = True  # stream operations only: no host work per lookup
+
     def __init__(
-        self, lookups: GpuLookups, layers: list[object], slots_per_layer: int, standin: bool
+        self,
+        lookups: GpuLookups,
+        layers: list[TableBinding],
+        slots_per_layer: int,
+        standin: bool,
     ) -> None:
         self.lookups = lookups
         self.standin = standin
+        self.name = "gpu-driven" + (" (CPU stand-in)" if standin else "")
         self.slots_per_layer = slots_per_layer
         self._first_slot = {id(b): i * slots_per_layer for i, b in enumerate(layers)}
 
@@ -61,12 +77,12 @@ class GpuRoute:
         setting: str,
         device: torch.device,
         socket: str,
-        bindings: list,
+        bindings: list[TableBinding],
         capacity: int | None,
         timeout: float,
         connect_timeout: float,
     ) -> GpuRoute | None:
-        """The route for lookups on ``device``, or None for the host path (logged)."""
+        """The route for lookups on ``device``, or None for the host route (logged)."""
         if setting == "off":
             log.info("PLE backend shm: host path (%s=off)", ENV_GPU_PATH)
             return None
@@ -116,47 +132,59 @@ class GpuRoute:
         )
         return cls(lookups, bindings, slots_per_layer, standin)
 
-    def serves(self, binding: object, count: int) -> bool:
-        """Whether this route takes a lookup of ``count`` ids for ``binding``."""
-        return (
-            id(binding) in self._first_slot
-            and 0 < count <= self.slots_per_layer * self.lookups.capacity
-        )
+    def serves(self, binding: TableBinding) -> bool:
+        """Whether ``binding``'s layer has slots here (it was bound before the
+        route opened)."""
+        return id(binding) in self._first_slot
 
-    def start(self, binding, ids: torch.Tensor) -> GpuPending:
+    def start(self, binding: TableBinding, ids: torch.Tensor) -> GpuPending:
         """Ring ``binding``'s slots with ``ids`` (flattened to int64) on the stream."""
         self._check()
+        info = binding.info
+        assert info is not None  # a dummy binding takes the zero route
         first = self._first_slot[id(binding)]
         flat = ids.reshape(-1)
         if flat.dtype != torch.int64:
             flat = flat.to(torch.int64)
         flat = flat.contiguous()
-        count = int(flat.shape[0])
         cap = self.lookups.capacity
         chunks = [
-            (first + k, start, min(start + cap, count))
-            for k, start in enumerate(range(0, count, cap))
+            (first + k % self.slots_per_layer, start, min(start + cap, flat.shape[0]))
+            for k, start in enumerate(range(0, flat.shape[0], cap))
         ]
-        for slot, start, end in chunks:
-            self.lookups.ring(slot, binding.info, flat[start:end])
-        return GpuPending(range(first, first + self.slots_per_layer), count, chunks)
+        pending = GpuPending(binding, flat, chunks, rung=min(len(chunks), self.slots_per_layer))
+        for slot, start, end in chunks[: pending.rung]:
+            self.lookups.ring(slot, info, flat[start:end])
+        return pending
 
-    def finish(self, pending: GpuPending, target: torch.Tensor) -> None:
-        """Collect ``pending``'s rows into ``target`` (uint8 ``[count, row_bytes]``)."""
+    def finish(self, pending: GpuPending, out: torch.Tensor) -> None:
+        """Enqueue the collection of ``pending``'s rows into ``out`` (uint8
+        ``[count, row_bytes]``, on the device)."""
+        self._collect(pending, out)
+
+    def discard(self, pending: GpuPending) -> None:
+        """Collect a lookup nobody will use, so its slots can be rung again."""
+        if pending.rung:
+            row_bytes = pending.binding.row_bytes
+            device = pending.ids.device
+            scratch = torch.empty((pending.count, row_bytes), dtype=torch.uint8, device=device)
+            del pending.chunks[pending.rung :]  # never rung: nothing to collect
+            self._collect(pending, scratch)
+
+    def _collect(self, pending: GpuPending, target: torch.Tensor) -> None:
         chunks, pending.chunks = pending.chunks, []
+        rung, pending.rung = pending.rung, 0
+        info = pending.binding.info
+        assert info is not None  # (start rang it)
         try:
-            for slot, start, end in chunks:
+            for k, (slot, start, end) in enumerate(chunks):
+                if k >= rung:  # its slot's previous chunk was collected just now
+                    self._check()
+                    self.lookups.ring(slot, info, pending.ids[start:end])
                 self.lookups.collect(slot, target[start:end])
         except GpuLookupError as exc:  # the CPU stand-in; a GPU fails the step itself
             raise PleBackendError(f"VLLM_PLE_BACKEND=shm: a PLE lookup failed: {exc}") from None
         self._check()
-
-    def discard(self, pending: GpuPending, row_bytes: int, device: torch.device) -> None:
-        """Collect a lookup nobody will use, so its slots can be rung again."""
-        if not pending.chunks:
-            return
-        scratch = torch.empty((pending.count, row_bytes), dtype=torch.uint8, device=device)
-        self.finish(pending, scratch)
 
     def _check(self) -> None:
         if self.lookups.failure is not None:

@@ -21,9 +21,14 @@ so do we, on the same inputs:
   same order of operations: the same bits. (``dequantize_to_dtype`` on CUDA
   would dispatch to another kernel, ``_triton_dequantize_nvfp4``; stock's
   lookup never uses it, so neither do we.)
+
+``Nvfp4Rows`` is the encoding a layer's lookups apply (``lookups``): room for
+the served rows, then this decode into the layer's output.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -83,3 +88,20 @@ def decode_into(raw: torch.Tensor, global_scale: torch.Tensor, out: torch.Tensor
             values, scales.view(torch.float8_e4m3fn), global_scale, out.dtype, swizzle=False
         )
     )
+
+
+class Nvfp4Rows:
+    """Served NVFP4 rows, decoded into the output (``lookups.RowEncoding``).
+    ``global_scale`` gives the layer's ``weight_scale_2`` as loaded now."""
+
+    def __init__(self, cols: int, global_scale: Callable[[], torch.Tensor]) -> None:
+        self.cols = cols
+        self.row_bytes = row_bytes(cols)
+        self.global_scale = global_scale
+
+    def write(self, out: torch.Tensor, fill: Callable[[torch.Tensor], None]) -> None:
+        raw = torch.empty(
+            (out.numel() // self.cols, self.row_bytes), dtype=torch.uint8, device=out.device
+        )
+        fill(raw)
+        decode_into(raw, self.global_scale(), out)

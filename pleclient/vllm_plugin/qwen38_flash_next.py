@@ -43,7 +43,9 @@ import torch.nn as nn
 
 from pleclient.vllm_plugin.errors import PleBackendError
 from pleclient.vllm_plugin.identity import Expected
-from pleclient.vllm_plugin.rows import RowService, TableBinding
+from pleclient.vllm_plugin.lookups import LayerLookups, StoredRows
+from pleclient.vllm_plugin.routes import Routes
+from pleclient.vllm_plugin.rows import TableBinding
 
 log = logging.getLogger("pleclient.vllm_plugin")
 
@@ -60,7 +62,8 @@ _LAYERS: dict[str, Any] = {}
 class ShmVocabEmbedding(nn.Module):
     """Stands in for ``VocabParallelEmbedding``: the attributes the PLE code reads,
     and ``forward(ids)`` from ple-server. No ``weight`` on purpose: the PLE layer
-    then takes the FP8 scale from ``_offload_weight_scale``."""
+    then takes the FP8 scale from ``_offload_weight_scale``. Its lookups run
+    inside the custom op, outside graphs: never GPU-driven."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
@@ -68,15 +71,23 @@ class ShmVocabEmbedding(nn.Module):
         self.org_vocab_size = int(num_embeddings)
         self.embedding_dim = int(embedding_dim)
         self.binding: TableBinding | None = None
-        self._rows = RowService.shared()
+        self._lookups: LayerLookups | None = None
+
+    def bind(self, expected: Expected) -> None:
+        routes = Routes.shared()
+        binding = routes.service.bind(expected)
+        self.binding = binding
+        self._lookups = LayerLookups(
+            binding, routes, StoredRows(binding), route=routes.for_layer(binding)
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.binding is None:
+        if self.binding is None or self._lookups is None:
             raise PleBackendError("the shm PLE embedding was never bound to a table")
         out = torch.empty(
             (*ids.shape, self.embedding_dim), dtype=self.binding.storage_dtype, device=ids.device
         )
-        self._rows.lookup(self.binding, ids, out)
+        self._lookups.lookup(ids, out)
         return out
 
     def extra_repr(self) -> str:
@@ -118,7 +129,7 @@ def apply(cls: Any) -> None:  # a vLLM class, patched in place: Any to mypy
         self._ple_shm_prefix = prefix
         _LAYERS[prefix] = self
         storage = self.ngram_embedding
-        storage.binding = storage._rows.bind(
+        storage.bind(
             Expected(
                 prefix=prefix,
                 rows=storage.org_vocab_size,

@@ -20,6 +20,19 @@
 
 ``forward``, ``start_prefetch`` and ``compute_ngram_ids`` stay stock: they call
 the storage, which now asks the server.
+
+``Qwen4ExpModel`` (NVIDIA) starts every PLE layer's lookup with the step
+(``step``): its ``__init__`` stamps the layers of the rank's range once they
+are built, and its ``_start_layer_ple_prefetch`` becomes
+``step.starting_with_the_step`` of the stock one, so the forward's first call
+starts every PLE layer through the stock call (each hashes with its own
+buffers) and the later calls find theirs started. The model classes also
+declare the shard tensors unused (``loader``).
+
+What is Qwen4Exp's here and what is not: the patch points above, where a
+layer's storage and its PLE layer are (``_shm_binding``) and the hashing (the
+stock ``compute_ngram_ids``, untouched). Lookups, routes and the step start
+know no model family.
 """
 
 from __future__ import annotations
@@ -32,8 +45,9 @@ from typing import Any
 
 import torch
 
-from pleclient.vllm_plugin import compat
+from pleclient.vllm_plugin import compat, loader, step
 from pleclient.vllm_plugin.registration import QWEN4_EXP_STORAGE as STORAGE_NAMES
+from pleclient.vllm_plugin.rows import TableBinding
 
 log = logging.getLogger("pleclient.vllm_plugin")
 
@@ -109,3 +123,58 @@ def patch_ngram_embedding(module: ModuleType, cls: Any) -> None:  # patched in p
     cls._ple_shm_patched = True
     cls._ple_shm_original = {"__init__": original_init, "load_weights": original_load_weights}
     log.info("PLE backend shm: patched %s.%s", cls.__module__, cls.__qualname__)
+
+
+def patch_model(module: ModuleType) -> None:
+    """``vllm.models.qwen4_exp.nvidia.model``: the model classes declare the
+    shard tensors unused, and every PLE layer's lookup starts with the step."""
+    loader.patch_model_module(module)
+    patch_step_start(module.Qwen4ExpModel)
+
+
+def patch_step_start(cls: Any) -> None:  # patched in place
+    """Every PLE layer's lookup of the rank's range starts at the forward's
+    first ``_start_layer_ple_prefetch`` (see ``step``). Idempotent."""
+    if cls.__dict__.get("_ple_shm_step_patched"):
+        return
+    stock = cls.__dict__.get("_start_layer_ple_prefetch")
+    if not isinstance(stock, staticmethod):
+        log.warning(
+            "PLE backend shm: %s.%s has no static _start_layer_ple_prefetch (not vLLM 0.33's "
+            "model); PLE lookups start as this vLLM starts them, not with the step",
+            cls.__module__,
+            cls.__qualname__,
+        )
+        return
+    start = stock.__func__
+    original_init = cls.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs) -> None:
+        original_init(self, *args, **kwargs)
+        started = step.adopt(self.layers, self.start_layer, self.end_layer, start, _shm_binding)
+        if started is not None:
+            log.info(
+                "PLE backend shm: every PLE layer's lookup of layers %d..%d (%d PLE layers) "
+                "starts with the step",
+                self.start_layer,
+                self.end_layer - 1,
+                len(started.ple_layers),
+            )
+
+    cls.__init__ = __init__
+    cls._start_layer_ple_prefetch = staticmethod(step.starting_with_the_step(start))
+    cls._ple_shm_step_patched = True
+    cls._ple_shm_step_original = {"__init__": original_init, "_start_layer_ple_prefetch": stock}
+
+
+def _shm_binding(decoder_layer: Any) -> TableBinding | None:
+    """The ple-server table of a decoder layer's PLE layer, or None (no PLE
+    layer, or stock storage)."""
+    from pleclient.vllm_plugin.storage import Qwen4ExpPLEShmEmbedding
+
+    ple = getattr(decoder_layer, "ple", None)
+    if ple is None:
+        return None
+    storage = ple.ple_embedding.ngram_embedding
+    return storage.binding if isinstance(storage, Qwen4ExpPLEShmEmbedding) else None

@@ -49,9 +49,10 @@ TARGETS: dict[str, Target] = {
     ),
     # Model classes: declare the shard tensors unused, so the loader skips them.
     # Each imports its platform's n-gram embedding: that one, and no other.
+    # nvidia's: every PLE layer's lookup also starts with the step (step.py).
     f"{QWEN4_EXP}.nvidia.model": Target(
-        f"{_ADAPTERS}.loader:patch_model_module",
-        _QWEN4_MODELS,
+        f"{_ADAPTERS}.qwen4_exp:patch_model",
+        (*_QWEN4_MODELS, "Qwen4ExpModel"),
         QWEN4_EXP,
         "nvidia",
         implies=(f"{QWEN4_EXP}.nvidia.ngram_embedding",),

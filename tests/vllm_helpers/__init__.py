@@ -21,9 +21,15 @@ class ScenarioFailed(AssertionError):
 
 
 def run_scenario(
-    name: str, args: dict | None = None, *, env: dict | None = None, timeout: float = 240.0
+    name: str,
+    args: dict | None = None,
+    *,
+    env: dict | None = None,
+    timeout: float = 240.0,
+    module: str = "tests.vllm_helpers.scenarios",
 ) -> dict:
-    """Run ``tests.vllm_helpers.scenarios <name>`` and return its JSON result."""
+    """Run ``python -m <module> <name>`` (by default ``tests.vllm_helpers.scenarios``)
+    and return its JSON result."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_PLE_")}
     base.update(
         {
@@ -37,7 +43,7 @@ def run_scenario(
     )
     base.update(env or {})
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.vllm_helpers.scenarios", name, json.dumps(args or {})],
+        [sys.executable, "-m", module, name, json.dumps(args or {})],
         cwd=REPO,
         env=base,
         capture_output=True,

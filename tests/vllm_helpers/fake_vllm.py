@@ -27,6 +27,9 @@ _QWEN4_MODEL = """\
     from .ple_layer import Qwen4ExpPLELayer
     class Qwen4ExpForCausalLM: ...
     class Qwen4ExpForConditionalGeneration: ...
+    class Qwen4ExpModel:
+        @staticmethod
+        def _start_layer_ple_prefetch(*args): ...
 """
 _QWEN4_MTP = """\
     from .model import Qwen4ExpForCausalLM

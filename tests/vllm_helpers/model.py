@@ -81,10 +81,36 @@ def synthetic_tables(layers=LAYERS, parts: int = PARTS) -> list:
 
 def write_test_checkpoint(path: str, *, seed: int = 0, files: int = 3, layers=LAYERS) -> str:
     """The layers' tables over ``files`` files: with 3 files and 4 shards the
-    middle file holds shards only, the outer ones mix shards with other tensors."""
+    middle file holds shards only, the outer ones mix shards with other tensors.
+    config.json also holds the hashing keys of the tiny config (``hash_config``)."""
+    import json
+
     from pleserver.synthetic import write_checkpoint
 
-    return write_checkpoint(path, synthetic_tables(layers), files=files, seed=seed)
+    write_checkpoint(path, synthetic_tables(layers), files=files, seed=seed)
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    with open(config_path, "w") as f:
+        json.dump({**config, **hash_config()}, f, indent=1)
+    return path
+
+
+def hash_config() -> dict:
+    """The config keys of ``text_config`` that the n-gram hashing reads, as a
+    saved config.json holds them; PLE on the decoder layers of every ``PleLayer``
+    (ple_layer_ids count from 1), so each layer's dense id is its own."""
+    return {
+        "model_type": "qwen4_exp_text",
+        "vocab_size": UNIGRAM_VOCAB,
+        "eos_token_id": EOS,
+        "ngram_size": NGRAM_SIZE,
+        "heads_per_ngram": HEADS_PER_NGRAM,
+        "ngram_vocab_size_base": NGRAM_VOCAB_BASE,
+        "make_ngram_vocab_size_divisible_by": DIVISOR,
+        "split_ngram_parts": PARTS,
+        "ple_layer_ids": [p.layer + 1 for p in (*LAYERS, NVFP4_LAYER)],
+    }
 
 
 def text_config(layer: PleLayer):

@@ -180,9 +180,9 @@ def bit_identical(args: dict) -> dict:
 
 
 def _row_path() -> str:
-    from pleclient.vllm_plugin.rows import RowService
+    from pleclient.vllm_plugin.routes import Routes
 
-    return RowService.shared().path
+    return Routes.shared().path
 
 
 @scenario
@@ -554,7 +554,7 @@ def server_restarts(args: dict) -> dict:
     import dataclasses
 
     from pleclient.vllm_plugin import PleBackendError
-    from pleclient.vllm_plugin.rows import RowService
+    from pleclient.vllm_plugin.routes import Routes
 
     socket_path = os.environ["VLLM_PLE_SHM_SOCKET"]
     window = args["window"]
@@ -590,7 +590,7 @@ def server_restarts(args: dict) -> dict:
 
             # 3. killed for good (a short window from here on; the restarts above
             #    had the environment's, long enough for a slow server start)
-            rows = RowService.shared()
+            rows = Routes.shared().service
             rows.settings = dataclasses.replace(rows.settings, reconnect_window=window)
             server.kill()
             started = time.monotonic()
@@ -839,6 +839,126 @@ def _run_ple_layer(loaded, layer: int, batch: m.Batch, hidden: torch.Tensor, *, 
     return output, ple.kv_cache[0][slots].clone()
 
 
+def _run_model_step(loaded, batch: m.Batch) -> dict:
+    """One ``Qwen4ExpModel.forward`` over a prefill batch, as vLLM's model runner
+    calls it, with each decoder layer's body reduced to its PLE layer and the
+    final hyper-connection mixer to a pass-through (attention, MoE and the mixer
+    are CUDA/Triton kernels): the forward's own ``_start_layer_ple_prefetch``
+    calls, in its own order, and each PLE layer's full forward. Returns each PLE
+    layer's output, and which PLE layers had a lookup in flight (started, not
+    yet finished) when each decoder layer began."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    from tests.vllm_helpers import qwen4_model as qm
+
+    model = loaded.model.model
+    slots = [1, 2]  # slot 0 is vLLM's null block
+    metadata = {}
+    for layer in qm.PLE_DECODER_LAYERS:
+        ple = qm.ple_layer(loaded.model, layer)
+        (state_shape,) = ple.get_state_shape()
+        (state_dtype,) = ple.get_state_dtype()
+        ple.kv_cache = (torch.zeros(len(slots) + 1, *state_shape, dtype=state_dtype),)
+        metadata[ple.prefix] = qm.prefill_metadata(batch.query_start_loc, slots)
+    outputs: dict[int, torch.Tensor] = {}
+    in_flight: dict[int, dict[int, bool]] = {}
+
+    def lookups_in_flight() -> dict[int, bool]:
+        flights = {}
+        for layer in qm.PLE_DECODER_LAYERS:
+            storage = qm.ple_layer(loaded.model, layer).ple_embedding.ngram_embedding
+            lookups = getattr(storage, "lookups", None)
+            flights[layer] = bool(lookups is not None and lookups.in_flight)
+        return flights
+
+    def body(index: int, decoder_layer):
+        def forward(hidden_states, prev_block_output, prev_injection, positions, **ple_inputs):
+            del prev_block_output, prev_injection, positions  # None (see the return); unused
+            in_flight[index] = lookups_in_flight()
+            if decoder_layer.ple is not None:
+                hidden_states = decoder_layer.ple(hidden_states, **ple_inputs)
+                outputs[index] = hidden_states.clone()
+            return hidden_states, None, None
+
+        return forward
+
+    class PassThroughMixer(torch.nn.Module):
+        def combine_and_mix(self, hidden_states, block_output, injection):
+            del block_output, injection
+            return hidden_states, hidden_states[:, : qm.HIDDEN], None
+
+    mixer = model.hyper_connection_mixer
+    for index, decoder_layer in enumerate(model.layers):
+        decoder_layer.forward = body(index, decoder_layer)
+    model.hyper_connection_mixer = PassThroughMixer()
+    try:
+        with (
+            torch.inference_mode(),
+            set_current_vllm_config(loaded.config),
+            set_forward_context(metadata, loaded.config),
+        ):
+            model(
+                batch.input_ids,
+                torch.arange(batch.input_ids.shape[0]),
+                query_start_loc=batch.query_start_loc,
+                ngram_context=batch.ngram_context,
+            )
+    finally:
+        model.hyper_connection_mixer = mixer
+        for decoder_layer in model.layers:
+            del decoder_layer.forward
+    return {"outputs": outputs, "in_flight": in_flight}
+
+
+def _step_result(stock, shm, batch: m.Batch) -> dict:
+    """The model's forward, stock and shm: every PLE layer's output, which
+    lookups were in flight as each decoder layer began, the server's requests
+    per table for the step; and the same with the step start undone (vLLM's
+    own one-layer-ahead order), to show the difference is visible."""
+    from pleclient.vllm_plugin import step
+    from tests.vllm_helpers import qwen4_model as qm
+
+    want = _run_model_step(stock, batch)
+    before = _requests_per_table()
+    got = _run_model_step(shm, batch)
+    after = _requests_per_table()
+    layers = list(shm.model.model.layers)
+    stamps = {i: layer.__dict__.pop(step.STEP_ATTR) for i, layer in enumerate(layers)}
+    try:
+        one_ahead = _run_model_step(shm, batch)
+    finally:
+        for i, stamp in stamps.items():
+            layers[i].__dict__[step.STEP_ATTR] = stamp
+    routes = {
+        qm.ple_layer(shm.model, i).ple_embedding.ngram_embedding.lookups.route.name
+        for i in qm.PLE_DECODER_LAYERS
+    }
+    return {
+        "outputs_equal": all(
+            same_bits(want["outputs"][i], got["outputs"][i])
+            and same_bits(want["outputs"][i], one_ahead["outputs"][i])
+            for i in qm.PLE_DECODER_LAYERS
+        ),
+        "in_flight": _keyed(got["in_flight"]),
+        "in_flight_one_ahead": _keyed(one_ahead["in_flight"]),
+        "requests": {name: after[name] - before[name] for name in after},
+        "routes": sorted(routes),
+        "stamped_layers": len(stamps),
+    }
+
+
+def _keyed(in_flight: dict[int, dict[int, bool]]) -> dict[str, dict[str, bool]]:
+    return {str(i): {str(j): v for j, v in f.items()} for i, f in in_flight.items()}
+
+
+def _requests_per_table() -> dict[str, int]:
+    from pleclient import PleClient
+
+    stats = PleClient.query_stats(os.environ["VLLM_PLE_SHM_SOCKET"])
+    return {table["name"]: int(table["requests"]) for table in stats["tables"]}
+
+
 def _transformers_ple(hf_model, layer: int, batch: m.Batch, hidden: torch.Tensor) -> torch.Tensor:
     """transformers' ``Qwen4ExpTextPLELayer`` per request (no cache: a new
     sequence), plus the residual the decoder layer adds; vLLM's PLE layer
@@ -891,6 +1011,9 @@ def whole_model(args: dict) -> dict:
             "stock": stock.unloaded_parameters,
             "shm": shm.unloaded_parameters,
         }
+        # First the whole forward (it needs prefetch on, which the loop below
+        # turns off layer by layer).
+        result["step"] = _step_result(stock, shm, batch)
         hf = qm.load_transformers_model(args["reference"])
         for layer in qm.PLE_DECODER_LAYERS:
             want, want_state = _run_ple_layer(stock, layer, batch, hidden, prefetch=True)
