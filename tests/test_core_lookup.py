@@ -11,6 +11,7 @@ import pytest
 
 from pleclient import PleClient, PleError, RequestError, ServerUnavailable
 from pleclient import protocol as p
+from pleclient.slots import SlotOwner
 from pleserver.synthetic import read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
 from tests.host import require_futex_waitv
@@ -90,6 +91,19 @@ def test_free_slots_counts_the_slots_no_unreleased_ticket_holds(server):
         with pytest.raises(RequestError):
             client.submit(1, [client.table(1).rows]).wait()  # rejected: its slot is free
         assert client.free_slots == 3
+
+
+def test_a_slot_released_before_its_answer_is_reclaimed_once_answered(server, references):
+    with server.client(depth=1) as client:
+        first = client.submit(1, [1])
+        assert client.slots.owner(0) is SlotOwner.TICKET
+        first.release()  # maybe before its answer: nobody will read it
+        assert client.slots.owner(0) is SlotOwner.ABANDONED and client.free_slots == 1
+        second = client.submit(3, [2])  # the answer to the first came (or is waited for)
+        assert client.slots.owner(0) is SlotOwner.TICKET
+        assert np.array_equal(second.wait(), references[3][[2]])
+        second.release()
+        assert client.slots.owner(0) is SlotOwner.FREE
 
 
 def test_lookup_into_caller_buffer_and_by_name(server, references):
