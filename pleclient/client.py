@@ -52,6 +52,13 @@ CONNECT_RETRY_MAX_S = 0.05
 then twice as long each time up to 50 ms, until the connect timeout."""
 
 
+def server_socket(socket_path: str | None = None) -> str:
+    """The control socket a client connects to: ``socket_path`` when given,
+    else ``$PLE_SERVER_SOCKET``, else ``/run/ple-server/ple.sock`` (the
+    systemd unit's)."""
+    return socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
+
+
 @dataclass(frozen=True)
 class TableInfo:
     """A table the server serves (one PLE layer)."""
@@ -173,7 +180,7 @@ class PleClient:
         ``$PLE_SERVER_SOCKET`` or ``/run/ple-server/ple.sock``. A
         ``gpu_driven`` channel is rung by a CUDA stream (``pleclient.gpu``), not
         by ``submit``; ProtocolMismatch if the server does not offer it."""
-        path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
+        path = server_socket(socket_path)
         sock = _connect_socket(path, timeout)
         try:
             _send_hello(sock, name or f"pid{os.getpid()}")
@@ -198,7 +205,7 @@ class PleClient:
     @classmethod
     def query_stats(cls, socket_path: str | None = None, timeout: float = 5.0) -> dict:
         """Server statistics, without opening a channel (for ``pleserver stats``)."""
-        path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
+        path = server_socket(socket_path)
         with _connect_socket(path, timeout) as sock:
             _send_hello(sock, "stats")
             _expect(sock, p.MessageType.WELCOME, path)
@@ -211,7 +218,7 @@ class PleClient:
     def query_tables(cls, socket_path: str | None = None, timeout: float = 5.0) -> list[TableInfo]:
         """The tables a server serves (its hello answer), without opening a
         channel: cheap enough to ask every server of a host."""
-        path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
+        path = server_socket(socket_path)
         with _connect_socket(path, timeout) as sock:
             _send_hello(sock, "tables")
             welcome = _expect(sock, p.MessageType.WELCOME, path)

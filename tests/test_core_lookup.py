@@ -11,6 +11,7 @@ import pytest
 
 from pleclient import PleClient, PleError, RequestError, ServerUnavailable
 from pleclient import protocol as p
+from pleclient.client import server_socket
 from pleclient.slots import SlotOwner
 from pleserver.synthetic import read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
@@ -161,6 +162,17 @@ def test_concurrent_client_processes_get_their_own_rows(server, checkpoint):
 def test_missing_socket_names_the_service(tmp_path):
     with pytest.raises(ServerUnavailable, match="systemctl status ple-server"):
         PleClient.connect(str(tmp_path / "nothing.sock"))
+
+
+def test_no_socket_given_means_the_environment_s_then_the_service_s(server, monkeypatch):
+    monkeypatch.setenv(p.SOCKET_ENV, server.socket)
+    with PleClient.connect() as client:  # every entry point without a path finds it
+        assert client.socket_path == server.socket
+    assert len(PleClient.query_tables()) == 2
+    assert PleClient.query_stats()["pid"] == server.pid
+    assert server_socket("/elsewhere.sock") == "/elsewhere.sock"
+    monkeypatch.delenv(p.SOCKET_ENV)
+    assert server_socket() == p.DEFAULT_SOCKET == "/run/ple-server/ple.sock"
 
 
 def test_stats_counts_rows_and_bytes(server):
