@@ -129,6 +129,75 @@ class Segment:
     tensor: str = "weight"  # their name after ``shard_<i>.``
 
 
+@dataclass(frozen=True)
+class _SegmentRule:
+    """What the shard tensors of one segment must be, and the words in which
+    a problem with them is reported.
+
+    A table is validated per segment, as the server reads it (the native
+    gather composes a served row from its segments): each segment's tensors on
+    their own, then what relates the segments of a table (columns, rows per
+    shard), then what the table needs besides (its global scale)."""
+
+    name: str  # the Segment's
+    tensor: str  # the tensors' name after ``shard_<i>.``
+    dtype: str | None  # required; None: the shards' own, one of TABLE_DTYPES
+    per_element: int  # table columns per element of a tensor row
+    noun: str  # the tensors, in the problems' words
+    not_2d: str  # a tensor that is not 2-D ({e}: the TensorEntry)
+    missing: str  # shard indices without a tensor ({name}, {shown}, {last})
+    what: str = ""  # what a row needs of this segment (a later segment's rows)
+
+    def width(self, cols: int) -> int:
+        """The tensors' second dimension for a table of ``cols`` columns."""
+        return cols // self.per_element
+
+    def row_bytes(self, cols: int, dtype: str) -> int:
+        return self.width(cols) * ITEMSIZE[self.dtype or dtype]
+
+
+_ROWS = _SegmentRule(
+    name="rows",
+    tensor="weight",
+    dtype=None,
+    per_element=1,
+    noun="shards",
+    not_2d="{e.name}: shard is not 2-D (shape must be [rows, cols])",
+    missing="{name}: missing shard indices {shown} of 0..{last}; the checkpoint is incomplete",
+)
+"""The one segment of a BF16 or FP8 table: its whole rows."""
+_NVFP4_SEGMENTS = (
+    _SegmentRule(
+        name="values",
+        tensor="weight",
+        dtype="U8",
+        per_element=2,
+        noun="NVFP4 values",
+        not_2d="{e.path}: tensor {e.name} has shape {shape}; NVFP4 values must be 2-D "
+        "[rows, cols/2]",
+        missing="{name}: missing shard indices {shown} of 0..{last} (shard_<i>.weight); the "
+        "checkpoint is incomplete",
+    ),
+    _SegmentRule(
+        name="block_scales",
+        tensor="weight_scale",
+        dtype="F8_E4M3",
+        per_element=NVFP4_BLOCK,
+        noun="NVFP4 block scales",
+        not_2d="{e.path}: tensor {e.name} has shape {shape}; NVFP4 block scales must be 2-D "
+        f"[rows, cols/{NVFP4_BLOCK}]",
+        missing="{name}: missing NVFP4 block scales for shard indices {shown} of 0..{last} "
+        "(shard_<i>.weight_scale); the checkpoint is incomplete",
+        what="block scales",
+    ),
+)
+"""An NVFP4 table's two segments: packed E2M1 values, then their block scales."""
+
+
+def _segment_rules(dtype: str) -> tuple[_SegmentRule, ...]:
+    return _NVFP4_SEGMENTS if dtype == NVFP4 else (_ROWS,)
+
+
 @dataclass
 class TableSpec:
     """One PLE table: geometry, its shards on disk, scale and fingerprint."""
@@ -148,25 +217,22 @@ class TableSpec:
 
     @property
     def row_bytes(self) -> int:
-        if self.dtype == NVFP4:
-            return self.cols // 2 + self.cols // NVFP4_BLOCK
-        return self.cols * ITEMSIZE[self.dtype]
+        return sum(rule.row_bytes(self.cols, self.dtype) for rule in _segment_rules(self.dtype))
 
     @property
     def segments(self) -> list[Segment]:
         """The served row's segments, in row order (see ``Segment``)."""
-        if self.dtype == NVFP4:
-            return [
-                Segment("values", self.cols // 2, self.shards, "U8"),
-                Segment(
-                    "block_scales",
-                    self.cols // NVFP4_BLOCK,
-                    self.block_scale_shards,
-                    "F8_E4M3",
-                    "weight_scale",
-                ),
-            ]
-        return [Segment("rows", self.row_bytes, self.shards, self.dtype)]
+        shards = [self.shards, self.block_scale_shards]
+        return [
+            Segment(
+                rule.name,
+                rule.row_bytes(self.cols, self.dtype),
+                shards[i],
+                rule.dtype or self.dtype,
+                rule.tensor,
+            )
+            for i, rule in enumerate(_segment_rules(self.dtype))
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -315,12 +381,10 @@ def discover_tables(model_dir: str, *, fingerprint: bool = True) -> list[TableSp
         )
     tables = []
     for name in sorted(shards, key=lambda t: (_table_layer(t), t)):
-        if name in block_scales:
-            table, table_problems = _build_nvfp4_table(
-                name, shards[name], block_scales[name], global_scales.get(name), scales.get(name)
-            )
-        else:
-            table, table_problems = _build_table(name, shards[name], scales.get(name))
+        segments = [shards[name]] + ([block_scales[name]] if name in block_scales else [])
+        table, table_problems = _build_table(
+            name, segments, scales.get(name), global_scales.get(name)
+        )
         problems += table_problems
         if table is not None:
             tables.append(table)
@@ -345,83 +409,184 @@ def _table_layer(table: str) -> int:
     return int(m["layer"])
 
 
-def _build_table(
-    name: str, entries: dict[int, TensorEntry], scale: TensorEntry | None
-) -> tuple[TableSpec | None, list[str]]:
+def _tensor_problems(
+    name: str, rule: _SegmentRule, entries: dict[int, TensorEntry]
+) -> tuple[str, list[str]]:
+    """One segment's tensors, each on its own: dtype, 2-D, data size. Returns
+    the segment's dtype (a table of _ROWS: its shards') and the problems."""
     problems: list[str] = []
-    layer = _table_layer(name)
-    dtypes = sorted({e.dtype for e in entries.values()})
-    if len(dtypes) > 1:
-        problems.append(
-            f"{name}: shards have mixed dtypes {dtypes}; every shard must have the same dtype"
-        )
-    dtype = dtypes[0]
-    if dtype == "U8":
-        problems.append(
-            f"{name}: U8 shards without block scales: an NVFP4 table also needs "
-            f"{name}.shard_<i>.weight_scale (F8_E4M3, [rows, cols/16]) per shard and "
-            f"{name}.weight_scale_2; use the checkpoint's original files"
-        )
-    elif dtype not in TABLE_DTYPES:
-        problems.append(
-            f"{name}: unsupported dtype {dtype} (supported: {', '.join(TABLE_DTYPES)}, {NVFP4})"
-        )
-    widths = sorted({e.shape[1] if len(e.shape) == 2 else -1 for e in entries.values()})
-    if -1 in widths:
-        bad = [e.name for e in entries.values() if len(e.shape) != 2]
-        problems.append(f"{bad[0]}: shard is not 2-D (shape must be [rows, cols])")
-    elif len(widths) > 1:
-        problems.append(
-            f"{name}: shards have mixed widths {widths}; every shard must "
-            "have the same number of columns"
-        )
-    for e in entries.values():
-        if (
-            dtype in ITEMSIZE
-            and len(e.shape) == 2
-            and e.nbytes != e.shape[0] * e.shape[1] * ITEMSIZE.get(e.dtype, 0)
-        ):
+    dtype = rule.dtype
+    if dtype is None:  # the shards decide: one dtype, and one that is served
+        dtypes = sorted({e.dtype for e in entries.values()})
+        dtype = dtypes[0]
+        if len(dtypes) > 1:
+            problems.append(
+                f"{name}: shards have mixed dtypes {dtypes}; every shard must have the same dtype"
+            )
+        if dtype == "U8":
+            problems.append(
+                f"{name}: U8 shards without block scales: an NVFP4 table also needs "
+                f"{name}.shard_<i>.weight_scale (F8_E4M3, [rows, cols/16]) per shard and "
+                f"{name}.weight_scale_2; use the checkpoint's original files"
+            )
+        elif dtype not in TABLE_DTYPES:
+            problems.append(
+                f"{name}: unsupported dtype {dtype} (supported: {', '.join(TABLE_DTYPES)}, {NVFP4})"
+            )
+    for _, e in sorted(entries.items()):
+        if rule.dtype is not None and e.dtype != rule.dtype:
+            problems.append(
+                f"{e.path}: tensor {e.name} is {e.dtype}, but {rule.noun} must be "
+                f"{rule.dtype} (vLLM loads them without a cast); use the checkpoint's "
+                "original files"
+            )
+        elif len(e.shape) != 2:
+            problems.append(rule.not_2d.format(e=e, shape=list(e.shape)))
+        elif e.dtype in ITEMSIZE and e.nbytes != e.shape[0] * e.shape[1] * ITEMSIZE[e.dtype]:
             problems.append(
                 f"{e.path}: tensor {e.name}: {e.nbytes} data bytes, but shape "
-                f"{list(e.shape)} × {ITEMSIZE.get(e.dtype)} bytes is "
-                f"{e.shape[0] * e.shape[1] * ITEMSIZE.get(e.dtype, 0)}"
+                f"{list(e.shape)} × {ITEMSIZE[e.dtype]} bytes is "
+                f"{e.shape[0] * e.shape[1] * ITEMSIZE[e.dtype]}"
             )
-    parts = max(entries) + 1
+    return dtype, problems
+
+
+def _coverage_problems(
+    name: str, rule: _SegmentRule, entries: dict[int, TensorEntry], parts: int
+) -> list[str]:
+    """One segment's tensors together: all as wide, one for every shard."""
+    problems = []
+    widths = sorted({e.shape[1] for e in entries.values() if len(e.shape) == 2})
+    if len(widths) > 1:
+        problems.append(
+            f"{name}: {rule.noun} have mixed widths {widths}; every shard must "
+            "have the same number of columns"
+        )
     missing = sorted(set(range(parts)) - set(entries))
     if missing:
-        problems.append(
-            f"{name}: missing shard indices {_shown(missing)} of 0..{parts - 1}; the "
-            "checkpoint is incomplete"
-        )
-    needs_scale = TABLE_DTYPES.get(dtype, False)
-    scale_value = None
-    if needs_scale and scale is None:
-        problems.append(
-            f"{name}: {dtype} shards need {name}.weight_scale, which is "
-            "missing; use the checkpoint's original files"
-        )
-    elif scale is not None and needs_scale:
-        scale_value, scale_problem = read_scale(scale)
-        if scale_problem:
-            problems.append(scale_problem)
+        problems.append(rule.missing.format(name=name, shown=_shown(missing), last=parts - 1))
+    return problems
+
+
+def _build_table(
+    name: str,
+    segments: list[dict[int, TensorEntry]],
+    scale: TensorEntry | None,
+    global_scale: TensorEntry | None,
+) -> tuple[TableSpec | None, list[str]]:
+    """A table from its segments' shard tensors (``shard_<i>.weight``, and for
+    NVFP4 ``shard_<i>.weight_scale``) and its scale tensors, or every problem
+    found: each segment on its own, then the segments against each other once
+    each is sound, then the scale; the layout last, on a sound table."""
+    rules = _NVFP4_SEGMENTS if len(segments) > 1 else (_ROWS,)
+    parts = max(max(entries) for entries in segments) + 1
+    problems: list[str] = []
+    sound = True  # every segment: sound tensors, one per shard, one width
+    dtype = NVFP4
+    for rule, entries in zip(rules, segments, strict=True):
+        segment_dtype, own = _tensor_problems(name, rule, entries)
+        own += _coverage_problems(name, rule, entries, parts)
+        if rule.dtype is None:  # the table's dtype is its rows'
+            dtype = segment_dtype
+        problems += own
+        sound = sound and not own
+    cols = 0
+    if sound:
+        cols = segments[0][0].shape[1] * rules[0].per_element
+        if dtype == NVFP4:
+            problems += _nvfp4_column_problems(segments[0][0], segments[1][0])
+        for rule, entries in zip(rules[1:], segments[1:], strict=True):
+            problems += _segment_rows_problems(rule, segments[0], entries)
+    if dtype == NVFP4:
+        scale_value, scale_problems = _nvfp4_scale(name, global_scale, scale)
+    else:
+        scale_value, scale_problems = _rows_scale(name, dtype, scale)
+    problems += scale_problems
     if problems:
         return None, problems
-    rows, shard_size, problems = _layout(entries, parts)
+    rows, shard_size, problems = _layout(segments[0], parts)
     if problems:
         return None, problems
-    shard_specs = _shard_specs(entries, parts)
     return TableSpec(
         name=name,
-        layer=layer,
+        layer=_table_layer(name),
         dtype=dtype,
-        cols=widths[0],
+        cols=cols,
         rows=rows,
         parts=parts,
         shard_size=shard_size,
-        shards=shard_specs,
+        shards=_shard_specs(segments[0], parts),
         scale=scale_value,
-        files=sorted({e.path for e in entries.values()}),
+        files=sorted({e.path for entries in segments for e in entries.values()}),
+        block_scale_shards=_shard_specs(segments[1], parts) if len(segments) > 1 else [],
     ), []
+
+
+def _segment_rows_problems(
+    rule: _SegmentRule, first: dict[int, TensorEntry], entries: dict[int, TensorEntry]
+) -> list[str]:
+    """A later segment against the first: as many rows in every shard."""
+    return [
+        f"{e.path}: tensor {e.name} has {e.shape[0]} rows, but {first[i].name} has "
+        f"{first[i].shape[0]}; every row needs its {rule.what}"
+        for i, e in sorted(entries.items())
+        if e.shape[0] != first[i].shape[0]
+    ]
+
+
+def _nvfp4_column_problems(values: TensorEntry, block_scales: TensorEntry) -> list[str]:
+    """Whole blocks of columns, and one block scale per block."""
+    packed = values.shape[1]
+    cols = 2 * packed
+    if cols % NVFP4_BLOCK:
+        return [
+            f"{values.path}: tensor {values.name}: {packed} packed bytes per row are "
+            f"{cols} columns, not a multiple of the NVFP4 block size {NVFP4_BLOCK}"
+        ]
+    scale_width = block_scales.shape[1]
+    if scale_width != cols // NVFP4_BLOCK:
+        return [
+            f"{block_scales.path}: tensor {block_scales.name} has {scale_width} block "
+            f"scales per row, but {cols}-column rows ({packed} packed bytes) need "
+            f"{cols // NVFP4_BLOCK} (one per {NVFP4_BLOCK} columns)"
+        ]
+    return []
+
+
+def _rows_scale(name: str, dtype: str, scale: TensorEntry | None) -> tuple[float | None, list[str]]:
+    """An FP8 table's ``weight_scale`` (a BF16 table has none)."""
+    if not TABLE_DTYPES.get(dtype, False):
+        return None, []
+    if scale is None:
+        return None, [
+            f"{name}: {dtype} shards need {name}.weight_scale, which is "
+            "missing; use the checkpoint's original files"
+        ]
+    value, problem = read_scale(scale)
+    return value, [problem] if problem else []
+
+
+def _nvfp4_scale(
+    name: str, global_scale: TensorEntry | None, unsharded_scale: TensorEntry | None
+) -> tuple[float | None, list[str]]:
+    """An NVFP4 table's global ``weight_scale_2``, and no unsharded
+    ``weight_scale`` beside it (the layout vLLM's NVFP4 PLE ``load_weights``
+    takes)."""
+    problems = []
+    if unsharded_scale is not None:
+        problems.append(
+            f"{unsharded_scale.path}: tensor {unsharded_scale.name}: an unsharded "
+            "weight_scale beside NVFP4 shards (vLLM refuses it: NVFP4 block scales are "
+            "shard_<i>.weight_scale, the global scale is weight_scale_2); remove it"
+        )
+    if global_scale is None:
+        problems.append(
+            f"{name}: NVFP4 shards need {name}.weight_scale_2 (the global scale), which "
+            "is missing; use the checkpoint's original files"
+        )
+        return None, problems
+    value, problem = read_scale(global_scale)
+    return value, problems + ([problem] if problem else [])
 
 
 def _shard_specs(entries: dict[int, TensorEntry], parts: int) -> list[ShardSpec]:
@@ -446,120 +611,6 @@ def _layout(entries: dict[int, TensorEntry], parts: int) -> tuple[int, int, list
                 "shard, last shard partial)"
             )
     return rows, shard_size, problems
-
-
-def _build_nvfp4_table(
-    name: str,
-    values: dict[int, TensorEntry],
-    block_scales: dict[int, TensorEntry],
-    global_scale: TensorEntry | None,
-    unsharded_scale: TensorEntry | None,
-) -> tuple[TableSpec | None, list[str]]:
-    """An NVFP4 table: U8 values and F8_E4M3 block scales per shard, one global
-    F32 ``weight_scale_2`` (the layout vLLM's NVFP4 PLE ``load_weights`` takes)."""
-    problems: list[str] = []
-    kinds = (
-        ("values", values, "U8", "[rows, cols/2]"),
-        ("block scales", block_scales, "F8_E4M3", f"[rows, cols/{NVFP4_BLOCK}]"),
-    )
-    for what, entries, dtype, shape in kinds:
-        for _, e in sorted(entries.items()):
-            if e.dtype != dtype:
-                problems.append(
-                    f"{e.path}: tensor {e.name} is {e.dtype}, but NVFP4 {what} must be "
-                    f"{dtype} (vLLM loads them without a cast); use the checkpoint's "
-                    "original files"
-                )
-            elif len(e.shape) != 2:
-                problems.append(
-                    f"{e.path}: tensor {e.name} has shape {list(e.shape)}; NVFP4 {what} "
-                    f"must be 2-D {shape}"
-                )
-            elif e.nbytes != e.shape[0] * e.shape[1]:
-                problems.append(
-                    f"{e.path}: tensor {e.name}: {e.nbytes} data bytes, but shape "
-                    f"{list(e.shape)} × 1 bytes is {e.shape[0] * e.shape[1]}"
-                )
-    if problems:
-        return None, problems
-    parts = max(max(values), max(block_scales)) + 1
-    missing = sorted(set(range(parts)) - set(values))
-    if missing:
-        problems.append(
-            f"{name}: missing shard indices {_shown(missing)} of 0..{parts - 1} "
-            "(shard_<i>.weight); the checkpoint is incomplete"
-        )
-    missing = sorted(set(range(parts)) - set(block_scales))
-    if missing:
-        problems.append(
-            f"{name}: missing NVFP4 block scales for shard indices {_shown(missing)} of "
-            f"0..{parts - 1} (shard_<i>.weight_scale); the checkpoint is incomplete"
-        )
-    for what, entries, _dtype, _shape in kinds:
-        widths = sorted({e.shape[1] for e in entries.values()})
-        if len(widths) > 1:
-            problems.append(
-                f"{name}: NVFP4 {what} have mixed widths {widths}; every shard must "
-                "have the same number of columns"
-            )
-    if problems:
-        return None, problems
-    packed = values[0].shape[1]
-    cols = 2 * packed
-    scale_width = block_scales[0].shape[1]
-    if cols % NVFP4_BLOCK:
-        problems.append(
-            f"{values[0].path}: tensor {values[0].name}: {packed} packed bytes per row are "
-            f"{cols} columns, not a multiple of the NVFP4 block size {NVFP4_BLOCK}"
-        )
-    elif scale_width != cols // NVFP4_BLOCK:
-        problems.append(
-            f"{block_scales[0].path}: tensor {block_scales[0].name} has {scale_width} block "
-            f"scales per row, but {cols}-column rows ({packed} packed bytes) need "
-            f"{cols // NVFP4_BLOCK} (one per {NVFP4_BLOCK} columns)"
-        )
-    for i in range(parts):
-        if block_scales[i].shape[0] != values[i].shape[0]:
-            problems.append(
-                f"{block_scales[i].path}: tensor {block_scales[i].name} has "
-                f"{block_scales[i].shape[0]} rows, but {values[i].name} has "
-                f"{values[i].shape[0]}; every row needs its block scales"
-            )
-    if unsharded_scale is not None:
-        problems.append(
-            f"{unsharded_scale.path}: tensor {unsharded_scale.name}: an unsharded "
-            "weight_scale beside NVFP4 shards (vLLM refuses it: NVFP4 block scales are "
-            "shard_<i>.weight_scale, the global scale is weight_scale_2); remove it"
-        )
-    scale_value = None
-    if global_scale is None:
-        problems.append(
-            f"{name}: NVFP4 shards need {name}.weight_scale_2 (the global scale), which "
-            "is missing; use the checkpoint's original files"
-        )
-    else:
-        scale_value, scale_problem = read_scale(global_scale)
-        if scale_problem:
-            problems.append(scale_problem)
-    if problems:
-        return None, problems
-    rows, shard_size, problems = _layout(values, parts)
-    if problems:
-        return None, problems
-
-    return TableSpec(
-        name=name,
-        layer=_table_layer(name),
-        dtype=NVFP4,
-        cols=cols,
-        rows=rows,
-        parts=parts,
-        shard_size=shard_size,
-        shards=_shard_specs(values, parts),
-        scale=scale_value,
-        files=sorted({e.path for e in (*values.values(), *block_scales.values())}),
-        block_scale_shards=_shard_specs(block_scales, parts),
-    ), []
 
 
 def _shown(indices: list[int]) -> str:

@@ -37,6 +37,7 @@ from pleclient.errors import (
     ServerGone,
     ServerUnavailable,
 )
+from pleclient.slots import SlotOwner, SlotPool
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,13 @@ CONNECT_RETRY_FIRST_S = 0.001
 CONNECT_RETRY_MAX_S = 0.05
 """A connect the server's queue had no room for is tried again after 1 ms,
 then twice as long each time up to 50 ms, until the connect timeout."""
-LIVENESS_SLICE = 0.05
-"""While blocked, check the control socket this often, so a dead server is
-reported at once rather than at the end of the timeout."""
+
+
+def server_socket(socket_path: str | None = None) -> str:
+    """The control socket a client connects to: ``socket_path`` when given,
+    else ``$PLE_SERVER_SOCKET``, else ``/run/ple-server/ple.sock`` (the
+    systemd unit's)."""
+    return socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
 
 
 @dataclass(frozen=True)
@@ -75,12 +80,14 @@ class TableInfo:
 
 
 class Ticket:
-    """One request in flight; ``wait`` returns the rows, ``release`` frees the slot."""
+    """One request in flight; ``wait`` returns the rows, ``release`` frees the
+    slot. It holds its slot in its client's ``slots`` (as SlotOwner.TICKET)."""
 
-    __slots__ = ("_client", "_slot", "_table", "count", "_state")
+    __slots__ = ("_client", "_slots", "_slot", "_table", "count", "_state")
 
     def __init__(self, client: PleClient, slot: SlotView, table: TableInfo, count: int):
         self._client = client
+        self._slots = client.slots
         self._slot = slot
         self._table = table
         self.count = count
@@ -98,13 +105,20 @@ class Ticket:
         timeout = client.timeout if timeout is None else timeout
         # The state is read with acquire: it pairs with the server's release
         # of DONE and is what makes the rows visible on weakly ordered CPUs.
-        state = client._wait_answered(self._slot, timeout, self)
+        state = self._slots.wait_answered(self._slot, timeout, SPIN_SECONDS)
+        if state == p.SlotState.SUBMITTED:
+            self.release()  # the slot comes back when the answer does
+            raise LookupTimeout(
+                f"ple-server at {client.socket_path} did not answer a request of "
+                f"{self.count} rows within {timeout:.3g} s; the server may be "
+                "overloaded (see `pleserver stats`)"
+            )
         if state == p.SlotState.DONE:
             self._state = "done"
             return self._slot.rows_view(self.count, self._table.row_bytes)
         code, text = self._slot.words[p.SL_ERROR], self._slot.error_text()
         self._state = "released"
-        client._free_slot(self._slot.index)
+        self._slots.release(self._slot.index)
         if state == p.SlotState.ERROR:
             raise RequestError(code, f"ple-server rejected the request: {text}")
         raise ProtocolMismatch(f"slot {self._slot.index} in unexpected state {state}")
@@ -114,10 +128,10 @@ class Ticket:
         its slot is reused only once the server has answered it."""
         if self._state == "submitted":
             self._state = "abandoned"
-            self._client._abandon_slot(self._slot.index)
+            self._slots.abandon(self._slot.index)
         elif self._state == "done":
             self._state = "released"
-            self._client._free_slot(self._slot.index)
+            self._slots.release(self._slot.index)
 
     def __enter__(self) -> Ticket:
         return self
@@ -140,8 +154,8 @@ class PleClient:
         self._by_name = {t.name: t for t in self.tables}
         self._index = {t.name: i for i, t in enumerate(self.tables)}
         self._channel: ChannelMap | None = None
+        self._slots: SlotPool | None = None  # with the channel
         self.gpu_driven = False  # set by _open_channel
-        self._slot_owner: list[str] = []  # free | ticket | abandoned
         self._sequence = 0
         self._lock = threading.Lock()
         self._gone: str | None = None
@@ -166,7 +180,7 @@ class PleClient:
         ``$PLE_SERVER_SOCKET`` or ``/run/ple-server/ple.sock``. A
         ``gpu_driven`` channel is rung by a CUDA stream (``pleclient.gpu``), not
         by ``submit``; ProtocolMismatch if the server does not offer it."""
-        path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
+        path = server_socket(socket_path)
         sock = _connect_socket(path, timeout)
         try:
             _send_hello(sock, name or f"pid{os.getpid()}")
@@ -191,7 +205,7 @@ class PleClient:
     @classmethod
     def query_stats(cls, socket_path: str | None = None, timeout: float = 5.0) -> dict:
         """Server statistics, without opening a channel (for ``pleserver stats``)."""
-        path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
+        path = server_socket(socket_path)
         with _connect_socket(path, timeout) as sock:
             _send_hello(sock, "stats")
             _expect(sock, p.MessageType.WELCOME, path)
@@ -204,7 +218,7 @@ class PleClient:
     def query_tables(cls, socket_path: str | None = None, timeout: float = 5.0) -> list[TableInfo]:
         """The tables a server serves (its hello answer), without opening a
         channel: cheap enough to ask every server of a host."""
-        path = socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
+        path = server_socket(socket_path)
         with _connect_socket(path, timeout) as sock:
             _send_hello(sock, "tables")
             welcome = _expect(sock, p.MessageType.WELCOME, path)
@@ -255,7 +269,8 @@ class PleClient:
                 f"{'not ' if gpu_driven else ''}GPU-driven, as this client did not ask"
             )
         self.gpu_driven = gpu_driven
-        self._slot_owner = ["free"] * layout.depth
+        owner = SlotOwner.STREAM if gpu_driven else SlotOwner.FREE
+        self._slots = SlotPool(self._channel, owner, self._check_alive)
         self._sequence = self._channel.submit_counter
         self._sock.setblocking(False)
 
@@ -271,9 +286,15 @@ class PleClient:
     @property
     def free_slots(self) -> int:
         """Slots no unreleased ticket holds: how many ``submit`` calls can
-        follow before a ticket must be released."""
+        follow before a ticket must be released (none on a GPU-driven channel)."""
+        return self.slots.free
+
+    @property
+    def slots(self) -> SlotPool:
+        """Who holds each slot of the channel (``pleclient.slots``)."""
         self._require_channel()
-        return sum(owner != "ticket" for owner in self._slot_owner)
+        assert self._slots is not None  # (opened with the channel)
+        return self._slots
 
     @property
     def segment_buffer(self) -> memoryview:
@@ -321,7 +342,12 @@ class PleClient:
         if self._gone:
             raise ServerGone(self._gone)
         with self._lock:
-            slot = channel.slots[self._take_slot()]
+            slot = self.slots.take(self.timeout)
+            if slot is None:
+                raise LookupTimeout(
+                    f"ple-server at {self.socket_path} did not answer the released "
+                    f"requests holding this channel's slots within {self.timeout:.3g} s"
+                )
             slot.submit(self._index[info.name], ids, self._sequence, time.monotonic_ns())
             self._sequence = (self._sequence + 1) & 0xFFFFFFFF
             channel.publish_submit(self._sequence)
@@ -385,70 +411,6 @@ class PleClient:
                 ) from None
             finally:
                 self._sock.setblocking(False)
-
-    # ------------------------------------------------------------------ slots
-    def _take_slot(self) -> int:
-        owners = self._slot_owner
-        for i, owner in enumerate(owners):
-            if owner == "abandoned":
-                self._reclaim(i)
-        for i, owner in enumerate(owners):
-            if owner == "free":
-                owners[i] = "ticket"
-                return i
-        if "abandoned" in owners:  # answers on their way: wait for one, not fail
-            index = owners.index("abandoned")
-            slot = self._require_channel().slots[index]
-            deadline = time.monotonic() + self.timeout
-            while (
-                slot.wait_answered(max(0.0, min(LIVENESS_SLICE, deadline - time.monotonic())))
-                == p.SlotState.SUBMITTED
-            ):
-                self._check_alive()
-                if time.monotonic() >= deadline:
-                    raise LookupTimeout(
-                        f"ple-server at {self.socket_path} did not answer the released "
-                        f"requests holding this channel's slots within {self.timeout:.3g} s"
-                    )
-            self._free_slot(index)
-            owners[index] = "ticket"
-            return index
-        raise PleError(
-            f"all {len(owners)} channel slots are held by unreleased or "
-            "unanswered tickets; release tickets (or connect with a larger depth)"
-        )
-
-    def _reclaim(self, index: int) -> None:
-        """An abandoned slot becomes free once the server's answer has arrived."""
-        if self._require_channel().slots[index].state != p.SlotState.SUBMITTED:
-            self._free_slot(index)
-
-    def _free_slot(self, index: int) -> None:
-        self._require_channel().slots[index].release()
-        self._slot_owner[index] = "free"
-
-    def _abandon_slot(self, index: int) -> None:
-        self._slot_owner[index] = "abandoned"
-
-    def _wait_answered(self, slot: SlotView, timeout: float, ticket: Ticket) -> int:
-        """The slot's state once the server answered (spinning ``SPIN_SECONDS``
-        first), checking the control socket every ``LIVENESS_SLICE``."""
-        deadline = time.monotonic() + timeout
-        spin = SPIN_SECONDS
-        while True:
-            remaining = deadline - time.monotonic()
-            state = slot.wait_answered(max(0.0, min(LIVENESS_SLICE, remaining)), spin)
-            if state != p.SlotState.SUBMITTED:
-                return state
-            spin = 0.0
-            self._check_alive()
-            if time.monotonic() >= deadline:
-                ticket.release()  # the slot comes back when the answer does
-                raise LookupTimeout(
-                    f"ple-server at {self.socket_path} did not answer a request of "
-                    f"{ticket.count} rows within {timeout:.3g} s; the server may be "
-                    "overloaded (see `pleserver stats`)"
-                )
 
     def _check_alive(self) -> None:
         if self._gone:
@@ -528,6 +490,8 @@ class PleClient:
         except OSError:
             pass
         if self._channel is not None:
+            assert self._slots is not None
+            self._slots.close()
             self._channel.close()
             self._channel = None
         self._sock.close()

@@ -110,6 +110,25 @@ class Server:
         return 0
 
     def start(self) -> None:
+        """Bring the process up, in this order (a step that fails raises
+        StartupError, and ``run`` closes what the steps before it opened)."""
+        self._open_tables()
+        self._start_metrics()  # before the socket: a bad address fails the start cleanly
+        self._set_budget()
+        self._start_serving()
+        self._open_sessions()
+        self._listen()
+        self._handle_signals()
+        self._announce_ready()
+        # After READY=1, as documented: a unit ordered after ple-server starts
+        # at once, while the tables are read into the page cache (or the row
+        # cache is refilled from the hot set).
+        self._start_prewarm()
+        self._start_hotset()
+
+    def _open_tables(self) -> None:
+        """Discover and validate the checkpoint's tables, open the data plane
+        over them, log each table."""
         cfg = self.config
         if cfg.model and os.path.isdir(cfg.model) and not os.access(cfg.model, os.R_OK | os.X_OK):
             raise StartupError(
@@ -140,23 +159,33 @@ class Server:
                 format_bytes(s.nbytes),
                 s.fingerprint,
             )
-        if cfg.metrics_address:  # before the socket: a bad address fails the start cleanly
-            from pleserver.metrics import MetricsEndpoint, MetricsError
 
-            try:
-                self.metrics = MetricsEndpoint(
-                    cfg.metrics_address,
-                    self.snapshot,
-                    alive=self.alive,
-                    ready=self.ready,
-                    max_connections=cfg.metrics_max_connections,
-                    timeout_s=cfg.metrics_timeout_s,
-                )
-                self.metrics.start()
-            except MetricsError as exc:
-                self.metrics = None
-                raise StartupError(str(exc)) from None
-        self._set_budget()
+    def _start_metrics(self) -> None:
+        """The metrics endpoint, when ``metrics_address`` asks for one."""
+        cfg = self.config
+        if not cfg.metrics_address:
+            return
+        from pleserver.metrics import MetricsEndpoint, MetricsError
+
+        try:
+            self.metrics = MetricsEndpoint(
+                cfg.metrics_address,
+                self.snapshot,
+                alive=self.alive,
+                ready=self.ready,
+                max_connections=cfg.metrics_max_connections,
+                timeout_s=cfg.metrics_timeout_s,
+            )
+            self.metrics.start()
+        except MetricsError as exc:
+            self.metrics = None
+            raise StartupError(str(exc)) from None
+
+    def _start_serving(self) -> None:
+        """The serving loop (its heartbeat pings systemd's watchdog when the
+        unit has one) and the reservers of channel segments; log how the
+        loop waits when idle."""
+        cfg = self.config
         interval = cfg.watchdog_s or watchdog_interval()
         self._watchdog = bool(interval)
         try:
@@ -190,8 +219,12 @@ class Server:
                 f"cannot start the serving threads ({exc}): the service is "
                 "at its task limit (TasksMax=, ulimit -u); raise it"
             ) from None
+
+    def _open_sessions(self) -> None:
+        """The control sessions, over the loop, the budget and the reservers."""
+        assert self.loop is not None  # (_start_serving made it)
         self.sessions = Sessions(
-            cfg,
+            self.config,
             self._selector,
             self.instance,
             self.tables,
@@ -200,7 +233,10 @@ class Server:
             self.reserver,
             self.snapshot,
         )
-        self._listen()
+
+    def _handle_signals(self) -> None:
+        """One ``handle_<signal>`` per signal; the wake-up pipe carries them
+        (and other threads' wake-ups) into the control loop."""
         for signum, handler in (
             (signal.SIGTERM, self.handle_sigterm),
             (signal.SIGINT, self.handle_sigint),
@@ -210,14 +246,20 @@ class Server:
         self._wake_w.setblocking(False)
         signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._serving_status = f"serving {len(self.tables)} tables on {cfg.socket}"
+
+    def _announce_ready(self) -> None:
+        """Log readiness and tell systemd (READY=1); ``/readyz`` says ready."""
+        self._serving_status = f"serving {len(self.tables)} tables on {self.config.socket}"
         log.info("ple-server %s ready: %s", __version__, self._serving_status)
         # Ready before READY=1: whoever saw READY=1 finds /readyz true.
         self._ready = True
         self.notifier.ready(self._serving_status)
-        # After READY=1, as documented: a unit ordered after ple-server starts
-        # at once, while the tables are read into the page cache (or the row
-        # cache is refilled from the hot set).
+
+    def _start_prewarm(self) -> None:
+        """``prewarm = full`` in mmap mode: read the tables into the page cache
+        (other modes refill the row cache from the hot set instead)."""
+        cfg = self.config
+        assert self.plane is not None  # (_open_tables opened it)
         if cfg.prewarm == "full" and self.plane.mode != "mmap":
             log.info(
                 "prewarm = full applies to io = mmap; with io = %s the row cache is "
@@ -228,34 +270,42 @@ class Server:
             self.prewarm = Prewarm(self.tables, cfg.prewarm_budget, cfg.prewarm_reserve)
             self.prewarm.on_progress = self._report_prewarm
             self.prewarm.start()
-        if self.plane.cache is not None:
-            try:
-                self.hotset = HotSet(
-                    cfg.state_dir,
-                    self.tables,
-                    self.plane.cache,
-                    cfg.hotset_save_interval,
-                    self._report_hotset,
-                )
-            except FileNotFoundError:
-                log.info(
-                    "state_dir %s does not exist: the hot set is neither saved nor "
-                    "restored (the unit's StateDirectory= creates it)",
-                    cfg.state_dir,
-                )
-            except StateDirError as exc:
-                log.error("hot set: %s", exc)
-            except OSError as exc:
-                log.error(
-                    "hot set: cannot open state_dir %s (%s): the hot set is neither "
-                    "saved nor restored",
-                    cfg.state_dir,
-                    exc.strerror or exc,
-                )
-            else:
-                self.hotset.start()
+
+    def _start_hotset(self) -> None:
+        """With a row cache: the hot set, saved to ``state_dir`` and refilled
+        from it, when that directory can be used."""
+        cfg = self.config
+        assert self.plane is not None  # (_open_tables opened it)
+        if self.plane.cache is None:
+            return
+        try:
+            self.hotset = HotSet(
+                cfg.state_dir,
+                self.tables,
+                self.plane.cache,
+                cfg.hotset_save_interval,
+                self._report_hotset,
+            )
+        except FileNotFoundError:
+            log.info(
+                "state_dir %s does not exist: the hot set is neither saved nor "
+                "restored (the unit's StateDirectory= creates it)",
+                cfg.state_dir,
+            )
+        except StateDirError as exc:
+            log.error("hot set: %s", exc)
+        except OSError as exc:
+            log.error(
+                "hot set: cannot open state_dir %s (%s): the hot set is neither saved nor restored",
+                cfg.state_dir,
+                exc.strerror or exc,
+            )
+        else:
+            self.hotset.start()
 
     def _set_budget(self) -> None:
+        """The channels' memory budget: ``max_channel_memory``, else 3/4 of the
+        room at start beside the row cache still to come."""
         cfg = self.config
         if cfg.max_channel_memory is not None:
             self.budget = ChannelBudget(cfg.max_channel_memory)
@@ -284,6 +334,8 @@ class Server:
             )
 
     def _listen(self) -> None:
+        """The control socket: a stale one of a dead server replaced, one a
+        live server listens on refused."""
         path = self.config.socket
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):

@@ -21,7 +21,8 @@ Access model (see docs/SECURITY.md):
 - a session's segment is a memfd: it never has a name another process could
   open; its file descriptor goes to the peer alone (SCM_RIGHTS); its size is
   sealed, so the peer cannot shrink it under the server's mapping; its
-  semaphores are unnamed and live inside it.
+  synchronization words (``pleclient.protocol``: shared futexes, which need
+  no name) live inside it, and the server treats them as numbers only.
 """
 
 from __future__ import annotations

@@ -304,6 +304,17 @@ def test_nvfp4_block_scales_without_values(tmp_path):
     assert "block scales (shard_<i>.weight_scale) without any" in problems_of(tmp_path)
 
 
+def test_every_problem_of_a_table_is_reported_at_once(tmp_path):
+    """Each segment is checked on its own, and the scale whatever the shards
+    hold: one run of `pleserver inspect` names every fix."""
+    values, scales = nv_shard(0, 5, scales="BF16")
+    write_safetensors(str(tmp_path / "a.safetensors"), [values, scales, *nv_shard(1, 5)[:1]])
+    text = problems_of(tmp_path)
+    assert "shard_0.weight_scale is BF16, but NVFP4 block scales must be F8_E4M3" in text
+    assert "missing NVFP4 block scales for shard indices 1 of 0..1" in text
+    assert f"NVFP4 shards need {NV_PREFIX}.weight_scale_2 (the global scale)" in text
+
+
 def test_nvfp4_tensors_found_through_the_index(tmp_path):
     write_checkpoint(str(tmp_path), [NVFP4], files=3)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())

@@ -11,6 +11,8 @@ import pytest
 
 from pleclient import PleClient, PleError, RequestError, ServerUnavailable
 from pleclient import protocol as p
+from pleclient.client import server_socket
+from pleclient.slots import SlotOwner
 from pleserver.synthetic import read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
 from tests.host import require_futex_waitv
@@ -92,6 +94,19 @@ def test_free_slots_counts_the_slots_no_unreleased_ticket_holds(server):
         assert client.free_slots == 3
 
 
+def test_a_slot_released_before_its_answer_is_reclaimed_once_answered(server, references):
+    with server.client(depth=1) as client:
+        first = client.submit(1, [1])
+        assert client.slots.owner(0) is SlotOwner.TICKET
+        first.release()  # maybe before its answer: nobody will read it
+        assert client.slots.owner(0) is SlotOwner.ABANDONED and client.free_slots == 1
+        second = client.submit(3, [2])  # the answer to the first came (or is waited for)
+        assert client.slots.owner(0) is SlotOwner.TICKET
+        assert np.array_equal(second.wait(), references[3][[2]])
+        second.release()
+        assert client.slots.owner(0) is SlotOwner.FREE
+
+
 def test_lookup_into_caller_buffer_and_by_name(server, references):
     with server.client() as client:
         t = client.table(1)
@@ -147,6 +162,17 @@ def test_concurrent_client_processes_get_their_own_rows(server, checkpoint):
 def test_missing_socket_names_the_service(tmp_path):
     with pytest.raises(ServerUnavailable, match="systemctl status ple-server"):
         PleClient.connect(str(tmp_path / "nothing.sock"))
+
+
+def test_no_socket_given_means_the_environment_s_then_the_service_s(server, monkeypatch):
+    monkeypatch.setenv(p.SOCKET_ENV, server.socket)
+    with PleClient.connect() as client:  # every entry point without a path finds it
+        assert client.socket_path == server.socket
+    assert len(PleClient.query_tables()) == 2
+    assert PleClient.query_stats()["pid"] == server.pid
+    assert server_socket("/elsewhere.sock") == "/elsewhere.sock"
+    monkeypatch.delenv(p.SOCKET_ENV)
+    assert server_socket() == p.DEFAULT_SOCKET == "/run/ple-server/ple.sock"
 
 
 def test_stats_counts_rows_and_bytes(server):

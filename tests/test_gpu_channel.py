@@ -21,6 +21,7 @@ from pleclient import PleClient, PleError, RequestError
 from pleclient import protocol as p
 from pleclient.channel import RUNG_AT
 from pleclient.gpu import GpuLookupError, GpuLookups, HostStream
+from pleclient.slots import SlotOwner
 from pleserver.stats import format_human
 from tests.harness import (
     Bystander,
@@ -171,6 +172,12 @@ def test_client_side_checks_refuse_bad_calls_before_anything_is_enqueued(lookups
     lookups.collect(0, np.empty((3, 160), dtype=np.uint8))
     with pytest.raises(PleError, match="GPU-driven"):
         lookups.client.submit(1, np.arange(3))  # the host path is not this channel's
+
+
+def test_every_slot_of_a_gpu_driven_channel_belongs_to_its_stream(lookups):
+    client = lookups.client
+    assert [client.slots.owner(i) for i in range(client.depth)] == [SlotOwner.STREAM] * 4
+    assert client.free_slots == 0  # no submit() can follow
 
 
 def test_the_watchdog_ends_a_wait_on_a_server_killed_mid_wait(server):

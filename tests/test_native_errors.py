@@ -184,6 +184,78 @@ def test_bad_constructor_arguments_raise(specs, tmp_path):
         cache.stats()
 
 
+def fresh_path(base, shard: int) -> str:
+    """A path string with no other reference, longer than CPython's small
+    objects (512 bytes): when it dies the allocator frees it through malloc,
+    where AddressSanitizer poisons it, so a read after that is caught."""
+    return "".join([str(base), f"/{shard}-", "p" * 600])
+
+
+def names_shard(message: str, shard: int, path: str) -> bool:
+    """Whether an error names shard ``shard`` of ``path`` (as far as the
+    native error record's 512 bytes hold it)."""
+    return message.startswith(f"shard {shard} of {path}"[:500])
+
+
+def test_shards_from_a_generator_keep_their_paths(specs, tmp_path):
+    """A generator's shard tuples live only while the argument is parsed: the
+    source keeps copies of their paths, for its error messages."""
+    spec = specs["F8_E4M3"]
+    expected = file_rows(spec)
+    engine = nat.ReadEngine(queue_depth=4)
+    fds = {path: os.open(path, os.O_RDONLY) for path in spec.files}
+    fd = fds[spec.files[0]]
+    size = os.fstat(fd).st_size
+    try:
+        shards = (
+            (fds[s.path], s.offset, s.rows, fresh_path(tmp_path, s.index), 0) for s in spec.shards
+        )
+        source = nat.TableSource(1, 160, spec.shard_size, shards, None, engine, False)
+        ids = np.array([0, spec.shard_size + 7, spec.rows - 1], dtype=np.int64)
+        out = np.empty((ids.size, 160), np.uint8)
+        source.gather(ids, out)
+        np.testing.assert_array_equal(out, expected[ids])
+        source.close()
+        # Shard 1 runs past the end of the file: the error names its path.
+        layout = [(0, 10), (size - 800, 10)]
+        shards = ((fd, at, rows, fresh_path(tmp_path, i), 0) for i, (at, rows) in enumerate(layout))
+        with pytest.raises(ValueError) as caught:
+            nat.TableSource(1, 160, 10, shards, None, engine, False)
+        assert names_shard(str(caught.value), 1, fresh_path(tmp_path, 1))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        engine.close()
+
+
+def test_shards_emptied_while_they_are_read_stay_valid(specs, tmp_path):
+    """An fd whose ``__index__`` empties the list of shards it is read from:
+    the shards read so far, and the one being read, stay valid."""
+    spec = specs["F8_E4M3"]
+    engine = nat.ReadEngine(queue_depth=4)
+    fd = os.open(spec.files[0], os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    shards: list[tuple] = []
+
+    class EmptiesTheList:
+        def __index__(self) -> int:
+            shards.clear()  # drops every tuple of the list, and their paths
+            return fd
+
+    # Shard 1 runs past the end of the file: the error names its path.
+    shards += [
+        (fd, 0, 10, fresh_path(tmp_path, 0), 0),
+        (EmptiesTheList(), size - 800, 10, fresh_path(tmp_path, 1), 0),
+    ]
+    try:
+        with pytest.raises(ValueError) as caught:
+            nat.TableSource(1, 160, 10, shards, None, engine, False)
+        assert names_shard(str(caught.value), 1, fresh_path(tmp_path, 1))
+    finally:
+        os.close(fd)
+        engine.close()
+
+
 def test_probe_reports_the_disk_rate(specs):
     paths = specs["F8_E4M3"].files
     require_o_direct(os.path.dirname(paths[0]))
@@ -213,6 +285,21 @@ def test_probe_rejects_bad_arguments(specs, tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(ValueError, match="block"):
         nat.probe_random_reads([str(empty)], seconds=0.1)
+
+
+def test_probe_paths_emptied_while_they_are_read_stay_valid(specs):
+    """A path whose ``__fspath__`` empties the list it is read from: the
+    paths after it are still read, none from a list that has gone."""
+    files = specs["F8_E4M3"].files
+    paths: list = []
+
+    class EmptiesTheList:
+        def __fspath__(self) -> str:
+            paths.clear()
+            return files[0]
+
+    paths += [EmptiesTheList(), files[1]]
+    assert nat.probe_random_reads(paths, seconds=0.1, direct=False)["reads"] > 0
 
 
 def test_empty_requests_do_nothing(fp8):

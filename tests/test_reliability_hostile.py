@@ -293,13 +293,13 @@ def test_raw_slot_words_out_of_range_get_an_error_status(served, table, count, i
         ticket.wait()
         ticket.release()
         ch = client._channel
-        slot = ch.slots[0]
+        slot = client.slots.take(timeout=1.0)  # held as a ticket's, then written by hand
+        assert slot is ch.slots[0]
         slot.ids[: len(ids)] = ids
         w = slot.words
         w[p.SL_TABLE], w[p.SL_COUNT] = table, count
         w[p.SL_SEQUENCE] = ch.submit_counter
         w[p.SL_STATE] = p.SlotState.SUBMITTED
-        client._slot_owner[0] = "ticket"
         client._sequence = (ch.submit_counter + 1) & 0xFFFFFFFF
         ch.publish_submit(client._sequence)
         from pleclient.client import Ticket

@@ -77,11 +77,21 @@ static void type_error(const char *fmt, PyObject *obj)
     }
 }
 
-/* Item i of a PySequence_Fast result (a list or a tuple), borrowed: the
- * PySequence_Fast_GET_ITEM macro is not in the limited API. */
-static PyObject *fast_item(PyObject *fast, Py_ssize_t i)
+/* The items of an iterable argument as a new tuple, which holds each of
+ * them while the caller reads them: a list's items, borrowed, could go away
+ * under Python code that reading one of them runs (an fd's __index__, a
+ * path's __fspath__ emptying the list). A TypeError names `what`. */
+static PyObject *items_of(PyObject *obj, const char *what)
 {
-    return PyList_Check(fast) ? PyList_GetItem(fast, i) : PyTuple_GetItem(fast, i);
+    PyObject *it = PyObject_GetIter(obj);
+    if (!it) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError))
+            PyErr_SetString(PyExc_TypeError, what);
+        return NULL;
+    }
+    PyObject *items = PySequence_Tuple(it);
+    Py_DECREF(it);
+    return items;
 }
 
 /* The dealloc of a heap type (the limited API has no static ones): each
@@ -461,41 +471,59 @@ static ple_source *source_use(SourceObject *self)
     return self->src;
 }
 
-static int parse_shards(PyObject *seq, ple_shard_spec **out, Py_ssize_t *count)
+static void free_shards(ple_shard_spec *specs, Py_ssize_t n)
 {
-    PyObject *fast = PySequence_Fast(seq, "shards must be a sequence of tuples");
-    if (!fast)
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyMem_Free((char *)specs[i].path);
+    PyMem_Free(specs);
+}
+
+/* The shards' specs, each path a copy of its own (free_shards frees them):
+ * a path string lives only as long as its tuple, which nothing keeps once
+ * the items are released when the argument was a generator. */
+static int parse_shards(PyObject *arg, ple_shard_spec **out, Py_ssize_t *count)
+{
+    PyObject *items = items_of(arg, "shards must be a sequence of tuples");
+    if (!items)
         return -1;
-    Py_ssize_t n = PySequence_Size(fast);
+    Py_ssize_t n = PyTuple_Size(items);
     if (n < 1 || n > 1 << 20) {
         PyErr_Format(PyExc_ValueError, "a table needs 1..%d shards, not %zd", 1 << 20, n);
-        Py_DECREF(fast);
+        Py_DECREF(items);
         return -1;
     }
     ple_shard_spec *specs = PyMem_Calloc((size_t)n, sizeof *specs);
     if (!specs) {
-        Py_DECREF(fast);
+        Py_DECREF(items);
         PyErr_NoMemory();
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         unsigned long long offset, rows, map;
-        if (!PyArg_ParseTuple(fast_item(fast, i), "iKKsK;shard: (fd, "
+        const char *path;
+        if (!PyArg_ParseTuple(PyTuple_GetItem(items, i), "iKKsK;shard: (fd, "
                               "file_offset, rows, path, map_address)", &specs[i].fd, &offset,
-                              &rows, &specs[i].path, &map)) {
-            PyMem_Free(specs);
-            Py_DECREF(fast);
-            return -1;
+                              &rows, &path, &map))
+            goto fail;
+        size_t size = strlen(path) + 1;
+        char *copy = PyMem_Malloc(size);
+        if (!copy) {
+            PyErr_NoMemory();
+            goto fail;
         }
+        specs[i].path = memcpy(copy, path, size);
         specs[i].file_offset = offset;
         specs[i].rows = rows;
         specs[i].map = (const unsigned char *)(uintptr_t)map;
     }
-    /* The path strings belong to the tuples, which `seq` keeps alive. */
-    Py_DECREF(fast);
+    Py_DECREF(items);
     *out = specs;
     *count = n;
     return 0;
+fail:
+    free_shards(specs, n);  /* the paths not copied yet are NULL */
+    Py_DECREF(items);
+    return -1;
 }
 
 static int Source_init(SourceObject *self, PyObject *args, PyObject *kw)
@@ -514,32 +542,32 @@ static int Source_init(SourceObject *self, PyObject *args, PyObject *kw)
     uint32_t seg_bytes[PLE_SEGMENTS_MAX];
     unsigned nsegs = 0;
     if (segments_obj != Py_None) {
-        PyObject *fast = PySequence_Fast(segments_obj, "segments must be a sequence of ints");
-        if (!fast)
+        PyObject *items = items_of(segments_obj, "segments must be a sequence of ints");
+        if (!items)
             return -1;
-        Py_ssize_t ns = PySequence_Size(fast);
+        Py_ssize_t ns = PyTuple_Size(items);
         if (ns < 1 || ns > (Py_ssize_t)PLE_SEGMENTS_MAX) {
             PyErr_Format(PyExc_ValueError, "a row has 1..%u segments, not %zd",
                          PLE_SEGMENTS_MAX, ns);
-            Py_DECREF(fast);
+            Py_DECREF(items);
             return -1;
         }
         for (Py_ssize_t g = 0; g < ns; g++) {
-            unsigned long v = PyLong_AsUnsignedLong(fast_item(fast, g));
+            unsigned long v = PyLong_AsUnsignedLong(PyTuple_GetItem(items, g));
             if (v == (unsigned long)-1 && PyErr_Occurred()) {
-                Py_DECREF(fast);
+                Py_DECREF(items);
                 return -1;
             }
             if (v == 0 || v > PLE_ROW_BYTES_MAX) {
                 PyErr_Format(PyExc_ValueError, "segment %zd: %lu bytes (1..%u)", g, v,
                              PLE_ROW_BYTES_MAX);
-                Py_DECREF(fast);
+                Py_DECREF(items);
                 return -1;
             }
             seg_bytes[g] = (uint32_t)v;
         }
         nsegs = (unsigned)ns;
-        Py_DECREF(fast);
+        Py_DECREF(items);
     }
     ple_cache *cache = NULL;
     ple_engine *engine = NULL;
@@ -567,20 +595,15 @@ static int Source_init(SourceObject *self, PyObject *args, PyObject *kw)
         PyErr_SetString(PyExc_RuntimeError, "TableSource is initialized already");
         return -1;
     }
-    /* Held across the checks below so the tuples' path strings stay valid. */
-    Py_INCREF(shards_obj);
     ple_shard_spec *specs;
     Py_ssize_t n;
-    if (parse_shards(shards_obj, &specs, &n) != 0) {
-        Py_DECREF(shards_obj);
+    if (parse_shards(shards_obj, &specs, &n) != 0)
         return -1;
-    }
     ple_error err = {0};
     ple_source *src = ple_source_open(table_key, row_bytes, shard_size, specs, (unsigned)n,
                                       nsegs ? seg_bytes : NULL, nsegs, cache, engine, direct,
                                       &err);
-    PyMem_Free(specs);
-    Py_DECREF(shards_obj);
+    free_shards(specs, n);
     if (!src) {
         raise_error(&err);
         return -1;
@@ -790,10 +813,10 @@ static PyObject *probe_random_reads(PyObject *module, PyObject *args, PyObject *
                      "(0, 3600] (got %d, %g)", queue_depth, seconds);
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(paths_obj, "paths must be a sequence of paths");
-    if (!fast)
+    PyObject *items = items_of(paths_obj, "paths must be a sequence of paths");
+    if (!items)
         return NULL;
-    Py_ssize_t n = PySequence_Size(fast);
+    Py_ssize_t n = PyTuple_Size(items);
     PyObject **encoded = PyMem_Calloc((size_t)n + 1, sizeof *encoded);
     const char **paths = PyMem_Calloc((size_t)n + 1, sizeof *paths);
     PyObject *result = NULL;
@@ -806,7 +829,7 @@ static PyObject *probe_random_reads(PyObject *module, PyObject *args, PyObject *
         goto out;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!PyUnicode_FSConverter(fast_item(fast, i), &encoded[i]))
+        if (!PyUnicode_FSConverter(PyTuple_GetItem(items, i), &encoded[i]))
             goto out;
         paths[i] = PyBytes_AsString(encoded[i]);
     }
@@ -832,7 +855,7 @@ out:
             Py_XDECREF(encoded[i]);
     PyMem_Free(encoded);
     PyMem_Free(paths);
-    Py_DECREF(fast);
+    Py_DECREF(items);
     return result;
 }
 

@@ -13,6 +13,7 @@
 
 #include "probe.h"
 #include "reads.h"
+#include "ring.h"
 
 typedef struct target {
     int *fds;
@@ -82,7 +83,7 @@ static int probe_ring(const target *t, ple_ring *ring, unsigned depth, unsigned 
     }
     int submit_error = 0;
     do {
-        int got = ple_ring_submit_and_reap(ring, 1, on_complete, &run);
+        int got = ple_ring_submit_and_reap(ring, 1, on_complete, &run, NULL);
         if (got < 0 && !submit_error) {
             submit_error = -got;
             run.failed = run.failed ? run.failed : -got;
