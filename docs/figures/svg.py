@@ -184,11 +184,11 @@ class Svg:
         rows: Sequence[str],
         size: float = 13,
         leading: float = 1.3,
-        **kw: object,
+        fill: str | None = None,
     ) -> None:
         """Several lines, the first baseline at ``y``."""
         for i, row in enumerate(rows):
-            self.text(x, y + i * size * leading, row, size=size, **kw)  # type: ignore[arg-type]
+            self.text(x, y + i * size * leading, row, size=size, fill=fill)
 
     def _arrowhead(self, color: str) -> str:
         name = "arrow-" + color.lstrip("#")
