@@ -16,7 +16,13 @@ from tests.harness import REPO
 
 FIGURES_DIR = REPO / "docs" / "figures"
 DATA = FIGURES_DIR / "data"
-FIGURES = ["architecture.svg", "memory.svg", "lookup-latency.svg", "northstar-steps.svg"]
+FIGURES = [
+    "architecture.svg",
+    "memory.svg",
+    "lookup-latency.svg",
+    "northstar-steps.svg",
+    "northstar-ratios.svg",
+]
 SVG = "{http://www.w3.org/2000/svg}"
 
 
@@ -88,8 +94,11 @@ def test_the_figures_follow_their_data(tmp_path):
     lookup["sizes"]["16"]["pleserver-1f"]["p50_us"] = 99.9
     (data / "lookup.json").write_text(json.dumps(lookup))
     northstar = json.loads((data / "northstar-1.json").read_text())
-    d_path = next(r for r in northstar["cases"][0]["runs"] if r["path"] == "d")
-    d_path["windows"]["steady"]["mean"] = 21.4
+    case = next(c for c in northstar["cases"] if c["key"].startswith("decode L16 b32 "))
+    runs = {r["path"]: r for r in case["runs"]}
+    a_steady = runs["a"]["windows"]["steady"]["mean"]
+    runs["d"]["windows"]["steady"]["mean"] = 3 * a_steady
+    runs["e"]["windows"]["whole"]["mean"] = 2.5 * runs["a"]["windows"]["whole"]["mean"]
     (data / "northstar-1.json").write_text(json.dumps(northstar))
     memory = json.loads((data / "memory.json").read_text())
     memory["scenarios"][0]["parts"][1]["gib"] = 50
@@ -99,12 +108,12 @@ def test_the_figures_follow_their_data(tmp_path):
     assert make(before).returncode == 0
     assert make(after, data).returncode == 0
     assert "p50 99.9 µs at 16 rows, 20.4 ms at 131 072" in texts(after / "lookup-latency.svg")
-    assert any(
-        t.startswith("steady 21.40 ms (3.00 × a)") for t in texts(after / "northstar-steps.svg")
-    )
+    steady_d = f"steady {3 * a_steady:.2f} ms (3.000 × a)"
+    assert any(t.startswith(steady_d) for t in texts(after / "northstar-steps.svg"))
+    assert "2.500" in texts(after / "northstar-ratios.svg")
     assert "PLE table 50 GiB" in texts(after / "memory.svg")
     assert "weights + KV cache 65 GiB" in texts(after / "memory.svg")  # 121 − 6 − 50
-    for name in ("lookup-latency.svg", "northstar-steps.svg", "memory.svg"):
+    for name in ("lookup-latency.svg", "northstar-steps.svg", "northstar-ratios.svg", "memory.svg"):
         assert (before / name).read_bytes() != (after / name).read_bytes(), name
     assert (before / "architecture.svg").read_bytes() == (after / "architecture.svg").read_bytes()
 

@@ -384,8 +384,36 @@ NORTHSTAR_PATHS = {
     "a": ("a: table resident on the GPU", GREY),
     "b": ("b: pinned host table over UVA", ORANGE),
     "e": ("e: pleserver, every PLE layer rung at step start", GREEN),
-    "d": ("d: pleserver, rung one layer ahead (today's)", VERMILION),
+    "d": ("d: pleserver, rung one layer ahead (as vLLM does)", VERMILION),
 }
+
+
+def northstar_source(data: Path, d: dict) -> str:
+    """The commit a north-star report was measured at, as ``sources.json`` corrects it."""
+    fixed = load(data, "sources.json").get("northstar-1.json", {})
+    if fixed.get("commit"):
+        return f"commit {fixed['commit']}"
+    src = d["source"]
+    return f"commit {src['commit']}" + (" with uncommitted changes" if src.get("modified") else "")
+
+
+def northstar_footnote(svg: Svg, y: float, data: Path, d: dict, what: str) -> None:
+    m, t = d["machine"], d["table"]
+    svg.lines(
+        20,
+        y,
+        [
+            f"bench/northstar.py --part {d['args']['part']}: {what}; {d['args']['layers']} layers, "
+            f"≈ {d['cases'][0]['step_ms']:g} ms step; table {t['bytes'] / 2**30:.1f} GiB "
+            f"{t['dtype']}, row cache {d['cache_bytes'] / 2**30:g} GiB, --io direct, "
+            "each server cold",
+            f"{m['device']}, {m['cores']} cores, {m['ram_gib']:.0f} GiB; disk "
+            f"{rows(round(d['disk']['128']['reads_per_s']))} reads/s at QD 128; "
+            f"{northstar_source(data, d)}; {m['date'][:10]}",
+        ],
+        size=11,
+        fill=MUTED,
+    )
 
 
 def northstar_steps(data: Path) -> Svg:
@@ -405,7 +433,8 @@ def northstar_steps(data: Path) -> Svg:
     svg.text(
         20,
         28,
-        "Decode step times: PLE table on disk (cold ple-server) against resident",
+        f"Decode step times, PLE layer {case['ple_at']}, batch {case['batch']}: "
+        "table on disk (cold ple-server) against resident",
         size=15,
         bold=True,
     )
@@ -415,16 +444,18 @@ def northstar_steps(data: Path) -> Svg:
         svg,
         x,
         y,
-        [(v, f"{v:g}") for v in x.steps(10)],
+        [(v, f"{v:g}") for v in x.steps(10 ** len(str(steps // 10)) // 10 or 1)],
         [(v, f"{v:g} ms") for v in y.steps(2)],
         "decode step",
         "step time",
     )
     windows = case_windows(steps)
-    for lo, name in windows:
+    for i, (lo, name) in enumerate(windows):
         if lo > 0:
             svg.line(x(lo - 0.5), y.p1, x(lo - 0.5), y.p0, stroke=MUTED, dash="2 3")
-        svg.text(x(lo) + 4, y.p1 + 14, name, size=11, fill=MUTED)
+        hi = windows[i + 1][0] if i + 1 < len(windows) else steps
+        if text_width(name, 11) + 8 <= x(hi) - x(lo):
+            svg.text(x(lo) + 4, y.p1 + 14, name, size=11, fill=MUTED)
     a_steady = runs["a"]["windows"]["steady"]["mean"]
     ly = 90
     for path, (name, color) in NORTHSTAR_PATHS.items():
@@ -434,19 +465,18 @@ def northstar_steps(data: Path) -> Svg:
         svg.polyline(
             [(x(i), y(v)) for i, v in enumerate(r["step_ms"])],
             color,
-            width=3 if path == "a" else 1.6,
+            width=2.5 if path == "a" else 1,
             dash="5 3" if path == "b" else None,
         )
         steady = r["windows"]["steady"]["mean"]
         whole = r["windows"]["whole"]["mean"]
-        svg.line(
-            620, ly - 4, 650, ly - 4, stroke=color, width=2.5, dash="5 3" if path == "b" else None
-        )
+        dash = "5 3" if path == "b" else None
+        svg.line(620, ly - 4, 650, ly - 4, stroke=color, width=2.5, dash=dash)
         svg.text(658, ly, name, size=12)
         svg.text(
             658,
             ly + 16,
-            f"steady {steady:.2f} ms ({steady / a_steady:.2f} × a), whole {whole:.2f} ms",
+            f"steady {steady:.2f} ms ({steady / a_steady:.3f} × a), whole {whole:.2f} ms",
             size=11,
             fill=MUTED,
         )
@@ -463,23 +493,7 @@ def northstar_steps(data: Path) -> Svg:
             size=11,
             fill=MUTED,
         )
-
-    m, src, t = d["machine"], d["source"], d["table"]
-    changed = " with uncommitted changes" if src.get("modified") else ""
-    svg.lines(
-        20,
-        484,
-        [
-            f"bench/northstar.py --part {d['args']['part']}, {case['key']}: {d['args']['layers']} "
-            f"layers, PLE at layer {case['ple_at']}, batch {case['batch']}; "
-            f"table {t['bytes'] / 2**30:.1f} GiB {t['dtype']}, row cache "
-            f"{d['cache_bytes'] / 2**30:g} GiB, --io direct, cold",
-            f"{m['device']}, {m['cores']} cores, {m['ram_gib']:.0f} GiB; "
-            f"commit {src['commit']}{changed}; {m['date'][:10]}",
-        ],
-        size=11,
-        fill=MUTED,
-    )
+    northstar_footnote(svg, 484, data, d, f"decode, {steps} steps")
     return svg
 
 
@@ -488,7 +502,83 @@ def case_windows(steps: int) -> list[tuple[int, str]]:
     half = steps // 2
     if half <= 50:
         return [(0, "first 50"), (half, "steady")]
-    return [(0, "first 50"), (50, "warming"), (half, "steady")]
+    return [(0, "first 50"), (50, "warming"), (half, "steady (the last half)")]
+
+
+def case_label(case: dict) -> str:
+    if case["kind"] == "decode":
+        return f"decode, layer {case['ple_at']}, batch {case['batch']}"
+    return f"prefill, layer {case['ple_at']}, {case['steps']} × {rows(case['batch'])} tokens"
+
+
+def case_ratios(case: dict) -> dict[str, float]:
+    """x / a per path: decode over the whole run, prefill the median prompt."""
+    runs = {r["path"]: r for r in case["runs"] if r.get("step_ms")}
+
+    def ms(r: dict) -> float:
+        if case["kind"] == "decode":
+            return r["windows"]["whole"]["mean"]
+        return r["prompts"]["median_ms"]
+
+    return {path: ms(r) / ms(runs["a"]) for path, r in runs.items() if path != "a"}
+
+
+def northstar_ratios(data: Path) -> Svg:
+    d = load(data, "northstar-1.json")
+    order = {"decode": 0, "prefill": 1}
+    cases = sorted(
+        d["cases"], key=lambda c: (order[c["kind"]], c["batch"], c["steps"], -c["ple_at"])
+    )
+    paths = [p for p in ("b", "e", "d") if any(p in case_ratios(c) for c in cases)]
+    group = 12 * len(paths) + 14
+    top = 100
+    height = top + group * len(cases) + 110
+    svg = Svg(
+        960,
+        height,
+        "North star: every case, x / a",
+        "Each case's time against the resident table: decode over the whole run, prefill the "
+        "median prompt, for the pinned host table and pleserver's two schedules.",
+    )
+    svg.text(
+        20, 28, "Every case against the resident table (x / a; 1 = as fast)", size=15, bold=True
+    )
+    hi = max(v for c in cases for v in case_ratios(c).values())
+    x = Axis(0.9, max(2.0, (int(hi * 2) + 1) / 2), 280, 900)
+    bottom = top + group * len(cases)
+    frame(
+        svg,
+        x,
+        Axis(0, 1, bottom, top - 6),
+        [(v, f"{v:g} ×") for v in x.steps(0.5)],
+        [],
+        "decode: mean step over the whole run; prefill: median prompt (of 3)",
+        "",
+    )
+    svg.line(x(1), top - 6, x(1), bottom, stroke=INK)
+    for i, case in enumerate(cases):
+        gy = top + i * group + 7
+        ratios = case_ratios(case)
+        svg.text(20, gy + 6 * len(paths) + 4, case_label(case), size=12)
+        for j, path in enumerate(paths):
+            if path not in ratios:
+                continue
+            v = ratios[path]
+            _, color = NORTHSTAR_PATHS[path]
+            x0, x1 = sorted((x(1), x(v)))
+            svg.rect(x0, gy + j * 12, max(x1 - x0, 1), 10, fill=color)
+            svg.text(max(x(1), x(v)) + 4, gy + j * 12 + 9, f"{v:.3f}", size=10, fill=MUTED)
+    lx, ly = 20.0, 56.0
+    for path in paths:
+        name, color = NORTHSTAR_PATHS[path]
+        w = 18 + text_width(name, 12) + 24
+        if lx + w > 940:
+            lx, ly = 20.0, ly + 20
+        svg.rect(lx, ly - 10, 12, 12, fill=color)
+        svg.text(lx + 18, ly, name, size=12)
+        lx += w
+    northstar_footnote(svg, bottom + 64, data, d, f"{len(cases)} cases")
+    return svg
 
 
 FIGURES: dict[str, Callable[[Path], Svg]] = {
@@ -496,6 +586,7 @@ FIGURES: dict[str, Callable[[Path], Svg]] = {
     "memory.svg": memory,
     "lookup-latency.svg": lookup_latency,
     "northstar-steps.svg": northstar_steps,
+    "northstar-ratios.svg": northstar_ratios,
 }
 
 
