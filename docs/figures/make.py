@@ -17,9 +17,11 @@ Reads ``docs/figures/data/`` (``--data``) and writes into ``docs/figures/``
 - ``lookup-latency.svg``: latency against rows per request, p50 and p99, for
   the in-process floor, the seed and pleserver (``lookup.json``: the shape
   ``bench/lookup.py --json`` writes);
-- ``northstar-steps.svg``: decode step times with the table resident, in
-  pinned host memory, and served from disk (``northstar-1.json``:
-  ``bench/northstar.py --json`` as written).
+- ``northstar-steps.svg``: decode step times of the target case (PLE layer
+  16, batch 32) with the table resident, in pinned host memory, and served
+  from disk; ``northstar-ratios.svg``: every case's time against resident
+  (``northstar-1.json``: ``bench/northstar.py --json`` as written;
+  ``sources.json`` corrects its commit).
 
 ``data/README.md`` says which command, commit and machine each data file
 came from. Output is deterministic (``svg.py``): the same data give the same
