@@ -11,6 +11,9 @@
 #   make test-aarch64   aarch64 under qemu-user-static: an arm64 Debian, the
 #               build, the native tests, a server and two clients, the aarch64
 #               wheel into WHEEL_DIR, the ordering in the disassembly (root; CI runs it)
+#   make figures        the docs' SVG figures, from the recorded results in
+#               docs/figures/data/ (standard library only; tests/test_figures.py
+#               checks the committed ones)
 # The virtual environment lives outside the checkout, keyed by the dependency
 # spec, so a second run reuses it and a changed pyproject.toml builds a new one.
 PYTHON ?= python3
@@ -93,3 +96,10 @@ test-aarch64: $(VENV)/.core
 	$(PY) -m pip install -q --no-deps -e .
 	PLE_WHEEL_DIR=$(WHEEL_DIR) $(PY) -m pytest -p no:cacheprovider -rA -m aarch64 \
 		tests/test_aarch64.py $(PYTEST_ARGS)
+
+# The figures in README.md and docs/, made from the recorded results
+# (docs/figures/data/README.md says where each came from). Only the standard
+# library: no venv needed.
+.PHONY: figures
+figures:
+	$(PYTHON) docs/figures/make.py
