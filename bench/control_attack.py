@@ -49,7 +49,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lookup import OthersMeter, _proc_ticks, loadavg, machine, source  # noqa: E402
+from lookup import (  # noqa: E402
+    OthersMeter,
+    _proc_ticks,
+    bystander,
+    latency_ms,
+    loadavg,
+    machine,
+    source,
+)
 from pleclient import PleClient  # noqa: E402
 from pleserver.launcher import ServerLauncher  # noqa: E402
 from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
@@ -165,7 +173,6 @@ def run_case(server, kind: str, args) -> dict:
     client = PleClient.connect(server.socket, name="bystander", capacity=16, depth=1)
     try:
         table = client.table(1)
-        out = np.empty((16, table.row_bytes), dtype=np.uint8)
         if kind != "none":
             children = [
                 child(ATTACKER, server.socket, kind, str(window)) for _ in range(args.attackers)
@@ -177,20 +184,13 @@ def run_case(server, kind: str, args) -> dict:
             newcomer = child(NEWCOMER, server.socket, str(args.seconds), str(args.newcomer_gap_s))
         time.sleep(0.5)  # the attack in its steady state
         rng = np.random.default_rng(7)
-        samples: list[int] = []
         meter = OthersMeter(
             [server.pid] + [c.pid for c in children] + ([newcomer.pid] if newcomer else [])
         )
         server_ticks = _proc_ticks(server.pid)
         meter.start()
         started = time.monotonic()
-        stop = started + args.seconds
-        while time.monotonic() < stop:
-            ids = rng.integers(0, table.rows, 16)
-            t0 = time.perf_counter_ns()
-            client.lookup(table, ids, out=out)
-            samples.append(time.perf_counter_ns() - t0)
-            time.sleep(args.gap_ms * 1e-3)
+        ms = bystander(client, table, args.seconds, args.gap_ms, rng)
         elapsed = time.monotonic() - started
         others = meter.stop()
         server_cpu = (_proc_ticks(server.pid) - server_ticks) / OthersMeter.HZ / elapsed
@@ -202,13 +202,10 @@ def run_case(server, kind: str, args) -> dict:
             if c.poll() is None:
                 c.kill()
                 c.wait()
-    ms = np.array(samples) / 1e6
     return {
         "case": kind,
-        "lookups_per_10s": round(len(samples) * 10 / elapsed),
-        "p50_ms": round(float(np.percentile(ms, 50)), 3),
-        "p99_ms": round(float(np.percentile(ms, 99)), 3),
-        "max_ms": round(float(ms.max()), 3),
+        "lookups_per_10s": round(len(ms) * 10 / elapsed),
+        **latency_ms(ms),
         "server_cpu": round(server_cpu, 3),
         "attacks": sum(attacks),
         "newcomers": newcomers,

@@ -42,7 +42,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lookup import OthersMeter, Server, hist_quantiles, loadavg, machine, source  # noqa: E402
+from lookup import (  # noqa: E402
+    OthersMeter,
+    Server,
+    bystander,
+    hist_quantiles,
+    latency_ms,
+    loadavg,
+    machine,
+    source,
+)
 from pleclient import PleClient  # noqa: E402
 from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
 
@@ -120,20 +129,11 @@ def run_case(server: Server, n: int, args) -> dict:
                 raise RuntimeError(f"a submitter did not start:\n{server.log_tail()}")
         time.sleep(1.0)  # every submitter in its steady state
         rng = np.random.default_rng(7)
-        samples = []
         meter = OthersMeter([server.proc.pid] + [c.pid for c in children])
         with PleClient.connect(server.socket, name="bystander", capacity=16, depth=1) as client:
-            table = client.table(1)
-            out = np.empty((16, table.row_bytes), dtype=np.uint8)
             before = PleClient.query_stats(server.socket)["tables"][1]
             meter.start()
-            stop = time.monotonic() + args.seconds
-            while time.monotonic() < stop:
-                ids = rng.integers(0, table.rows, 16)
-                t0 = time.perf_counter_ns()
-                client.lookup(table, ids, out=out)
-                samples.append(time.perf_counter_ns() - t0)
-                time.sleep(args.gap_ms * 1e-3)
+            ms = bystander(client, 1, args.seconds, args.gap_ms, rng)
             others = meter.stop()
             after = PleClient.query_stats(server.socket)["tables"][1]
         reports = [
@@ -145,15 +145,10 @@ def run_case(server: Server, n: int, args) -> dict:
             if child.poll() is None:
                 child.kill()
                 child.wait()
-    ms = np.array(samples) / 1e6
     submitted_rows = sum(r["rows"] for r in reports)
     return {
         "submitters": n,
-        "bystander_lookups": len(samples),
-        "p50_ms": round(float(np.percentile(ms, 50)), 3),
-        "p99_ms": round(float(np.percentile(ms, 99)), 3),
-        "p999_ms": round(float(np.percentile(ms, 99.9)), 3),
-        "max_ms": round(float(ms.max()), 3),
+        **latency_ms(ms),
         "server_queue": hist_quantiles(before["queue_time"], after["queue_time"]),
         "server_time": hist_quantiles(before["server_time"], after["server_time"]),
         "submitter_rows_per_s": round(submitted_rows / (args.seconds + 2)),

@@ -40,7 +40,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lookup import OthersMeter, loadavg, machine, source  # noqa: E402
+from lookup import OthersMeter, bystander, latency_ms, loadavg, machine, source  # noqa: E402
 from pleclient import PleClient  # noqa: E402
 from pleclient.gpu import HostStream  # noqa: E402
 from pleserver.launcher import LaunchedServer, ServerLauncher  # noqa: E402
@@ -111,31 +111,19 @@ class Ringer:
             raise RuntimeError(f"the ringer failed: {self.failure!r}")
 
 
-def measure(server: LaunchedServer, args, reference: np.ndarray) -> dict:
+def measure(server: LaunchedServer, args) -> dict:
     """The bystander's latencies, then the serving thread's CPU alone."""
-    samples = []
     rng = np.random.default_rng(8)
     meter = OthersMeter([server.proc.pid])
     meter.start()
     with PleClient.connect(server.socket, name="bystander", capacity=16, depth=1) as client:
-        out = np.empty((16, reference.shape[1]), dtype=np.uint8)
-        stop = time.monotonic() + args.seconds
-        while time.monotonic() < stop:
-            ids = rng.integers(0, reference.shape[0], 16)
-            t0 = time.perf_counter_ns()
-            client.lookup(1, ids, out=out)
-            samples.append(time.perf_counter_ns() - t0)
-            time.sleep(args.gap_ms * 1e-3)
+        ms = bystander(client, 1, args.seconds, args.gap_ms, rng)
     time.sleep(0.5)  # past the loop's spin after the bystander's last lookup
     ticks, started = serving_thread_ticks(server.pid), time.monotonic()
     time.sleep(args.seconds)
     cpu = (serving_thread_ticks(server.pid) - ticks) / HZ / (time.monotonic() - started)
-    ms = np.array(samples) / 1e6
     return {
-        "bystander_lookups": len(samples),
-        "p50_ms": round(float(np.percentile(ms, 50)), 3),
-        "p99_ms": round(float(np.percentile(ms, 99)), 3),
-        "max_ms": round(float(ms.max()), 3),
+        **latency_ms(ms),
         "serving_cpu": round(cpu, 3),
         "others_cpu": meter.stop(),
         "loadavg": loadavg(),
@@ -163,7 +151,7 @@ def main(argv=None) -> int:
         channels: list[PleClient] = []
         result: dict = {"machine": machine(), "source": source(), "args": vars(args)}
         with launcher.start() as server:
-            result["none"] = measure(server, args, reference)
+            result["none"] = measure(server, args)
             try:
                 for i in range(args.channels):
                     channels.append(
@@ -172,10 +160,10 @@ def main(argv=None) -> int:
                         )
                     )
                 time.sleep(1.0)
-                result["idle"] = measure(server, args, reference)
+                result["idle"] = measure(server, args)
                 ringer = Ringer(channels, args.ring_every, reference)
                 try:
-                    result["rare"] = measure(server, args, reference)
+                    result["rare"] = measure(server, args)
                 finally:
                     ringer.stop()
                 result["rare"]["rings"] = ringer.rings

@@ -385,6 +385,34 @@ def hist_quantiles(before: dict, after: dict) -> dict:
 
 
 # ------------------------------------------------------------------ timing
+def bystander(client, table, seconds: float, gap_ms: float, rng: np.random.Generator) -> np.ndarray:
+    """A bystander's lookups of 16 random ids of ``table`` (a handle or an
+    index), one every ``gap_ms`` for ``seconds``: each call's latency, in ms.
+    The small, steady client whose tail the attack and fairness benches watch."""
+    info = client.table(table) if isinstance(table, (int, str)) else table
+    out = np.empty((16, info.row_bytes), dtype=np.uint8)
+    samples = []
+    stop = time.monotonic() + seconds
+    while time.monotonic() < stop:
+        ids = rng.integers(0, info.rows, 16)
+        t0 = time.perf_counter_ns()
+        client.lookup(info, ids, out=out)
+        samples.append(time.perf_counter_ns() - t0)
+        time.sleep(gap_ms * 1e-3)
+    return np.array(samples) / 1e6
+
+
+def latency_ms(ms: np.ndarray) -> dict:
+    """The count, p50, p99, p99.9 and max of latencies in ms, rounded to µs."""
+    return {
+        "bystander_lookups": len(ms),
+        "p50_ms": round(float(np.percentile(ms, 50)), 3),
+        "p99_ms": round(float(np.percentile(ms, 99)), 3),
+        "p999_ms": round(float(np.percentile(ms, 99.9)), 3),
+        "max_ms": round(float(ms.max()), 3),
+    }
+
+
 def timed(fn, ids: np.ndarray, start: int, stop: int, gap_s: float) -> list[int]:
     clock = time.perf_counter_ns
     samples = []

@@ -45,7 +45,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lookup import OthersMeter, Server, _proc_ticks, loadavg, machine, source  # noqa: E402
+from lookup import (  # noqa: E402
+    OthersMeter,
+    Server,
+    _proc_ticks,
+    bystander,
+    latency_ms,
+    loadavg,
+    machine,
+    source,
+)
 from pleclient import PleClient  # noqa: E402
 from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
 
@@ -152,21 +161,12 @@ def run_case(server: Server, port: int, case: str, args) -> dict:
     try:
         time.sleep(1.0)  # the flood in its steady state
         rng = np.random.default_rng(7)
-        samples = []
         meter = OthersMeter([server.proc.pid] + [c.pid for c in children])
         server_ticks = _proc_ticks(server.proc.pid)
         with PleClient.connect(server.socket, name="bystander", capacity=16, depth=1) as client:
-            table = client.table(0)
-            out = np.empty((16, table.row_bytes), dtype=np.uint8)
             meter.start()
             started = time.monotonic()
-            stop = started + args.seconds
-            while time.monotonic() < stop:
-                ids = rng.integers(0, table.rows, 16)
-                t0 = time.perf_counter_ns()
-                client.lookup(table, ids, out=out)
-                samples.append(time.perf_counter_ns() - t0)
-                time.sleep(args.gap_ms * 1e-3)
+            ms = bystander(client, 0, args.seconds, args.gap_ms, rng)
             wall = time.monotonic() - started
             others = meter.stop()
             server_cpu = (_proc_ticks(server.proc.pid) - server_ticks) / OthersMeter.HZ / wall
@@ -179,15 +179,10 @@ def run_case(server: Server, port: int, case: str, args) -> dict:
             if child.poll() is None:
                 child.kill()
                 child.wait()
-    ms = np.array(samples) / 1e6
     span = args.seconds + 3
     return {
         "case": case,
-        "bystander_lookups": len(samples),
-        "p50_ms": round(float(np.percentile(ms, 50)), 3),
-        "p99_ms": round(float(np.percentile(ms, 99)), 3),
-        "p999_ms": round(float(np.percentile(ms, 99.9)), 3),
-        "max_ms": round(float(ms.max()), 3),
+        **latency_ms(ms),
         "answered_per_s": round(sum(r["ok"] for r in reports) / span, 1),
         "refused_per_s": round(sum(r["busy"] for r in reports) / span, 1),
         "failed_per_s": round(sum(r["failed"] for r in reports) / span, 1),
