@@ -1,0 +1,246 @@
+"""Prefetch hints: the server's bounded queue of hinted row ids, and the
+thread that reads them into the row cache below every demand read.
+
+A hint (``pleclient.protocol``, "Prefetch hints") arrives in a channel's slot.
+The serving loop copies its ids out of shared memory, validates the copy,
+answers the slot at once and ``offer``s the copy here: from then on nothing
+of the hint is in memory a client can touch, and the rows it brings are read
+by the server from its own files into its own buffers (``Table.fill``, the
+path the hot-set refill takes), never from a slot.
+
+``offer`` runs on the serving loop and never blocks it: it queues the ids or
+drops them, counting the rows dropped by reason:
+
+- ``no_cache``: the table has no row cache (``io = mmap``): nothing to fill;
+- ``disk_busy``: every gather worker holds a demand request: the disk is
+  saturated by lookups, and a hint read now would only queue behind them
+  (by the time it could be read, it would be late);
+- ``queue_full``: the queue holds ``hint_queue_rows`` rows already;
+- ``cache_full``: the rows queued would be more than ``HINT_CACHE_SHARE`` of
+  the row cache: read, they would evict each other, and the lookups' working
+  set, before their use;
+
+and the loop counts ``refused`` (a bad count or id, a table that stopped being
+served; a bad table index is counted server-wide, ``bad_table``) and the
+reader ``read_error``.
+
+The reader (one thread) takes at most ``HINT_BATCH_ROWS`` rows at a time and
+reads only while no demand request is with a gather worker, so a lookup's
+reads wait in the miss engine behind at most one batch of hint reads, and a
+lookup never waits for the hint queue. Rows already cached are counted
+(``hints_cached``) and not read again.
+
+Hits on hinted rows: the reader remembers the rows hinted (per table, the
+newest ``HINT_CACHE_SHARE`` of the cache's rows); a demand lookup of one
+counts ``hints_hits`` once and forgets it. The check costs a lookup a set
+intersection, and only while its table has hinted rows not yet asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from pleserver.table import Table, nat
+
+log = logging.getLogger(__name__)
+
+HINT_BATCH_ROWS = 32
+"""Rows the reader reads at a time: what a lookup arriving meanwhile may find
+ahead of its own reads in the miss engine (a small part of its queue depth)."""
+HINT_CACHE_SHARE = 0.5
+"""The part of the row cache the rows queued by hints may fill at most."""
+DEMAND_POLL_S = 0.0002
+"""While lookups are with the gather workers, the reader looks again this often."""
+DROP_REASONS = ("no_cache", "disk_busy", "queue_full", "cache_full", "refused", "read_error")
+DEFAULT_QUEUE_ROWS = 65536
+
+
+class TableHints:
+    """One table's hint counters (rows), and the rows hinted not yet asked for."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.cached = 0
+        self.read = 0
+        self.hits = 0
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
+        self.hinted: dict[int, None] = {}  # insertion-ordered: the oldest go first
+        self.lock = threading.Lock()
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {
+                "hints_received": self.received,
+                "hints_cached": self.cached,
+                "hints_read": self.read,
+                "hints_hits": self.hits,
+                "hints_dropped": sum(self.dropped.values()),
+                "hints_dropped_by": dict(self.dropped),
+            }
+
+
+class HintReader:
+    """The hint queue of every table, and its reader thread (module docstring).
+
+    ``demand_in_flight``: demand requests now with a gather worker;
+    ``busy_at``: how many of them make the disk saturated (the workers)."""
+
+    def __init__(
+        self,
+        tables: list[Table],
+        queue_rows: int,
+        cache_rows: int,
+        demand_in_flight: Callable[[], int],
+        busy_at: int,
+    ) -> None:
+        self.tables = tables
+        self.queue_rows = queue_rows
+        self.cache_rows = int(cache_rows * HINT_CACHE_SHARE)
+        self.counts = [TableHints() for _ in tables]
+        self.bad_table = 0  # hints naming no table (no table's counters can hold them)
+        self._demand = demand_in_flight
+        self._busy_at = max(1, busy_at)
+        self._queue: deque[tuple[int, np.ndarray]] = deque()
+        self._queued = 0  # rows in _queue
+        self._cond = threading.Condition()
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="hints", daemon=True)
+
+    # ---------------------------------------------------- the serving loop's
+    def offer(self, key: int, ids: np.ndarray) -> None:
+        """Queue ``ids`` (a private, validated copy) of table ``key``, or drop
+        them, counted; never blocks."""
+        n = int(ids.shape[0])
+        if n == 0:
+            return
+        counts = self.counts[key]
+        reason = None
+        if self.cache_rows == 0:
+            reason = "no_cache"
+        elif self._demand() >= self._busy_at:
+            reason = "disk_busy"
+        with self._cond:
+            if reason is None and self._queued + n > self.queue_rows:
+                reason = "queue_full"
+            elif reason is None and self._queued + n > self.cache_rows:
+                reason = "cache_full"
+            if reason is None:
+                self._queue.append((key, ids))
+                self._queued += n
+                self._cond.notify()
+        with counts.lock:
+            counts.received += n
+            if reason is not None:
+                counts.dropped[reason] += n
+
+    def refused(self, key: int | None, n: int) -> None:
+        """A hint the loop refused (bad count, ids or table: ``key`` None)."""
+        if key is None:
+            with self._cond:
+                self.bad_table += n
+            return
+        counts = self.counts[key]
+        with counts.lock:
+            counts.received += n
+            counts.dropped["refused"] += n
+
+    def demand(self, key: int, ids: np.ndarray) -> None:
+        """A lookup of ``ids`` was answered: count its hinted rows (once each)."""
+        counts = self.counts[key]
+        if not counts.hinted:  # (a racy peek: no hinted rows, no cost)
+            return
+        with counts.lock:
+            found = counts.hinted.keys() & set(ids.tolist())
+            for row in found:
+                del counts.hinted[row]
+            counts.hits += len(found)
+
+    # ------------------------------------------------------------ the reader
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop the reader; what is queued is forgotten (hints are advice)."""
+        with self._cond:
+            self._stop = True
+            self._queue.clear()
+            self._queued = 0
+            self._cond.notify_all()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    @property
+    def queued_rows(self) -> int:
+        return self._queued
+
+    def snapshot(self) -> dict:
+        """The server-wide part of the stats (per table: ``counts[key].snapshot``)."""
+        with self._cond:
+            return {
+                "queued_rows": self._queued,
+                "queue_rows": self.queue_rows,
+                "cache_rows": self.cache_rows,
+                "bad_table": self.bad_table,
+            }
+
+    def _take(self) -> tuple[int, np.ndarray] | None:
+        """The next batch (at most ``HINT_BATCH_ROWS`` rows of one table), once
+        there is one; None when stopping."""
+        with self._cond:
+            while not self._queue and not self._stop:
+                self._cond.wait()
+            if self._stop:
+                return None
+            key, ids = self._queue[0]
+            batch, rest = ids[:HINT_BATCH_ROWS], ids[HINT_BATCH_ROWS:]
+            if rest.size:
+                self._queue[0] = (key, rest)
+            else:
+                self._queue.popleft()
+            self._queued -= batch.size
+            return key, batch
+
+    def _run(self) -> None:
+        while (taken := self._take()) is not None:
+            key, batch = taken
+            # Below every demand read: not one hint read while a lookup's are due.
+            while self._demand() and not self._stop:
+                time.sleep(DEMAND_POLL_S)
+            if self._stop:
+                return
+            self._read(key, batch)
+
+    def _read(self, key: int, batch: np.ndarray) -> None:
+        counts = self.counts[key]
+        if self.tables[key].problem:  # its file changed on disk: not read again
+            with counts.lock:
+                counts.dropped["refused"] += batch.size
+            return
+        unique = np.unique(batch)
+        try:
+            inserted = self.tables[key].fill(unique)
+        except nat.ReadError as exc:
+            log.debug("a hint's read failed (the lookups of its rows will read them): %s", exc)
+            with counts.lock:
+                counts.dropped["read_error"] += batch.size
+            return
+        except Exception:  # a hint never stops the reader
+            log.exception("reading a hint failed")
+            with counts.lock:
+                counts.dropped["read_error"] += batch.size
+            return
+        with counts.lock:
+            counts.read += inserted
+            counts.cached += batch.size - inserted
+            hinted = counts.hinted
+            for row in unique.tolist():
+                hinted.pop(row, None)
+                hinted[row] = None  # the newest last
+            while len(hinted) > self.cache_rows:
+                del hinted[next(iter(hinted))]
