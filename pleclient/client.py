@@ -361,15 +361,7 @@ class PleClient:
         if self._gone:
             raise ServerGone(self._gone)
         if not self.hints_supported:
-            self.hints_skipped += n
-            if not self._hints_unsupported_logged:
-                self._hints_unsupported_logged = True
-                log.info(
-                    "ple-server %s at %s reads no prefetch hints: hints are skipped "
-                    "(lookups work as before; upgrade the server to use them)",
-                    self.server_info.get("server", "?"),
-                    self.socket_path,
-                )
+            self.skip_hints(n)
             return
         cap = channel.layout.capacity
         with self._lock:
@@ -394,6 +386,19 @@ class PleClient:
                 channel.publish_submit(self._sequence)  # E1: every hint slot before it
             self.hints_sent += sent
             self.hints_skipped += n - sent
+
+    def skip_hints(self, n: int) -> None:
+        """Count ``n`` hinted ids not sent to a server that reads no hints
+        (said once in the log)."""
+        self.hints_skipped += n
+        if not self._hints_unsupported_logged:
+            self._hints_unsupported_logged = True
+            log.info(
+                "ple-server %s at %s reads no prefetch hints: hints are skipped "
+                "(lookups work as before; upgrade the server to use them)",
+                self.server_info.get("server", "?"),
+                self.socket_path,
+            )
 
     def lookup(
         self, table: str | int | TableInfo, ids, out: np.ndarray | None = None

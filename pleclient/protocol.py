@@ -258,9 +258,17 @@ hint as a lookup, so a client skips its hints where the feature is absent
 (``PleClient.hints_supported``; logged once): hints are advice, and a lookup
 works either way. An older client never writes the kind word, which the
 server formats LOOKUP and only a client rewrites: its requests stay lookups.
-On a GPU-driven channel the stream writes the kind word before the doorbell
-(G1 orders it with the ids), and the server answers ``done = OK`` at admission
-as it answers DONE.
+On a GPU-driven channel (``pleclient.gpu.GpuLookups.hint``) a slot serves
+hints only, for good: the stream writes the ids, table and count, the kind
+word HINT (with the slot's first hint; G1 orders it with the ids), the
+doorbell and the rung word, as for a lookup, and never waits on ``done``,
+which the server publishes at admission (OK, or ERROR for a refused hint)
+and nobody resets. A hint slot never serves a lookup, whose wait would see
+that stale OK. A ring that comes while the server holds the slot's previous
+hint is lost (the server returns the doorbell to IDLE after it copied the
+ids), and ids the stream rewrites while the server copies them give a torn
+copy, which the server validates as any other: a hint is advice, and no
+hint's bytes go anywhere but into the server's validated copy.
 
 A client follows the protocol only if it never has more than ``depth``
 submits unanswered, so the counter never runs more than ``depth`` ahead of

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from pleclient import PleClient
 from pleclient import protocol as p
 from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint
 from tests.harness import Bystander, child_report, python_child, wait_until
@@ -264,3 +265,38 @@ def test_stats_show_the_hints(start_server, model, tmp_path):
     with server.client() as client:
         text = format_human(client.stats())
     assert "hints" in text and json.dumps(64) in text, text
+
+
+def test_a_gpu_driven_channel_hints_from_its_stream(start_server, model, refs, tmp_path):
+    """The CPU stand-in of a CUDA stream (``HostStream``) writes the words a
+    stream writes: a hint slot is rung and never waited on; its rows are read
+    and a later lookup on another slot finds them cached."""
+    from pleclient.gpu import GpuLookups
+
+    server = serve(start_server, model, tmp_path, "8M")
+    ids = np.arange(60_000, 60_000 + 200 * 11, 11)
+    with GpuLookups.open(server.socket, device="cpu", capacity=1024, depth=4) as gl:
+        gl.hint(3, 1, ids)  # slot 3 serves hints from now on
+        assert gl.client.hints_sent == ids.size
+        with PleClient.connect(server.socket) as watcher:
+            assert wait_until(lambda: table_stats(watcher, 1)["hints_read"] == ids.size)
+            before = table_stats(watcher, 1)
+            gl.ring(0, 1, ids)
+            out = np.empty((ids.size, refs[1].shape[1]), dtype=np.uint8)
+            gl.collect(0, out)
+            assert np.array_equal(out, refs[1][ids])
+            after = table_stats(watcher, 1)
+        assert after["io"]["misses"] == before["io"]["misses"]
+        assert after["hints_hits"] == ids.size
+        with pytest.raises(Exception, match="serves hints"):
+            gl.ring(3, 1, ids[:4])
+        with pytest.raises(Exception, match="serves lookups"):
+            gl.hint(0, 1, ids[:4])
+        gl.hint(3, 1, np.array([200_000]))  # past the table: refused, nothing to wait for
+        gl.ring(1, 1, ids[:8])
+        out = np.empty((8, refs[1].shape[1]), dtype=np.uint8)
+        gl.collect(1, out)
+        assert np.array_equal(out, refs[1][ids[:8]])
+        assert gl.failure is None
+        with PleClient.connect(server.socket) as watcher:
+            assert wait_until(lambda: table_stats(watcher, 1)["hints_dropped_by"]["refused"] == 1)
