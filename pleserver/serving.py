@@ -16,6 +16,10 @@ Threads, and why:
   more; a worker gathers with the GIL released (disk reads, native threads for
   large requests) and completes the slot, so one request's reads never hold up
   other channels.
+- **one hint reader** (``pleserver.hints``): prefetch hints, admitted by the
+  loop like lookups (their ids copied and validated, their slots answered at
+  once), are read into the row cache by it, only while no request is with a
+  gather worker: below every demand read.
 
 Every request: admitted by its channel's admission (which reads the words
 that say it was submitted with acquire), its count and ids copied out of
