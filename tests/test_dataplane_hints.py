@@ -300,3 +300,33 @@ def test_a_gpu_driven_channel_hints_from_its_stream(start_server, model, refs, t
         assert gl.failure is None
         with PleClient.connect(server.socket) as watcher:
             assert wait_until(lambda: table_stats(watcher, 1)["hints_dropped_by"]["refused"] == 1)
+
+
+def test_hints_that_come_while_every_gather_worker_holds_a_lookup_are_dropped(
+    start_server, model, refs, tmp_path
+):
+    """With one gather worker, a hint admitted while a lookup of 16 384 misses
+    is with it finds the disk saturated by demand: dropped as ``disk_busy``,
+    counted, never queued. (Hints go on arriving through the lookup's reads;
+    the try is repeated on new rows should a lookup be answered first.)"""
+    server = serve(start_server, model, tmp_path, "8M", "--gather-workers", "1")
+    with server.client(capacity=16384, depth=8) as client:
+        for attempt in range(5):
+            first = 100_000 + attempt * 16384
+            ids = np.arange(first, first + 16384)
+            ticket = client.submit(1, ids)  # handed off whole (parallel_min_rows)
+            for _ in range(500):
+                client.hint(3, [attempt])
+            rows = ticket.wait()
+            assert np.array_equal(rows, refs[1][ids])
+            ticket.release()
+            if table_stats(client, 3)["hints_dropped_by"]["disk_busy"]:
+                break
+        t = table_stats(client, 3)
+        assert t["hints_dropped_by"]["disk_busy"] > 0, t
+
+        def accounted(t: dict) -> bool:
+            return t["hints_received"] == t["hints_dropped"] + t["hints_read"] + t["hints_cached"]
+
+        # Every hinted row is accounted for once the reader is through.
+        assert wait_until(lambda: accounted(table_stats(client, 3))), table_stats(client, 3)
