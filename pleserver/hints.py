@@ -9,7 +9,8 @@ by the server from its own files into its own buffers (``Table.fill``, the
 path the hot-set refill takes), never from a slot.
 
 ``offer`` runs on the serving loop and never blocks it: it queues the ids or
-drops them, counting the rows dropped by reason:
+drops them, counting the rows dropped by reason (``drop_early`` drops a hint
+that could not be queued before its ids are even copied):
 
 - ``no_cache``: the table has no row cache (``io = mmap``): nothing to fill;
 - ``disk_busy``: every gather worker holds a demand request: the disk is
@@ -113,6 +114,32 @@ class HintReader:
         self.thread = threading.Thread(target=self._run, name="hints", daemon=True)
 
     # ---------------------------------------------------- the serving loop's
+    def _no_room(self, n: int) -> str | None:
+        """Why ``n`` more hinted rows cannot be queued now, or None."""
+        if self.cache_rows == 0:
+            return "no_cache"
+        if self._demand() >= self._busy_at:
+            return "disk_busy"
+        if self._queued + n > self.queue_rows:
+            return "queue_full"
+        if self._queued + n > self.cache_rows:
+            return "cache_full"
+        return None
+
+    def drop_early(self, key: int, n: int) -> bool:
+        """Before its ids are copied: drop a hint of ``n`` rows of table
+        ``key`` that could not be queued anyway, counted (True). A flood of
+        hints then costs the serving loop a few loads each, not a copy (the
+        look is lock-free; ``offer`` looks again under the lock)."""
+        reason = self._no_room(n) if n else None
+        if reason is None:
+            return False
+        counts = self.counts[key]
+        with counts.lock:
+            counts.received += n
+            counts.dropped[reason] += n
+        return True
+
     def offer(self, key: int, ids: np.ndarray) -> None:
         """Queue ``ids`` (a private, validated copy) of table ``key``, or drop
         them, counted; never blocks."""
@@ -120,16 +147,8 @@ class HintReader:
         if n == 0:
             return
         counts = self.counts[key]
-        reason = None
-        if self.cache_rows == 0:
-            reason = "no_cache"
-        elif self._demand() >= self._busy_at:
-            reason = "disk_busy"
         with self._cond:
-            if reason is None and self._queued + n > self.queue_rows:
-                reason = "queue_full"
-            elif reason is None and self._queued + n > self.cache_rows:
-                reason = "cache_full"
+            reason = self._no_room(n)
             if reason is None:
                 self._queue.append((key, ids))
                 self._queued += n

@@ -501,6 +501,9 @@ class ServingLoop:
                 f"row count {count} exceeds the channel capacity {capacity}",
             )
             return None
+        if hint and self.hints.drop_early(table.key, count):
+            ch.admission.complete(slot, time.monotonic_ns() - started)  # nothing read
+            return None
         ids = slot.ids[:count].copy()
         if count:
             lo, hi = int(ids.min()), int(ids.max())
