@@ -31,10 +31,12 @@ reads wait in the miss engine behind at most one batch of hint reads, and a
 lookup never waits for the hint queue. Rows already cached are counted
 (``hints_cached``) and not read again.
 
-Hits on hinted rows: the reader remembers the rows hinted (per table, the
-newest ``HINT_CACHE_SHARE`` of the cache's rows); a demand lookup of one
-counts ``hints_hits`` once and forgets it. The check costs a lookup a set
-intersection, and only while its table has hinted rows not yet asked for.
+Hits on hinted rows: the reader remembers the rows it hinted in a
+direct-mapped table of row keys (``HintedRows``: one int64 a slot, as many
+slots as hints may fill the cache, at most ``HINTED_SLOTS_MAX``, allocated at
+the first hint read; a newer hinted row takes an older one's slot); a demand
+lookup of one counts ``hints_hits`` once and forgets it. The check is a few
+vectorized operations per answered lookup, and none for a table never hinted.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pleserver.table import Table, nat
+from pleserver.table import KEY_ROW_BITS, Table, nat
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,40 @@ DEMAND_POLL_S = 0.0002
 """While lookups are with the gather workers, the reader looks again this often."""
 DROP_REASONS = ("no_cache", "disk_busy", "queue_full", "cache_full", "refused", "read_error")
 DEFAULT_QUEUE_ROWS = 65536
+HINTED_SLOTS_MAX = 1 << 20
+"""Hinted rows remembered for ``hints_hits``, at most (8 MiB)."""
+_TABLE_STRIDE = 0x9E3779B1  # spreads tables over the slots (row r of each apart)
+
+
+class HintedRows:
+    """Hinted rows not yet looked up, by row key, in ``size`` (a power of two)
+    direct-mapped slots: ``remember`` writes a table's rows in, ``take`` counts
+    and clears the ones a lookup asked for. Thread-safe."""
+
+    def __init__(self, size: int) -> None:
+        self.slots = np.full(size, -1, dtype=np.int64)
+        self.mask = size - 1
+        self.lock = threading.Lock()
+
+    def _where(self, key: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        keys = rows | (key << KEY_ROW_BITS)
+        return keys, (rows + key * _TABLE_STRIDE) & self.mask
+
+    def remember(self, key: int, rows: np.ndarray) -> None:
+        keys, at = self._where(key, rows)
+        with self.lock:
+            self.slots[at] = keys
+
+    def take(self, key: int, rows: np.ndarray) -> int:
+        """How many distinct hinted rows of ``rows`` were remembered (now forgotten)."""
+        keys, at = self._where(key, rows)
+        with self.lock:
+            hit = self.slots[at] == keys
+            if not hit.any():
+                return 0
+            found = np.unique(at[hit])
+            self.slots[found] = -1
+        return int(found.size)
 
 
 class TableHints:
@@ -71,7 +107,7 @@ class TableHints:
         self.read = 0
         self.hits = 0
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
-        self.hinted: dict[int, None] = {}  # insertion-ordered: the oldest go first
+        self.tracked = False  # rows of it were hinted (HintedRows holds some)
         self.lock = threading.Lock()
 
     def snapshot(self) -> dict:
@@ -111,6 +147,7 @@ class HintReader:
         self._queued = 0  # rows in _queue
         self._cond = threading.Condition()
         self._stop = False
+        self._hinted: HintedRows | None = None  # at the first hint read
         self.thread = threading.Thread(target=self._run, name="hints", daemon=True)
 
     # ---------------------------------------------------- the serving loop's
@@ -172,13 +209,12 @@ class HintReader:
     def demand(self, key: int, ids: np.ndarray) -> None:
         """A lookup of ``ids`` was answered: count its hinted rows (once each)."""
         counts = self.counts[key]
-        if not counts.hinted:  # (a racy peek: no hinted rows, no cost)
+        if not counts.tracked or self._hinted is None:  # never hinted: no cost
             return
-        with counts.lock:
-            found = counts.hinted.keys() & set(ids.tolist())
-            for row in found:
-                del counts.hinted[row]
-            counts.hits += len(found)
+        found = self._hinted.take(key, ids)
+        if found:
+            with counts.lock:
+                counts.hits += found
 
     # ------------------------------------------------------------ the reader
     def start(self) -> None:
@@ -254,12 +290,11 @@ class HintReader:
             with counts.lock:
                 counts.dropped["read_error"] += batch.size
             return
+        if self._hinted is None:
+            size = 1 << max(10, (self.cache_rows - 1).bit_length())
+            self._hinted = HintedRows(min(size, HINTED_SLOTS_MAX))
+        self._hinted.remember(key, unique)
         with counts.lock:
             counts.read += inserted
             counts.cached += batch.size - inserted
-            hinted = counts.hinted
-            for row in unique.tolist():
-                hinted.pop(row, None)
-                hinted[row] = None  # the newest last
-            while len(hinted) > self.cache_rows:
-                del hinted[next(iter(hinted))]
+            counts.tracked = True
