@@ -241,7 +241,10 @@ control socket (whose thread is not the data plane's); and a CUDA stream can
 ring one (a GPU-driven channel's doorbell, kind HINT) where it can write no
 socket. The server answers a hint when it admits it, from the copy it made,
 so the slot is the client's again within one pass of the serving loop and the
-server never reads a hinted id from shared memory again. The rows a hint
+server never reads a hinted id from shared memory again. A hint the server
+could not queue anyway (its hint queue or cache budget full, every gather
+worker busy with lookups) is answered DONE before its ids are even copied,
+and counted as dropped: DONE says "taken", not "will be read". The rows a hint
 brings are read by the server from its files into its own cache: nothing of
 the slot goes into the cache but the id numbers, validated.
 
@@ -250,7 +253,7 @@ Never blocking: ``PleClient.hint`` takes a free slot or drops the hint
 answer either: a hint's slot is reclaimed when the client next needs a slot,
 as an abandoned lookup's is. A hint answered with ERROR is counted by the
 server (``hints_dropped``, reason ``refused``; a bad table index in the
-server's ``hint_refusals``), and the session goes on.
+server's ``hints`` stats, ``bad_table``), and the session goes on.
 
 Compatibility: a server that reads hints lists ``"hints"`` in WELCOME's
 ``features``. An older server never reads the kind word and would answer a
