@@ -219,6 +219,13 @@ step fails: the GPU never uses zeros or stale rows. (A device-side trap ends
 the CUDA context, so the worker must restart; its log holds the watchdog's
 reason.)
 
+A client follows the protocol only if it never has more than ``depth``
+submits unanswered, so the counter never runs more than ``depth`` ahead of
+what the server has seen: more is proof of a scribbled header, and the server
+drops the channel. The transitions themselves have one home:
+``pleclient.channel.SlotView`` (``submit``, ``complete``, ``fail``,
+``release``) and ``ChannelMap.publish_submit``.
+
 Prefetch hints
 --------------
 A hint says "these rows of table T will be needed soon": the server reads
@@ -261,6 +268,8 @@ hint as a lookup, so a client skips its hints where the feature is absent
 (``PleClient.hints_supported``; logged once): hints are advice, and a lookup
 works either way. An older client never writes the kind word, which the
 server formats LOOKUP and only a client rewrites: its requests stay lookups.
+Both ways an addition either side may ignore, so the protocol version stays 2.
+
 On a GPU-driven channel (``pleclient.gpu.GpuLookups.hint``) a slot serves
 hints only, for good: the stream writes the ids, table and count, the kind
 word HINT (with the slot's first hint; G1 orders it with the ids), the
@@ -272,13 +281,6 @@ hint is lost (the server returns the doorbell to IDLE after it copied the
 ids), and ids the stream rewrites while the server copies them give a torn
 copy, which the server validates as any other: a hint is advice, and no
 hint's bytes go anywhere but into the server's validated copy.
-
-A client follows the protocol only if it never has more than ``depth``
-submits unanswered, so the counter never runs more than ``depth`` ahead of
-what the server has seen: more is proof of a scribbled header, and the server
-drops the channel. The transitions themselves have one home:
-``pleclient.channel.SlotView`` (``submit``, ``complete``, ``fail``,
-``release``) and ``ChannelMap.publish_submit``.
 """
 
 from __future__ import annotations
