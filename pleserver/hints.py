@@ -262,6 +262,9 @@ class HintReader:
             return key, batch
 
     def _run(self) -> None:
+        from pleserver.serving import _name_thread  # (serving imports this module)
+
+        _name_thread(b"ple-hints")  # beside ple-serving and ple-gather-N in top -H
         while (taken := self._take()) is not None:
             key, batch = taken
             # Below every demand read: not one hint read while a lookup's are due.

@@ -94,7 +94,7 @@ _PR_SET_TIMERSLACK = 29
 _PR_SET_NAME = 15
 SERVING_THREAD_NAME = b"ple-serving"
 """The serving loop's thread name in the kernel (``top -H``, ``/proc/PID/task/TID/comm``);
-the gather workers are ``ple-gather-N``."""
+the gather workers are ``ple-gather-N``, the hint reader ``ple-hints``."""
 DEFAULT_CHUNK_ROWS = 4096
 """Rows gathered in one turn: ≈ 0.2 ms of page-cache reads for 320-byte rows."""
 REQUEST_COST_ROWS = 256
