@@ -15,6 +15,11 @@ checkpoint, starts ``pleserver serve`` on it, and checks with
                device-side assertion, it never hands out rows
   watchdog     (child process) the server is killed while the graph waits:
                the watchdog's error mark ends the wait, the step fails
+  hints        (io = direct) a captured graph that hints one slot's ids
+               (``GpuLookups.hint``, never waited on) and looks up another's,
+               replayed 50 times with host-sync checks on: rows bit-exact,
+               every replay's hint received by the server, and lookups of
+               rows hinted earlier counted as hits on hinted rows
 
     python3 bench/gpu_channel_check.py [--json out.json]
 """
@@ -146,6 +151,66 @@ def check_eager_and_graph(socket: str, refs: dict[int, torch.Tensor], report: di
         gl.close()
 
 
+def check_hints(workdir: str, refs: dict[int, torch.Tensor], report: dict) -> None:
+    """Hints from a CUDA stream, inside a graph (``hints`` in the docstring)."""
+    from pleclient import PleClient
+
+    ckpt = os.path.join(workdir, "ckpt")
+    device = torch.device("cuda")
+    server = ServerLauncher(
+        ckpt,
+        "--io",
+        "direct",
+        "--cache-size",
+        "64M",
+        "--state-dir",
+        workdir,
+        die_with_parent=True,
+    ).start()
+    with server:
+        gl = GpuLookups.open(server.socket, device=device, capacity=1024, depth=4, timeout=30.0)
+        try:
+            n = 512
+            hint_ids = torch.empty(n, dtype=torch.int64, device=device)
+            ids = torch.empty(n, dtype=torch.int64, device=device)
+            out = torch.empty((n, refs[1].shape[1]), dtype=torch.uint8, device=device)
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                hint_ids.copy_(torch.arange(n, device=device))
+                ids.copy_(torch.arange(n, 2 * n, device=device))
+                gl.hint(3, 1, hint_ids)  # warm-up outside the graph (writes the kind word)
+                gl.ring(0, 1, ids)
+                gl.collect(0, out)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    gl.hint(3, 1, hint_ids)
+                    gl.ring(0, 1, ids)
+                    gl.collect(0, out)
+                torch.cuda.synchronize()
+                bad = 0
+                for step in range(50):
+                    # Each step hints the rows the next step looks up.
+                    hint_ids.copy_(torch.arange((step + 2) * n, (step + 3) * n, device=device))
+                    ids.copy_(torch.arange((step + 1) * n, (step + 2) * n, device=device))
+                    torch.cuda.set_sync_debug_mode("error")
+                    graph.replay()
+                    torch.cuda.set_sync_debug_mode(0)
+                    torch.cuda.synchronize()
+                    bad += not torch.equal(out, refs[1][ids])
+                    time.sleep(0.02)  # room for the hint to be read before the next step
+            with PleClient.connect(server.socket) as watcher:
+                t = next(t for t in watcher.stats()["tables"] if t["layer"] == 1)
+            report["hints_graph_replays_not_exact"] = bad
+            report["hints_received"] = t["hints_received"]
+            report["hints_read"] = t["hints_read"]
+            report["hints_hits"] = t["hints_hits"]
+            report["hints_dropped_by"] = t["hints_dropped_by"]
+        finally:
+            torch.cuda.synchronize()
+            gl.close()
+
+
 def run_child(mode: str, server) -> str:
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, mode, server.socket, REPO],
@@ -195,6 +260,7 @@ def main() -> int:
         second = make_server(workdir)
         with second:
             report["watchdog_server_killed"] = run_child("watchdog", second)
+        check_hints(workdir, refs, report)
     print(json.dumps(report, indent=1))
     if args.json:
         with open(args.json, "w") as f:
@@ -204,6 +270,9 @@ def main() -> int:
         and report.get("graph_replays_not_exact") == 0
         and "raised" in report.get("error_in_graph", "")
         and "raised" in report.get("watchdog_server_killed", "")
+        and report.get("hints_graph_replays_not_exact") == 0
+        and report.get("hints_received", 0) >= 50 * 512
+        and report.get("hints_hits", 0) > 0
     )
     return 0 if ok else 1
 

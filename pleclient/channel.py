@@ -83,10 +83,18 @@ class SlotView:
         return self._sync.load(self._state_at)
 
     # ------------------------------------------------------- the client's side
-    def submit(self, table: int, ids: np.ndarray, sequence: int, submit_ns: int) -> None:
-        """FREE → SUBMITTED: the request (``submit_ns``: CLOCK_MONOTONIC now),
-        then the state (W1). The server sees it once ``ChannelMap.publish_submit``
-        moved the counter past ``sequence`` (E1 there, pairs with the server's E2)."""
+    def submit(
+        self,
+        table: int,
+        ids: np.ndarray,
+        sequence: int,
+        submit_ns: int,
+        kind: int = p.RequestKind.LOOKUP,
+    ) -> None:
+        """FREE → SUBMITTED: the request (``submit_ns``: CLOCK_MONOTONIC now;
+        ``kind``: a lookup or a prefetch hint), then the state (W1). The
+        server sees it once ``ChannelMap.publish_submit`` moved the counter
+        past ``sequence`` (E1 there, pairs with the server's E2)."""
         n = ids.shape[0]
         self.ids[:n] = ids
         words = self.words
@@ -94,6 +102,7 @@ class SlotView:
         words[p.SL_COUNT] = n
         words[p.SL_SEQUENCE] = sequence
         words[p.SL_ERROR] = p.ErrorCode.OK
+        words[p.SL_KIND] = kind
         self.words64[p.SL_SUBMIT_NS // 2] = submit_ns
         self._sync.store(self._state_at, p.SlotState.SUBMITTED)
 
@@ -146,7 +155,7 @@ class SlotView:
         ``base_address`` (a GPU writes and waits on it by address)."""
         return base_address + self._state_at + word * WORD  # (state is word 0)
 
-    def ring(self, table: int, ids: np.ndarray) -> None:
+    def ring(self, table: int, ids: np.ndarray, kind: int = p.RequestKind.LOOKUP) -> None:
         """IDLE → RUNG, as a GPU rings: ids, table and count, then the doorbell
         (W1, release: the request before it; the stream's G1), then the
         channel's rung word (W1: the doorbell before it; the stream's G2). The
@@ -155,6 +164,7 @@ class SlotView:
         self.ids[:n] = ids
         self.words[p.SL_TABLE] = table
         self.words[p.SL_COUNT] = n
+        self.words[p.SL_KIND] = kind
         self._sync.store(self._doorbell_at, p.Doorbell.RUNG)
         self._sync.store(RUNG_AT, p.Doorbell.RUNG)
 
@@ -254,6 +264,7 @@ class ChannelMap:
             slot.words[p.SL_DOORBELL] = p.Doorbell.IDLE
             slot.words[p.SL_DONE] = p.Done.WAITING
             slot.words[p.SL_ANSWERS] = 0
+            slot.words[p.SL_KIND] = p.RequestKind.LOOKUP
         self.sync.store(p.CH_MAGIC * WORD, p.CHANNEL_MAGIC)  # W1: the header before it
 
     # ------------------------------------------------------- the submit words

@@ -8,6 +8,7 @@
         view = ticket.wait()                     # zero-copy view of the slot
         ...                                      # use it (DMA it to the GPU)
         ticket.release()
+        client.hint(3, later_ids)               # read ahead into the server's cache
 
 A client is used by one thread at a time (vLLM workers are single-threaded per
 rank); ``submit``/``wait`` pairs may overlap up to the channel depth.
@@ -163,6 +164,11 @@ class PleClient:
         # (SHUTDOWN, ERROR) may arrive over several liveness checks.
         self._reader = p.FrameReader()
         self._pid = os.getpid()
+        self.hints_sent = 0
+        """Row ids sent as prefetch hints (``hint``)."""
+        self.hints_skipped = 0
+        """Row ids of hints not sent: no free slot, or a server without hints."""
+        self._hints_unsupported_logged = False
 
     # --------------------------------------------------------------- connect
     @classmethod
@@ -352,6 +358,71 @@ class PleClient:
             self._sequence = (self._sequence + 1) & 0xFFFFFFFF
             channel.publish_submit(self._sequence)
         return Ticket(self, slot, info, n)
+
+    @property
+    def hints_supported(self) -> bool:
+        """Whether the server reads prefetch hints (WELCOME ``features``)."""
+        return p.FEATURE_HINTS in self.features
+
+    def hint(self, table: str | int | TableInfo, ids) -> None:
+        """Tell the server the rows of ``ids`` will be needed soon: it reads
+        those it does not hold into its row cache, below every lookup, so a
+        later ``lookup`` of them is a cache hit. Returns nothing and never
+        blocks: the ids go into free slots of the channel (``capacity`` a
+        slot), and what finds no free slot is skipped, counted in
+        ``hints_skipped`` (as are all hints to a server without them:
+        ``hints_supported``). Whether the server read them, dropped them
+        (disk saturated, queue or cache budget full) or refused them (bad
+        ids) is in its stats, per table (``hints_*``). A hint's slot comes
+        back once the server has admitted it (at once, before any read)."""
+        info = table if isinstance(table, TableInfo) else self.table(table)
+        ids = np.asarray(ids).reshape(-1)
+        n = ids.shape[0]
+        channel = self._require_channel()
+        if self.gpu_driven:
+            raise PleError(
+                "this client's channel is GPU-driven: its slots are rung by a CUDA "
+                "stream (pleclient.gpu.GpuLookups), not by hint()"
+            )
+        if self._gone:
+            raise ServerGone(self._gone)
+        if not self.hints_supported:
+            self.skip_hints(n)
+            return
+        cap = channel.layout.capacity
+        with self._lock:
+            sent = 0
+            for start in range(0, n, cap):
+                slot = self.slots.take_for_hint()
+                if slot is None:
+                    break
+                piece = ids[start : start + cap]
+                slot.submit(
+                    self._index[info.name],
+                    piece,
+                    self._sequence,
+                    time.monotonic_ns(),
+                    p.RequestKind.HINT,
+                )
+                self._sequence = (self._sequence + 1) & 0xFFFFFFFF
+                sent += piece.shape[0]
+            if sent:
+                channel.publish_submit(self._sequence)  # E1: every hint slot before it
+            self.hints_sent += sent
+            self.hints_skipped += n - sent
+
+    def skip_hints(self, n: int) -> None:
+        """Count ``n`` hinted ids not sent to a server that reads no hints
+        (said once in the log)."""
+        self.hints_skipped += n
+        if not self._hints_unsupported_logged:
+            self._hints_unsupported_logged = True
+            log.info(
+                "ple-server %s at %s reads no prefetch hints: hints are skipped "
+                "(lookups work as before; upgrade the server to use them)",
+                self.server_info.get("server", "?"),
+                self.socket_path,
+            )
 
     def lookup(
         self, table: str | int | TableInfo, ids, out: np.ndarray | None = None

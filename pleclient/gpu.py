@@ -143,7 +143,9 @@ class Stream(Protocol):
     """Enqueues one slot's half of a lookup, the way ``pleclient.protocol``
     orders the words."""
 
-    def ring(self, slot: SlotView, table: int, ids, count: int) -> None: ...
+    def ring(
+        self, slot: SlotView, table: int, ids, count: int, kind: int | None = None
+    ) -> None: ...
 
     def collect(self, slot: SlotView, out, count: int, row_bytes: int) -> None: ...
 
@@ -184,7 +186,9 @@ class CudaStream:
     def _address(self, slot: SlotView, word: int) -> int:
         return slot.word_address(word, self._base)
 
-    def ring(self, slot: SlotView, table: int, ids, count: int) -> None:
+    def ring(self, slot: SlotView, table: int, ids, count: int, kind: int | None = None) -> None:
+        """``kind``: the slot's kind word, written before the doorbell (G1
+        orders it with the ids), or None to leave it as it is."""
         lib, stream = _cuda(), self._stream()
         slot_base = self._base + self._layout.slot_offset(slot.index)
         _check(
@@ -193,7 +197,10 @@ class CudaStream:
             ),
             "copying the ids into the channel",
         )
-        for word, value in ((p.SL_TABLE, table), (p.SL_COUNT, count)):
+        words = [(p.SL_TABLE, table), (p.SL_COUNT, count)]
+        if kind is not None:
+            words.append((p.SL_KIND, kind))
+        for word, value in words:
             _check(
                 lib.cuStreamWriteValue32_v2(
                     stream, self._address(slot, word), value, _CU_STREAM_WRITE_VALUE_DEFAULT
@@ -263,8 +270,12 @@ class HostStream:
     def __init__(self, wait_timeout: float) -> None:
         self._wait_timeout = wait_timeout  # past the watchdog's: only a broken one
 
-    def ring(self, slot: SlotView, table: int, ids, count: int) -> None:
-        slot.ring(table, np.asarray(ids).reshape(-1)[:count])
+    def ring(self, slot: SlotView, table: int, ids, count: int, kind: int | None = None) -> None:
+        slot.ring(
+            table,
+            np.asarray(ids).reshape(-1)[:count],
+            slot.words[p.SL_KIND] if kind is None else kind,
+        )
 
     def collect(self, slot: SlotView, out, count: int, row_bytes: int) -> None:
         done = slot.wait_done(self._wait_timeout)
@@ -359,6 +370,9 @@ class GpuLookups:
         self.stream = stream
         self.watchdog = Watchdog(client, timeout)
         self._rung: list[tuple[int, int] | None] = [None] * client.depth  # (count, row_bytes)
+        # What each slot serves once used: LOOKUP or HINT, for good (a hint
+        # slot's done word is never waited on, so it never serves a lookup).
+        self._kind: list[int | None] = [None] * client.depth
 
     @classmethod
     def open(
@@ -437,8 +451,63 @@ class GpuLookups:
             raise ValueError("ids must be contiguous")
         if self._rung[slot] is not None:
             raise PleError(f"slot {slot} was rung and not collected: collect it first")
+        self._use(slot, p.RequestKind.LOOKUP)
         self.stream.ring(view, self.client.table_index(info), ids, count)
         self._rung[slot] = (count, info.row_bytes)
+
+    def hint(self, slot: int, table: str | int | TableInfo, ids) -> None:
+        """Enqueue a prefetch hint: ``ids`` (int64, contiguous; at most
+        ``capacity``) of ``table`` into ``slot``, a slot that serves hints
+        only, then its doorbell: no wait, nothing to collect, so the stream
+        never waits on it. The server copies the ids, answers at once and
+        reads the rows into its cache below every lookup
+        (``pleclient.protocol``, "Prefetch hints"). A ring that comes while
+        the server still holds the slot's previous hint is lost, and one
+        whose ids the stream rewrites while the server copies them hints
+        other valid rows or is refused: a hint is advice, and the server
+        validates its copy. Skipped (logged once by the client) where the
+        server reads no hints."""
+        if self.watchdog.failure is not None:
+            raise PleError(f"GPU-driven PLE lookups have failed: {self.watchdog.failure}")
+        view = self._slot(slot)
+        info = table if isinstance(table, TableInfo) else self.client.table(table)
+        count = int(ids.numel() if hasattr(ids, "numel") else np.asarray(ids).size)
+        if not 1 <= count <= self.capacity:
+            raise ValueError(
+                f"a GPU-driven hint takes 1..{self.capacity} ids (the channel "
+                f"capacity), not {count}: split it over slots"
+            )
+        if getattr(ids, "dtype", None) is not None and str(ids.dtype) not in (
+            "torch.int64",
+            "int64",
+        ):
+            raise ValueError(f"ids must be int64, not {ids.dtype}")
+        if hasattr(ids, "is_contiguous") and not ids.is_contiguous():
+            raise ValueError("ids must be contiguous")
+        first = self._use(slot, p.RequestKind.HINT)
+        if not self.client.hints_supported:
+            self.client.skip_hints(count)
+            return
+        self.client.hints_sent += count
+        # The kind word is written with the first hint only: a slot keeps its kind.
+        self.stream.ring(
+            view, self.client.table_index(info), ids, count, p.RequestKind.HINT if first else None
+        )
+
+    def _use(self, slot: int, kind: p.RequestKind) -> bool:
+        """Mark ``slot`` as serving ``kind`` (True the first time); PleError
+        if it serves the other kind."""
+        used = self._kind[slot]
+        if used is None:
+            self._kind[slot] = kind
+            return True
+        if used != kind:
+            raise PleError(
+                f"slot {slot} serves {p.RequestKind(used).name.lower()}s: "
+                f"a slot serves lookups or hints, never both (a hint slot's answer "
+                "is never waited for); use another slot"
+            )
+        return False
 
     def collect(self, slot: int, out) -> None:
         """Enqueue: wait for ``slot``'s answer, its rows into ``out`` (uint8,

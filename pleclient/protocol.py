@@ -70,7 +70,8 @@ Slot header (uint32 words):
   by the client · 6-7 server time in ns (uint64) · 8-9 submit time,
   CLOCK_MONOTONIC ns (uint64, written by the client; the clock is system-wide,
   so the server derives queue time from it) · 10 **doorbell**, 11 **done**,
-  12 answers (GPU-driven channels only, below)
+  12 answers (GPU-driven channels only, below) · 13 **kind** (``RequestKind``:
+  LOOKUP 0 or HINT 1, written by the client with the request; below)
 followed by the message area: a UTF-8 error text, NUL-padded.
 
 Synchronization words (protocol 2)
@@ -224,6 +225,62 @@ what the server has seen: more is proof of a scribbled header, and the server
 drops the channel. The transitions themselves have one home:
 ``pleclient.channel.SlotView`` (``submit``, ``complete``, ``fail``,
 ``release``) and ``ChannelMap.publish_submit``.
+
+Prefetch hints
+--------------
+A hint says "these rows of table T will be needed soon": the server reads
+the ones it does not hold into its row cache, below every demand read, and
+returns nothing. A hint is a request like a lookup, in a slot of the same
+channel, with the slot's **kind** word HINT (a lookup's is LOOKUP, 0)::
+
+    client                                     server
+    ids, table, count, kind = HINT  (slot)
+    state = SUBMITTED (W1), counter + 1 (E1) ─► admits it (E2), copies count
+                                               and ids out, validates the copies
+                                          ◄─  DONE (E1), at once: before any read;
+                                               or ERROR (bad table, count, id)
+    reclaims the slot (FREE, W1) whenever       the copy joins the server's hint
+    it next looks for a free one                queue, or is dropped (counted)
+
+Why a slot, and not a control message: a slot is where ids already go, with
+the bounds, validation and fairness a lookup has; it costs no frame on the
+control socket (whose thread is not the data plane's); and a CUDA stream can
+ring one (a GPU-driven channel's doorbell, kind HINT) where it can write no
+socket. The server answers a hint when it admits it, from the copy it made,
+so the slot is the client's again within one pass of the serving loop and the
+server never reads a hinted id from shared memory again. A hint the server
+could not queue anyway (its hint queue or cache budget full, every gather
+worker busy with lookups) is answered DONE before its ids are even copied,
+and counted as dropped: DONE says "taken", not "will be read". The rows a hint
+brings are read by the server from its files into its own cache: nothing of
+the slot goes into the cache but the id numbers, validated.
+
+Never blocking: ``PleClient.hint`` takes a free slot or drops the hint
+(``hints_skipped``): it never waits for one. It does not wait for the
+answer either: a hint's slot is reclaimed when the client next needs a slot,
+as an abandoned lookup's is. A hint answered with ERROR is counted by the
+server (``hints_dropped``, reason ``refused``; a bad table index in the
+server's ``hints`` stats, ``bad_table``), and the session goes on.
+
+Compatibility: a server that reads hints lists ``"hints"`` in WELCOME's
+``features``. An older server never reads the kind word and would answer a
+hint as a lookup, so a client skips its hints where the feature is absent
+(``PleClient.hints_supported``; logged once): hints are advice, and a lookup
+works either way. An older client never writes the kind word, which the
+server formats LOOKUP and only a client rewrites: its requests stay lookups.
+Both ways an addition either side may ignore, so the protocol version stays 2.
+
+On a GPU-driven channel (``pleclient.gpu.GpuLookups.hint``) a slot serves
+hints only, for good: the stream writes the ids, table and count, the kind
+word HINT (with the slot's first hint; G1 orders it with the ids), the
+doorbell and the rung word, as for a lookup, and never waits on ``done``,
+which the server publishes at admission (OK, or ERROR for a refused hint)
+and nobody resets. A hint slot never serves a lookup, whose wait would see
+that stale OK. A ring that comes while the server holds the slot's previous
+hint is lost (the server returns the doorbell to IDLE after it copied the
+ids), and ids the stream rewrites while the server copies them give a torn
+copy, which the server validates as any other: a hint is advice, and no
+hint's bytes go anywhere but into the server's validated copy.
 """
 
 from __future__ import annotations
@@ -275,10 +332,14 @@ SL_SERVER_NS = 6  # uint64 over words 6-7
 SL_SUBMIT_NS = 8  # uint64 over words 8-9
 # GPU-driven channels only (see "GPU-driven channels" above).
 SL_DOORBELL, SL_DONE, SL_ANSWERS = 10, 11, 12
+SL_KIND = 13  # RequestKind (see "Prefetch hints" above)
 
 FEATURE_GPU_DRIVEN = "gpu_driven"
 """Listed in WELCOME's ``features`` by a server that serves GPU-driven channels."""
-SERVER_FEATURES = (FEATURE_GPU_DRIVEN,)
+FEATURE_HINTS = "hints"
+"""Listed in WELCOME's ``features`` by a server that reads prefetch hints
+(slots of kind HINT); a client sends none to a server without it."""
+SERVER_FEATURES = (FEATURE_GPU_DRIVEN, FEATURE_HINTS)
 
 # Limits the server enforces on OPEN_CHANNEL (also its defaults).
 DEFAULT_CAPACITY = 16384
@@ -291,6 +352,13 @@ class SlotState(enum.IntEnum):
     SUBMITTED = 1
     DONE = 2
     ERROR = 3
+
+
+class RequestKind(enum.IntEnum):
+    """A slot's kind word: what the request in it asks for."""
+
+    LOOKUP = 0  # the rows, in the slot (every client before hints wrote 0)
+    HINT = 1  # nothing back: read the rows into the server's cache, below lookups
 
 
 class Doorbell(enum.IntEnum):

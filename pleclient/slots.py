@@ -46,10 +46,11 @@ class SlotOwner(enum.Enum):
     FREE = "free"  # nobody: ``take`` may hand it out
     TICKET = "ticket"  # a Ticket: submitted, or answered and not released yet
     ABANDONED = "abandoned"  # released before its answer: free once answered
+    HINT = "hint"  # a prefetch hint: its answer is never read, free once answered
     STREAM = "stream"  # a GPU-driven channel's: rung by a CUDA stream
 
 
-UNREAD = frozenset({SlotOwner.ABANDONED})
+UNREAD = frozenset({SlotOwner.ABANDONED, SlotOwner.HINT})
 """Owners of a submitted slot that nobody will read: the slot is free again
 once the server has answered it."""
 
@@ -82,9 +83,7 @@ class SlotPool:
         one is waited for, up to ``timeout`` (None if its answer did not come).
         PleError when tickets hold every slot."""
         slots, owners = self._require(), self._owners
-        for i, owner in enumerate(owners):
-            if owner in UNREAD and slots[i].state != p.SlotState.SUBMITTED:
-                self._free(i)
+        self._reclaim_answered()
         for i, owner in enumerate(owners):
             if owner is SlotOwner.FREE:
                 owners[i] = SlotOwner.TICKET
@@ -101,6 +100,18 @@ class SlotPool:
             f"all {len(owners)} channel slots are held by unreleased or "
             "unanswered tickets; release tickets (or connect with a larger depth)"
         )
+
+    def take_for_hint(self) -> SlotView | None:
+        """FREE → HINT: a slot for a prefetch hint, or None when none is free
+        now (never waits). Unread slots whose answer has arrived are reclaimed
+        first; the hint's own slot is reclaimed the same way by a later take."""
+        slots, owners = self._require(), self._owners
+        self._reclaim_answered()
+        for i, owner in enumerate(owners):
+            if owner is SlotOwner.FREE:
+                owners[i] = SlotOwner.HINT
+                return slots[i]
+        return None
 
     def release(self, index: int) -> None:
         """TICKET → FREE, once the slot was answered: the rows are read."""
@@ -129,6 +140,13 @@ class SlotPool:
     def close(self) -> None:
         """The channel is unmapped: no slot can be handed out or given back."""
         self._slots = None
+
+    def _reclaim_answered(self) -> None:
+        """UNREAD → FREE for every unread slot the server has answered."""
+        slots = self._require()
+        for i, owner in enumerate(self._owners):
+            if owner in UNREAD and slots[i].state != p.SlotState.SUBMITTED:
+                self._free(i)
 
     def _free(self, index: int) -> None:
         self._require()[index].release()

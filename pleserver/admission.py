@@ -35,11 +35,11 @@ slot transitions themselves are ``pleclient.channel.SlotView``'s.
 A third kind of request comes in through the same door. A prefetch hint —
 rows to read into the row cache, nothing returned, served below every demand
 read — is an ``Arrival`` like any other: the admission that finds it says so
-in the arrival, the loop's one policy queues it by that (behind demand) and
-gathers it into the cache only, and the admission's ``complete`` answers it
-the way its channel answers hints (no rows, perhaps no answer at all). What
-changes is inside the admissions and the policy's queues, not a branch per
-kind of client in the loop.
+in the arrival (``kind``, the slot's kind word), the loop copies and
+validates its ids as a lookup's, answers it through the admission's
+``complete`` at once (no rows: the slot is the client's again), and hands the
+copy to the server's hint queue (``pleserver.hints``), which reads it into the
+cache only, behind demand. No branch per kind of client in the loop.
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ class Arrival:
     submitted_ns: int | None
     """When the client submitted it (CLOCK_MONOTONIC ns, the client's word:
     checked before it is believed), or None where the client has no such clock."""
+    kind: int = p.RequestKind.LOOKUP
+    """The slot's kind word as admitted (``pleclient.protocol.RequestKind``;
+    the client's word: any other value is refused by the loop)."""
 
 
 class Admission(Protocol):
@@ -136,7 +139,7 @@ class CounterAdmission:
             if ((counter - slot.words[p.SL_SEQUENCE] - 1) & U32) >= 0x80000000:
                 continue
             self.busy.add(slot.index)
-            arrivals.append(Arrival(slot, slot.words64[p.SL_SUBMIT_NS // 2]))
+            arrivals.append(Arrival(slot, slot.words64[p.SL_SUBMIT_NS // 2], slot.words[p.SL_KIND]))
         return arrivals
 
     def complete(self, slot: SlotView, server_ns: int) -> None:
@@ -186,7 +189,8 @@ class DoorbellAdmission:
                 continue
             slot.claim()
             self.busy.add(slot.index)
-            arrivals.append(Arrival(slot, None))  # a GPU has no clock of ours
+            # (a GPU has no clock of ours)
+            arrivals.append(Arrival(slot, None, slot.words[p.SL_KIND]))
         return arrivals
 
     def complete(self, slot: SlotView, server_ns: int) -> None:

@@ -228,6 +228,14 @@ class ServerConfig:
         minimum=1,
         group="serving",
     )
+    hint_queue_rows: int = _setting(
+        65536,
+        "int",
+        "Prefetch hints: row ids queued to be read into the row cache, at most, "
+        "all clients together; a hint past it is dropped (and counted). Hints are "
+        "read only while no lookup waits for the disk.",
+        minimum=1,
+    )
     hello_timeout_s: float = _setting(
         5.0,
         "duration",

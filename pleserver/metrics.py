@@ -39,8 +39,13 @@ Every mode:
   the cumulative counts are exact —, ``ple_table_info{dtype,rows,cols,
   row_bytes,fingerprint}`` (1), ``ple_table_size_bytes``,
   ``ple_table_io_mode{io}``;
-- per table, once the server counts prefetch hints: ``ple_hints_dropped_total``
-  (the table snapshot's field ``hints_dropped``);
+- prefetch hints, in rows, per table: ``ple_hints_received_total``,
+  ``ple_hints_read_total`` (read into the row cache), ``ple_hints_cached_total``
+  (cached already, not read), ``ple_hints_hits_total`` (lookups of hinted
+  rows, each counted once), ``ple_hints_dropped_total{reason}``
+  (``no_cache``: io = mmap; ``disk_busy``; ``queue_full``; ``cache_full``;
+  ``refused``: bad count or ids; ``read_error``); and ``ple_hints_queued_rows``,
+  ``ple_hints_bad_table_total`` (a table index the server does not have);
 - ``ple_metrics_connections_rejected_total{reason}`` (``connection_cap``,
   ``timeout``, ``bad_request``) — this endpoint's own refusals;
 - the standard ``process_*`` series (CPU, resident memory, open fds, start time).
@@ -157,7 +162,7 @@ class SnapshotCollector(Collector):
         yield from _tables(snap["tables"])
         if mode not in (None, "mmap"):
             yield from _table_io(snap["tables"])
-        yield from _hints(snap["tables"])
+        yield from _hints(snap)
 
 
 def _control(snap: dict) -> Iterator[Metric]:
@@ -328,17 +333,55 @@ def _table_io(tables: list[dict]) -> Iterator[Metric]:
     yield from (hits, misses, reads, read_bytes, read_errors, latency)
 
 
-def _hints(tables: list[dict]) -> Iterator[Metric]:
-    """Prefetch hints dropped (the disk saturated, or the cache budget could not
-    hold them), once the server counts them: a table's ``hints_dropped``."""
-    dropped = CounterMetricFamily(
-        "ple_hints_dropped", "Prefetch hints dropped, not read.", labels=TABLE_LABELS
-    )
-    for t in tables:
-        if t.get("hints_dropped") is not None:
-            dropped.add_metric([str(t["layer"]), t["name"]], t["hints_dropped"])
-    if dropped.samples:
+def _hints(snap: dict) -> Iterator[Metric]:
+    """Prefetch hints, in rows, per table (``pleserver.hints``): received,
+    read into the row cache, found cached already, dropped by reason, and the
+    lookups' hits on hinted rows; the queue's rows and the hints naming no
+    table, server-wide. Absent from a snapshot without them."""
+    tables = [t for t in snap["tables"] if t.get("hints_received") is not None]
+    if tables:
+        families = {
+            key: CounterMetricFamily(name, help_text, labels=TABLE_LABELS)
+            for key, name, help_text in (
+                ("hints_received", "ple_hints_received", "Row ids received in prefetch hints."),
+                ("hints_read", "ple_hints_read", "Hinted rows read into the row cache."),
+                (
+                    "hints_cached",
+                    "ple_hints_cached",
+                    "Hinted rows found in the row cache already (not read).",
+                ),
+                (
+                    "hints_hits",
+                    "ple_hints_hits",
+                    "Lookups of hinted rows (each hinted row counted once).",
+                ),
+            )
+        }
+        dropped = CounterMetricFamily(
+            "ple_hints_dropped",
+            "Hinted rows dropped, not read, by reason.",
+            labels=[*TABLE_LABELS, "reason"],
+        )
+        for t in tables:
+            labels = [str(t["layer"]), t["name"]]
+            for key, family in families.items():
+                family.add_metric(labels, t.get(key, 0))
+            for reason, n in (t.get("hints_dropped_by") or {}).items():
+                dropped.add_metric([*labels, reason], n)
+        yield from families.values()
         yield dropped
+    hints = snap.get("hints")
+    if hints:
+        yield GaugeMetricFamily(
+            "ple_hints_queued_rows",
+            "Hinted rows queued to be read (at most hint_queue_rows).",
+            value=hints["queued_rows"],
+        )
+        yield CounterMetricFamily(
+            "ple_hints_bad_table",
+            "Hinted rows refused for naming a table index the server does not have.",
+            value=hints["bad_table"],
+        )
 
 
 def _tables(tables: list[dict]) -> Iterator[Metric]:

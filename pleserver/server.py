@@ -200,6 +200,12 @@ class Server:
                 workers=cfg.gather_workers,
                 idle_wait=cfg.idle_wait,
                 gpu_poll_s=cfg.gpu_poll_us * 1e-6,
+                hint_queue_rows=cfg.hint_queue_rows,
+                hint_cache_rows=(
+                    self.plane.cache.capacity_rows
+                    if self.plane is not None and self.plane.cache is not None
+                    else 0
+                ),
             )
         except ValueError as exc:  # idle_wait = futex_waitv on a kernel without it
             raise StartupError(str(exc)) from None
@@ -553,6 +559,8 @@ class Server:
                 io_mode=t.mode,
                 io=io_snapshot(source, rate.rate(source.get("misses", 0), now)),
             )
+            if self.loop is not None:  # prefetch hints, in rows (pleserver.hints)
+                snap.update(self.loop.hints.counts[t.key].snapshot())
             tables.append(snap)
         return {
             "pid": os.getpid(),
@@ -570,6 +578,7 @@ class Server:
             "hotset": self.hotset.snapshot() if self.hotset else None,
             "channel_memory": {"used_bytes": self.budget.used, "budget_bytes": self.budget.limit},
             "control_errors": self.sessions.errors_sent() if self.sessions is not None else {},
+            "hints": self.loop.hints.snapshot() if self.loop else None,
             "tables": tables,
         }
 

@@ -16,6 +16,10 @@ Threads, and why:
   more; a worker gathers with the GIL released (disk reads, native threads for
   large requests) and completes the slot, so one request's reads never hold up
   other channels.
+- **one hint reader** (``pleserver.hints``): prefetch hints, admitted by the
+  loop like lookups (their ids copied and validated, their slots answered at
+  once), are read into the row cache by it, only while no request is with a
+  gather worker: below every demand read.
 
 Every request: admitted by its channel's admission (which reads the words
 that say it was submitted with acquire), its count and ids copied out of
@@ -65,6 +69,7 @@ from pleclient import protocol as p
 from pleclient.channel import ChannelMap, SlotView
 from pleserver.admission import Admission, Arrival, HostileChannel
 from pleserver.config import IDLE_WAITS
+from pleserver.hints import DEFAULT_QUEUE_ROWS, HintReader
 from pleserver.stats import TableStats
 from pleserver.table import Table, nat
 
@@ -89,7 +94,7 @@ _PR_SET_TIMERSLACK = 29
 _PR_SET_NAME = 15
 SERVING_THREAD_NAME = b"ple-serving"
 """The serving loop's thread name in the kernel (``top -H``, ``/proc/PID/task/TID/comm``);
-the gather workers are ``ple-gather-N``."""
+the gather workers are ``ple-gather-N``, the hint reader ``ple-hints``."""
 DEFAULT_CHUNK_ROWS = 4096
 """Rows gathered in one turn: ≈ 0.2 ms of page-cache reads for 320-byte rows."""
 REQUEST_COST_ROWS = 256
@@ -208,6 +213,8 @@ class ServingLoop:
         workers: int = 4,
         idle_wait: str = "auto",
         gpu_poll_s: float = DEFAULT_GPU_POLL_S,
+        hint_queue_rows: int = DEFAULT_QUEUE_ROWS,
+        hint_cache_rows: int = 0,
     ) -> None:
         if idle_wait not in IDLE_WAITS:
             raise ValueError(f"idle_wait must be one of {', '.join(IDLE_WAITS)}, not {idle_wait!r}")
@@ -251,6 +258,11 @@ class ServingLoop:
             for i in range(max(1, workers))
         ]
         self.thread = threading.Thread(target=self._run, name="serving", daemon=True)
+        # Prefetch hints: read into the row cache (``hint_cache_rows`` rows;
+        # 0: no cache) while no handed-off demand request waits.
+        self.hints = HintReader(
+            tables, hint_queue_rows, hint_cache_rows, lambda: self._inflight, len(self.workers)
+        )
 
     # --------------------------------------------------------------- channels
     def add(self, channel: Channel) -> None:
@@ -292,8 +304,10 @@ class ServingLoop:
         try:
             for worker in self.workers:
                 worker.start()
+            self.hints.start()
             self.thread.start()
         except RuntimeError:
+            self.hints.stop()
             for worker in self.workers:
                 if worker.is_alive():
                     self._handed.put(None)
@@ -310,6 +324,7 @@ class ServingLoop:
         self.wake()
         if self.thread.is_alive():
             self.thread.join()
+        self.hints.stop()
         for worker in self.workers:
             if worker.is_alive():
                 self._handed.put(None)
@@ -447,7 +462,19 @@ class ServingLoop:
         words = slot.words
         table_index = words[p.SL_TABLE]
         count = words[p.SL_COUNT]  # copied once: the client may rewrite the slot
+        hint = arrival.kind == p.RequestKind.HINT
+        if not hint and arrival.kind != p.RequestKind.LOOKUP:
+            self._answer_error(
+                ch,
+                slot,
+                p.ErrorCode.BAD_MESSAGE,
+                f"request kind {arrival.kind} unknown: this server reads "
+                f"{', '.join(f'{k.name} {k.value}' for k in p.RequestKind)}",
+            )
+            return None
         if table_index >= len(self.tables):  # no table's statistics can count it
+            if hint:
+                self.hints.refused(None, min(count, ch.map.layout.capacity))
             self._answer_error(
                 ch,
                 slot,
@@ -461,33 +488,58 @@ class ServingLoop:
         submitted = started if arrival.submitted_ns is None else arrival.submitted_ns
         r = Request(ch, slot, table, self.stats[table_index], started, submitted)
         if table.problem:  # its file changed on disk: reading it could SIGBUS us
-            self._fail(r, p.ErrorCode.INTERNAL, "internal", table.problem)
+            self._refuse(r, hint, count, p.ErrorCode.INTERNAL, "internal", table.problem)
             return None
         capacity = ch.map.layout.capacity
         if count > capacity:
-            self._fail(
+            self._refuse(
                 r,
+                hint,
+                count,
                 p.ErrorCode.BAD_COUNT,
                 "bad_count",
                 f"row count {count} exceeds the channel capacity {capacity}",
             )
+            return None
+        if hint and self.hints.drop_early(table.key, count):
+            ch.admission.complete(slot, time.monotonic_ns() - started)  # nothing read
             return None
         ids = slot.ids[:count].copy()
         if count:
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= table.rows:
                 bad = int(np.flatnonzero((ids < 0) | (ids >= table.rows))[0])
-                self._fail(
+                self._refuse(
                     r,
+                    hint,
+                    count,
                     p.ErrorCode.ID_OUT_OF_RANGE,
                     "id_out_of_range",
                     f"id {int(ids[bad])} at position {bad} is out of range for "
                     f"{table.spec.name} ({table.rows} rows: valid ids 0..{table.rows - 1})",
                 )
                 return None
+        if hint:
+            # Answered from the copy, before any read: the slot is the
+            # client's again, and nothing of it is read from here on.
+            ch.admission.complete(slot, time.monotonic_ns() - started)
+            self.hints.offer(table.key, ids)
+            return None
         r.ids = ids
         r.out = slot.rows_view(count, table.row_bytes)
         return r
+
+    def _refuse(
+        self, r: Request, hint: bool, count: int, code: p.ErrorCode, kind: str, text: str
+    ) -> None:
+        """Fail a request that did not validate: a lookup counted as ``kind``
+        in its table's errors, a hint as ``count`` refused hinted rows (at
+        most a slot's worth: the count is the client's word)."""
+        if not hint:
+            self._fail(r, code, kind, text)
+            return
+        self._answer_error(r.channel, r.slot, code, text)
+        self.hints.refused(r.table.key, min(count, r.channel.map.layout.capacity))
 
     # -------------------------------------------------------------- scheduling
     def _serve_turn(self) -> bool:
@@ -595,6 +647,7 @@ class ServingLoop:
     def _complete(self, r: Request) -> None:
         done = time.monotonic_ns()
         r.channel.admission.complete(r.slot, done - r.started_ns)
+        self.hints.demand(r.table.key, r.ids)  # hits on hinted rows (free without hints)
         # A submit time from before the channel opened, or after the request was
         # admitted, is not a time this client could have had: not recorded.
         believable = r.channel.opened_ns <= r.submitted_ns <= r.started_ns

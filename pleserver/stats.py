@@ -264,4 +264,27 @@ def format_human(stats: dict) -> str:
                 f"{io['read_p50_s'] * 1e6:>12.1f} {io['read_p99_s'] * 1e6:>12.1f} "
                 f"{io['read_errors']:>12}"
             )
+    hinted = [t for t in stats["tables"] if t.get("hints_received")]
+    if hinted:
+        hs = stats.get("hints") or {}
+        lines.append(
+            f"prefetch hints (rows): queued {hs.get('queued_rows', 0)} / "
+            f"{hs.get('queue_rows', 0)}"
+            + (f", {hs['bad_table']} naming no table" if hs.get("bad_table") else "")
+        )
+        lines.append(
+            f"{'layer':>5} {'received':>10} {'read':>10} {'cached':>10} {'hits':>10} "
+            f"{'dropped':>10}  by reason"
+        )
+        for t in hinted:
+            reasons = ", ".join(
+                f"{reason.replace('_', ' ')} {n}"
+                for reason, n in (t.get("hints_dropped_by") or {}).items()
+                if n
+            )
+            lines.append(
+                f"{t['layer']:>5} {t['hints_received']:>10} {t['hints_read']:>10} "
+                f"{t['hints_cached']:>10} {t['hints_hits']:>10} {t['hints_dropped']:>10}  "
+                f"{reasons or '-'}"
+            )
     return "\n".join(lines)

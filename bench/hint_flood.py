@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""Hints never slow a lookup: a bystander's cold lookups with and without a
+client flooding the server with prefetch hints, in one run.
+
+Writes one synthetic FP8 table (default 4 M rows × 160 cols = 160-byte rows,
+≈ 0.6 GiB) into a temporary directory and serves it with ``--io direct`` and
+a row cache of ``--cache-size`` (default 64M: the table is ≈ 10 × the cache,
+so random rows miss and go to disk). A *bystander* — capacity 16, depth 1 —
+looks up 16 random ids, one lookup every ``--gap-ms``, for ``--seconds``, in
+three cases:
+
+  alone    nobody else;
+  flood    beside a *flooder*, a process that hints 8 × 16 384 random ids of
+           the same table as fast as ``PleClient.hint`` takes them (every
+           free slot, again and again): the disk is as busy as hints can make it;
+  alone    again, after the flood (what the flood left behind in the cache
+           and the disk, and the machine's drift).
+
+For each case it reports the bystander's p50 / p99 / p99.9 / max (the whole
+``lookup`` call), the server's misses per lookup, and, for the flood, the
+hints received, read, cached and dropped by reason; then the ratio of the
+flood's p50 and p99 to the first ``alone`` case's. Hints are read only while
+no lookup is with a gather worker, so the ratio's distance from 1 is what a
+flood costs a lookup (one batch of hint reads ahead of its own in the miss
+engine, and the hint reader's Python beside the serving loop's). The CPU
+share that processes other than the benchmark, its server and its flooder
+used meanwhile is ``others_cpu``: repeat a run where it is high.
+
+    python bench/hint_flood.py                      # 15 s a case
+    python bench/hint_flood.py --seconds 30 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lookup import OthersMeter, loadavg, machine, source  # noqa: E402
+from pleclient import PleClient  # noqa: E402
+from pleserver.launcher import ServerLauncher  # noqa: E402
+from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+
+FLOODER = """
+import json, os, sys
+import numpy as np
+from pleclient import PleClient
+path, stop = sys.argv[1], sys.argv[2]
+client = PleClient.connect(path, name="flooder", capacity=16384, depth=8)
+rows = client.tables[0].rows
+rng = np.random.default_rng(os.getpid())
+print("ready", flush=True)
+while not os.path.exists(stop):
+    client.hint(0, rng.integers(0, rows, 8 * 16384))
+client.close()
+print(json.dumps({"sent": client.hints_sent, "skipped": client.hints_skipped}), flush=True)
+"""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")
+    ap.add_argument("--rows", type=int, default=4_000_000)
+    ap.add_argument("--cols", type=int, default=160)
+    ap.add_argument("--cache-size", default="64M")
+    ap.add_argument("--seconds", type=float, default=15.0, help="per case (default 15)")
+    ap.add_argument("--gap-ms", type=float, default=1.0, help="between lookups (default 1)")
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra `pleserver serve` argument (repeatable), e.g. --server-arg=--queue-depth=64",
+    )
+    ap.add_argument("--json", help="also write the results here")
+    return ap.parse_args(argv)
+
+
+def bystander(socket: str, seconds: float, gap_ms: float, pids: list[int], seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    samples = []
+    meter = OthersMeter(pids)
+    with PleClient.connect(socket, name="bystander", capacity=16, depth=1) as client:
+        table = client.tables[0]
+        out = np.empty((16, table.row_bytes), dtype=np.uint8)
+        before = client.stats()["tables"][0]
+        meter.start()
+        stop = time.monotonic() + seconds
+        while time.monotonic() < stop:
+            ids = rng.integers(0, table.rows, 16)
+            t0 = time.perf_counter_ns()
+            client.lookup(table, ids, out=out)
+            samples.append(time.perf_counter_ns() - t0)
+            time.sleep(gap_ms * 1e-3)
+        others = meter.stop()
+        after = client.stats()["tables"][0]
+    ms = np.array(samples) / 1e6
+    lookups = after["requests"] - before["requests"]  # the flooder makes none
+    return {
+        "lookups": len(samples),
+        "p50_ms": round(float(np.percentile(ms, 50)), 3),
+        "p99_ms": round(float(np.percentile(ms, 99)), 3),
+        "p999_ms": round(float(np.percentile(ms, 99.9)), 3),
+        "max_ms": round(float(ms.max()), 3),
+        "misses_per_lookup": round((after["io"]["misses"] - before["io"]["misses"]) / lookups, 2)
+        if lookups
+        else None,
+        "hints": {
+            key: (
+                {r: after[key][r] - before[key][r] for r in after[key]}
+                if isinstance(after[key], dict)
+                else after[key] - before[key]
+            )
+            for key in (
+                "hints_received",
+                "hints_read",
+                "hints_cached",
+                "hints_dropped",
+                "hints_dropped_by",
+            )
+        },
+        "others_cpu": others,
+        "loadavg": loadavg(),
+    }
+
+
+def flood_case(server, args, workdir: str) -> dict:
+    stop = os.path.join(workdir, "stop")
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    child = subprocess.Popen(
+        [sys.executable, "-c", FLOODER, server.socket, stop],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    try:
+        if child.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the flooder did not start:\n{server.log_tail()}")
+        time.sleep(1.0)  # the flood in its steady state
+        case = bystander(server.socket, args.seconds, args.gap_ms, [server.pid, child.pid], 2)
+        open(stop, "w").close()
+        case["flooder"] = json.loads(child.communicate(timeout=60)[0].strip().splitlines()[-1])
+        return case
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    workdir = tempfile.mkdtemp(prefix="ple-hint-flood-", dir=args.dir)
+    try:
+        model = os.path.join(workdir, "model")
+        write_checkpoint(
+            model,
+            [SyntheticTable(layer=0, rows=args.rows, cols=args.cols, dtype="F8_E4M3", parts=16)],
+            files=1,
+        )
+        launcher = ServerLauncher(
+            model,
+            "--io",
+            "direct",
+            "--cache-size",
+            args.cache_size,
+            "--state-dir",
+            workdir,
+            *args.server_arg,
+            die_with_parent=True,
+        )
+        with launcher.start() as server:
+            result: dict = {"machine": machine(), "source": source(), "args": vars(args)}
+            pids = [server.pid]
+            result["alone"] = bystander(server.socket, args.seconds, args.gap_ms, pids, 1)
+            result["flood"] = flood_case(server, args, workdir)
+            result["alone_after"] = bystander(server.socket, args.seconds, args.gap_ms, pids, 3)
+        base, flood = result["alone"], result["flood"]
+        result["flood_over_alone"] = {
+            "p50": round(flood["p50_ms"] / base["p50_ms"], 3),
+            "p99": round(flood["p99_ms"] / base["p99_ms"], 3),
+        }
+        print(
+            f"{'case':>12} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} {'p99.9 ms':>9} "
+            f"{'max ms':>8} {'misses/lookup':>14} {'others cpu':>10}"
+        )
+        for name in ("alone", "flood", "alone_after"):
+            c = result[name]
+            print(
+                f"{name:>12} {c['lookups']:>8} {c['p50_ms']:>8.3f} {c['p99_ms']:>8.3f} "
+                f"{c['p999_ms']:>9.3f} {c['max_ms']:>8.3f} {c['misses_per_lookup']!s:>14} "
+                f"{100 * c['others_cpu']:>9.1f}%"
+            )
+        h = flood["hints"]
+        print(
+            f"flood: hinted rows received {h['hints_received']:,}, read {h['hints_read']:,}, "
+            f"cached {h['hints_cached']:,}, dropped {h['hints_dropped']:,} "
+            f"({', '.join(f'{r} {n:,}' for r, n in h['hints_dropped_by'].items() if n) or '-'})"
+        )
+        ratio = result["flood_over_alone"]
+        print(f"flood / alone: p50 {ratio['p50']:.3f}, p99 {ratio['p99']:.3f}")
+        print(
+            f"commit {result['source']['commit']}"
+            f"{' (modified)' if result['source']['modified'] else ''}, "
+            f"{result['machine'].get('model_name', '?')}, {result['machine']['cores']} cores"
+        )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

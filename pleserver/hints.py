@@ -1,0 +1,303 @@
+"""Prefetch hints: the server's bounded queue of hinted row ids, and the
+thread that reads them into the row cache below every demand read.
+
+A hint (``pleclient.protocol``, "Prefetch hints") arrives in a channel's slot.
+The serving loop copies its ids out of shared memory, validates the copy,
+answers the slot at once and ``offer``s the copy here: from then on nothing
+of the hint is in memory a client can touch, and the rows it brings are read
+by the server from its own files into its own buffers (``Table.fill``, the
+path the hot-set refill takes), never from a slot.
+
+``offer`` runs on the serving loop and never blocks it: it queues the ids or
+drops them, counting the rows dropped by reason (``drop_early`` drops a hint
+that could not be queued before its ids are even copied):
+
+- ``no_cache``: the table has no row cache (``io = mmap``): nothing to fill;
+- ``disk_busy``: every gather worker holds a demand request: the disk is
+  saturated by lookups, and a hint read now would only queue behind them
+  (by the time it could be read, it would be late);
+- ``queue_full``: the queue holds ``hint_queue_rows`` rows already;
+- ``cache_full``: the rows queued would be more than ``HINT_CACHE_SHARE`` of
+  the row cache: read, they would evict each other, and the lookups' working
+  set, before their use;
+
+and the loop counts ``refused`` (a bad count or id, a table that stopped being
+served; a bad table index is counted server-wide, ``bad_table``) and the
+reader ``read_error``.
+
+The reader (one thread) takes at most ``HINT_BATCH_ROWS`` rows at a time and
+reads only while no demand request is with a gather worker, so a lookup's
+reads wait in the miss engine behind at most one batch of hint reads, and a
+lookup never waits for the hint queue. Rows already cached are counted
+(``hints_cached``) and not read again.
+
+Hits on hinted rows: the reader remembers the rows it hinted in a
+direct-mapped table of row keys (``HintedRows``: one int64 a slot, as many
+slots as hints may fill the cache, at most ``HINTED_SLOTS_MAX``, allocated at
+the first hint read; a newer hinted row takes an older one's slot); a demand
+lookup of one counts ``hints_hits`` once and forgets it. The check is a few
+vectorized operations per answered lookup, and none for a table never hinted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from pleserver.table import KEY_ROW_BITS, Table, nat
+
+log = logging.getLogger(__name__)
+
+HINT_BATCH_ROWS = 32
+"""Rows the reader reads at a time: what a lookup arriving meanwhile may find
+ahead of its own reads in the miss engine (a small part of its queue depth)."""
+HINT_CACHE_SHARE = 0.5
+"""The part of the row cache the rows queued by hints may fill at most."""
+DEMAND_POLL_S = 0.0002
+"""While lookups are with the gather workers, the reader looks again this often."""
+DROP_REASONS = ("no_cache", "disk_busy", "queue_full", "cache_full", "refused", "read_error")
+DEFAULT_QUEUE_ROWS = 65536
+HINTED_SLOTS_MAX = 1 << 20
+"""Hinted rows remembered for ``hints_hits``, at most (8 MiB)."""
+_TABLE_STRIDE = 0x9E3779B1  # spreads tables over the slots (row r of each apart)
+
+
+class HintedRows:
+    """Hinted rows not yet looked up, by row key, in ``size`` (a power of two)
+    direct-mapped slots: ``remember`` writes a table's rows in, ``take`` counts
+    and clears the ones a lookup asked for. Thread-safe."""
+
+    def __init__(self, size: int) -> None:
+        self.slots = np.full(size, -1, dtype=np.int64)
+        self.mask = size - 1
+        self.lock = threading.Lock()
+
+    def _where(self, key: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        keys = rows | (key << KEY_ROW_BITS)
+        return keys, (rows + key * _TABLE_STRIDE) & self.mask
+
+    def remember(self, key: int, rows: np.ndarray) -> None:
+        keys, at = self._where(key, rows)
+        with self.lock:
+            self.slots[at] = keys
+
+    def take(self, key: int, rows: np.ndarray) -> int:
+        """How many distinct hinted rows of ``rows`` were remembered (now forgotten)."""
+        keys, at = self._where(key, rows)
+        with self.lock:
+            hit = self.slots[at] == keys
+            if not hit.any():
+                return 0
+            found = np.unique(at[hit])
+            self.slots[found] = -1
+        return int(found.size)
+
+
+class TableHints:
+    """One table's hint counters (rows), and the rows hinted not yet asked for."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.cached = 0
+        self.read = 0
+        self.hits = 0
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
+        self.tracked = False  # rows of it were hinted (HintedRows holds some)
+        self.lock = threading.Lock()
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {
+                "hints_received": self.received,
+                "hints_cached": self.cached,
+                "hints_read": self.read,
+                "hints_hits": self.hits,
+                "hints_dropped": sum(self.dropped.values()),
+                "hints_dropped_by": dict(self.dropped),
+            }
+
+
+class HintReader:
+    """The hint queue of every table, and its reader thread (module docstring).
+
+    ``demand_in_flight``: demand requests now with a gather worker;
+    ``busy_at``: how many of them make the disk saturated (the workers)."""
+
+    def __init__(
+        self,
+        tables: list[Table],
+        queue_rows: int,
+        cache_rows: int,
+        demand_in_flight: Callable[[], int],
+        busy_at: int,
+    ) -> None:
+        self.tables = tables
+        self.queue_rows = queue_rows
+        self.cache_rows = int(cache_rows * HINT_CACHE_SHARE)
+        self.counts = [TableHints() for _ in tables]
+        self.bad_table = 0  # hints naming no table (no table's counters can hold them)
+        self._demand = demand_in_flight
+        self._busy_at = max(1, busy_at)
+        self._queue: deque[tuple[int, np.ndarray]] = deque()
+        self._queued = 0  # rows in _queue
+        self._cond = threading.Condition()
+        self._stop = False
+        self._hinted: HintedRows | None = None  # at the first hint read
+        self.thread = threading.Thread(target=self._run, name="hints", daemon=True)
+
+    # ---------------------------------------------------- the serving loop's
+    def _no_room(self, n: int) -> str | None:
+        """Why ``n`` more hinted rows cannot be queued now, or None."""
+        if self.cache_rows == 0:
+            return "no_cache"
+        if self._demand() >= self._busy_at:
+            return "disk_busy"
+        if self._queued + n > self.queue_rows:
+            return "queue_full"
+        if self._queued + n > self.cache_rows:
+            return "cache_full"
+        return None
+
+    def drop_early(self, key: int, n: int) -> bool:
+        """Before its ids are copied: drop a hint of ``n`` rows of table
+        ``key`` that could not be queued anyway, counted (True). A flood of
+        hints then costs the serving loop a few loads each, not a copy (the
+        look is lock-free; ``offer`` looks again under the lock)."""
+        reason = self._no_room(n) if n else None
+        if reason is None:
+            return False
+        counts = self.counts[key]
+        with counts.lock:
+            counts.received += n
+            counts.dropped[reason] += n
+        return True
+
+    def offer(self, key: int, ids: np.ndarray) -> None:
+        """Queue ``ids`` (a private, validated copy) of table ``key``, or drop
+        them, counted; never blocks."""
+        n = int(ids.shape[0])
+        if n == 0:
+            return
+        counts = self.counts[key]
+        with self._cond:
+            reason = self._no_room(n)
+            if reason is None:
+                self._queue.append((key, ids))
+                self._queued += n
+                self._cond.notify()
+        with counts.lock:
+            counts.received += n
+            if reason is not None:
+                counts.dropped[reason] += n
+
+    def refused(self, key: int | None, n: int) -> None:
+        """A hint the loop refused (bad count, ids or table: ``key`` None)."""
+        if key is None:
+            with self._cond:
+                self.bad_table += n
+            return
+        counts = self.counts[key]
+        with counts.lock:
+            counts.received += n
+            counts.dropped["refused"] += n
+
+    def demand(self, key: int, ids: np.ndarray) -> None:
+        """A lookup of ``ids`` was answered: count its hinted rows (once each)."""
+        counts = self.counts[key]
+        if not counts.tracked or self._hinted is None:  # never hinted: no cost
+            return
+        found = self._hinted.take(key, ids)
+        if found:
+            with counts.lock:
+                counts.hits += found
+
+    # ------------------------------------------------------------ the reader
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop the reader; what is queued is forgotten (hints are advice)."""
+        with self._cond:
+            self._stop = True
+            self._queue.clear()
+            self._queued = 0
+            self._cond.notify_all()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    @property
+    def queued_rows(self) -> int:
+        return self._queued
+
+    def snapshot(self) -> dict:
+        """The server-wide part of the stats (per table: ``counts[key].snapshot``)."""
+        with self._cond:
+            return {
+                "queued_rows": self._queued,
+                "queue_rows": self.queue_rows,
+                "cache_rows": self.cache_rows,
+                "bad_table": self.bad_table,
+            }
+
+    def _take(self) -> tuple[int, np.ndarray] | None:
+        """The next batch (at most ``HINT_BATCH_ROWS`` rows of one table), once
+        there is one; None when stopping."""
+        with self._cond:
+            while not self._queue and not self._stop:
+                self._cond.wait()
+            if self._stop:
+                return None
+            key, ids = self._queue[0]
+            batch, rest = ids[:HINT_BATCH_ROWS], ids[HINT_BATCH_ROWS:]
+            if rest.size:
+                self._queue[0] = (key, rest)
+            else:
+                self._queue.popleft()
+            self._queued -= batch.size
+            return key, batch
+
+    def _run(self) -> None:
+        from pleserver.serving import _name_thread  # (serving imports this module)
+
+        _name_thread(b"ple-hints")  # beside ple-serving and ple-gather-N in top -H
+        while (taken := self._take()) is not None:
+            key, batch = taken
+            # Below every demand read: not one hint read while a lookup's are due.
+            while self._demand() and not self._stop:
+                time.sleep(DEMAND_POLL_S)
+            if self._stop:
+                return
+            self._read(key, batch)
+
+    def _read(self, key: int, batch: np.ndarray) -> None:
+        counts = self.counts[key]
+        if self.tables[key].problem:  # its file changed on disk: not read again
+            with counts.lock:
+                counts.dropped["refused"] += batch.size
+            return
+        unique = np.unique(batch)
+        try:
+            inserted = self.tables[key].fill(unique)
+        except nat.ReadError as exc:
+            log.debug("a hint's read failed (the lookups of its rows will read them): %s", exc)
+            with counts.lock:
+                counts.dropped["read_error"] += batch.size
+            return
+        except Exception:  # a hint never stops the reader
+            log.exception("reading a hint failed")
+            with counts.lock:
+                counts.dropped["read_error"] += batch.size
+            return
+        if self._hinted is None:
+            size = 1 << max(10, (self.cache_rows - 1).bit_length())
+            self._hinted = HintedRows(min(size, HINTED_SLOTS_MAX))
+        self._hinted.remember(key, unique)
+        with counts.lock:
+            counts.read += inserted
+            counts.cached += batch.size - inserted
+            counts.tracked = True
