@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from types import ModuleType
 
 from pleclient.vllm_plugin.errors import UnsupportedCompilation
@@ -94,13 +95,13 @@ def check_graph_mode(config: object) -> None:
 
 def full_graph_mode() -> str | None:
     """The ``-cc.cudagraph_mode`` of the vLLM config in effect when it captures
-    full graphs (one of ``FULL_GRAPH_MODES``), else None (no vLLM config: not
-    a vLLM run)."""
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-    except ImportError:
+    full graphs (one of ``FULL_GRAPH_MODES``), else None; None too outside a
+    vLLM run, which has not imported ``vllm.config`` (nothing of vLLM is
+    imported here)."""
+    module = sys.modules.get("vllm.config")  # a vLLM run has imported it
+    if module is None:
         return None
-    config = get_current_vllm_config_or_none()
+    config = module.get_current_vllm_config_or_none()
     compilation = getattr(config, "compilation_config", None)
     mode = getattr(getattr(compilation, "cudagraph_mode", None), "name", None)
     return mode if mode in FULL_GRAPH_MODES else None
