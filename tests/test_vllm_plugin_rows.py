@@ -15,6 +15,7 @@ from pleclient.vllm_plugin import (  # noqa: E402
     IdentityMismatch,
     PleBackendError,
     SettingsError,
+    UnsupportedCompilation,
     identity,
     loader,
     registration,
@@ -299,3 +300,39 @@ def test_step_layers_outnumbering_the_slots_take_them_in_layer_order(routes, ref
         lookups.finish(out)
         assert np.array_equal(as_bytes(out), reference[3][layer_ids.numpy()])
     assert client.free_slots == 2
+
+
+def test_the_host_route_under_full_cuda_graphs_stops_at_the_route_choice(server, checkpoint):
+    """A worker whose vLLM captures full CUDA graphs and whose lookups take the
+    host path (off here; with auto, where GPU-driven lookups are unavailable)
+    fails when its first lookup chooses the route, before any graph is
+    captured, naming the mode and the ways out. The same worker on CPU, or
+    without full graphs, takes the host route."""
+
+    def routes_with(full_graphs: str | None) -> Routes:
+        return Routes(
+            RowService(
+                settings.ShmSettings(
+                    socket=server.socket, checkpoint=str(checkpoint), gpu_path="off"
+                )
+            ),
+            full_graphs=full_graphs,
+        )
+
+    refusing = routes_with("FULL_AND_PIECEWISE")
+    try:
+        binding = refusing.service.bind(expected(FP8))
+        assert refusing.for_layer(binding, torch.device("cpu")) is refusing.host
+        with pytest.raises(UnsupportedCompilation) as failure:
+            refusing.for_layer(binding, torch.device("cuda"))
+        message = str(failure.value)
+        assert "-cc.cudagraph_mode=FULL_AND_PIECEWISE captures whole steps" in message
+        assert "-cc.cudagraph_mode=PIECEWISE" in message and "VLLM_PLE_SHM_GPU_PATH=auto" in message
+    finally:
+        refusing.close()
+    plain = routes_with(None)
+    try:
+        binding = plain.service.bind(expected(FP8))
+        assert plain.for_layer(binding, torch.device("cuda")) is plain.host
+    finally:
+        plain.close()

@@ -16,11 +16,25 @@ unset (or ``vllm``) it does nothing at all. With ``shm``:
 * ``settings``           — every environment knob, with defaults; ``register``
   declares them to vLLM's environment check;
 * ``compat``             — the vLLM versions it supports, and the checks that
-  stop ``shm`` on a vLLM whose classes it cannot patch.
+  stop ``shm`` on a vLLM whose classes it cannot patch;
+* ``compilation``        — the lookup ops as splitting ops, and the CUDA-graph
+  modes each route runs under (the others stop vLLM at start).
 """
 
-from pleclient.vllm_plugin.errors import IdentityMismatch, PleBackendError, UnsupportedVllm
+from pleclient.vllm_plugin.errors import (
+    IdentityMismatch,
+    PleBackendError,
+    UnsupportedCompilation,
+    UnsupportedVllm,
+)
 from pleclient.vllm_plugin.registration import register
 from pleclient.vllm_plugin.settings import SettingsError
 
-__all__ = ["register", "PleBackendError", "IdentityMismatch", "SettingsError", "UnsupportedVllm"]
+__all__ = [
+    "register",
+    "PleBackendError",
+    "IdentityMismatch",
+    "SettingsError",
+    "UnsupportedCompilation",
+    "UnsupportedVllm",
+]

@@ -1,4 +1,4 @@
-"""Keep PLE lookups out of piecewise CUDA graphs without user settings.
+"""Keep PLE lookups out of piecewise CUDA graphs, and refuse graphs they cannot run in.
 
 A lookup is host work (a round trip to ple-server), which a captured CUDA graph
 cannot contain. Qwen4Exp on CUDA (vLLM 0.33) uses breakable CUDA graphs by
@@ -10,15 +10,46 @@ adds ``SPLITTING_OPS`` to it whenever the list is non-empty (an empty list, or
 a mode without piecewise graphs, stays as it is). An explicit
 ``-cc.splitting_ops`` list is extended too, so users need not repeat vLLM's
 attention ops to add ours.
+
+What each route runs under (``-cc.cudagraph_mode``, as vLLM settles it):
+
+===================  ===========================  ==============================
+mode                 GPU-driven route             host route
+===================  ===========================  ==============================
+NONE                 yes                          yes
+PIECEWISE            yes (inside the graphs, or   yes (eager breaks, or between
+                     between them as splitting    the pieces as splitting ops)
+                     ops)
+FULL,                yes (inside the graph)       no: a full graph would hold
+FULL_DECODE_ONLY,                                 the host's round trip
+FULL_AND_PIECEWISE
+===================  ===========================  ==============================
+
+Splitting ops: any list, vLLM's default, an explicit one (extended with
+``SPLITTING_OPS``) or ``[]`` (no pieces: vLLM then turns PIECEWISE into NONE
+and FULL_AND_PIECEWISE into FULL, judged as above). The refusal comes as early
+as the route is known: when vLLM settles its compilation config
+(``check_graph_mode``, in the process that builds the config) with
+``VLLM_PLE_SHM_GPU_PATH=off``; with ``auto``, when the worker chooses the route
+at its first lookup (``routes.Routes``, with ``full_graph_mode``), before any
+graph is captured.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 from types import ModuleType
 
+from pleclient.vllm_plugin.errors import UnsupportedCompilation
+from pleclient.vllm_plugin.settings import ENV_BACKEND, ENV_GPU_PATH
+
 log = logging.getLogger("pleclient.vllm_plugin")
+
+FULL_GRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+"""``-cc.cudagraph_mode`` values that capture whole steps in one CUDA graph."""
 
 SPLITTING_OPS = (
     "vllm::ple_shm_lookup",  # seed interface (qwen38_flash_next adapter)
@@ -37,6 +68,7 @@ def patch_compilation_module(module: ModuleType) -> None:
     @functools.wraps(original)
     def set_splitting_ops_for_v1(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
+        check_graph_mode(self)
         ops = self.splitting_ops
         if ops:
             added = [op for op in SPLITTING_OPS if op not in ops]
@@ -49,3 +81,39 @@ def patch_compilation_module(module: ModuleType) -> None:
 
     set_splitting_ops_for_v1._ple_shm_wrapped = True  # type: ignore[attr-defined]
     cls.set_splitting_ops_for_v1 = set_splitting_ops_for_v1
+
+
+def check_graph_mode(config: object) -> None:
+    """Raise ``UnsupportedCompilation`` when vLLM settled on full CUDA graphs
+    and the lookups take the host path for sure (``VLLM_PLE_SHM_GPU_PATH=off``).
+    ``config``: vLLM's ``CompilationConfig``, after its splitting ops are set."""
+    mode = getattr(getattr(config, "cudagraph_mode", None), "name", None)
+    gpu_path = os.environ.get(ENV_GPU_PATH, "").strip().lower() or "auto"
+    if mode in FULL_GRAPH_MODES and gpu_path == "off":
+        raise full_graphs_refused(mode, f"the host path ({ENV_GPU_PATH}=off)")
+
+
+def full_graph_mode() -> str | None:
+    """The ``-cc.cudagraph_mode`` of the vLLM config in effect when it captures
+    full graphs (one of ``FULL_GRAPH_MODES``), else None; None too outside a
+    vLLM run, which has not imported ``vllm.config`` (nothing of vLLM is
+    imported here)."""
+    module = sys.modules.get("vllm.config")  # a vLLM run has imported it
+    if module is None:
+        return None
+    config = module.get_current_vllm_config_or_none()
+    compilation = getattr(config, "compilation_config", None)
+    mode = getattr(getattr(compilation, "cudagraph_mode", None), "name", None)
+    return mode if mode in FULL_GRAPH_MODES else None
+
+
+def full_graphs_refused(mode: str, route: str) -> UnsupportedCompilation:
+    """The error for full CUDA graphs (``mode``) over host-path lookups."""
+    return UnsupportedCompilation(
+        f"{ENV_BACKEND}=shm: -cc.cudagraph_mode={mode} captures whole steps in CUDA "
+        f"graphs, and PLE lookups on {route} are host work (a round trip to "
+        "ple-server per PLE layer), which a CUDA graph cannot hold. Use "
+        "-cc.cudagraph_mode=PIECEWISE (the lookups run between the graphs) or NONE "
+        f"(or --enforce-eager); or, on a GPU with stream memory operations, "
+        f"{ENV_GPU_PATH}=auto, whose GPU-driven lookups full graphs hold"
+    )

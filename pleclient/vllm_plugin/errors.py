@@ -13,3 +13,8 @@ class IdentityMismatch(PleBackendError):
 
 class UnsupportedVllm(PleBackendError):
     """This vLLM lacks a class the plugin patches (moved, renamed, replaced)."""
+
+
+class UnsupportedCompilation(PleBackendError):
+    """A vLLM compilation setting (``-cc.cudagraph_mode``) the PLE lookups'
+    route cannot run under."""

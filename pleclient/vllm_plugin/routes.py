@@ -42,6 +42,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from pleclient.vllm_plugin import compilation
 from pleclient.vllm_plugin.gpu_route import GpuRoute
 from pleclient.vllm_plugin.host_route import HostRoute
 from pleclient.vllm_plugin.rows import RowService, TableBinding
@@ -91,12 +92,20 @@ class Routes:
         """The process's routes, over a session with the environment's settings."""
         routes = cls._shared
         if routes is None or routes._pid != os.getpid():
-            routes = cls._shared = cls(RowService(ShmSettings.from_env()))
+            # Built with the first PLE layer, under vLLM's config: its graph mode.
+            routes = cls._shared = cls(
+                RowService(ShmSettings.from_env()), full_graphs=compilation.full_graph_mode()
+            )
             atexit.register(routes.close)
         return routes
 
-    def __init__(self, service: RowService) -> None:
+    def __init__(self, service: RowService, *, full_graphs: str | None = None) -> None:
+        """``full_graphs``: the ``-cc.cudagraph_mode`` with which vLLM captures
+        whole steps in CUDA graphs, if it does (``compilation.full_graph_mode``):
+        the host route cannot run in them, so choosing it on a CUDA device
+        raises ``UnsupportedCompilation``."""
         self.service = service
+        self.full_graphs = full_graphs
         self.host = HostRoute(service)
         self.zeros = ZeroRoute()
         self._gpu: GpuRoute | None = None
@@ -143,6 +152,12 @@ class Routes:
                 settings.lookup_timeout,
                 settings.connect_timeout,
             )
+            if self._gpu is None and device.type == "cuda" and self.full_graphs:
+                raise compilation.full_graphs_refused(
+                    self.full_graphs,
+                    "the host path (GPU-driven lookups are not available here: the "
+                    "log line before this error says why)",
+                )
         return self._gpu
 
     def close(self) -> None:

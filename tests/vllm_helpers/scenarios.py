@@ -442,6 +442,44 @@ def _piecewise_splitting_ops(explicit: list[str] | None = None) -> list[str]:
 
 
 @scenario
+def compilation_settings(args: dict) -> dict:
+    """Every ``-cc.cudagraph_mode`` with vLLM's default, an empty and an explicit
+    splitting-ops list, settled by vLLM's own ``CompilationConfig`` (mode
+    VLLM_COMPILE) with the plugin loaded as vLLM loads it; then the graph mode
+    the worker's routes read from vLLM's config in effect."""
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.plugins import load_general_plugins
+
+    from pleclient.vllm_plugin import compilation
+
+    load_general_plugins()
+    settled: dict[str, dict] = {}
+    for mode, (ops_name, ops) in itertools.product(
+        [graph_mode.name for graph_mode in CUDAGraphMode],
+        [("default", None), ("empty", []), ("explicit", ["vllm::my_attention"])],
+    ):
+        config = CompilationConfig(
+            mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=mode, splitting_ops=ops
+        )
+        outcome: dict = {}
+        try:
+            config.set_splitting_ops_for_v1("allgather_reducescatter")
+        except Exception as exc:  # reported to the test
+            outcome = {"error": type(exc).__name__, "message": str(exc)}
+        outcome["settled"] = config.cudagraph_mode.name
+        outcome["ple_split"] = "vllm::ple_shm_lookup" in (config.splitting_ops or [])
+        settled[f"{mode}/{ops_name}"] = outcome
+    in_effect = {}
+    for mode in CUDAGraphMode:
+        vllm_config = VllmConfig()
+        vllm_config.compilation_config.cudagraph_mode = mode
+        with set_current_vllm_config(vllm_config):
+            in_effect[mode.name] = compilation.full_graph_mode()
+    return {"settled": settled, "in_effect": in_effect, "outside": compilation.full_graph_mode()}
+
+
+@scenario
 def loader_reads(args: dict) -> dict:
     """vLLM's DefaultModelLoader over the checkpoint with the real model class:
     which files it opens for tensors and which tensors it materializes."""
