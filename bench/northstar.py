@@ -638,6 +638,10 @@ class ColdServer:
             "none",
             "--max-capacity",
             str(args.capacity),
+            # Room for a whole prompt's hinted rows (4 chunks × 2 048 tokens ×
+            # 16 ids = 131 072): the default queue holds half of that.
+            "--hint-queue-rows",
+            str(HINT_QUEUE_ROWS),
             log_level="WARNING",
             cwd=REPO,
             die_with_parent=True,
@@ -671,6 +675,12 @@ class ColdServer:
         shutil.rmtree(self.state, ignore_errors=True)
 
 
+HINT_QUEUE_ROWS = 1 << 20
+"""The servers' ``--hint-queue-rows``: every hinted row of a prompt queued."""
+HINT_DEPTH = 16
+"""Slots of the hint session: 16 × ``--capacity`` ids in flight at once."""
+
+
 class Hints:
     """Prefetch hints for the prompt-ahead paths, through the hint API this
     pleclient has: ``PleClient.hint(table, ids)`` on a host session of its own
@@ -690,8 +700,10 @@ class Hints:
         self.table, self.lookups, self.info, self.capacity = table, lookups, info, capacity
         self.client = None
         if hasattr(PleClient, "hint"):
+            # Deep enough for a whole prompt's ids at once: hint() skips what
+            # finds no free slot, and the server frees a hint's slot at admission.
             self.client = PleClient.connect(
-                socket_path, name="northstar-hints", capacity=capacity, depth=2
+                socket_path, name="northstar-hints", capacity=capacity, depth=HINT_DEPTH
             )
             self.via = "PleClient.hint"
         else:
