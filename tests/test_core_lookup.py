@@ -118,13 +118,24 @@ def test_lookup_into_caller_buffer_and_by_name(server, references):
 def test_out_of_range_id_is_an_error_and_the_session_keeps_working(server, references):
     with server.client() as client:
         t = client.table(3)
-        for bad in ([t.rows], [-1], [0, 1, 2**40]):
+        # Small requests and requests over SMALL_REQUEST_ROWS are checked apart.
+        large = list(range(100))
+        for bad in (
+            [t.rows],
+            [-1],
+            [0, 1, 2**40],
+            [-(2**63)],
+            [*large, t.rows],
+            [-1, *large],
+            [*large[:63], -(2**63)],
+        ):
             with pytest.raises(RequestError, match="out of range"):
                 client.lookup(3, np.array(bad, dtype=np.int64))
         assert np.array_equal(client.lookup(3, [7]), references[t.layer][[7]])
+        assert np.array_equal(client.lookup(3, large), references[t.layer][large])
         stats = client.stats()
     bf16 = next(s for s in stats["tables"] if s["layer"] == 3)
-    assert bf16["errors"]["id_out_of_range"] == 3
+    assert bf16["errors"]["id_out_of_range"] == 7
 
 
 def test_unknown_table_is_a_client_side_error(server):
