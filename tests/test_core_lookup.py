@@ -220,6 +220,37 @@ def test_every_gather_path_is_bit_exact(start_server, tmp_path_factory, files, p
                 assert np.array_equal(client.lookup(t.layer, ids), ref[ids]), (t.name, n)
 
 
+def _mapped_rss(pid: int, directory: str) -> int:
+    """Bytes of the files under ``directory`` mapped into the page tables of
+    process ``pid`` (the Rss of their mappings in /proc/PID/smaps)."""
+    total, counting = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's first line
+                counting = len(fields) >= 6 and fields[5].startswith(directory)
+            elif counting and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.parametrize("prewarm", ["none", "full"])
+def test_prewarm_maps_the_tables_into_the_server(start_server, tmp_path_factory, prewarm):
+    """A completed prewarm has mapped every row into the server's page tables
+    (its first lookups pay no minor faults); without one, nothing is mapped
+    before a lookup touches it."""
+    model = tmp_path_factory.mktemp("mapped")
+    write_checkpoint(str(model), SMALL_TABLES, files=2)
+    table_bytes = sum(t.rows * t.row_bytes for t in SMALL_TABLES)
+    server = start_server(model, "--prewarm", prewarm)
+    if prewarm == "full":
+        assert server.wait_prewarm() == "done"
+        assert _mapped_rss(server.pid, str(model)) >= table_bytes
+    else:
+        PleClient.query_stats(server.socket)  # the server is past its start
+        assert _mapped_rss(server.pid, str(model)) < table_bytes // 2
+
+
 @pytest.mark.parametrize("idle_wait", ["futex_waitv", "poll"])
 def test_requests_after_idle_gaps_are_served_by_either_idle_wait(
     start_server, checkpoint, references, idle_wait
