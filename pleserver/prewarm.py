@@ -37,6 +37,8 @@ PREWARM_BLOCK = 8 << 20
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _libc.mincore.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
 
 
 class Prewarm:
@@ -153,12 +155,17 @@ class Prewarm:
 
 
 def _populate(mapped: MappedFile, offset: int, length: int) -> None:
+    """Map the pages of ``[offset, offset + length)`` into the server's page
+    tables. Through ctypes, which releases the GIL for the call: CPython's
+    ``mmap.madvise`` holds it, and mapping an 8 MiB block takes long enough to
+    stall the serving loop for every request that arrives meanwhile (the
+    prewarm runs after readiness, while clients are already served)."""
     page = mmap.PAGESIZE
     start = offset - offset % page
-    try:
-        mapped.mm.madvise(MADV_POPULATE_READ, start, offset + length - start)
-    except (OSError, ValueError):
-        pass  # kernel without MADV_POPULATE_READ: the first touch faults instead
+    # (a kernel without MADV_POPULATE_READ refuses it: the first touch faults instead)
+    _libc.madvise(
+        ctypes.c_void_p(mapped.address + start), offset + length - start, MADV_POPULATE_READ
+    )
 
 
 def resident_bytes(table: Table) -> int | None:

@@ -100,6 +100,10 @@ DEFAULT_CHUNK_ROWS = 4096
 REQUEST_COST_ROWS = 256
 """What a request costs besides its rows (validation, completion, statistics:
 ≈ 10 µs), in rows of gather: many small requests fill a turn too."""
+SMALL_REQUEST_ROWS = 64
+"""Up to this many ids, the bounds check reads them as a Python list: a NumPy
+reduction costs ≈ 2 µs however few the ids (a fifth of a 16-row request's
+server time), a list of 64 ints well under one."""
 READ_ERROR_LOG_S = 10.0
 """Failed reads are logged at most once per this many seconds (each request
 that meets one gets its own error text, and stats count them all)."""
@@ -506,8 +510,10 @@ class ServingLoop:
             return None
         ids = slot.ids[:count].copy()
         if count:
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= table.rows:
+            # One bound: a negative id, seen unsigned, is ≥ 2**63 > rows.
+            unsigned = ids.view(np.uint64)
+            top = max(unsigned.tolist()) if count <= SMALL_REQUEST_ROWS else int(unsigned.max())
+            if top >= table.rows:
                 bad = int(np.flatnonzero((ids < 0) | (ids >= table.rows))[0])
                 self._refuse(
                     r,

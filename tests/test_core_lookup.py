@@ -118,13 +118,24 @@ def test_lookup_into_caller_buffer_and_by_name(server, references):
 def test_out_of_range_id_is_an_error_and_the_session_keeps_working(server, references):
     with server.client() as client:
         t = client.table(3)
-        for bad in ([t.rows], [-1], [0, 1, 2**40]):
+        # Small requests and requests over SMALL_REQUEST_ROWS are checked apart.
+        large = list(range(100))
+        for bad in (
+            [t.rows],
+            [-1],
+            [0, 1, 2**40],
+            [-(2**63)],
+            [*large, t.rows],
+            [-1, *large],
+            [*large[:63], -(2**63)],
+        ):
             with pytest.raises(RequestError, match="out of range"):
                 client.lookup(3, np.array(bad, dtype=np.int64))
         assert np.array_equal(client.lookup(3, [7]), references[t.layer][[7]])
+        assert np.array_equal(client.lookup(3, large), references[t.layer][large])
         stats = client.stats()
     bf16 = next(s for s in stats["tables"] if s["layer"] == 3)
-    assert bf16["errors"]["id_out_of_range"] == 3
+    assert bf16["errors"]["id_out_of_range"] == 7
 
 
 def test_unknown_table_is_a_client_side_error(server):
@@ -207,6 +218,37 @@ def test_every_gather_path_is_bit_exact(start_server, tmp_path_factory, files, p
                 if n == 5000:
                     ids[::2] = ids[0]  # many repeats: the deduplicating path
                 assert np.array_equal(client.lookup(t.layer, ids), ref[ids]), (t.name, n)
+
+
+def _mapped_rss(pid: int, directory: str) -> int:
+    """Bytes of the files under ``directory`` mapped into the page tables of
+    process ``pid`` (the Rss of their mappings in /proc/PID/smaps)."""
+    total, counting = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's first line
+                counting = len(fields) >= 6 and fields[5].startswith(directory)
+            elif counting and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.parametrize("prewarm", ["none", "full"])
+def test_prewarm_maps_the_tables_into_the_server(start_server, tmp_path_factory, prewarm):
+    """A completed prewarm has mapped every row into the server's page tables
+    (its first lookups pay no minor faults); without one, nothing is mapped
+    before a lookup touches it."""
+    model = tmp_path_factory.mktemp("mapped")
+    write_checkpoint(str(model), SMALL_TABLES, files=2)
+    table_bytes = sum(t.rows * t.row_bytes for t in SMALL_TABLES)
+    server = start_server(model, "--prewarm", prewarm)
+    if prewarm == "full":
+        assert server.wait_prewarm() == "done"
+        assert _mapped_rss(server.pid, str(model)) >= table_bytes
+    else:
+        PleClient.query_stats(server.socket)  # the server is past its start
+        assert _mapped_rss(server.pid, str(model)) < table_bytes // 2
 
 
 @pytest.mark.parametrize("idle_wait", ["futex_waitv", "poll"])
