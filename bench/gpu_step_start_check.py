@@ -88,6 +88,10 @@ class Clock:
         self._word = self.flag.numpy()
         self._cycles = int(_cycles_per_ms() * sleep_ms) if device.type == "cuda" else 0
 
+    # Instrumentation, not model: kept out of torch.compile, whose graph would
+    # turn the device-to-pinned copy of a constant into a host write made at
+    # trace order, before the sleep has run on the device.
+    @torch.compiler.disable
     def layer0(self) -> None:
         if self.device.type == "cuda":
             torch.cuda._sleep(self._cycles)
