@@ -47,7 +47,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lookup import OthersMeter, loadavg, machine, source  # noqa: E402
+from lookup import OthersMeter, bystander, latency_ms, loadavg, machine, source  # noqa: E402
 from pleclient import PleClient  # noqa: E402
 from pleserver.launcher import ServerLauncher  # noqa: E402
 from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
@@ -88,32 +88,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def bystander(socket: str, seconds: float, gap_ms: float, pids: list[int], seed: int) -> dict:
+def measure_bystander(
+    socket: str, seconds: float, gap_ms: float, pids: list[int], seed: int
+) -> dict:
+    """The shared bystander (bench/lookup.py) on the table's first layer, with
+    the server's misses and hint counters over its run."""
     rng = np.random.default_rng(seed)
-    samples = []
     meter = OthersMeter(pids)
     with PleClient.connect(socket, name="bystander", capacity=16, depth=1) as client:
         table = client.tables[0]
-        out = np.empty((16, table.row_bytes), dtype=np.uint8)
         before = client.stats()["tables"][0]
         meter.start()
-        stop = time.monotonic() + seconds
-        while time.monotonic() < stop:
-            ids = rng.integers(0, table.rows, 16)
-            t0 = time.perf_counter_ns()
-            client.lookup(table, ids, out=out)
-            samples.append(time.perf_counter_ns() - t0)
-            time.sleep(gap_ms * 1e-3)
+        ms = bystander(client, table, seconds, gap_ms, rng)
         others = meter.stop()
         after = client.stats()["tables"][0]
-    ms = np.array(samples) / 1e6
     lookups = after["requests"] - before["requests"]  # the flooder makes none
     return {
-        "lookups": len(samples),
-        "p50_ms": round(float(np.percentile(ms, 50)), 3),
-        "p99_ms": round(float(np.percentile(ms, 99)), 3),
-        "p999_ms": round(float(np.percentile(ms, 99.9)), 3),
-        "max_ms": round(float(ms.max()), 3),
+        **latency_ms(ms),
         "misses_per_lookup": round((after["io"]["misses"] - before["io"]["misses"]) / lookups, 2)
         if lookups
         else None,
@@ -150,7 +141,9 @@ def flood_case(server, args, workdir: str) -> dict:
         if child.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the flooder did not start:\n{server.log_tail()}")
         time.sleep(1.0)  # the flood in its steady state
-        case = bystander(server.socket, args.seconds, args.gap_ms, [server.pid, child.pid], 2)
+        case = measure_bystander(
+            server.socket, args.seconds, args.gap_ms, [server.pid, child.pid], 2
+        )
         open(stop, "w").close()
         case["flooder"] = json.loads(child.communicate(timeout=60)[0].strip().splitlines()[-1])
         return case
@@ -184,9 +177,11 @@ def main(argv=None) -> int:
         with launcher.start() as server:
             result: dict = {"machine": machine(), "source": source(), "args": vars(args)}
             pids = [server.pid]
-            result["alone"] = bystander(server.socket, args.seconds, args.gap_ms, pids, 1)
+            result["alone"] = measure_bystander(server.socket, args.seconds, args.gap_ms, pids, 1)
             result["flood"] = flood_case(server, args, workdir)
-            result["alone_after"] = bystander(server.socket, args.seconds, args.gap_ms, pids, 3)
+            result["alone_after"] = measure_bystander(
+                server.socket, args.seconds, args.gap_ms, pids, 3
+            )
         base, flood = result["alone"], result["flood"]
         result["flood_over_alone"] = {
             "p50": round(flood["p50_ms"] / base["p50_ms"], 3),
@@ -199,7 +194,7 @@ def main(argv=None) -> int:
         for name in ("alone", "flood", "alone_after"):
             c = result[name]
             print(
-                f"{name:>12} {c['lookups']:>8} {c['p50_ms']:>8.3f} {c['p99_ms']:>8.3f} "
+                f"{name:>12} {c['bystander_lookups']:>8} {c['p50_ms']:>8.3f} {c['p99_ms']:>8.3f} "
                 f"{c['p999_ms']:>9.3f} {c['max_ms']:>8.3f} {c['misses_per_lookup']!s:>14} "
                 f"{100 * c['others_cpu']:>9.1f}%"
             )

@@ -429,9 +429,11 @@ class GpuLookups:
         """Why lookups fail (the watchdog's first reason), or None."""
         return self.watchdog.failure
 
-    def ring(self, slot: int, table: str | int | TableInfo, ids) -> None:
-        """Enqueue: ``ids`` (int64, contiguous; at most ``capacity``) into
-        ``slot`` of ``table``, then its doorbell."""
+    def _request(
+        self, slot: int, table: str | int | TableInfo, ids, what: str
+    ) -> tuple[SlotView, TableInfo, int]:
+        """The checks a ring and a hint share: the channel alive, the slot, the
+        table, and ids that are 1..capacity contiguous int64."""
         if self.watchdog.failure is not None:
             raise PleError(f"GPU-driven PLE lookups have failed: {self.watchdog.failure}")
         view = self._slot(slot)
@@ -439,7 +441,7 @@ class GpuLookups:
         count = int(ids.numel() if hasattr(ids, "numel") else np.asarray(ids).size)
         if not 1 <= count <= self.capacity:
             raise ValueError(
-                f"a GPU-driven lookup takes 1..{self.capacity} ids (the channel "
+                f"a GPU-driven {what} takes 1..{self.capacity} ids (the channel "
                 f"capacity), not {count}: split it over slots"
             )
         if getattr(ids, "dtype", None) is not None and str(ids.dtype) not in (
@@ -449,6 +451,12 @@ class GpuLookups:
             raise ValueError(f"ids must be int64, not {ids.dtype}")
         if hasattr(ids, "is_contiguous") and not ids.is_contiguous():
             raise ValueError("ids must be contiguous")
+        return view, info, count
+
+    def ring(self, slot: int, table: str | int | TableInfo, ids) -> None:
+        """Enqueue: ``ids`` (int64, contiguous; at most ``capacity``) into
+        ``slot`` of ``table``, then its doorbell."""
+        view, info, count = self._request(slot, table, ids, "lookup")
         if self._rung[slot] is not None:
             raise PleError(f"slot {slot} was rung and not collected: collect it first")
         self._use(slot, p.RequestKind.LOOKUP)
@@ -467,23 +475,7 @@ class GpuLookups:
         other valid rows or is refused: a hint is advice, and the server
         validates its copy. Skipped (logged once by the client) where the
         server reads no hints."""
-        if self.watchdog.failure is not None:
-            raise PleError(f"GPU-driven PLE lookups have failed: {self.watchdog.failure}")
-        view = self._slot(slot)
-        info = table if isinstance(table, TableInfo) else self.client.table(table)
-        count = int(ids.numel() if hasattr(ids, "numel") else np.asarray(ids).size)
-        if not 1 <= count <= self.capacity:
-            raise ValueError(
-                f"a GPU-driven hint takes 1..{self.capacity} ids (the channel "
-                f"capacity), not {count}: split it over slots"
-            )
-        if getattr(ids, "dtype", None) is not None and str(ids.dtype) not in (
-            "torch.int64",
-            "int64",
-        ):
-            raise ValueError(f"ids must be int64, not {ids.dtype}")
-        if hasattr(ids, "is_contiguous") and not ids.is_contiguous():
-            raise ValueError("ids must be contiguous")
+        view, info, count = self._request(slot, table, ids, "hint")
         first = self._use(slot, p.RequestKind.HINT)
         if not self.client.hints_supported:
             self.client.skip_hints(count)
