@@ -102,15 +102,12 @@ from gpu_step_start_check import (  # noqa: E402
     Rig,
     ToyModel,
     _cycles_per_ms,
+    adopt_step,
     new_ids,
     sync_check,
 )
 from pleclient.vllm_plugin import step  # noqa: E402
-from pleclient.vllm_plugin.identity import Expected  # noqa: E402
-from pleclient.vllm_plugin.lookups import LayerLookups, StoredRows  # noqa: E402
-from pleclient.vllm_plugin.routes import Routes  # noqa: E402
-from pleclient.vllm_plugin.rows import RowService  # noqa: E402
-from pleclient.vllm_plugin.settings import ShmSettings  # noqa: E402
+from pleclient.vllm_plugin.lookups import LayerLookups  # noqa: E402
 from pleserver.synthetic import SyntheticTable  # noqa: E402
 
 NAMESPACE = "ple_compile_check"
@@ -264,35 +261,11 @@ def build(rig: Rig, cls: type[CompileModel] = CompileModel) -> CompileModel:
     """A model over a new session of the rig's server (the GPU-driven route on
     CUDA, its CPU stand-in on CPU), stamped for the step start."""
     gpu_path = "auto" if rig.device.type == "cuda" else "standin"
-    service = RowService(
-        ShmSettings(socket=rig.server.socket, checkpoint=rig.ckpt, gpu_path=gpu_path)
-    )
-    routes = Routes(service)
-    rig.routes.append(routes)
-    ples = {}
-    for table in TABLES:
-        binding = service.bind(
-            Expected(
-                prefix=table.name.removesuffix(".ngram_embedding"),
-                rows=table.rows,
-                cols=table.cols,
-                dtypes=(table.dtype,),
-                parts=table.parts,
-            ),
-            max_ids=TOKENS * HEADS,
-        )
-        ples[table.layer] = CompilePle(
-            table, LayerLookups(binding, routes, StoredRows(binding)), rig.device
-        )
+    lookups = rig.layer_lookups(gpu_path)
+    ples = {t.layer: CompilePle(t, lookups[t.layer], rig.device) for t in TABLES}
     layers = [CompileLayer(i, ples.get(i), rig.device) for i in range(LAYERS)]
     model = cls(layers)  # type: ignore[arg-type]
-    step.adopt(
-        model.layers,
-        model.start_layer,
-        model.end_layer,
-        ToyModel._start_layer_ple_prefetch,
-        lambda layer: layer.ple.lookups.binding if layer.ple is not None else None,
-    )
+    adopt_step(model)
     return model
 
 

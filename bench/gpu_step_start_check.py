@@ -205,6 +205,17 @@ class StepToyModel(ToyModel):
 
 
 # --------------------------------------------------------------------- setup
+def adopt_step(model: torch.nn.Module) -> None:
+    """Every PLE layer's lookup of ``model`` starts with the step (step.adopt)."""
+    step.adopt(
+        model.layers,
+        model.start_layer,
+        model.end_layer,
+        ToyModel._start_layer_ple_prefetch,
+        lambda layer: layer.ple.lookups.binding if layer.ple is not None else None,
+    )
+
+
 class Rig:
     """A server over the checkpoint, one session per route setting, the
     reference tables on the device."""
@@ -220,13 +231,14 @@ class Rig:
         self.clock = Clock(device, sleep_ms)
         self.routes: list[Routes] = []
 
-    def model(self, gpu_path: str, *, with_step: bool = True) -> ToyModel:
+    def layer_lookups(self, gpu_path: str) -> dict[int, LayerLookups]:
+        """Each PLE table's lookups over a new session of the server, by layer."""
         service = RowService(
             ShmSettings(socket=self.server.socket, checkpoint=self.ckpt, gpu_path=gpu_path)
         )
         routes = Routes(service)
         self.routes.append(routes)
-        ples = {}
+        lookups = {}
         for table in TABLES:
             binding = service.bind(
                 Expected(
@@ -238,18 +250,16 @@ class Rig:
                 ),
                 max_ids=TOKENS * HEADS,
             )
-            lookups = LayerLookups(binding, routes, StoredRows(binding))
-            ples[table.layer] = ToyPle(table, lookups, self.device)
+            lookups[table.layer] = LayerLookups(binding, routes, StoredRows(binding))
+        return lookups
+
+    def model(self, gpu_path: str, *, with_step: bool = True) -> ToyModel:
+        lookups = self.layer_lookups(gpu_path)
+        ples = {t.layer: ToyPle(t, lookups[t.layer], self.device) for t in TABLES}
         layers = [ToyLayer(i, ples.get(i), self.clock, self.device) for i in range(LAYERS)]
         model = (StepToyModel if with_step else ToyModel)(layers)
         if with_step:
-            step.adopt(
-                model.layers,
-                model.start_layer,
-                model.end_layer,
-                ToyModel._start_layer_ple_prefetch,
-                lambda layer: layer.ple.lookups.binding if layer.ple is not None else None,
-            )
+            adopt_step(model)
         return model
 
     def requests(self) -> list[int]:
