@@ -13,6 +13,8 @@ unset (or ``vllm``) it does nothing at all. With ``shm``:
   ``routes`` — how a layer's lookups reach it (host or GPU-driven);
   ``lookups`` — one layer's lookups; ``step`` — all of them start with the
   step; ``identity`` — server vs checkpoint check;
+* ``prompt_ahead``       — the engine core's scheduler hints every prompt's
+  rows to the server when the request arrives and when it is scheduled;
 * ``settings``           — every environment knob, with defaults; ``register``
   declares them to vLLM's environment check;
 * ``compat``             — the vLLM versions it supports, and the checks that

@@ -132,14 +132,18 @@ def verify(
         )
 
 
-def checkpoint_dir(override: str | None = None) -> str:
-    """The local directory of the checkpoint vLLM loads."""
+def checkpoint_dir(
+    override: str | None = None, *, model: str | None = None, revision: str | None = None
+) -> str:
+    """The local directory of the checkpoint vLLM loads: ``override``, else
+    ``model`` (vLLM's ``--model``, at ``revision``), else the model of vLLM's
+    current config."""
     path: str | None
     if override:
         path = override
         source = ENV_CHECKPOINT
     else:
-        path, revision = _vllm_model()
+        path, revision = (model, revision) if model else _vllm_model()
         source = "vLLM's --model"
         if path and not os.path.isdir(path):
             path = _hf_snapshot(path, revision) or path

@@ -87,6 +87,11 @@ TARGETS: dict[str, Target] = {
         f"{_ADAPTERS}.compilation:patch_compilation_module",
         ("CompilationConfig.set_splitting_ops_for_v1",),
     ),
+    # Prompt-ahead: the engine core's scheduler hints each prompt's rows.
+    "vllm.v1.core.sched.scheduler": Target(
+        f"{_ADAPTERS}.prompt_ahead:patch_scheduler_module",
+        ("Scheduler.add_request", "Scheduler.schedule"),
+    ),
     # The seed's interface (qwen38-flash-next vLLM builds).
     f"{QWEN38_FLASH_NEXT}.nvidia.ple_layer": Target(
         f"{_ADAPTERS}.qwen38_flash_next:patch_module", _SEED_NGRAM, QWEN38_FLASH_NEXT, "nvidia"

@@ -36,6 +36,12 @@ Every knob, its default and why:
 ``VLLM_PLE_SHM_CHECKPOINT``        the checkpoint directory the identity check reads.
                                    Default: vLLM's ``--model`` (a local directory, or a
                                    Hugging Face repo already in the local cache).
+``VLLM_PLE_SHM_PROMPT_AHEAD=arrival,scheduled``
+                                   when the engine hints a prompt's rows to the server
+                                   (``prompt_ahead``): at its ``arrival`` in the
+                                   scheduler's queue, when its first chunk is
+                                   ``scheduled`` (the rest of the prompt), both, or
+                                   ``off``.
 ``VLLM_PLE_SHM_ALLOW_DUMMY=0``     1 = with ``--load-format dummy`` run without any
                                    server: PLE rows are zeros (logged). Off by default
                                    so that zeros never appear unasked.
@@ -67,6 +73,10 @@ ENV_GPU_PATH = "VLLM_PLE_SHM_GPU_PATH"
 GPU_PATH_STANDIN = "standin"
 GPU_PATHS = ("auto", "off", GPU_PATH_STANDIN)
 ENV_ALLOW_DUMMY = "VLLM_PLE_SHM_ALLOW_DUMMY"
+ENV_PROMPT_AHEAD = "VLLM_PLE_SHM_PROMPT_AHEAD"
+PROMPT_AHEAD_ARRIVAL = "arrival"
+PROMPT_AHEAD_SCHEDULED = "scheduled"
+PROMPT_AHEAD_STAGES = (PROMPT_AHEAD_ARRIVAL, PROMPT_AHEAD_SCHEDULED)
 
 VARIABLES = (
     ENV_BACKEND,
@@ -81,6 +91,7 @@ VARIABLES = (
     ENV_CHECKPOINT,
     ENV_GPU_PATH,
     ENV_ALLOW_DUMMY,
+    ENV_PROMPT_AHEAD,
 )
 """Every environment variable the plugin reads whose name starts with ``VLLM_``:
 ``registration`` declares them to vLLM, whose environment check refuses (or
@@ -121,6 +132,7 @@ class ShmSettings:
     allow_dummy: bool = False
     socket_dir: str = DEFAULT_SOCKET_DIR
     gpu_path: str = "auto"
+    prompt_ahead: tuple[str, ...] = PROMPT_AHEAD_STAGES
 
     @classmethod
     def from_env(cls) -> ShmSettings:
@@ -152,6 +164,7 @@ class ShmSettings:
             allow_dummy=_bool(ENV_ALLOW_DUMMY, False),
             socket_dir=os.environ.get(ENV_SOCKET_DIR) or DEFAULT_SOCKET_DIR,
             gpu_path=gpu_path,
+            prompt_ahead=_stages(ENV_PROMPT_AHEAD),
         )
 
 
@@ -167,6 +180,23 @@ def _int(name: str, default: int | None) -> int | None:
         return int(raw)
     except ValueError:
         raise SettingsError(f"{name}={raw!r} is not an integer") from None
+
+
+def _stages(name: str) -> tuple[str, ...]:
+    """``arrival``, ``scheduled``, both (comma-separated, the default) or ``off``."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return PROMPT_AHEAD_STAGES
+    if raw in ("off", "0", "none", "no"):
+        return ()
+    stages = [part.strip() for part in raw.split(",") if part.strip()]
+    unknown = [stage for stage in stages if stage not in PROMPT_AHEAD_STAGES]
+    if unknown or not stages:
+        raise SettingsError(
+            f"{name}={os.environ[name]!r}: use {', '.join(PROMPT_AHEAD_STAGES)}, both "
+            f"({','.join(PROMPT_AHEAD_STAGES)}, the default) or off"
+        )
+    return tuple(stage for stage in PROMPT_AHEAD_STAGES if stage in stages)
 
 
 def _float(name: str, default: float, *, minimum: float) -> float:

@@ -64,6 +64,14 @@ BASE: dict[str, str] = {
         class CompilationConfig:
             def set_splitting_ops_for_v1(self, *args, **kwargs): ...
     """,
+    "vllm/v1/__init__.py": "",
+    "vllm/v1/core/__init__.py": "",
+    "vllm/v1/core/sched/__init__.py": "",
+    "vllm/v1/core/sched/scheduler.py": """\
+        class Scheduler:
+            def add_request(self, request): ...
+            def schedule(self): ...
+    """,
 }
 
 NVIDIA = "vllm/models/qwen4_exp/nvidia"

@@ -173,6 +173,45 @@ def vllm_config(model_dir: str):
     return VllmConfig(model_config=model_config, engram_config=EngramConfig(cpu_offload=False))
 
 
+def cpu_scheduler(model_dir: str, *, chunk: int, blocks: int = 64):
+    """vLLM's own ``Scheduler`` as the engine core builds it for ``model_dir``,
+    on CPU, with chunked prefill of ``chunk`` tokens a step and one KV-cache
+    group of ``blocks`` blocks (the scheduler's bookkeeping; no cache is
+    allocated)."""
+    from vllm.config import CacheConfig, SchedulerConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config = vllm_config(model_dir)
+    config.scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=chunk,
+        max_num_seqs=4,
+        max_model_len=config.model_config.max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    config.cache_config = CacheConfig(block_size=16)
+    config.cache_config.num_gpu_blocks = blocks
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=16, dtype=torch.bfloat16)
+    kv = KVCacheConfig(
+        num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["x"], spec)]
+    )
+    return Scheduler(config, kv, StructuredOutputManager(config), block_size=16)
+
+
+def scheduler_request(request_id: str, prompt: list[int]):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(
+        request_id,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=4),
+        pooling_params=None,
+    )
+
+
 @dataclass
 class LoadedModel:
     model: torch.nn.Module

@@ -891,7 +891,8 @@ def _run_model_step(loaded, batch: m.Batch) -> dict:
     from tests.vllm_helpers import qwen4_model as qm
 
     model = loaded.model.model
-    slots = [1, 2]  # slot 0 is vLLM's null block
+    # One conv-state slot per request; slot 0 is vLLM's null block.
+    slots = list(range(1, batch.query_start_loc.shape[0]))
     metadata = {}
     for layer in qm.PLE_DECODER_LAYERS:
         ple = qm.ple_layer(loaded.model, layer)
@@ -1077,6 +1078,108 @@ def whole_model(args: dict) -> dict:
     result["cpu_gemm"] = cpu_kernels.gemm_report()
     result["seconds"] = time.monotonic() - started
     return result
+
+
+@scenario
+def prompt_ahead(args: dict) -> dict:
+    """vLLM's own ``Scheduler`` (CPU, chunked prefill) with the plugin takes a
+    prompt of ``args["tokens"]`` tokens in chunks of ``args["chunk"]``; each
+    scheduled chunk runs through the whole model, stock and shm
+    (``_run_model_step``). Before each chunk the prompt-ahead thread and the
+    server's hint reader are let finish (``idle``, the hint counters settled),
+    so each chunk's lookups show what the hints did: the server's misses and
+    its hits on hinted rows, per chunk. ``VLLM_PLE_SHM_PROMPT_AHEAD`` (the
+    environment) picks the stages."""
+    import vllm.models.qwen4_exp.nvidia.ple_layer as ple_layer_module
+
+    from pleclient import PleClient
+    from pleclient.vllm_plugin import prompt_ahead as pa
+    from tests.vllm_helpers import qwen4_model as qm
+
+    ple_layer_module.ple_gate = qm.torch_ple_gate
+    ple_layer_module.ple_conv = qm.torch_ple_conv
+    socket = os.environ["VLLM_PLE_SHM_SOCKET"]
+    g = torch.Generator().manual_seed(args.get("seed", 3))
+    tokens = torch.randint(0, qm.UNIGRAM_VOCAB, (args["tokens"],), generator=g)
+    tokens[tokens == qm.EOS] = qm.EOS + 1
+    prompt = [int(t) for t in tokens]
+    result: dict = {"chunks": []}
+    with m.distributed(), PleClient.connect(socket) as watcher:
+
+        def hint_counts() -> dict:
+            tables = watcher.stats()["tables"]
+            return {t["name"]: {**{k: t.get(k) or 0 for k in HINT_KEYS}, **t["io"]} for t in tables}
+
+        def settle() -> dict:
+            """Once the thread is idle and every hinted row received is read,
+            cached already or dropped: the server's counts."""
+            ahead = pa.for_scheduler(scheduler)
+            if ahead is not None and not ahead.idle(60):
+                raise TimeoutError("prompt-ahead did not finish its prompts in 60 s")
+            deadline = time.monotonic() + 60
+            while True:
+                counts = hint_counts()
+                if all(
+                    c["hints_read"] + c["hints_cached"] + c["hints_dropped"] == c["hints_received"]
+                    for c in counts.values()
+                ):
+                    return counts
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"hints not settled in 60 s: {counts}")
+                time.sleep(0.01)
+
+        stock = qm.load_vllm_model(args["model"])
+        register_plugin()
+        shm = qm.load_vllm_model(args["model"])
+        scheduler = qm.cpu_scheduler(args["model"], chunk=args["chunk"])
+        result["patched"] = bool(getattr(type(scheduler), "_ple_prompt_ahead_patched", False))
+        request = qm.scheduler_request("prompt-0", prompt)
+        scheduler.add_request(request)
+        before = settle()
+        result["after_arrival"] = before
+        start = 0
+        while start < len(prompt):
+            output = scheduler.schedule()
+            count = output.num_scheduled_tokens.get(request.request_id, 0)
+            if not count:
+                raise RuntimeError(f"the scheduler scheduled nothing at token {start}")
+            counts = settle()  # the scheduled stage's hints, before the chunk runs
+            chunk = torch.tensor(prompt[start : start + count])
+            context = ([qm.EOS] * (qm.NGRAM_SIZE - 1) + prompt[:start])[-(qm.NGRAM_SIZE - 1) :]
+            batch = m.Batch(
+                chunk,
+                torch.tensor([0, count], dtype=torch.int32),
+                torch.tensor([context], dtype=torch.long),
+            )
+            want = _run_model_step(stock, batch)["outputs"]
+            got = _run_model_step(shm, batch)["outputs"]
+            after = hint_counts()
+            result["chunks"].append(
+                {
+                    "start": start,
+                    "tokens": count,
+                    "new_request": [new.req_id for new in output.scheduled_new_reqs],
+                    "outputs_equal": sorted(want) == sorted(got)
+                    and all(same_bits(want[i], got[i]) for i in want),
+                    "layers_compared": sorted(want),
+                    "tables": {
+                        name: {
+                            key: after[name][key] - counts[name][key]
+                            for key in ("misses", "hits", "hints_hits", "hints_received")
+                        }
+                        for name in after
+                    },
+                    "hints_before": counts,
+                }
+            )
+            start += count
+        ahead = pa.for_scheduler(scheduler)
+        result["prompt_ahead"] = None if ahead is None else ahead.stats.as_dict()
+        result["final"] = hint_counts()
+    return result
+
+
+HINT_KEYS = ("hints_received", "hints_read", "hints_cached", "hints_hits", "hints_dropped")
 
 
 def _compare_weights(stock: torch.nn.Module, shm: torch.nn.Module) -> dict:
