@@ -47,6 +47,8 @@ SPIN_SECONDS = 200e-6
 loads) before it sleeps on the word's futex: a round trip through a sleeping
 futex costs tens of µs more than a spin, and most requests are answered within
 this window."""
+HINT_SLOT_POLL_S = 0.0002
+"""``hint(wait=…)``: how often a hint waiting for a slot looks again."""
 CONNECT_RETRY_FIRST_S = 0.001
 CONNECT_RETRY_MAX_S = 0.05
 """A connect the server's queue had no room for is tried again after 1 ms,
@@ -364,17 +366,20 @@ class PleClient:
         """Whether the server reads prefetch hints (WELCOME ``features``)."""
         return p.FEATURE_HINTS in self.features
 
-    def hint(self, table: str | int | TableInfo, ids) -> None:
+    def hint(self, table: str | int | TableInfo, ids, *, wait: float = 0.0) -> None:
         """Tell the server the rows of ``ids`` will be needed soon: it reads
         those it does not hold into its row cache, below every lookup, so a
-        later ``lookup`` of them is a cache hit. Returns nothing and never
-        blocks: the ids go into free slots of the channel (``capacity`` a
-        slot), and what finds no free slot is skipped, counted in
-        ``hints_skipped`` (as are all hints to a server without them:
-        ``hints_supported``). Whether the server read them, dropped them
-        (disk saturated, queue or cache budget full) or refused them (bad
-        ids) is in its stats, per table (``hints_*``). A hint's slot comes
-        back once the server has admitted it (at once, before any read)."""
+        later ``lookup`` of them is a cache hit. Returns nothing and, with
+        ``wait`` 0, never blocks: the ids go into free slots of the channel
+        (``capacity`` a slot), and what finds no free slot is skipped, counted
+        in ``hints_skipped`` (as are all hints to a server without them:
+        ``hints_supported``). A hint's slot comes back once the server has
+        admitted it (at once, before any read): a thread of its own that
+        hints more ids than the slots hold may ``wait`` up to that many
+        seconds for each slot to come back before it skips the rest. Whether
+        the server read them, dropped them (disk saturated, queue or cache
+        budget full) or refused them (bad ids) is in its stats, per table
+        (``hints_*``)."""
         info = table if isinstance(table, TableInfo) else self.table(table)
         ids = np.asarray(ids).reshape(-1)
         n = ids.shape[0]
@@ -390,25 +395,33 @@ class PleClient:
             self.skip_hints(n)
             return
         cap = channel.layout.capacity
+        sent = 0
+        deadline = time.monotonic() + wait
+        while True:
+            with self._lock:
+                published = sent
+                while sent < n:
+                    slot = self.slots.take_for_hint()
+                    if slot is None:
+                        break
+                    piece = ids[sent : sent + cap]
+                    slot.submit(
+                        self._index[info.name],
+                        piece,
+                        self._sequence,
+                        time.monotonic_ns(),
+                        p.RequestKind.HINT,
+                    )
+                    self._sequence = (self._sequence + 1) & 0xFFFFFFFF
+                    sent += piece.shape[0]
+                if sent > published:
+                    channel.publish_submit(self._sequence)  # E1: every hint slot before it
+                    deadline = time.monotonic() + wait  # a slot came back: wait again
+                self.hints_sent += sent - published
+            if sent >= n or wait <= 0 or time.monotonic() >= deadline:
+                break
+            time.sleep(HINT_SLOT_POLL_S)  # the lock released: lookups go on meanwhile
         with self._lock:
-            sent = 0
-            for start in range(0, n, cap):
-                slot = self.slots.take_for_hint()
-                if slot is None:
-                    break
-                piece = ids[start : start + cap]
-                slot.submit(
-                    self._index[info.name],
-                    piece,
-                    self._sequence,
-                    time.monotonic_ns(),
-                    p.RequestKind.HINT,
-                )
-                self._sequence = (self._sequence + 1) & 0xFFFFFFFF
-                sent += piece.shape[0]
-            if sent:
-                channel.publish_submit(self._sequence)  # E1: every hint slot before it
-            self.hints_sent += sent
             self.hints_skipped += n - sent
 
     def skip_hints(self, n: int) -> None:

@@ -173,6 +173,23 @@ def test_a_lookup_of_hinted_rows_is_a_hit_counted_as_a_hit_on_a_hinted_row(
         assert table_stats(client, 1)["hints_read"] == ids.size
 
 
+def test_hints_past_the_free_slots_are_skipped_or_with_wait_sent_as_slots_come_back(
+    start_server, model, tmp_path
+):
+    server = serve(start_server, model, tmp_path, "24M", "--hint-queue-rows", "131072")
+    ids = np.arange(0, 64 * 1024)  # 64 slots' worth through 2 slots
+    with server.client(capacity=1024, depth=2) as client:
+        client.hint(1, ids)  # never blocks: what finds no free slot is skipped
+        assert client.hints_sent == 2 * 1024
+        assert client.hints_skipped == ids.size - 2 * 1024
+        client.hint(1, ids, wait=5.0)  # each slot is back at the server's admission
+        assert client.hints_sent == 2 * 1024 + ids.size
+        assert client.hints_skipped == ids.size - 2 * 1024
+        assert wait_until(
+            lambda: table_stats(client, 1)["hints_received"] == client.hints_sent, timeout=30
+        )
+
+
 FLOODER = """
 socket, stop = sys.argv[1], sys.argv[2]
 rng = np.random.default_rng(7)

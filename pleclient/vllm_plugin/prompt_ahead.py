@@ -87,7 +87,6 @@ small slots keep up; the segment stays small (8 × 4096 rows)."""
 SLOT_WAIT_S = 0.05
 """How long the thread waits for a hint slot to come back before it skips the
 rest of a piece (counted)."""
-SLOT_POLL_S = 0.0002
 RETRY_S = 5.0
 """After a failed connect, prompts are not hinted for this long."""
 
@@ -219,23 +218,13 @@ class PromptAhead:
                 self._send(client, layer.table, ids)
 
     def _send(self, client: PleClient, table: str, ids: np.ndarray) -> None:
-        """Every id, a slot's worth at a time; a slot not back within
-        ``SLOT_WAIT_S`` skips the rest (the server is far behind: more hints
-        would be dropped there anyway)."""
-        cap = client.capacity
-        for begin in range(0, len(ids), cap):
-            piece = ids[begin : begin + cap]
-            deadline = time.monotonic() + SLOT_WAIT_S
-            while True:
-                sent = client.hints_sent
-                client.hint(table, piece)  # one slot's worth: all or nothing
-                if client.hints_sent != sent:
-                    self.stats.ids_sent += len(piece)
-                    break
-                if not client.hints_supported or time.monotonic() >= deadline:
-                    self.stats.ids_skipped += len(ids) - begin
-                    return
-                time.sleep(SLOT_POLL_S)  # (the client counted a skip; we try again)
+        """Every id; a slot not back within ``SLOT_WAIT_S`` skips the rest (the
+        server is far behind: more hints would be dropped there anyway)."""
+        skipped = client.hints_skipped
+        client.hint(table, ids, wait=SLOT_WAIT_S)
+        lost = client.hints_skipped - skipped
+        self.stats.ids_sent += len(ids) - lost
+        self.stats.ids_skipped += lost
 
     # --------------------------------------------------------- the session
     def _session(self) -> PleClient | None:
