@@ -77,10 +77,10 @@ Paths that talk to the server run from the most lookahead to the least, so
 that if the disk (a virtual disk's host) kept what an earlier path read, it
 could only favour the paths with less lookahead. At PLE layer 1, e and d have
 the same schedule (both ring before layer 0): the pair shows the run-to-run
-spread. The hint paths go through ``Hints``, which uses ``PleClient.hint`` (a
-host session), or else ``GpuLookups.hint`` (on the stream); with neither, the
-paths report "unavailable: no hint API" and the rest runs. A 1-chunk prompt
-has no later chunk, so prompt-ahead is e there and is not run.
+spread. The hint paths go through ``Hints``, which sends as the vLLM plugin's
+prompt-ahead does (a thread of its own, chunk by chunk, each chunk's ids once,
+``PleClient.hint`` waiting for slots). A 1-chunk prompt has no later chunk, so
+prompt-ahead is e there and is not run.
 
 Per-step times are GPU times: a CUDA event after every step, the steps of a
 decode case enqueued back to back with no host synchronization (the graph
@@ -175,6 +175,7 @@ from gpu_lookup import make_uva_kernel  # noqa: E402
 from lookup import OthersMeter, hist_quantiles, machine, source  # noqa: E402
 from pleclient import PleClient  # noqa: E402
 from pleclient.checkpoint import INDEX_FILE, TableSpec, discover_tables  # noqa: E402
+from pleclient.vllm_plugin.prompt_ahead import SLOT_WAIT_S, unique_in_order  # noqa: E402
 from pleserver.config import parse_size  # noqa: E402
 from pleserver.launcher import ServerLauncher  # noqa: E402
 from pleserver.synthetic import SyntheticTable, write_safetensors  # noqa: E402
@@ -682,50 +683,48 @@ HINT_DEPTH = 16
 
 
 class Hints:
-    """Prefetch hints for the prompt-ahead paths, through the hint API this
-    pleclient has: ``PleClient.hint(table, ids)`` on a host session of its own
-    (ids on the host, as vLLM's scheduler has them), else
-    ``GpuLookups.hint(table, ids)`` on the current stream (ids on the device).
-    Hints return nothing and must never block: each call's host time is kept."""
+    """Prefetch hints for the prompt-ahead paths, sent the way the vLLM
+    plugin's prompt-ahead sends them (``pleclient.vllm_plugin.prompt_ahead``):
+    by a thread of their own, chunk by chunk in prompt order, each chunk's ids
+    once, waiting for a hint slot to come back (``PleClient.hint(wait=…)``).
+    The caller, in the scheduler's place, only hands the prompt over: its host
+    time per call is kept, and the time until the thread sent the last id."""
 
-    @staticmethod
-    def why_unavailable() -> str | None:
-        from pleclient.gpu import GpuLookups
-
-        if hasattr(PleClient, "hint") or hasattr(GpuLookups, "hint"):
-            return None
-        return "no hint API (pleclient has neither PleClient.hint nor GpuLookups.hint)"
-
-    def __init__(self, socket_path: str, table: str, lookups, info, capacity: int) -> None:
-        self.table, self.lookups, self.info, self.capacity = table, lookups, info, capacity
-        self.client = None
-        if hasattr(PleClient, "hint"):
-            # Deep enough for a whole prompt's ids at once: hint() skips what
-            # finds no free slot, and the server frees a hint's slot at admission.
-            self.client = PleClient.connect(
-                socket_path, name="northstar-hints", capacity=capacity, depth=HINT_DEPTH
-            )
-            self.via = "PleClient.hint"
-        else:
-            self.via = "GpuLookups.hint"
+    def __init__(self, socket_path: str, table: str, capacity: int) -> None:
+        self.table = table
+        self.client = PleClient.connect(
+            socket_path, name="northstar-hints", capacity=capacity, depth=HINT_DEPTH
+        )
+        self.via = "PleClient.hint from a thread (the plugin's prompt-ahead)"
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="hints")
         self.calls_ms: list[float] = []
+        self.sent_ms: list[float] = []
         self.ids = 0
 
-    def hint(self, host_ids: np.ndarray, device_ids: torch.Tensor) -> None:
-        """Hint these ids' rows (any number: sent ``capacity`` at a time)."""
+    def hint(self, chunks: np.ndarray) -> None:
+        """Hint the rows of ``chunks`` (one id array per chunk, in order)."""
         t0 = time.perf_counter()
-        flat, dev = host_ids.reshape(-1), device_ids.reshape(-1)
-        for a in range(0, flat.size, self.capacity):
-            if self.client is not None:
-                self.client.hint(self.table, flat[a : a + self.capacity])
-            else:
-                self.lookups.hint(self.info, dev[a : a + self.capacity])
+        self.pool.submit(self._send, chunks, t0)
         self.calls_ms.append((time.perf_counter() - t0) * 1e3)
-        self.ids += flat.size
+
+    def _send(self, chunks: np.ndarray, t0: float) -> None:
+        for chunk in chunks:
+            ids = unique_in_order(np.asarray(chunk).reshape(-1))
+            self.client.hint(self.table, ids, wait=SLOT_WAIT_S)
+            self.ids += ids.size
+        self.sent_ms.append((time.perf_counter() - t0) * 1e3)
+
+    def drain(self) -> None:
+        """Wait until every prompt handed over was sent."""
+        self.pool.submit(lambda: None).result()
+
+    @property
+    def skipped(self) -> int:
+        return self.client.hints_skipped
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
+        self.pool.shutdown(wait=True)
+        self.client.close()
 
 
 @dataclass
@@ -871,7 +870,7 @@ def why_not(case: Case, name: str, rig: Rig) -> str | None:
         return ""  # hints are for prompts
     if name == "prompt-ahead" and case.steps == 1:
         return "a 1-chunk prompt has no later chunk to hint: the same as e"
-    return Hints.why_unavailable()
+    return None
 
 
 def run_path(case: Case, name: str, rig: Rig, text: Text) -> Run:
@@ -918,9 +917,7 @@ class PathRun:
             rig.cache_bytes = self.server.cache_bytes
             self.lookups, info = open_lookups(rig, self.server.socket, self.per_layer)
             if name in HINT_PATHS:
-                self.hints = Hints(
-                    self.server.socket, rig.table.name, self.lookups, info, rig.args.capacity
-                )
+                self.hints = Hints(self.server.socket, rig.table.name, rig.args.capacity)
         warm = self.device_ids(self.text.warmup(self.case))
         self.batch = Batch(
             model, self.case.batch, rig.table.row_bytes, rig.table.rows, 0, id_sets=warm
@@ -965,6 +962,8 @@ class PathRun:
         t0 = time.monotonic()
         yield
         sync(self.cuda)
+        if self.hints is not None:
+            self.hints.drain()
         run = self.run
         run.wall_s = time.monotonic() - t0
         run.others_cpu = meter.stop()
@@ -984,18 +983,18 @@ class PathRun:
 
     def time_prefill(self) -> None:
         """Each prompt on an idle GPU: arrival (hints, the queue), then its chunks."""
-        k, name, timed, ids = self.case.steps, self.name, self.timed, self.batch.id_sets
+        k, name, timed = self.case.steps, self.name, self.timed
         with self.measured():
             for p in range(self.case.prompts):
                 sync(self.cuda)
                 chunks = slice(p * k, (p + 1) * k)
                 with no_host_sync(self.strict):
                     if name == "prompt-ahead-arrival":  # the prompt arrives, then waits
-                        self.hints.hint(timed[chunks], ids[chunks])
+                        self.hints.hint(timed[chunks])
                         time.sleep(self.rig.args.queue_wait_ms / 1e3)
                     elif name == "prompt-ahead":  # scheduled: chunk 1 runs next
                         later = slice(p * k + 1, (p + 1) * k)
-                        self.hints.hint(timed[later], ids[later])
+                        self.hints.hint(timed[later])
                     self.clock.begin(p * k)
                     for s in range(p * k, (p + 1) * k):
                         self.step(s)
@@ -1037,7 +1036,11 @@ class PathRun:
                 "via": self.hints.via,
                 "calls": len(self.hints.calls_ms),
                 "ids": self.hints.ids,
+                "skipped": self.hints.skipped,
                 "call_ms_max": max(self.hints.calls_ms, default=None),
+                "sent_ms_median": float(np.median(self.hints.sent_ms))
+                if self.hints.sent_ms
+                else None,
                 "queue_wait_ms": (
                     rig.args.queue_wait_ms if self.name == "prompt-ahead-arrival" else None
                 ),

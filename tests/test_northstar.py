@@ -85,7 +85,7 @@ def test_northstar_on_the_cpu_checks_rows_and_counts_every_cold_miss(tmp_path):
     assert "CUDA" in runs["decode", "b"]["unavailable"]
     for (kind, path), r in runs.items():
         if r["unavailable"]:
-            assert path in ("b", "prompt-ahead-arrival", "prompt-ahead"), (kind, path, r)
+            assert path == "b", (kind, path, r)
             continue
         assert r["error"] is None, r["error"]
         assert r["exact"] is True and r["checked_steps"] > 0, (kind, path)
@@ -93,6 +93,9 @@ def test_northstar_on_the_cpu_checks_rows_and_counts_every_cold_miss(tmp_path):
             assert r["server"]["requests"] > 0
             if not path.startswith("prompt-ahead"):  # hints change what a lookup misses
                 assert r["server"]["misses"] == r["trace"]["misses"] > 0, (kind, path)
+            else:  # every prompt's hints sent by the thread, none skipped
+                assert r["hints"]["ids"] > 0 and r["hints"]["skipped"] == 0, r["hints"]
+                assert r["server"]["hints"]["hints_received"] == r["hints"]["ids"], r["server"]
     decode = {p: runs["decode", p] for p in ("a", "e", "d")}
     for r in decode.values():
         assert r["steps"] == 60 and len(r["step_ms"]) == 60

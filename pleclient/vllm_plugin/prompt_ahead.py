@@ -214,7 +214,7 @@ class PromptAhead:
             piece = tokens[begin : begin + CHUNK_TOKENS]
             context = tokens[:begin] if begin else None
             for layer in self._hasher.layers:
-                ids = _unique_in_order(layer.row_ids(piece, context).reshape(-1))
+                ids = unique_in_order(layer.row_ids(piece, context).reshape(-1))
                 self._send(client, layer.table, ids)
 
     def _send(self, client: PleClient, table: str, ids: np.ndarray) -> None:
@@ -307,7 +307,7 @@ def check_tables(client: PleClient, hasher: NgramHasher, model_dir: str) -> None
             )
 
 
-def _unique_in_order(ids: np.ndarray) -> np.ndarray:
+def unique_in_order(ids: np.ndarray) -> np.ndarray:
     """``ids`` without repeats, each at its first place (the order is the
     order the prompt needs them in)."""
     _, first = np.unique(ids, return_index=True)
