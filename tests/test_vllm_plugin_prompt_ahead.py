@@ -127,12 +127,23 @@ def test_hinted_rows_are_the_rows_the_layers_look_up(qwen4_checkpoints):
 
 def test_a_server_of_another_checkpoint_turns_prompt_ahead_off(qwen4_checkpoints):
     hasher = NgramHasher.from_checkpoint(qwen4_checkpoints.fp8)
-    with (
-        serve(qwen4_checkpoints.bf16) as server,
-        PleClient.connect(server.socket) as client,
-        pytest.raises(PleBackendError, match="another checkpoint"),
-    ):
-        pa.check_tables(client, hasher, qwen4_checkpoints.fp8)
+    with serve(qwen4_checkpoints.bf16) as server:
+        with (
+            PleClient.connect(server.socket) as client,
+            pytest.raises(PleBackendError, match="another checkpoint"),
+        ):
+            pa.check_tables(client, hasher, qwen4_checkpoints.fp8)
+        settings = ShmSettings(socket=server.socket)
+        ahead = pa.PromptAhead(settings, str(qwen4_checkpoints.fp8), ("arrival",))
+        try:
+            ahead.arrived("r0", list(range(8, 300)))
+            ahead.arrived("r1", list(range(8, 300)))
+            assert ahead.idle(30)
+            assert ahead.stats.prompts_not_hinted == 2 and ahead.stats.ids_sent == 0
+        finally:
+            ahead.close()
+        stats = PleClient.query_stats(server.socket)
+        assert all(not t.get("hints_received") for t in stats["tables"])
 
 
 def test_without_a_server_prompts_are_counted_and_the_caller_never_waits(
