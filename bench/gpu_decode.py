@@ -31,6 +31,9 @@ Paths, in the same run:
             right after the ring instead of at the use. Skipped, with the
             reason, where the device or the driver has no stream memory
             operations.
+  e         d with every PLE layer's lookup rung at the start of the step
+            (what the vLLM plugin does: ``pleclient.vllm_plugin.step``), each
+            collected at its layer; skipped where d is.
 
 Per batch (``--batches``, tokens per decode step) and for one prefill
 (``--prefill`` tokens): mean step time over ``--steps`` steps enqueued back to
@@ -81,7 +84,15 @@ from pleclient import protocol  # noqa: E402
 from pleclient.checkpoint import TableSpec, discover_tables  # noqa: E402
 from pleserver.launcher import ServerLauncher  # noqa: E402
 
-LABELS = {"compute": "compute only", "a": "resident", "b": "uva", "c": "plugin", "d": "gpu-driven"}
+LABELS = {
+    "compute": "compute only",
+    "a": "resident",
+    "b": "uva",
+    "c": "plugin",
+    "d": "gpu-driven",
+    "e": "gpu-driven, step start",
+}
+GPU_DRIVEN = ("d", "e")
 PATHS = tuple(LABELS)
 IDS_PER_TOKEN = 16
 DEVICE = "cuda"  # where the model, the buffers and table a live
@@ -249,10 +260,11 @@ class Plugin:
 
 
 class GpuDriven:
-    """d: ``GpuLookups`` ring / collect; lookup j uses slots j · per_layer + chunk.
-    The ring goes on the current stream; with ``side`` the collect goes on a
-    side stream forked right after it and joined at the use (the rows copy
-    then overlaps the compute), else on the current stream at the use."""
+    """d and e: ``GpuLookups`` ring / collect; lookup j uses slots j · per_layer
+    + chunk. The ring goes on the current stream; with ``side`` the collect goes
+    on the layer's own side stream, forked right after it and joined at the use
+    (the wait for the answer and the rows copy then overlap the compute), else
+    on the current stream at the use."""
 
     capturable = True
 
@@ -265,20 +277,24 @@ class GpuDriven:
             raise ValueError(
                 f"{batch.n} ids need {len(self.chunks)} slots, a layer has {per_layer}"
             )
-        self.side = torch.cuda.Stream() if side else None
-        self.done = [torch.cuda.Event() for _ in range(batch.ids.shape[0])] if side else []
+        layers = batch.ids.shape[0]
+        # One side stream per PLE layer: a layer's collect (a wait for its
+        # answer, then the copy) never queues behind another layer's.
+        self.sides = [torch.cuda.Stream() for _ in range(layers)] if side else []
+        self.side = bool(side)
+        self.done = [torch.cuda.Event() for _ in range(layers)] if side else []
 
     def start(self, j: int) -> None:
         for k, a, b in self.chunks:
             self.gl.ring(j * self.per_layer + k, self.info, self.batch.ids[j][a:b])
-        if self.side is not None:
-            self.side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.side):
+        if self.side:
+            self.sides[j].wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.sides[j]):
                 self._collect(j)
                 self.done[j].record()
 
     def collect(self, j: int) -> None:
-        if self.side is None:
+        if not self.side:
             self._collect(j)
         else:
             torch.cuda.current_stream().wait_event(self.done[j])
@@ -500,12 +516,13 @@ def run_case(case: str, tokens: int, args, setup: Setup) -> list[Result]:
         results.append(res)
         try:
             path = make_path(name, batch, setup, args)
-            pieces, graphs = build_step(path, model.schedule(name != "compute"), batch, model)
+            ops = model.schedule(name != "compute", at_step_start=name == "e")
+            pieces, graphs = build_step(path, ops, batch, model)
             measure(pieces, batch, res, args, setup.table_gpu, strict=path.capturable)
             del pieces, graphs
         except Exception as exc:  # report it, go on with the next path
             res.error = f"{type(exc).__name__}: {exc}"
-            if name == "d" and not setup.why_not_d:  # do not try it again
+            if name in GPU_DRIVEN and not setup.why_not_d:  # do not try it again
                 setup.why_not_d = f"failed at {case} {tokens}: {res.error}"
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize()
@@ -532,8 +549,10 @@ def targets(results: list[Result]) -> dict:
     d, a, b = at.get("d"), at.get("a"), at.get("b")
     if d is None or d.error or not (a and b) or a.error or b.error:
         return {"evaluated": False}
+    e = at.get("e")
     return {
         "evaluated": True,
+        "e_over_a": round(e.step_ms / a.step_ms, 4) if e and not e.error else None,
         "d_over_b": round(d.step_ms / b.step_ms, 4),
         "d_over_a": round(d.step_ms / a.step_ms, 4),
         "d_le_1.03_b": d.step_ms <= TARGET_VS_B * b.step_ms,
@@ -550,8 +569,8 @@ def print_tables(results: list[Result], paths: list[str]) -> None:
             continue
         print(f"\n{case}: mean step ms, back to back (p50 / p90 one by one)")
         head = " | ".join(p if p == "compute" else f"{p}: {LABELS[p]}" for p in paths)
-        print(f"| tokens | {head} | d/b | d/a | bit-exact | steps queued ahead |")
-        print("|---:|" + "---:|" * len(paths) + "---:|---:|---|---|")
+        print(f"| tokens | {head} | d/b | d/a | e/a | bit-exact | steps queued ahead |")
+        print("|---:|" + "---:|" * len(paths) + "---:|---:|---:|---|---|")
         for tokens in dict.fromkeys(r.tokens for r in rows):
             at = {r.path: r for r in rows if r.tokens == tokens}
             cells = [
@@ -561,10 +580,10 @@ def print_tables(results: list[Result], paths: list[str]) -> None:
                 for p in paths
             ]
             ratios = [
-                f"{at['d'].step_ms / at[o].step_ms:.3f}"
-                if all(p in at and not at[p].error for p in ("d", o))
+                f"{at[x].step_ms / at[o].step_ms:.3f}"
+                if all(p in at and not at[p].error for p in (x, o))
                 else "–"
-                for o in ("b", "a")
+                for x, o in (("d", "b"), ("d", "a"), ("e", "a"))
             ]
             exact = [at[p].exact for p in paths if p in at and at[p].exact is not None]
             ok = "–" if not exact else "yes" if all(exact) else "NO"
