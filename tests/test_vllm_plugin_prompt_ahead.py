@@ -162,6 +162,23 @@ def test_without_a_server_prompts_are_counted_and_the_caller_never_waits(
         ahead.close()
 
 
+def test_prompts_past_the_queue_are_dropped_counted_and_logged(qwen4_checkpoints, tmp_path, caplog):
+    settings = ShmSettings(socket=str(tmp_path / "none.sock"), connect_timeout=0.2)
+    ahead = pa.PromptAhead(settings, str(qwen4_checkpoints.fp8), ("arrival",), queue_prompts=1)
+    try:
+        with caplog.at_level("WARNING", logger="pleclient.vllm_plugin"), ahead._wake:
+            # Holding the queue's lock, the thread cannot take a prompt meanwhile.
+            for i in range(4):
+                ahead.arrived(f"r{i}", list(range(8, 100)))
+        assert ahead.stats.prompts_dropped == 3
+        drops = [r.getMessage() for r in caplog.records if "not hinted so far" in r.message]
+        assert len(drops) == 2, drops  # the 1st and the 2nd, not the 3rd
+        assert ahead.idle(30)
+        assert ahead.stats.prompts_not_hinted == 1  # the one queued (no server)
+    finally:
+        ahead.close()
+
+
 @pytest.mark.parametrize(
     "value, stages",
     [

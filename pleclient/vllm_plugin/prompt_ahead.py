@@ -119,8 +119,16 @@ class PromptAhead:
     """One engine-core process's prompt-ahead: a queue of prompts and the
     thread that hashes them and hints their rows."""
 
-    def __init__(self, settings: ShmSettings, model_dir: str, stages: Sequence[str]) -> None:
+    def __init__(
+        self,
+        settings: ShmSettings,
+        model_dir: str,
+        stages: Sequence[str],
+        *,
+        queue_prompts: int = QUEUE_PROMPTS,
+    ) -> None:
         self.settings = settings
+        self.queue_prompts = queue_prompts
         self.model_dir = model_dir
         self.stages = frozenset(stages)
         self.stats = PromptAheadStats()
@@ -148,8 +156,16 @@ class PromptAhead:
 
     def _put(self, prompt: _Prompt) -> None:
         with self._wake:
-            if len(self._queue) >= QUEUE_PROMPTS:
+            if len(self._queue) >= self.queue_prompts:
                 self.stats.prompts_dropped += 1
+                dropped = self.stats.prompts_dropped
+                if dropped & (dropped - 1) == 0:  # the 1st, 2nd, 4th, 8th…: bounded
+                    log.warning(
+                        "PLE prompt-ahead: %d prompt(s) not hinted so far: %d wait already "
+                        "(the hint thread is behind; lookups do not depend on it)",
+                        dropped,
+                        self.queue_prompts,
+                    )
                 return
             self._queue.append(prompt)
             self._wake.notify()
