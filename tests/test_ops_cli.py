@@ -230,6 +230,14 @@ def test_a_command_line_error_in_serve_is_a_configuration_error(tmp_path):
 
 
 # ------------------------------------------------------------------- Ctrl-C
+def sigint_as_a_terminal_has_it() -> None:
+    """In the child before exec: SIGINT at its default. A command started in
+    the background by a shell without job control (``cmd &`` in a script, as
+    CI runners may start the tests) inherits SIGINT ignored, and Python then
+    installs no KeyboardInterrupt handler: Ctrl-C would not reach it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def ctrl_c(proc: subprocess.Popen) -> tuple[str, str]:
     """Ctrl-C as a terminal sends it: SIGINT to the whole process group. Returns
     what the command printed; checks that its group is gone soon after."""
@@ -260,6 +268,7 @@ def test_ctrl_c_ends_stats_watch_quietly_with_130(server):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a shell's job
+        preexec_fn=sigint_as_a_terminal_has_it,
     )
     try:
         first = proc.stdout.readline()  # it is watching
@@ -294,6 +303,7 @@ def test_ctrl_c_ends_the_demo_quietly_with_130_and_leaves_nothing_running(tmp_pa
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=sigint_as_a_terminal_has_it,
     )
 
     def processes() -> list[str]:
