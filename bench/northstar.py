@@ -1291,7 +1291,8 @@ def targets(results: dict[Case, list[Run]], args) -> dict:
         a = at.get("a")
         if case.kind == "decode" and case.batch == TARGET_BATCH and 0 < case.step_ms <= 10:
             e = at.get("e")
-            if case.ple_at == mid and a and e and e.windows and a.windows:
+            # One PLE layer in the run is early, not in the middle: no mid target.
+            if case.ple_at == mid != early and a and e and e.windows and a.windows:
                 steady = ratio(e.windows["steady"]["mean"], a.windows["steady"]["mean"])
                 whole = ratio(e.windows["whole"]["mean"], a.windows["whole"]["mean"])
                 out["decode_mid_e_over_a_steady"] = steady
