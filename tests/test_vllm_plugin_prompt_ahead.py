@@ -162,6 +162,30 @@ def test_without_a_server_prompts_are_counted_and_the_caller_never_waits(
         ahead.close()
 
 
+def test_a_restarted_server_gets_the_next_prompts_hints(qwen4_checkpoints, tmp_path):
+    model = qwen4_checkpoints.fp8
+    socket = str(tmp_path / "ple.sock")
+    launcher = server_launcher(model, "--io", "buffered", "--cache-size", "4M", socket_path=socket)
+    ahead = pa.PromptAhead(ShmSettings(socket=socket), str(model), ("arrival",))
+
+    def received() -> int:
+        return sum(t.get("hints_received") or 0 for t in PleClient.query_stats(socket)["tables"])
+
+    try:
+        with launcher.start():
+            ahead.arrived("r0", list(range(8, 200)))
+            assert ahead.idle(30)
+            assert received() > 0
+        with launcher.start():  # stopped, and started again on the same socket
+            assert received() == 0
+            ahead.arrived("r1", list(range(8, 200)))
+            assert ahead.idle(30)
+            assert received() > 0
+        assert ahead.stats.prompts["arrival"] == 2 and ahead.stats.errors == 0
+    finally:
+        ahead.close()
+
+
 def test_prompts_past_the_queue_are_dropped_counted_and_logged(qwen4_checkpoints, tmp_path, caplog):
     settings = ShmSettings(socket=str(tmp_path / "none.sock"), connect_timeout=0.2)
     ahead = pa.PromptAhead(settings, str(qwen4_checkpoints.fp8), ("arrival",), queue_prompts=1)

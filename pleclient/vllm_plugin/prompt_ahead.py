@@ -36,8 +36,8 @@ checkpoint: ``discovery``), and checked: every PLE table the hasher names must
 be served, with the checkpoint's fingerprint. A missing server, a server that
 serves another checkpoint, or a checkpoint whose hashing the hasher cannot
 read turns prompt-ahead off for a while (``RETRY_S``) or for good, said once
-in the log; lookups never depend on it. A lost server is reconnected to at the
-next prompt after ``RETRY_S``.
+in the log; lookups never depend on it. A server that went away (stopped,
+restarted) is connected to again at the next prompt.
 
 What each stage buys is measured by ``bench/northstar.py`` (paths
 ``prompt-ahead-arrival`` and ``prompt-ahead``), and the server counts every
@@ -66,7 +66,7 @@ from pleclient import PleClient
 from pleclient.errors import PleError
 from pleclient.ngram import NgramConfigError, NgramHasher
 from pleclient.vllm_plugin import discovery, identity
-from pleclient.vllm_plugin.errors import PleBackendError
+from pleclient.vllm_plugin.errors import IdentityMismatch, PleBackendError
 from pleclient.vllm_plugin.settings import PROMPT_AHEAD_ARRIVAL as ARRIVAL
 from pleclient.vllm_plugin.settings import PROMPT_AHEAD_SCHEDULED as SCHEDULED
 from pleclient.vllm_plugin.settings import PROMPT_AHEAD_STAGES as STAGES
@@ -245,18 +245,23 @@ class PromptAhead:
     # --------------------------------------------------------- the session
     def _session(self) -> PleClient | None:
         if self._client is not None:
-            return self._client
+            gone = self._client.poll_gone()
+            if gone is None:
+                return self._client
+            log.info("PLE prompt-ahead: %s; connecting again", gone)
+            self._client.close()
+            self._client = None
         if time.monotonic() < self._off_until:
             return None
         try:
             if self._hasher is None:
                 self._hasher = NgramHasher.from_checkpoint(self.model_dir)
             self._client = self._connect(self._hasher)
-        except (NgramConfigError, PleBackendError, ValueError) as exc:
-            self._off_until = float("inf")
+        except (NgramConfigError, IdentityMismatch, ValueError) as exc:
+            self._off_until = float("inf")  # this checkpoint, or its server: for good
             log.warning("PLE prompt-ahead is off: %s", exc)
             return None
-        except (OSError, PleError) as exc:
+        except (OSError, PleError, PleBackendError) as exc:  # no server (found) now
             self._off_until = time.monotonic() + RETRY_S
             log.warning(
                 "PLE prompt-ahead: no hint session (%s); prompts are not hinted for %.0f s "
@@ -295,10 +300,12 @@ class PromptAhead:
         return client
 
     def _drop_session(self) -> None:
+        """After an error: no hints for ``RETRY_S`` (so a lasting fault costs
+        one warning per ``RETRY_S``), then a new session."""
         if self._client is not None:
             self._client.close()
             self._client = None
-            self._off_until = time.monotonic() + RETRY_S
+        self._off_until = max(self._off_until, time.monotonic() + RETRY_S)
 
 
 def check_tables(client: PleClient, hasher: NgramHasher, model_dir: str) -> None:
@@ -311,12 +318,12 @@ def check_tables(client: PleClient, hasher: NgramHasher, model_dir: str) -> None
         info = served.get(layer.table)
         spec = specs.get(layer.table)
         if info is None or spec is None:
-            raise PleBackendError(
+            raise IdentityMismatch(
                 f"ple-server at {client.socket_path} does not serve {layer.table} of "
                 f"{model_dir}; check that the server and vLLM use the same checkpoint"
             )
         if info.fingerprint != spec.fingerprint or info.rows < layer.rows:
-            raise PleBackendError(
+            raise IdentityMismatch(
                 f"ple-server at {client.socket_path} serves {layer.table} with fingerprint "
                 f"{info.fingerprint} ({info.rows} rows), the checkpoint {model_dir} has "
                 f"{spec.fingerprint} ({layer.rows} rows): another checkpoint"
