@@ -281,20 +281,19 @@ class GpuDriven:
         # One side stream per PLE layer: a layer's collect (a wait for its
         # answer, then the copy) never queues behind another layer's.
         self.sides = [torch.cuda.Stream() for _ in range(layers)] if side else []
-        self.side = bool(side)
         self.done = [torch.cuda.Event() for _ in range(layers)] if side else []
 
     def start(self, j: int) -> None:
         for k, a, b in self.chunks:
             self.gl.ring(j * self.per_layer + k, self.info, self.batch.ids[j][a:b])
-        if self.side:
+        if self.sides:
             self.sides[j].wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.sides[j]):
                 self._collect(j)
                 self.done[j].record()
 
     def collect(self, j: int) -> None:
-        if not self.side:
+        if not self.sides:
             self._collect(j)
         else:
             torch.cuda.current_stream().wait_event(self.done[j])

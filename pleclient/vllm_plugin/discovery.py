@@ -16,6 +16,7 @@ so no naming rule can pick the wrong model.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import stat
@@ -23,7 +24,12 @@ import stat
 from pleclient import PleClient, PleError, TableInfo
 from pleclient.vllm_plugin import identity
 from pleclient.vllm_plugin.errors import PleBackendError
-from pleclient.vllm_plugin.settings import DEFAULT_SOCKET_DIR, ENV_SOCKET, ENV_SOCKET_DIR
+from pleclient.vllm_plugin.settings import (
+    DEFAULT_SOCKET_DIR,
+    ENV_SOCKET,
+    ENV_SOCKET_DIR,
+    ShmSettings,
+)
 
 log = logging.getLogger("pleclient.vllm_plugin")
 
@@ -49,6 +55,15 @@ def sockets_in(directory: str) -> list[str]:
         except OSError:
             continue  # removed meanwhile
     return found
+
+
+def with_socket(settings: ShmSettings, checkpoint_dir: str) -> ShmSettings:
+    """``settings`` with a socket: its own, or (several servers per host) the
+    one whose server serves ``checkpoint_dir`` (``find_socket``)."""
+    if settings.socket is not None:
+        return settings
+    found = find_socket(checkpoint_dir, settings.socket_dir, settings.connect_timeout)
+    return dataclasses.replace(settings, socket=found)
 
 
 def find_socket(

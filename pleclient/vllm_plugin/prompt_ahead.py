@@ -273,11 +273,7 @@ class PromptAhead:
         return self._client
 
     def _connect(self, hasher: NgramHasher) -> PleClient:
-        s = self.settings
-        if s.socket is None:
-            self.settings = s = dataclasses.replace(
-                s, socket=discovery.find_socket(self.model_dir, s.socket_dir, s.connect_timeout)
-            )
+        self.settings = s = discovery.with_socket(self.settings, self.model_dir)
         client = PleClient.connect(
             s.socket,
             timeout=s.connect_timeout,
@@ -340,6 +336,7 @@ def unique_in_order(ids: np.ndarray) -> np.ndarray:
 # -------------------------------------------------------------- the patch
 _instances: dict[str, PromptAhead] = {}
 _instances_lock = threading.Lock()
+_UNSET = object()  # a scheduler not asked yet (None: prompt-ahead is off for it)
 
 
 def for_scheduler(scheduler: Any) -> PromptAhead | None:
@@ -370,9 +367,6 @@ def for_scheduler(scheduler: Any) -> PromptAhead | None:
                     _instances[key] = found
     scheduler.__dict__["_ple_prompt_ahead"] = found
     return found
-
-
-_UNSET = object()
 
 
 def patch_scheduler_module(module: ModuleType) -> None:

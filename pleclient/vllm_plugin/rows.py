@@ -25,7 +25,6 @@ Failure policy
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -131,13 +130,7 @@ class RowService:
         spec = identity.select(
             identity.checkpoint_tables(model_dir), expected.table_suffix, model_dir
         )
-        if self.settings.socket is None:  # several servers per host: ask them
-            self.settings = dataclasses.replace(
-                self.settings,
-                socket=discovery.find_socket(
-                    model_dir, self.settings.socket_dir, self.settings.connect_timeout
-                ),
-            )
+        self.settings = discovery.with_socket(self.settings, model_dir)
         client = self._client or self._connect_at_startup(fmt)
         info = identity.select(
             client.tables, expected.table_suffix, f"ple-server at {client.socket_path}"
