@@ -76,9 +76,31 @@ def test_a_tiny_cache_evicts_and_stays_exact_under_parallel_clients(start_server
     assert cache["evictions"] > 0 and cache["used_rows"] <= cache["capacity_rows"], cache
     for t in stats["tables"]:
         io = t["io"]
-        assert io["misses"] > 0 and io["hits"] > 0 and io["reads"] > 0, io
+        assert io["misses"] > 0 and io["reads"] > 0, io
         assert io["read_bytes"] >= io["reads"] * 4096 and io["read_errors"] == 0, io
-        assert 0 < io["hit_rate"] < 1 and t["error_count"] == 0
+        assert t["error_count"] == 0
+    # Hits, certain by construction: whether the four clients above ever hit
+    # depends on how their requests interleave (once, every one of their
+    # 40 960 rows missed), so one client alone now asks the same rows twice.
+    # 16 rows a table are fewer than one shard of this cache holds (8 shards
+    # of 91 slots), and nothing else runs: the second ask hits every row.
+    with server.client() as client:
+        asked = {t.layer: np.arange(16, dtype=np.int64) * 97 for t in client.tables}
+        for layer, ids in asked.items():
+            client.lookup(layer, ids)
+        before = {t["layer"]: t["io"] for t in client.stats()["tables"]}
+        for layer, ids in asked.items():
+            expected = read_reference(str(model), table_name(client, layer))[ids]
+            np.testing.assert_array_equal(client.lookup(layer, ids), expected)
+        after = {t["layer"]: t["io"] for t in client.stats()["tables"]}
+    for layer in asked:
+        assert after[layer]["hits"] - before[layer]["hits"] == 16, (before[layer], after[layer])
+        assert after[layer]["misses"] == before[layer]["misses"], (before[layer], after[layer])
+        assert 0 < after[layer]["hit_rate"] < 1, after[layer]
+
+
+def table_name(client, layer: int) -> str:
+    return next(t.name for t in client.tables if t.layer == layer)
 
 
 def test_the_thread_engine_serves_when_chosen_and_says_so(start_server, model, tmp_path):

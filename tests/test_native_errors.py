@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from pleserver import _native as nat
 from pleserver.synthetic import SyntheticTable, write_checkpoint
 from tests.host import require_o_direct
 from tests.test_native_gather import Opened, file_rows, opened, specs  # noqa: F401 (fixtures)
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -373,12 +376,16 @@ def test_a_mapped_page_that_cannot_be_read_fails_the_gather_not_the_process(
             cache.close()
 
 
+SIGBUS_HANDLERS = REPO / "tests" / "native" / "sigbus_handlers.c"
+
+# The child: installs SIGBUS handlers in the order its arguments give ("guard"
+# opens a table, which installs the guard, again when another handler has been
+# installed over it), checks that a guarded copy of a truncated page still
+# fails as a read error, then touches that page outside any copy.
 SIGBUS_ELSEWHERE = """
-import faulthandler, mmap, os, sys
+import ctypes, faulthandler, mmap, os, sys
 import numpy as np
 from pleserver import _native as nat
-if sys.argv[1] == "faulthandler":
-    faulthandler.enable()
 path = os.path.abspath("rows")  # in the test's temporary directory
 with open(path, "wb") as f:
     f.write(bytes(2 * mmap.PAGESIZE))
@@ -386,11 +393,17 @@ fd = os.open(path, os.O_RDONLY)
 mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
 view = np.frombuffer(mm, np.uint8)
 shards = [(fd, 0, 64, path, view.ctypes.data)]
-source = nat.TableSource(1, 16, 64, shards, None, None, False)
-source.gather(np.arange(4, dtype=np.int64), np.empty((4, 16), np.uint8))  # the guard is in
-if sys.argv[1] == "faulthandler-after":  # installed over ours, chaining to it; then ours again
-    faulthandler.enable()
-    source = nat.TableSource(2, 16, 64, shards, None, None, False)
+handlers = ctypes.CDLL(os.path.abspath("handlers.so"))
+source = None
+for step in sys.argv[1:]:
+    if step == "guard":
+        source = nat.TableSource(1, 16, 64, shards, None, None, False)
+    elif step == "faulthandler":
+        faulthandler.enable()
+    elif step == "faulthandler-off":
+        faulthandler.disable()
+    else:
+        assert getattr(handlers, "install_" + step)() == 0, step
 os.truncate(path, 0)
 try:
     source.gather(np.arange(4, dtype=np.int64), np.empty((4, 16), np.uint8))
@@ -401,29 +414,68 @@ print(view[mmap.PAGESIZE])  # not a guarded copy: SIGBUS, as without the guard
 print("survived", flush=True)
 """
 
+SIGBUS_ORDERS = {
+    "none": ["guard"],
+    "faulthandler": ["faulthandler", "guard"],
+    "faulthandler-after": ["guard", "faulthandler", "guard"],
+    "faulthandler-toggled": [
+        *("guard", "faulthandler", "guard"),
+        *("faulthandler-off", "faulthandler", "guard"),
+    ],
+    "guard-thrice": ["guard", "guard", "guard"],
+    "two-others-after": ["guard", "restorer", "guard", "caller", "guard"],
+    "two-others-before": ["restorer", "caller", "guard"],
+    "all-three-after": ["guard", "caller", "guard", "faulthandler", "guard", "restorer", "guard"],
+    "around": ["restorer", "guard", "faulthandler", "guard", "caller", "guard"],
+}
 
-@pytest.mark.parametrize("handler", ["faulthandler", "faulthandler-after", "none"])
-def test_a_sigbus_outside_a_guarded_copy_still_ends_the_process(tmp_path, handler):
-    """The guard takes only faults of its own copies: any other SIGBUS goes
-    on to the handler before it (CPython's faulthandler, which prints the
-    tracebacks) or the default action, as if the guard were not there. A
-    handler installed over the guard's (faulthandler enabled later) is
-    chained to when the next table is opened: guarded copies are the
-    guard's again."""
+
+@pytest.fixture(scope="module")
+def sigbus_handlers(tmp_path_factory):
+    """tests/native/sigbus_handlers.c, built as a shared library."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.fail("no C compiler to build tests/native/sigbus_handlers.c: apt-get install gcc")
+    out = tmp_path_factory.mktemp("sigbus") / "handlers.so"
+    flags = ["-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror"]
+    subprocess.run([cc, *flags, "-o", str(out), str(SIGBUS_HANDLERS)], check=True)
+    return out
+
+
+@pytest.mark.parametrize("order", list(SIGBUS_ORDERS))
+def test_a_sigbus_outside_a_guarded_copy_still_ends_the_process(tmp_path, sigbus_handlers, order):
+    """The guard takes only faults of its own copies: any other SIGBUS goes on
+    to every other handler once (CPython's faulthandler, which prints the
+    tracebacks; a crash reporter that restores its predecessor and lets the
+    access run again; one that calls its predecessor), then the default
+    action, as if the guard were not there, whatever the order they were
+    installed in. A handler installed over the guard chains back to it; the
+    guard, installed again over that one, never passes the signal to it twice
+    (the cycle once spun for ever, printing tracebacks). Guarded copies stay
+    the guard's in every order."""
+    import shutil
     import subprocess
     import sys
 
+    steps = SIGBUS_ORDERS[order]
+    shutil.copy(sigbus_handlers, tmp_path / "handlers.so")
     run = subprocess.run(
-        [sys.executable, "-c", SIGBUS_ELSEWHERE, handler],
+        [sys.executable, "-c", SIGBUS_ELSEWHERE, *steps],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=str(tmp_path),
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
-    assert "guarded" in run.stdout and "touching" in run.stdout, run.stdout + run.stderr
-    assert "survived" not in run.stdout and run.returncode != 0, run.stdout + run.stderr
-    if handler.startswith("faulthandler"):
-        assert "Fatal Python error: Bus error" in run.stderr, run.stderr
-    else:  # the default action (or, under the sanitizers, ASan's report)
-        assert run.returncode == -7 or "AddressSanitizer" in run.stderr, run
+    said = run.stdout + run.stderr
+    assert "guarded" in run.stdout and "touching" in run.stdout, said
+    assert "survived" not in run.stdout and run.returncode != 0, said
+    tracebacks = run.stderr.count("Fatal Python error: Bus error")
+    assert tracebacks == (1 if "faulthandler" in steps else 0), said
+    for other in ("restorer", "caller"):
+        assert run.stderr.count(f"handler ran: {other}") == steps.count(other), said
+    # The default action ends it (or, under the sanitizers, ASan's report).
+    assert run.returncode == -7 or "AddressSanitizer" in run.stderr, said

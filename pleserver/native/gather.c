@@ -954,8 +954,13 @@ ple_source *ple_source_open(uint32_t table_key, uint32_t row_bytes, uint64_t sha
         return NULL;
     }
     if (!engine && ple_mapped_guard_install() != 0) {
-        ple_error_set(err, PLE_ERR_OS, errno, "cannot install the SIGBUS handler that lets a "
-                      "read of an unreadable mapped page fail its request: %s", strerror(errno));
+        if (errno == EOVERFLOW)
+            ple_error_set(err, PLE_ERR_OS, errno, "cannot install the SIGBUS handler that lets a "
+                          "read of an unreadable mapped page fail its request: too many other SIGBUS "
+                          "handlers were installed over it since the first table was opened");
+        else
+            ple_error_set(err, PLE_ERR_OS, errno, "cannot install the SIGBUS handler that lets a "
+                          "read of an unreadable mapped page fail its request: %s", strerror(errno));
         return NULL;
     }
     if (cache && row_bytes > ple_cache_slot_bytes(cache)) {

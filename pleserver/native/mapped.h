@@ -6,9 +6,10 @@
  * run under a per-thread guard: a SIGBUS whose address lies in the source of
  * the copy under way ends that copy, and the caller gets the index of the
  * copy that failed and where, to fail its request with a read error. Any
- * other SIGBUS goes on to the handler installed before ours (CPython's
- * faulthandler in the server, ASan's under the sanitizers) or the default
- * action, as if ours were not there. */
+ * other SIGBUS goes on to the handlers installed before ours and over ours
+ * (CPython's faulthandler in the server, ASan's under the sanitizers), each
+ * once, then the default action, as if ours were not there (mapped.c: the
+ * chain rule). */
 #ifndef PLE_MAPPED_H
 #define PLE_MAPPED_H
 
@@ -21,7 +22,8 @@ typedef struct ple_copy {
 } ple_copy;
 
 /* Install the SIGBUS handler (once per process; again when another handler
- * replaced ours since, chaining to that one). 0, or -1 with errno set. */
+ * replaced ours since, chaining to that one). 0, or -1 with errno set
+ * (EOVERFLOW: more handlers were installed over ours than it chains to). */
 int ple_mapped_guard_install(void);
 
 /* Do the n copies in order. Returns n when all were done; else the index of
