@@ -181,6 +181,15 @@ class SlotView:
         """RUNG → CLAIMED: the server has taken the request (W1)."""
         self._sync.store(self._doorbell_at, p.Doorbell.CLAIMED)
 
+    def return_claimed(self) -> bool:
+        """CLAIMED → RUNG for a request its server took and never answered
+        (done still WAITING; the client, once that server is gone), so that
+        the next server takes it (W1). Whether it was such a request."""
+        if self.doorbell != p.Doorbell.CLAIMED or self.done != p.Done.WAITING:
+            return False
+        self._sync.store(self._doorbell_at, p.Doorbell.RUNG)
+        return True
+
     def answer_gpu(self, code: int, text: str, server_ns: int) -> None:
         """The server's answer to a rung request, once the rows are in place
         (or ``code`` says why not): the result words, the doorbell back to
@@ -224,7 +233,18 @@ class SlotView:
 class ChannelMap:
     """A mapped channel segment: its header words and ``depth`` slots."""
 
-    def __init__(self, fd: int, layout: p.ChannelLayout, *, format_header: bool = False) -> None:
+    def __init__(
+        self,
+        fd: int,
+        layout: p.ChannelLayout,
+        *,
+        format_header: bool = False,
+        adopted: bool = False,
+    ) -> None:
+        """Map ``fd``. The server formats a new segment (``format_header``: every
+        word), or, adopting a segment a client kept from an earlier server
+        (``adopted``), only its fixed header words, leaving the slots' words as
+        the client left them; a client checks the header it was given."""
         self.layout = layout
         self.mm = mmap.mmap(fd, layout.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.buf = memoryview(self.mm)
@@ -233,6 +253,8 @@ class ChannelMap:
         self.slots = [SlotView(self.buf, self.sync, layout, i) for i in range(layout.depth)]
         if format_header:
             self._format()
+        elif adopted:
+            self._format_fixed()
         elif self.header[p.CH_MAGIC] != p.CHANNEL_MAGIC:
             self.close()
             raise ProtocolMismatch("channel segment has no PLEC header: not a ple-server channel")
@@ -247,14 +269,6 @@ class ChannelMap:
 
     def _format(self) -> None:
         h = self.header
-        h[p.CH_VERSION] = p.PROTOCOL_VERSION
-        h[p.CH_DEPTH] = self.layout.depth
-        h[p.CH_CAPACITY] = self.layout.capacity
-        h[p.CH_MAX_ROW_BYTES] = self.layout.max_row_bytes
-        h[p.CH_HEADER_BYTES] = p.CHANNEL_HEADER_BYTES
-        h64 = self.buf[: p.CHANNEL_HEADER_BYTES].cast("Q")
-        h64[p.CH_SLOT_STRIDE // 2] = self.layout.slot_stride
-        h64.release()
         h[p.CH_SUBMIT_COUNTER] = 0
         h[p.CH_SERVER_SLEEPING] = 0
         h[p.CH_RUNG] = p.Doorbell.IDLE
@@ -265,6 +279,19 @@ class ChannelMap:
             slot.words[p.SL_DONE] = p.Done.WAITING
             slot.words[p.SL_ANSWERS] = 0
             slot.words[p.SL_KIND] = p.RequestKind.LOOKUP
+        self._format_fixed()
+
+    def _format_fixed(self) -> None:
+        """The words that describe the layout, then the magic (W1: the header before it)."""
+        h = self.header
+        h[p.CH_VERSION] = p.PROTOCOL_VERSION
+        h[p.CH_DEPTH] = self.layout.depth
+        h[p.CH_CAPACITY] = self.layout.capacity
+        h[p.CH_MAX_ROW_BYTES] = self.layout.max_row_bytes
+        h[p.CH_HEADER_BYTES] = p.CHANNEL_HEADER_BYTES
+        h64 = self.buf[: p.CHANNEL_HEADER_BYTES].cast("Q")
+        h64[p.CH_SLOT_STRIDE // 2] = self.layout.slot_stride
+        h64.release()
         self.sync.store(p.CH_MAGIC * WORD, p.CHANNEL_MAGIC)  # W1: the header before it
 
     # ------------------------------------------------------- the submit words
@@ -299,6 +326,15 @@ class ChannelMap:
         first = self.layout.slot_offset(0) + p.SL_DOORBELL * WORD
         mask = self.sync.scan(first, self.layout.slot_stride, self.layout.depth, p.Doorbell.RUNG)
         return [slot for slot in self.slots if mask >> slot.index & 1]
+
+    def offer_for_adoption(self) -> None:
+        """Before a GPU-driven channel's segment goes to a new server: the
+        requests the old one claimed and never answered are rung again, then
+        the rung word is set (W1: the doorbells before it), so that the new
+        server's first poll scans every doorbell."""
+        for slot in self.slots:
+            slot.return_claimed()
+        self.sync.store(RUNG_AT, p.Doorbell.RUNG)
 
     def set_server_sleeping(self, sleeping: bool) -> None:
         """The server's announcement before it sleeps on the counter (E5: then

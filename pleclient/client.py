@@ -38,6 +38,7 @@ from pleclient.errors import (
     ServerGone,
     ServerUnavailable,
 )
+from pleclient.reconnect import DEFAULT_WINDOW_S, reconnect_within
 from pleclient.slots import SlotOwner, SlotPool
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,12 @@ class Ticket:
         if self._state != "submitted":
             raise PleError(f"ticket already {self._state}")
         client = self._client
+        if self._slots is not client._slots:  # submitted in a session since replaced
+            self._state = "released"
+            raise ServerGone(
+                f"this request went to a ple-server session at {client.socket_path} "
+                "that has ended since (the client reconnected): submit it again"
+            )
         timeout = client.timeout if timeout is None else timeout
         # The state is read with acquire: it pairs with the server's release
         # of DONE and is what makes the rows visible on weakly ordered CPUs.
@@ -129,7 +136,9 @@ class Ticket:
     def release(self) -> None:
         """Give the slot back. A ticket released before it completed is abandoned:
         its slot is reused only once the server has answered it."""
-        if self._state == "submitted":
+        if self._slots is not self._client._slots:  # its session ended: nothing to give back
+            self._state = "released"
+        elif self._state == "submitted":
             self._state = "abandoned"
             self._slots.abandon(self._slot.index)
         elif self._state == "done":
@@ -152,6 +161,7 @@ class PleClient:
         self._sock = sock
         self.socket_path = socket_path
         self.timeout = timeout
+        self._connect_timeout = timeout
         self.server_info = {k: v for k, v in welcome.items() if k != "tables"}
         self.tables = [TableInfo.from_wire(t) for t in welcome["tables"]]
         self._by_name = {t.name: t for t in self.tables}
@@ -159,6 +169,12 @@ class PleClient:
         self._channel: ChannelMap | None = None
         self._slots: SlotPool | None = None  # with the channel
         self.gpu_driven = False  # set by _open_channel
+        # A GPU-driven channel's segment, kept so that the next server can
+        # adopt it (``reconnect``): captured graphs hold its addresses.
+        self._segment_fd: int | None = None
+        self._opened: tuple[str, int | None, int | None] = ("", None, None)  # name, capacity, depth
+        self.sessions = 1
+        """Sessions this client has had: 1, plus one per ``reconnect``."""
         self._sequence = 0
         self._lock = threading.Lock()
         self._gone: str | None = None
@@ -204,6 +220,7 @@ class PleClient:
                     f"ple-server {client.server_info.get('server', '?')} at {path} does "
                     "not serve GPU-driven channels; upgrade it, or use the host path"
                 )
+            client._opened = (name or f"pid{os.getpid()}", capacity, depth)
             client._open_channel(capacity, depth, gpu_driven)
             return client
         except BaseException:
@@ -265,10 +282,13 @@ class PleClient:
             layout = p.ChannelLayout.from_wire(reply["layout"])
             self._channel = ChannelMap(fds[0], layout)
         except (KeyError, TypeError, ValueError) as exc:
+            os.close(fds[0])
             raise ProtocolMismatch(
                 f"ple-server at {self.socket_path} sent an unusable channel: {exc}"
             ) from None
-        finally:
+        if gpu_driven:
+            self._segment_fd = fds[0]
+        else:
             os.close(fds[0])
         if bool(reply.get("gpu_driven", False)) != gpu_driven:
             self.close()
@@ -280,6 +300,113 @@ class PleClient:
         owner = SlotOwner.STREAM if gpu_driven else SlotOwner.FREE
         self._slots = SlotPool(self._channel, owner, self._check_alive)
         self._sequence = self._channel.submit_counter
+        self._sock.setblocking(False)
+
+    # ------------------------------------------------------------- reconnect
+    def reconnect(self, window: float = DEFAULT_WINDOW_S, timeout: float | None = None) -> None:
+        """Replace a session the server ended (``ServerGone``: it stopped,
+        restarted or crashed) with a new one on the same socket, trying with
+        backoff for up to ``window`` seconds (``ServerUnavailable`` past it);
+        this object stays the one to use::
+
+            try:
+                rows = client.lookup(3, ids)
+            except ServerGone:
+                client.reconnect()
+                rows = client.lookup(3, ids)
+
+        A CPU channel is opened anew: requests in flight are void (their
+        ``Ticket.wait`` raises ServerGone; submit them again) and
+        ``segment_buffer`` is another buffer. A GPU-driven channel keeps its
+        segment, which the new server adopts, so the addresses a captured CUDA
+        graph holds stay valid and the lookups it has rung are answered by the
+        new server (``pleclient.protocol``, "A server restart under a
+        GPU-driven channel"); the new server must serve the same tables, in
+        the same order (a server that does not is tried again within the
+        window, as one still being replaced would be). ``timeout``: one try's
+        connect and handshake (default: the connect timeout)."""
+        reconnect_within(
+            lambda: self._reconnect_once(self._connect_timeout if timeout is None else timeout),
+            window_s=window,
+            socket=self.socket_path,
+        )
+
+    def _reconnect_once(self, timeout: float) -> None:
+        path = self.socket_path
+        name, capacity, depth = self._opened
+        sock = _connect_socket(path, timeout)
+        try:
+            _send_hello(sock, name)
+            welcome = _expect(sock, p.MessageType.WELCOME, path)
+            if welcome.get("version") != p.PROTOCOL_VERSION:
+                raise ProtocolMismatch(
+                    f"ple-server at {path} speaks protocol {welcome.get('version')!r}, this "
+                    f"client speaks {p.PROTOCOL_VERSION}; install matching pleserver versions"
+                )
+            tables = [TableInfo.from_wire(t) for t in welcome["tables"]]
+            features = welcome.get("features") or []
+            if self.gpu_driven and p.FEATURE_ADOPT not in features:
+                raise ProtocolMismatch(
+                    f"ple-server {welcome.get('server', '?')} at {path} cannot adopt this "
+                    "client's GPU-driven channel; install the same pleserver version on both "
+                    "sides"
+                )
+            if self.gpu_driven and tables != self.tables:
+                raise _NotSameTables(
+                    f"ple-server at {path} now serves other tables ({_names(tables)}) than "
+                    f"this client's GPU-driven channel was opened with ({_names(self.tables)}): "
+                    "the lookups its CUDA graphs replay name tables by index; start the "
+                    "server on the same checkpoint, or restart this client"
+                )
+        except BaseException:
+            sock.close()
+            raise
+        with self._lock:
+            old, self._sock = self._sock, sock
+            old.close()
+            self.server_info = {k: v for k, v in welcome.items() if k != "tables"}
+            self.tables = tables
+            self._by_name = {t.name: t for t in tables}
+            self._index = {t.name: i for i, t in enumerate(tables)}
+            self._reader = p.FrameReader()
+            self._gone = None
+            self.sessions += 1
+            if self.gpu_driven:
+                self._adopt_channel(capacity, depth)
+            else:
+                self._close_channel()
+                self._open_channel(capacity, depth, False)
+
+    def _adopt_channel(self, capacity: int | None, depth: int | None) -> None:
+        """Hand the kept segment to the new server: its slots the dead server
+        claimed and never answered are rung again, so the new one serves them."""
+        channel = self._require_channel()
+        assert self._segment_fd is not None  # (a GPU-driven channel keeps it)
+        channel.offer_for_adoption()
+        request = {
+            "type": p.MessageType.OPEN_CHANNEL.value,
+            "gpu_driven": True,
+            "rung_word": True,
+            "adopt": True,
+            "capacity": channel.layout.capacity,
+            "depth": channel.layout.depth,
+        }
+        p.send_message(self._sock, request, fds=[self._segment_fd])
+        reply, fds = _expect_with_fds(self._sock, p.MessageType.CHANNEL, self.socket_path)
+        for fd in fds:
+            os.close(fd)
+        try:
+            layout = p.ChannelLayout.from_wire(reply["layout"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolMismatch(
+                f"ple-server at {self.socket_path} answered an adoption with an unusable "
+                f"layout: {exc}"
+            ) from None
+        if reply.get("adopted") is not True or layout != channel.layout:
+            raise ProtocolMismatch(
+                f"ple-server at {self.socket_path} did not adopt this client's channel as it "
+                f"is (adopted {reply.get('adopted')!r}, layout {layout} for {channel.layout})"
+            )
         self._sock.setblocking(False)
 
     # ----------------------------------------------------------------- lookup
@@ -515,7 +642,7 @@ class PleClient:
         if not data:
             self._gone = (
                 f"ple-server at {self.socket_path} {why} (stopped, restarted "
-                "or crashed); reconnect with PleClient.connect()"
+                "or crashed); reconnect with PleClient.reconnect()"
             )
         else:
             try:
@@ -573,12 +700,18 @@ class PleClient:
                 p.send_message(self._sock, {"type": p.MessageType.BYE.value})
         except OSError:
             pass
+        self._close_channel()
+        if self._segment_fd is not None:
+            os.close(self._segment_fd)
+            self._segment_fd = None
+        self._sock.close()
+
+    def _close_channel(self) -> None:
         if self._channel is not None:
             assert self._slots is not None
             self._slots.close()
             self._channel.close()
             self._channel = None
-        self._sock.close()
 
     def __enter__(self) -> PleClient:
         return self
@@ -719,3 +852,11 @@ def _expect_with_fds(sock: socket.socket, kind: p.MessageType, path: str) -> tup
             f"ple-server at {path} answered {msg['type']!r} where {kind.value!r} was expected"
         )
     return msg, fds
+
+
+class _NotSameTables(ProtocolMismatch):
+    """The server a GPU-driven client reconnected to serves other tables."""
+
+
+def _names(tables: list[TableInfo]) -> str:
+    return ", ".join(f"{t.name} ({t.fingerprint or 'no fingerprint'})" for t in tables) or "none"

@@ -29,10 +29,14 @@ Two streams run the same words:
   ``reset_done``): the protocol's tests, and a way to run this code without a
   GPU.
 
-A graph cannot raise, and a GPU waiting on a dead server would wait forever:
-the ``Watchdog`` thread ends such waits with an error mark (``SlotView.abandon``),
-so the stream's check fails the step instead of handing out zeros or stale
-rows.
+A graph cannot raise, and a GPU waiting on a dead server would wait forever.
+The ``Watchdog`` thread keeps every wait answered: a server that is gone
+costs a stall (the next server adopts the channel and answers the waiting
+lookups; past a short wait the watchdog reads their rows from the checkpoint
+itself, when it has a ``pleclient.fallback.CheckpointReader``), and a server
+that hangs, or a loss with no reader past the reconnect window, ends the
+waits with an error mark (``SlotView.abandon``), so the stream's check fails
+the step instead of handing out zeros or stale rows.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from pleclient import protocol as p
 from pleclient.channel import RUNG_AT, SlotView
 from pleclient.client import PleClient, TableInfo
 from pleclient.errors import PleError
+from pleclient.fallback import CheckpointReader
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,20 @@ __all__ = [
 
 WATCH_INTERVAL_S = 0.01
 """How often the watchdog looks at the server and the rung slots."""
+LOST_POLL_S = 0.01
+"""While the server is away: how often the watchdog looks (for the next one)."""
+FALLBACK_POLL_S = 0.0005
+"""While it answers lookups from the checkpoint: how often it looks for rung
+slots (what a lookup may wait on top of its read)."""
+FALLBACK_AFTER_S = 1.0
+"""How long rung lookups wait for the next server before the watchdog reads
+their rows itself (when it has a reader)."""
+RECONNECT_FIRST_S = 0.02
+RECONNECT_MAX_S = 0.25
+"""Tries for the next server: at once, then after 20 ms, doubling up to 250 ms
+(a restart is caught within a quarter of a second of its socket listening)."""
+RECONNECT_TIMEOUT_S = 2.0
+"""One try's connect and handshake, at most (the watchdog answers nothing meanwhile)."""
 
 # CUDA driver constants (cuda.h).
 _CU_STREAM_WAIT_VALUE_GEQ = 0x0
@@ -297,41 +316,96 @@ class HostStream:
 
 
 class Watchdog:
-    """Ends GPU waits the server will not answer.
+    """Keeps a GPU-driven channel's waits answered, whatever happens to the server.
 
     Every ``interval`` it asks the session whether the server is gone, and
-    looks at each slot's doorbell. A slot rung (or claimed) with no answer for
-    ``timeout`` seconds is abandoned (error INTERNAL, with that text); once
-    the server is gone, every slot whose done word is WAITING is abandoned,
-    now and on every later look, so a lookup rung after the server died fails
-    too. ``failure`` holds the first reason; it is logged once, at ERROR."""
+    looks at each slot's doorbell.
 
-    def __init__(self, client: PleClient, timeout: float, interval: float = WATCH_INTERVAL_S):
+    * While the server is there, a slot rung (or claimed) with no answer for
+      ``timeout`` seconds is abandoned (error INTERNAL, with that text): a hung
+      server fails the step. ``failure`` holds the reason (logged once, at
+      ERROR), and every later lookup fails too.
+    * Once the server is gone (its control socket closed: a stop, a restart,
+      a crash), nothing is abandoned: the waiting lookups cost a stall. The
+      watchdog connects again with backoff, and the next server adopts the
+      channel's segment (``PleClient.reconnect``): the captured graphs keep
+      their addresses, and the lookups they rang are answered by the new
+      server. Past ``fallback_after`` seconds without a server, the watchdog
+      answers rung lookups itself, reading the rows from the checkpoint
+      (``reader``, a ``pleclient.fallback.CheckpointReader``), until a server
+      is back. Without a reader, past ``reconnect_window`` seconds the waits
+      are abandoned (the step fails) and ``failure`` is set.
+
+    ``events`` records each loss: when, the stall until the first answer
+    (the next server's adoption or the first fallback answer), and how it
+    ended."""
+
+    def __init__(
+        self,
+        client: PleClient,
+        timeout: float,
+        interval: float = WATCH_INTERVAL_S,
+        *,
+        reader: CheckpointReader | None = None,
+        fallback_after: float = FALLBACK_AFTER_S,
+        reconnect_window: float = 30.0,
+    ):
         self.client = client
         self.timeout = timeout
         self.interval = interval
+        self.reader = reader
+        self.fallback_after = fallback_after
+        self.reconnect_window = reconnect_window
         self.failure: str | None = None
+        self.lost_since: float | None = None
+        """When the server went away (monotonic), while it is away."""
+        self.fallback_rows = 0
+        """Rows the watchdog served from the checkpoint itself."""
+        self.events: list[dict] = []
         self._since: dict[int, tuple[int, float]] = {}  # slot → (answers, first seen rung)
+        self._next_try = 0.0
+        self._retry_delay = RECONNECT_FIRST_S
+        self._scan_all = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ple-gpu-watchdog", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.wait(self._pause()):
             try:
                 self.look()
             except Exception:  # never die silently: the GPU's waits depend on us
                 log.exception("ple-server GPU watchdog: a look failed")
 
+    def _pause(self) -> float:
+        """How long until the next look: short while lookups are answered here."""
+        if self.lost_since is not None and self.failure is None:
+            return FALLBACK_POLL_S if self._falling_back(time.monotonic()) else LOST_POLL_S
+        return self.interval
+
+    def _falling_back(self, now: float) -> bool:
+        return (
+            self.reader is not None
+            and self.lost_since is not None
+            and now - self.lost_since >= self.fallback_after
+        )
+
     def look(self) -> None:
         """One look at the server and the slots (the thread's loop body)."""
-        gone = self.client.poll_gone()
         now = time.monotonic()
+        if self.failure is not None:
+            self._abandon_waiting(self.failure)
+            return
+        if self.lost_since is None:
+            gone = self.client.poll_gone()
+            if gone is None:
+                self._look_for_hangs(now)
+                return
+            self._lost(gone, now)
+        self._recover(now)
+
+    def _look_for_hangs(self, now: float) -> None:
         for slot in self.client.channel.slots:
-            if gone is not None:
-                if slot.done == p.Done.WAITING:
-                    self._abandon(slot, p.ErrorCode.SHUTTING_DOWN, f"ple-server is gone: {gone}")
-                continue
             if slot.doorbell == p.Doorbell.IDLE:
                 self._since.pop(slot.index, None)
                 continue
@@ -340,19 +414,138 @@ class Watchdog:
             if seen is None or seen[0] != answers:
                 self._since[slot.index] = (answers, now)
             elif now - seen[1] > self.timeout:
-                self._abandon(
-                    slot,
-                    p.ErrorCode.INTERNAL,
+                self._fail(
                     f"ple-server at {self.client.socket_path} did not answer slot "
-                    f"{slot.index} within {self.timeout:.3g} s",
+                    f"{slot.index} within {self.timeout:.3g} s"
                 )
                 self._since.pop(slot.index, None)
+                return
 
-    def _abandon(self, slot: SlotView, code: p.ErrorCode, reason: str) -> None:
+    def _lost(self, why: str, now: float) -> None:
+        self.lost_since = now
+        self._next_try = now
+        self._retry_delay = RECONNECT_FIRST_S
+        self._scan_all = True
+        self._since.clear()
+        self.events.append({"lost": why, "at": time.time(), "stall_s": None, "ended": None})
+        if self.reader is not None:
+            log.warning(
+                "GPU-driven PLE lookups wait for the next ple-server (%s); past %.1f s this "
+                "worker reads their rows from the checkpoint itself",
+                why,
+                self.fallback_after,
+            )
+        else:
+            log.warning(
+                "GPU-driven PLE lookups wait for the next ple-server for up to %.0f s (%s)",
+                self.reconnect_window,
+                why,
+            )
+
+    def _recover(self, now: float) -> None:
+        """While the server is away: try the next one, answer rung lookups
+        from the checkpoint past the wait, or give up past the window."""
+        assert self.lost_since is not None
+        if now >= self._next_try and self._try_reconnect(now):
+            return
+        if self._falling_back(now):
+            self._serve_rung()
+        elif self.reader is None and now - self.lost_since > self.reconnect_window:
+            self._fail(
+                f"ple-server at {self.client.socket_path} went away "
+                f"({self.events[-1]['lost']}) and did not come back within "
+                f"{self.reconnect_window:.0f} s"
+            )
+
+    def _try_reconnect(self, now: float) -> bool:
+        try:
+            self.client.reconnect(window=0, timeout=RECONNECT_TIMEOUT_S)
+        except PleError as exc:
+            self._next_try = now + self._retry_delay
+            self._retry_delay = min(2 * self._retry_delay, RECONNECT_MAX_S)
+            log.debug("ple-server GPU watchdog: not back yet: %s", exc)
+            return False
+        assert self.lost_since is not None
+        took = time.monotonic() - self.lost_since
+        event = self.events[-1]
+        if event["stall_s"] is None:
+            event["stall_s"] = took
+        event["ended"] = "adopted"
+        log.warning(
+            "GPU-driven PLE lookups are back on ple-server at %s after %.2f s (the new server "
+            "adopted the channel%s)",
+            self.client.socket_path,
+            took,
+            f"; {self.fallback_rows} rows were read from the checkpoint meanwhile"
+            if self.fallback_rows
+            else "",
+        )
+        self.lost_since = None
+        return True
+
+    def _serve_rung(self) -> None:
+        """Answer every rung lookup from the checkpoint, as the server would."""
+        channel = self.client.channel
+        if not (channel.take_rung() or self._scan_all):
+            return
+        self._scan_all = False
+        for slot in channel.slots:
+            if slot.doorbell != p.Doorbell.IDLE and slot.done == p.Done.WAITING:
+                self._serve(slot)
+
+    def _serve(self, slot: SlotView) -> None:
+        assert self.reader is not None  # (only called while falling back)
+        started = time.monotonic_ns()
+        slot.claim()
+        if slot.words[p.SL_KIND] == p.RequestKind.HINT:  # advice: no server to read it into
+            slot.answer_gpu(p.ErrorCode.OK, "", 0)
+            return
+        # Copied before they are used: the words are the client's own stream's,
+        # but one slot's answer must never depend on what another thread rewrites.
+        table, count = int(slot.words[p.SL_TABLE]), int(slot.words[p.SL_COUNT])
+        spec = self.reader.tables.get(table)
+        if spec is None or not 1 <= count <= self.client.capacity:
+            slot.answer_gpu(
+                p.ErrorCode.BAD_TABLE if spec is None else p.ErrorCode.BAD_COUNT,
+                f"fallback read: table {table}, count {count}: not a lookup this worker rang",
+                0,
+            )
+            return
+        ids = slot.ids[:count].copy()
+        try:
+            self.reader.read(table, ids, slot.rows_view(count, spec.row_bytes))
+        except (ValueError, OSError) as exc:
+            text = f"the worker's own read of {spec.name} failed: {exc}"
+            self._fail(text)
+            return
+        self.fallback_rows += count
+        event = self.events[-1]
+        if event["stall_s"] is None and self.lost_since is not None:
+            event["stall_s"] = time.monotonic() - self.lost_since
+            log.warning(
+                "GPU-driven PLE lookups: the first answered from the checkpoint %.2f s after "
+                "the server went away",
+                event["stall_s"],
+            )
+        slot.answer_gpu(p.ErrorCode.OK, "", time.monotonic_ns() - started)
+
+    def _fail(self, reason: str) -> None:
         if self.failure is None:
             self.failure = reason
             log.error("GPU-driven PLE lookups fail from now on: %s", reason)
-        slot.abandon(code, reason)
+            if self.events and self.events[-1]["ended"] is None and self.lost_since is not None:
+                self.events[-1]["ended"] = "failed"
+        self._abandon_waiting(reason)
+
+    def _abandon_waiting(self, reason: str) -> None:
+        """Every slot whose done word is WAITING gets the error, now and on every
+        later look, so a lookup rung after the failure fails too."""
+        code = p.ErrorCode.SHUTTING_DOWN if self.lost_since is not None else p.ErrorCode.INTERNAL
+        for slot in self.client.channel.slots:
+            if slot.done == p.Done.WAITING and (
+                slot.doorbell != p.Doorbell.IDLE or self.lost_since is not None
+            ):
+                slot.abandon(code, reason)
 
     def stop(self) -> None:
         self._stop.set()
@@ -363,12 +556,27 @@ class Watchdog:
 class GpuLookups:
     """A GPU-driven channel: lookups enqueued on a stream, watched over."""
 
-    def __init__(self, client: PleClient, stream: Stream, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        client: PleClient,
+        stream: Stream,
+        timeout: float = 30.0,
+        *,
+        reader: CheckpointReader | None = None,
+        fallback_after: float = FALLBACK_AFTER_S,
+        reconnect_window: float = 30.0,
+    ) -> None:
         if not client.gpu_driven:
             raise PleError("GpuLookups needs a client whose channel is GPU-driven")
         self.client = client
         self.stream = stream
-        self.watchdog = Watchdog(client, timeout)
+        self.watchdog = Watchdog(
+            client,
+            timeout,
+            reader=reader,
+            fallback_after=fallback_after,
+            reconnect_window=reconnect_window,
+        )
         self._rung: list[tuple[int, int] | None] = [None] * client.depth  # (count, row_bytes)
         # What each slot serves once used: LOOKUP or HINT, for good (a hint
         # slot's done word is never waited on, so it never serves a lookup).
@@ -385,11 +593,18 @@ class GpuLookups:
         timeout: float = 30.0,
         name: str | None = None,
         connect_timeout: float = 10.0,
+        reader: CheckpointReader | None = None,
+        fallback_after: float = FALLBACK_AFTER_S,
+        reconnect_window: float = 30.0,
     ) -> GpuLookups:
         """Connect with a GPU-driven channel. ``device`` "cpu" gives the CPU
         stand-in (``HostStream``); a CUDA device needs stream memory
         operations (``stream_memops_supported``). ``timeout``: how long the
-        watchdog lets one lookup wait for its answer."""
+        watchdog lets one lookup wait for a server that is there. A server
+        that goes away costs a stall (``Watchdog``): the next one adopts the
+        channel; past ``fallback_after`` s the watchdog reads rung lookups'
+        rows from the checkpoint with ``reader``, if given, else past
+        ``reconnect_window`` s the lookups fail."""
         client = PleClient.connect(
             socket_path,
             connect_timeout,
@@ -407,7 +622,14 @@ class GpuLookups:
                 if not supported:
                     raise PleError(f"GPU-driven lookups cannot run on {device}: {why}")
                 stream = CudaStream(client, device)
-            return cls(client, stream, timeout)
+            return cls(
+                client,
+                stream,
+                timeout,
+                reader=reader,
+                fallback_after=fallback_after,
+                reconnect_window=reconnect_window,
+            )
         except BaseException:
             client.close()
             raise

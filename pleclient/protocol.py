@@ -21,9 +21,12 @@ byte. One exchange per request, in order::
                                       ◄─     WELCOME {version, server, instance, pid,
                                                       tables, features}
     OPEN_CHANNEL {capacity, depth,    ─►
-                  gpu_driven, rung_word}
-                                      ◄─     CHANNEL {layout, gpu_driven} + the
-                                                      segment's fd (SCM_RIGHTS)
+                  gpu_driven, rung_word,
+                  adopt} [+ the kept
+                  segment's fd]
+                                      ◄─     CHANNEL {layout, gpu_driven, adopted}
+                                                      + the segment's fd (SCM_RIGHTS;
+                                                      none when adopted)
     STATS {}                          ─►
                                       ◄─     STATS {snapshot}
     BYE {}                            ─►     (session ends; closing the socket does too)
@@ -212,12 +215,51 @@ with E2/E4.
 
 Failure: a GPU waiting on a server that died would wait forever, and a
 graph cannot raise. The client's watchdog (``pleclient.gpu``) watches every
-slot whose doorbell is not IDLE; when the server is gone, or a request waited
-longer than the timeout, it writes the error text and code, then ``done`` =
-ERROR (E1). The stream's wait ends, the device-side check traps, and the
-step fails: the GPU never uses zeros or stale rows. (A device-side trap ends
-the CUDA context, so the worker must restart; its log holds the watchdog's
-reason.)
+slot whose doorbell is not IDLE. A request that waited longer than the
+timeout on a server that is still there is ended: the error text and code,
+then ``done`` = ERROR (E1); the stream's wait ends, the device-side check
+traps, and the step fails (a device-side trap ends the CUDA context, so the
+worker must restart; its log holds the watchdog's reason). A server that is
+*gone* (its control socket closed) costs a stall instead, never the step
+("A server restart under a GPU-driven channel", below).
+
+A server restart under a GPU-driven channel
+-------------------------------------------
+A captured graph holds the device addresses of its channel's words and rows
+areas, so a new channel would mean a new capture. Instead the client keeps
+its segment's descriptor, and when its server has gone the next one *adopts*
+the segment: the client connects again, checks the new server serves the
+same tables at the same indexes (a replay writes the table index it was
+captured with), and sends ``OPEN_CHANNEL {gpu_driven, rung_word, adopt:
+true}`` with the segment's fd attached (SCM_RIGHTS; offered when WELCOME
+lists ``"adopt"``). Before that it returns every slot the dead server had
+CLAIMED and not answered (done still WAITING) to RUNG, and sets the rung
+word, so the new server's first poll scans every doorbell: the lookups in
+flight are answered by the new server, where the waiting graph finds them.
+
+The server checks the offered segment as any client memory: an ordinary
+memfd (not hugetlbfs), of exactly the layout's size for the capacity and
+depth asked and its own widest row, sealed against shrinking, growing and
+further seals and not against writes; it reserves the pages
+(``posix_fallocate``), rewrites only the fixed header words (the layout as it
+derives it) and serves the channel like a new one: every word it reads is
+copied and validated first, as always. The reply says ``adopted: true`` and
+carries no descriptor. Only GPU-driven segments are adopted; a CPU client
+opens a new channel when it reconnects (its requests in flight are submitted
+again). A descriptor that comes with any other message is closed; one before
+HELLO, or a second one before the first is used, drops the session.
+
+Meanwhile the client's watchdog may answer waiting lookups itself, from the
+checkpoint's files (``pleclient.fallback``), in the server's own order:
+CLAIMED, the rows into the rows area, the error word, ``answers`` + 1,
+doorbell IDLE (W1), ``done`` = OK published (E1). It does that only once the
+server's control socket has closed, when no server thread can touch the
+slots any more (a stopping server stops its serving loop before it closes its
+sessions), and it stops before it hands the segment to the next server, on
+the same thread, so one slot never has two answerers. One window is left: a
+server killed between its doorbell store and its ``done`` store (two adjacent
+stores) leaves a slot that looks idle while its GPU waits; nothing in host
+memory tells the two apart.
 
 A client follows the protocol only if it never has more than ``depth``
 submits unanswered, so the counter never runs more than ``depth`` ahead of
@@ -339,7 +381,11 @@ FEATURE_GPU_DRIVEN = "gpu_driven"
 FEATURE_HINTS = "hints"
 """Listed in WELCOME's ``features`` by a server that reads prefetch hints
 (slots of kind HINT); a client sends none to a server without it."""
-SERVER_FEATURES = (FEATURE_GPU_DRIVEN, FEATURE_HINTS)
+FEATURE_ADOPT = "adopt"
+"""Listed in WELCOME's ``features`` by a server that adopts the segment of a
+GPU-driven channel a client kept from an earlier server (OPEN_CHANNEL
+``adopt``: "A server restart under a GPU-driven channel")."""
+SERVER_FEATURES = (FEATURE_GPU_DRIVEN, FEATURE_HINTS, FEATURE_ADOPT)
 
 # Limits the server enforces on OPEN_CHANNEL (also its defaults).
 DEFAULT_CAPACITY = 16384
@@ -421,6 +467,8 @@ CLIENT_MESSAGES = (
         "capacity": _U64_MAX,
         "depth": _U64_MAX,
         "gpu_driven": True,
+        "rung_word": True,
+        "adopt": True,
     },
     {"type": MessageType.STATS.value},
     {"type": MessageType.BYE.value},

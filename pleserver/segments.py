@@ -1,5 +1,10 @@
 """Channel segments: created, reserved and formatted off the control thread.
 
+A channel's segment is either created here (``create_segment``: a sealed
+memfd, formatted) or, for a GPU-driven client whose server went away, adopted
+(``adopt_segment``: the segment that client kept from the server before,
+whose addresses its captured CUDA graphs hold; checked as any client memory).
+
 Reserving a channel's pages (``posix_fallocate``) takes 0.2–0.4 s per GiB;
 on the control thread it would hold up every other client's hello, open and
 statistics meanwhile. ``Reserver`` does it on threads of its own, started with
@@ -17,6 +22,7 @@ import fcntl
 import logging
 import os
 import queue
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,16 +66,79 @@ def create_segment(name: str, layout: p.ChannelLayout) -> tuple[int, ChannelMap]
         raise
 
 
+# Seals an adopted segment must carry: its size fixed for good (no shrink, no
+# growth, no seal added later), and none that would stop the server writing.
+_SEALS_NEEDED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_SEALS_REFUSED = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+
+
+def _shmem_device() -> int:
+    """The device of the kernel's internal tmpfs, which every ordinary memfd
+    lives on (hugetlbfs memfds live elsewhere)."""
+    probe = os.memfd_create("ple.probe", os.MFD_CLOEXEC)
+    try:
+        return os.fstat(probe).st_dev
+    finally:
+        os.close(probe)
+
+
+def adopt_segment(fd: int, layout: p.ChannelLayout) -> ChannelMap:
+    """Check a segment a client offers (``fd``, owned by the caller) as any
+    client memory, reserve its pages and map it; raises ValueError saying
+    what is wrong with it, or OSError naming the fix.
+
+    What makes it as safe as a segment of our own: an ordinary memfd (not
+    hugetlbfs, whose faults SIGBUS when no huge page is free), of exactly the
+    layout's size, sealed against shrinking and growing (so no access of ours
+    can fall off its end) and against further seals (so nobody can seal it
+    read-only under us later), not sealed against writes; its pages reserved
+    now, as ``create_segment`` reserves a new one's. Its words are the
+    client's, as in any channel: the serving loop copies and validates all it
+    reads. Only the fixed header words are written again (the layout as this
+    server derives it); slot words are left as they are, so requests rung
+    before the handover are served."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_dev != _shmem_device():
+        raise ValueError("the offered segment is not a memfd (of the kernel's own tmpfs)")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise ValueError("the offered segment cannot be sealed (not a memfd)") from None
+    if seals & _SEALS_NEEDED != _SEALS_NEEDED or seals & _SEALS_REFUSED:
+        raise ValueError(
+            f"the offered segment's seals are {seals:#x}: it must be sealed against "
+            "shrinking, growing and further seals, and not against writes"
+        )
+    if st.st_size != layout.size:
+        raise ValueError(
+            f"the offered segment holds {st.st_size} bytes; a channel of depth "
+            f"{layout.depth} × capacity {layout.capacity} over rows of up to "
+            f"{layout.max_row_bytes} B takes {layout.size}"
+        )
+    try:
+        os.posix_fallocate(fd, 0, layout.size)
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"cannot reserve {layout.size / 2**20:.1f} MiB for an adopted channel "
+            f"({exc.strerror}); free memory",
+        ) from None
+    return ChannelMap(fd, layout, adopted=True)
+
+
 @dataclass(eq=False)
 class Reservation:
-    """One channel to create for a session; the reserver fills in the result."""
+    """One channel to create for a session, or to adopt (``adopt_fd``: the
+    segment the client offered, owned here); the reserver fills in the result."""
 
     session_id: int
     name: str
     layout: p.ChannelLayout
+    adopt_fd: int | None = None
     fd: int | None = None
     mapping: ChannelMap | None = None
     error: str | None = None
+    refused: bool = False  # the offered segment is not one to adopt (``error`` says why)
 
     def discard(self) -> None:
         """Free what was created (the session went away meanwhile)."""
@@ -79,6 +148,23 @@ class Reservation:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        if self.adopt_fd is not None:
+            os.close(self.adopt_fd)
+            self.adopt_fd = None
+
+    def make(self) -> None:
+        """Create or adopt the segment (on a reserver thread): ``fd`` and
+        ``mapping``, or ``error``."""
+        if self.adopt_fd is None:
+            self.fd, self.mapping = create_segment(self.name, self.layout)
+            return
+        fd, self.adopt_fd = self.adopt_fd, None
+        try:
+            self.mapping = adopt_segment(fd, self.layout)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
 
 
 class Reserver:
@@ -122,7 +208,9 @@ class Reserver:
     def _run(self, jobs: queue.SimpleQueue) -> None:
         while (job := jobs.get()) is not None:
             try:
-                job.fd, job.mapping = create_segment(job.name, job.layout)
+                job.make()
+            except ValueError as exc:
+                job.error, job.refused = str(exc), True
             except OSError as exc:
                 job.error = str(exc)
             except Exception as exc:  # the reserver outlives any one request

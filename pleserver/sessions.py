@@ -76,6 +76,15 @@ class Outgoing:
     fds: list[int]
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """An ERROR reply to send (and whether the session ends with it)."""
+
+    code: p.ErrorCode
+    text: str
+    close: bool = False
+
+
 @dataclass(eq=False)
 class Session:
     id: int
@@ -90,6 +99,8 @@ class Session:
     opening: bool = False  # its channel is being reserved
     gpu_driven: bool = False  # its channel (asked for in OPEN_CHANNEL) is GPU-driven
     gpu_slots: int = 0  # the slots of that channel when GPU-driven (max_gpu_slots_per_uid)
+    offered_fd: int | None = None  # a segment the client sent to adopt (owned here until used)
+    adopted: bool = False  # its channel is a segment it kept from an earlier server
     opened_at: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)  # last frame received
     outbox: deque[Outgoing] = field(default_factory=deque)
@@ -248,12 +259,25 @@ class Sessions:
     # -------------------------------------------------------------- messages
     def _on_readable(self, session: Session) -> None:
         try:
-            data = session.sock.recv(65536)
+            # At most one descriptor: the segment an OPEN_CHANNEL offers to
+            # adopt. The kernel closes any more than fit (MSG_CTRUNC).
+            data, fds, _flags, _addr = socket.recv_fds(session.sock, 65536, 1)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self._close_session(session, f"socket error: {exc}")
             return
+        for fd in fds:
+            if session.offered_fd is not None or not session.greeted:
+                os.close(fd)
+                self._reject(
+                    session,
+                    p.ErrorCode.BAD_MESSAGE,
+                    "a file descriptor came with no OPEN_CHANNEL to adopt it",
+                    close=True,
+                )
+                return
+            session.offered_fd = fd
         if not data:
             self._close_session(session, "client closed the connection")
             return
@@ -284,8 +308,11 @@ class Sessions:
             return self._on_hello(s, msg)
         if not s.greeted:
             return self._reject(s, p.ErrorCode.BAD_MESSAGE, f"{kind!r} before 'hello'", close=True)
+        offered, s.offered_fd = s.offered_fd, None  # only the message it came with may use it
         if kind == p.MessageType.OPEN_CHANNEL.value:
-            return self._on_open_channel(s, msg)
+            return self._on_open_channel(s, msg, offered)
+        if offered is not None:
+            os.close(offered)
         if kind == p.MessageType.STATS.value:
             return self._send(s, {"type": p.MessageType.STATS.value, "stats": self._snapshot()})
         if kind == p.MessageType.BYE.value:
@@ -319,41 +346,78 @@ class Sessions:
             },
         )
 
-    def _on_open_channel(self, s: Session, msg: dict) -> None:
+    def _on_open_channel(self, s: Session, msg: dict, offered: int | None) -> None:
+        """Open the session's channel: a new segment, or (``adopt``) the one
+        the client offers with the message (``offered``: owned here, handed to
+        the reservation, or closed)."""
+        try:
+            refusal = self._channel_refusal(s, msg, offered is not None)
+        except BaseException:
+            if offered is not None:
+                os.close(offered)
+            raise
+        if isinstance(refusal, Refusal):
+            if offered is not None:
+                os.close(offered)
+            return self._reject(s, refusal.code, refusal.text, refusal.close)
+        s.opening = True
+        s.gpu_driven = bool(msg.get("gpu_driven", False))
+        s.gpu_slots = refusal.depth if s.gpu_driven else 0
+        s.adopted = offered is not None
+        self.reserver.submit(
+            Reservation(s.id, f"{self.instance}.{s.id}", refusal, adopt_fd=offered)
+        )
+
+    def _channel_refusal(
+        self, s: Session, msg: dict, offers_segment: bool
+    ) -> Refusal | p.ChannelLayout:
+        """Why the channel ``msg`` asks for may not open, or its layout (whose
+        bytes are then taken from the channel budget)."""
         cfg = self.config
         if s.channel is not None or s.opening:
-            return self._reject(
-                s,
-                p.ErrorCode.CHANNEL_LIMIT,
-                "this session already has its channel (one per session)",
+            return Refusal(
+                p.ErrorCode.CHANNEL_LIMIT, "this session already has its channel (one per session)"
+            )
+        adopt = msg.get("adopt", False)
+        if not isinstance(adopt, bool):
+            return Refusal(p.ErrorCode.BAD_MESSAGE, f"adopt must be true or false, not {adopt!r}")
+        if adopt != offers_segment:
+            return Refusal(
+                p.ErrorCode.BAD_MESSAGE,
+                "an OPEN_CHANNEL that adopts a segment comes with exactly that segment's "
+                "descriptor, and only such a message carries one",
             )
         capacity, depth = (
             msg.get("capacity", cfg.default_capacity),
             msg.get("depth", cfg.default_depth),
         )
         if not (isinstance(capacity, int) and 1 <= capacity <= cfg.max_capacity):
-            return self._reject(
-                s,
+            return Refusal(
                 p.ErrorCode.CHANNEL_LIMIT,
                 f"capacity {capacity!r} out of range 1..{cfg.max_capacity}",
             )
         if not (isinstance(depth, int) and 1 <= depth <= cfg.max_depth):
-            return self._reject(
-                s, p.ErrorCode.CHANNEL_LIMIT, f"depth {depth!r} out of range 1..{cfg.max_depth}"
+            return Refusal(
+                p.ErrorCode.CHANNEL_LIMIT, f"depth {depth!r} out of range 1..{cfg.max_depth}"
             )
         gpu_driven = msg.get("gpu_driven", False)
         if not isinstance(gpu_driven, bool):
-            return self._reject(
-                s, p.ErrorCode.BAD_MESSAGE, f"gpu_driven must be true or false, not {gpu_driven!r}"
+            return Refusal(
+                p.ErrorCode.BAD_MESSAGE, f"gpu_driven must be true or false, not {gpu_driven!r}"
+            )
+        if adopt and not gpu_driven:
+            return Refusal(
+                p.ErrorCode.BAD_MESSAGE,
+                "only a GPU-driven channel's segment is adopted (a CPU client opens a new "
+                "channel when it reconnects)",
             )
         if gpu_driven and msg.get("rung_word") is not True:
-            return self._reject(s, p.ErrorCode.VERSION_MISMATCH, GPU_WITHOUT_RUNG_WORD)
+            return Refusal(p.ErrorCode.VERSION_MISMATCH, GPU_WITHOUT_RUNG_WORD)
         if gpu_driven and (refusal := self._gpu_slots_refusal(s, depth)) is not None:
-            return self._reject(s, p.ErrorCode.CHANNEL_LIMIT, refusal)
+            return Refusal(p.ErrorCode.CHANNEL_LIMIT, refusal)
         layout = p.ChannelLayout(depth, capacity, max(t.row_bytes for t in self.tables))
         if layout.size > cfg.max_channel_bytes:
-            return self._reject(
-                s,
+            return Refusal(
                 p.ErrorCode.CHANNEL_LIMIT,
                 f"a channel of depth {depth} × capacity {capacity} needs "
                 f"{layout.size / 2**20:.0f} MiB, over max_channel_bytes "
@@ -361,8 +425,7 @@ class Sessions:
             )
         with_channel = sum(1 for o in self.by_socket.values() if o.channel or o.opening)
         if with_channel >= cfg.max_clients:
-            return self._reject(
-                s,
+            return Refusal(
                 p.ErrorCode.TOO_MANY_CLIENTS,
                 f"ple-server already has {with_channel} clients "
                 f"(max_clients = {cfg.max_clients}), each with its channel; "
@@ -370,8 +433,7 @@ class Sessions:
                 close=True,
             )
         if not self.budget.take(layout.size):
-            return self._reject(
-                s,
+            return Refusal(
                 p.ErrorCode.NO_RESOURCES,
                 f"no memory for a channel of {layout.size / 2**20:.1f} MiB: channels hold "
                 f"{self.budget.used / 2**20:.1f} MiB of the {(self.budget.limit or 0) / 2**20:.0f} "
@@ -379,10 +441,7 @@ class Sessions:
                 "wait for other clients to close, or raise max_channel_memory (and the "
                 "service's MemoryMax=)",
             )
-        s.opening = True
-        s.gpu_driven = gpu_driven
-        s.gpu_slots = depth if gpu_driven else 0
-        self.reserver.submit(Reservation(s.id, f"{self.instance}.{s.id}", layout))
+        return layout
 
     def _gpu_slots_refusal(self, s: Session, depth: int) -> str | None:
         """Why ``s`` may not open a GPU-driven channel of ``depth`` slots (the
@@ -408,9 +467,14 @@ class Sessions:
             if s is not None and job.error is not None:  # (s is there: the job failed)
                 s.opening = False
                 log.warning(
-                    "session %d (%s): cannot create its channel: %s", s.id, s.peer, job.error
+                    "session %d (%s): cannot %s its channel: %s",
+                    s.id,
+                    s.peer,
+                    "adopt" if s.adopted else "create",
+                    job.error,
                 )
-                self._reject(s, p.ErrorCode.NO_RESOURCES, job.error)
+                code = p.ErrorCode.BAD_MESSAGE if job.refused else p.ErrorCode.NO_RESOURCES
+                self._reject(s, code, job.error)
             return
         s.opening = False
         assert job.mapping is not None and job.fd is not None  # (no error: it has both)
@@ -424,7 +488,9 @@ class Sessions:
         )
         try:
             self.loop.add(channel)  # served (and logged) before the client has the fd
-            client_fd = os.dup(job.fd)
+            # An adopted segment is the client's already: requests it rang
+            # before the handover are served from here on.
+            client_fds = [] if s.adopted else [os.dup(job.fd)]
         except OSError as exc:  # no descriptor left (a channel needs no thread)
             self.loop.remove(channel)
             return self._reject(
@@ -437,13 +503,14 @@ class Sessions:
         s.channel = channel
         layout = job.layout
         log.info(
-            "session %d open: %s, %schannel depth %d × capacity %d (%.1f MiB)",
+            "session %d open: %s, %schannel depth %d × capacity %d (%.1f MiB)%s",
             s.id,
             s.peer,
             "GPU-driven " if s.gpu_driven else "",
             layout.depth,
             layout.capacity,
             layout.size / 2**20,
+            ", adopted: a segment it kept from an earlier server" if s.adopted else "",
         )
         self._send(
             s,
@@ -451,8 +518,9 @@ class Sessions:
                 "type": p.MessageType.CHANNEL.value,
                 "layout": layout.to_wire(),
                 "gpu_driven": s.gpu_driven,
+                "adopted": s.adopted,
             },
-            fds=[client_fd],
+            fds=client_fds,
         )
 
     # --------------------------------------------------------------- sending
@@ -536,6 +604,9 @@ class Sessions:
             for fd in out.fds:
                 os.close(fd)
         s.outbox.clear()
+        if s.offered_fd is not None:
+            os.close(s.offered_fd)
+            s.offered_fd = None
         s.sock.close()
         # Sessions that never opened a channel (`pleserver stats`, probes) close
         # at DEBUG: `pleserver stats --watch` must not log a line per poll.

@@ -180,8 +180,12 @@ def test_every_slot_of_a_gpu_driven_channel_belongs_to_its_stream(lookups):
     assert client.free_slots == 0  # no submit() can follow
 
 
-def test_the_watchdog_ends_a_wait_on_a_server_killed_mid_wait(server):
-    gl = GpuLookups.open(server.socket, device="cpu", capacity=64, depth=2, timeout=30.0)
+def test_the_watchdog_ends_a_wait_on_a_server_gone_past_the_reconnect_window(server):
+    """With no reader to fall back on, a server that does not come back within
+    the window fails the waiting lookups (the step), and every later one."""
+    gl = GpuLookups.open(
+        server.socket, device="cpu", capacity=64, depth=2, timeout=30.0, reconnect_window=1.0
+    )
     try:
         stop_process(server.pid)  # it will never see this doorbell
         gl.ring(0, 1, np.arange(10))
@@ -189,12 +193,14 @@ def test_the_watchdog_ends_a_wait_on_a_server_killed_mid_wait(server):
         assert gl.client.channel.slots[0].doorbell == p.Doorbell.RUNG
         server.kill()
         started = time.monotonic()
-        with pytest.raises(GpuLookupError, match="SHUTTING_DOWN: ple-server is gone"):
+        with pytest.raises(GpuLookupError, match="SHUTTING_DOWN: .* did not come back within 1 s"):
             gl.collect(0, np.empty((10, 160), dtype=np.uint8))
-        with pytest.raises(GpuLookupError, match="ple-server is gone"):
+        with pytest.raises(GpuLookupError, match="did not come back"):
             gl.collect(1, np.empty((10, 320), dtype=np.uint8))
-        assert time.monotonic() - started < 10  # the watchdog, not the 30 s timeout
-        assert "ple-server is gone" in (gl.failure or "")
+        waited = time.monotonic() - started
+        assert 1.0 <= waited < 10  # the window, not the 30 s timeout
+        assert "did not come back within 1 s" in (gl.failure or "")
+        assert gl.watchdog.events[-1]["ended"] == "failed"
         with pytest.raises(PleError, match="have failed"):  # no new lookups either
             gl.ring(0, 1, np.arange(10))
     finally:
