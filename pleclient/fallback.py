@@ -39,15 +39,13 @@ it saves."""
 
 
 class CheckpointReader:
-    """Served rows of some tables, read from their checkpoint files.
+    """Served rows of some tables (``pleclient.checkpoint.TableSpec``, by name),
+    read from their checkpoint files."""
 
-    ``tables`` maps the index a lookup names its table by (the server's
-    table index) to that table's spec."""
-
-    def __init__(self, tables: dict[int, TableSpec], threads: int = DEFAULT_THREADS) -> None:
-        self.tables = dict(tables)
+    def __init__(self, tables: list[TableSpec], threads: int = DEFAULT_THREADS) -> None:
+        self.tables = {spec.name: spec for spec in tables}
         self._fds: dict[str, int] = {}
-        self._layouts: dict[int, list[tuple[int, int, list[int], np.ndarray]]] = {}
+        self._layouts: dict[str, list[tuple[int, int, list[int], np.ndarray]]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._threads = max(1, threads)
         self._lock = threading.Lock()
@@ -56,7 +54,7 @@ class CheckpointReader:
         self.seconds = 0.0
         """Time spent in ``read`` so far."""
 
-    def _layout(self, table: int) -> list[tuple[int, int, list[int], np.ndarray]]:
+    def _layout(self, table: str) -> list[tuple[int, int, list[int], np.ndarray]]:
         """Per segment of ``table``'s rows: (column, bytes, fd per shard, offset
         of row 0 per shard); files opened once."""
         layout = self._layouts.get(table)
@@ -87,15 +85,15 @@ class CheckpointReader:
             self._fds[path] = fd
         return fd
 
-    def read(self, table: int, ids: np.ndarray, out: np.ndarray) -> None:
-        """The rows of ``ids`` (int64) of ``table`` into ``out`` (uint8,
-        ``[len(ids), row_bytes]``). ValueError for an unknown table or an id
-        out of range (nothing read); OSError naming the file and offset of a
-        read that failed."""
+    def read(self, table: str, ids: np.ndarray, out: np.ndarray) -> None:
+        """The rows of ``ids`` (int64) of the table named ``table`` into
+        ``out`` (uint8, ``[len(ids), row_bytes]``). ValueError for an unknown
+        table or an id out of range (nothing read); OSError naming the file
+        and offset of a read that failed."""
         started = time.monotonic()
         spec = self.tables.get(table)
         if spec is None:
-            raise ValueError(f"table index {table} is not one this reader has")
+            raise ValueError(f"no table {table!r} in this reader's checkpoint")
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if out.shape != (ids.shape[0], spec.row_bytes) or out.dtype != np.uint8:
             raise ValueError(

@@ -52,7 +52,7 @@ import numpy as np
 from pleclient import protocol as p
 from pleclient.channel import RUNG_AT, SlotView
 from pleclient.client import PleClient, TableInfo
-from pleclient.errors import PleError
+from pleclient.errors import PleError, ProtocolMismatch
 from pleclient.fallback import CheckpointReader
 
 log = logging.getLogger(__name__)
@@ -366,6 +366,7 @@ class Watchdog:
         self._next_try = 0.0
         self._retry_delay = RECONNECT_FIRST_S
         self._scan_all = False
+        self._refused = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ple-gpu-watchdog", daemon=True)
         self._thread.start()
@@ -463,7 +464,12 @@ class Watchdog:
         except PleError as exc:
             self._next_try = now + self._retry_delay
             self._retry_delay = min(2 * self._retry_delay, RECONNECT_MAX_S)
-            log.debug("ple-server GPU watchdog: not back yet: %s", exc)
+            last = getattr(exc, "last", exc)
+            if isinstance(last, ProtocolMismatch) and str(last) != self._refused:
+                self._refused = str(last)  # a server there that will not do: said once
+                log.warning("GPU-driven PLE lookups cannot go back to ple-server yet: %s", last)
+            else:
+                log.debug("ple-server GPU watchdog: not back yet: %s", exc)
             return False
         assert self.lost_since is not None
         took = time.monotonic() - self.lost_since
@@ -503,7 +509,8 @@ class Watchdog:
         # Copied before they are used: the words are the client's own stream's,
         # but one slot's answer must never depend on what another thread rewrites.
         table, count = int(slot.words[p.SL_TABLE]), int(slot.words[p.SL_COUNT])
-        spec = self.reader.tables.get(table)
+        tables = self.client.tables
+        spec = self.reader.tables.get(tables[table].name) if table < len(tables) else None
         if spec is None or not 1 <= count <= self.client.capacity:
             slot.answer_gpu(
                 p.ErrorCode.BAD_TABLE if spec is None else p.ErrorCode.BAD_COUNT,
@@ -513,7 +520,7 @@ class Watchdog:
             return
         ids = slot.ids[:count].copy()
         try:
-            self.reader.read(table, ids, slot.rows_view(count, spec.row_bytes))
+            self.reader.read(spec.name, ids, slot.rows_view(count, spec.row_bytes))
         except (ValueError, OSError) as exc:
             text = f"the worker's own read of {spec.name} failed: {exc}"
             self._fail(text)

@@ -53,6 +53,7 @@ def routes(server, checkpoint):
                 capacity=100,
                 depth=2,
                 reconnect_window=0,
+                fallback_after=None,  # the worker never reads rows itself here
             )
         )
     )
@@ -227,6 +228,7 @@ def test_a_server_back_within_the_window_answers_the_lookup_that_waited(
                 capacity=100,
                 depth=2,
                 reconnect_window=60,
+                fallback_after=None,  # what is tested is the wait for the server
             )
         )
     )

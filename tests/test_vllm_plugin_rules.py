@@ -32,6 +32,7 @@ def every_variable(checkpoint: Path, socket_dir: Path) -> dict[str, str]:
         "VLLM_PLE_SHM_CONNECT_TIMEOUT": "5",
         "VLLM_PLE_SHM_LOOKUP_TIMEOUT": "20",
         "VLLM_PLE_SHM_RECONNECT_S": "10",
+        "VLLM_PLE_SHM_FALLBACK_S": "0.5",
         "VLLM_PLE_SHM_DEPTH": "6",
         "VLLM_PLE_SHM_CAPACITY": "8192",
         "VLLM_PLE_SHM_PREFETCH": "0",

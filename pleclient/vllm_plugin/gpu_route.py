@@ -6,6 +6,12 @@ memory operations and the server offers GPU-driven channels; otherwise, and on
 CPU runs, lookups take the host route (a round trip per layer, eager breaks in
 graphs). The log says which route is in use and why.
 
+A server that goes away costs a stall, never the step: the channel's
+watchdog (``pleclient.gpu.Watchdog``) has the next server adopt the channel
+(so the captured graphs keep their addresses and their waiting lookups are
+answered), and past ``VLLM_PLE_SHM_FALLBACK_S`` it answers them itself from
+the checkpoint (``RowService.checkpoint_reader``).
+
 A replayed graph repeats the very slots it was captured with, so every PLE
 layer owns fixed slots of one GPU-driven channel: ``slots_per_layer`` of them,
 enough for its largest lookup (``max_ids``: vLLM's token budget × n-gram heads,
@@ -28,10 +34,17 @@ from dataclasses import dataclass
 import torch
 
 from pleclient import protocol
+from pleclient.fallback import CheckpointReader
 from pleclient.gpu import GpuLookupError, GpuLookups, stream_memops_supported
 from pleclient.vllm_plugin.errors import PleBackendError
 from pleclient.vllm_plugin.rows import TableBinding
-from pleclient.vllm_plugin.settings import ENV_CAPACITY, ENV_GPU_PATH, GPU_PATH_STANDIN
+from pleclient.vllm_plugin.settings import (
+    ENV_CAPACITY,
+    ENV_FALLBACK,
+    ENV_GPU_PATH,
+    GPU_PATH_STANDIN,
+    ShmSettings,
+)
 
 log = logging.getLogger("pleclient.vllm_plugin")
 
@@ -74,15 +87,16 @@ class GpuRoute:
     @classmethod
     def choose(
         cls,
-        setting: str,
+        settings: ShmSettings,
         device: torch.device,
         socket: str,
         bindings: list[TableBinding],
-        capacity: int | None,
-        timeout: float,
-        connect_timeout: float,
+        reader: CheckpointReader | None,
     ) -> GpuRoute | None:
-        """The route for lookups on ``device``, or None for the host route (logged)."""
+        """The route for lookups on ``device``, or None for the host route
+        (logged). ``reader``: the worker's own reads of the checkpoint, which
+        answer rung lookups while no server does (``settings.fallback_after``)."""
+        setting, capacity = settings.gpu_path, settings.capacity
         if setting == "off":
             log.info("PLE backend shm: host path (%s=off)", ENV_GPU_PATH)
             return None
@@ -114,9 +128,12 @@ class GpuRoute:
                 device="cpu" if standin else device,
                 capacity=capacity,
                 depth=depth,
-                timeout=timeout,
+                timeout=settings.lookup_timeout,
                 name=f"vllm-gpu-{device}",
-                connect_timeout=connect_timeout,
+                connect_timeout=settings.connect_timeout,
+                reader=reader,
+                fallback_after=settings.fallback_after or 0.0,
+                reconnect_window=settings.reconnect_window,
             )
         except Exception as exc:  # an older server, no locked memory, …: the host path works
             log.warning("PLE backend shm: host path: no GPU-driven channel (%s)", exc)
@@ -190,7 +207,9 @@ class GpuRoute:
         if self.lookups.failure is not None:
             raise PleBackendError(
                 f"VLLM_PLE_BACKEND=shm: GPU-driven PLE lookups failed: {self.lookups.failure}. "
-                "Restart the worker once ple-server serves again (`systemctl status ple-server`)"
+                "Restart the worker once ple-server serves again (`systemctl status ple-server`); "
+                f"a server that goes away costs a stall instead where the worker may read rows "
+                f"itself ({ENV_FALLBACK})"
             )
 
     def close(self) -> None:

@@ -26,7 +26,9 @@ inside a FULL capture a lookup stops with ``_refuse_graph_capture``'s message.
 
 A lost server: ``finish`` finishes the session's device copies, has the
 session reconnect (``RowService.reconnect``) and resubmits every request of
-the lookup not yet copied, prefetched ones included.
+the lookup not yet copied, prefetched ones included; while no server is back
+past ``VLLM_PLE_SHM_FALLBACK_S``, it reads those rows from the checkpoint
+itself (``RowService.checkpoint_reader``).
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ class HostRoute:
             else:
                 self._feed(pending, first=0, reserve=1)
         except TRANSIENT as exc:  # finish() reconnects and resubmits
-            log.warning("PLE backend shm: submit failed (%s); retrying at collect", exc)
+            if self.service.lost_since is None:  # (said once per loss, by reconnect)
+                log.warning("PLE backend shm: submit failed (%s); retrying at collect", exc)
         return pending
 
     def finish(self, pending: PendingLookup, out: torch.Tensor) -> None:
@@ -129,7 +132,9 @@ class HostRoute:
                 except TRANSIENT as exc:
                     failed_since = failed_since or time.monotonic()
                     self._forget_session()
-                    self.service.reconnect(exc, failed_since)
+                    if not self.service.reconnect(exc, failed_since):
+                        self._read_from_checkpoint(pending, index, out)
+                        index = len(pending.chunks)
         except RequestError as exc:
             pending.chunks[index].ticket = None  # the client freed the rejected request's slot
             self.discard(pending)
@@ -143,6 +148,20 @@ class HostRoute:
             raise
         self._unqueue(pending)
         self._top_up_or_leave_it()  # the slots it held go to the step's next layers
+
+    def _read_from_checkpoint(self, pending: PendingLookup, first: int, out: torch.Tensor) -> None:
+        """No server answers: the rows of ``pending``'s chunks from ``first``
+        on, read from the checkpoint by this worker, into ``out``."""
+        reader = self.service.checkpoint_reader()
+        info = pending.binding.info
+        assert reader is not None and info is not None  # (reconnect said: read them)
+        start = pending.chunks[first].start
+        rows = np.empty((pending.count - start, info.row_bytes), dtype=np.uint8)
+        reader.read(info.name, pending.ids[start:], rows)
+        out[start:].copy_(torch.from_numpy(rows))
+        self.service.fallback_rows += rows.shape[0]
+        for chunk in pending.chunks[first:]:
+            chunk.ticket = None
 
     def discard(self, pending: PendingLookup) -> None:
         """Give up a lookup: wait out its requests still in flight, free their slots."""

@@ -144,13 +144,11 @@ class Routes:
                 return None  # no session yet: the host route connects first
             self._gpu_chosen = True
             self._gpu = GpuRoute.choose(
-                settings.gpu_path,
+                settings,
                 device,
                 client.socket_path,
                 [b for b in self.service.bindings if not b.dummy],
-                settings.capacity,
-                settings.lookup_timeout,
-                settings.connect_timeout,
+                self.service.checkpoint_reader(),
             )
             if self._gpu is None and device.type == "cuda" and self.full_graphs:
                 raise compilation.full_graphs_refused(

@@ -13,11 +13,14 @@ Failure policy
   ``systemctl start ple-server``.
 * Server gone mid-run (``ServerGone``, ``ServerUnavailable``, ``LookupTimeout``):
   the route that noticed calls ``reconnect``, which connects again with
-  exponential backoff for ``VLLM_PLE_SHM_RECONNECT_S``
-  (``reconnect.ReconnectPolicy``) and checks the new server's tables against
-  the checkpoint again; past the window it raises ``PleBackendError``. Rows
-  are never zeros or stale: a request is either answered by a verified server
-  or the forward step fails.
+  exponential backoff (``reconnect.ReconnectPolicy``) and checks the new
+  server's tables against the checkpoint again. Past
+  ``VLLM_PLE_SHM_FALLBACK_S`` it tells the route to read the lookup's rows
+  from the checkpoint itself (``checkpoint_reader``), trying the server again
+  at most every ``RETRY_WHILE_FALLING_BACK_S`` at later lookups; with the
+  fallback off, past ``VLLM_PLE_SHM_RECONNECT_S`` it raises
+  ``PleBackendError``. Rows are never zeros or stale: a request is answered
+  by a verified server or from the checkpoint's own bytes, or the step fails.
 * ``--load-format dummy`` with ``VLLM_PLE_SHM_ALLOW_DUMMY=1``: no server; the
   bindings are dummies, whose rows are zeros (``routes.ZeroRoute``), said once
   in the log.
@@ -34,6 +37,7 @@ import torch
 
 from pleclient import PleClient, ProtocolMismatch, TableInfo
 from pleclient.checkpoint import NVFP4, TableSpec
+from pleclient.fallback import CheckpointReader
 from pleclient.vllm_plugin import discovery, identity
 from pleclient.vllm_plugin.errors import PleBackendError
 from pleclient.vllm_plugin.reconnect import TRANSIENT, ReconnectPolicy
@@ -45,6 +49,10 @@ from pleclient.vllm_plugin.settings import (
 )
 
 log = logging.getLogger("pleclient.vllm_plugin")
+
+RETRY_WHILE_FALLING_BACK_S = 0.25
+"""While lookups are read from the checkpoint: how often one of them tries
+the server first (a try costs one connect; a restart is caught within this)."""
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
@@ -93,6 +101,12 @@ class RowService:
         self._generation = 0
         self._bindings: list[TableBinding] = []
         self._dummy_warned = False
+        self._reader: CheckpointReader | None = None
+        self.lost_since: float | None = None
+        """When the server went away (monotonic), while no new session is verified."""
+        self._next_try = 0.0
+        self.fallback_rows = 0
+        """Rows the host route read from the checkpoint while no server answered."""
 
     @property
     def client(self) -> PleClient | None:
@@ -186,30 +200,74 @@ class RowService:
         return client
 
     # -------------------------------------------------------------- reconnect
-    def reconnect(self, cause: Exception, failed_since: float) -> None:
-        """Replace the session lost to ``cause``: reconnect within the window
-        (counted from the first failure) and verify the new server, or raise.
+    def checkpoint_reader(self) -> CheckpointReader | None:
+        """The worker's own reads of its bound tables from the checkpoint
+        (made once), or None where ``VLLM_PLE_SHM_FALLBACK_S=off``."""
+        if self.settings.fallback_after is None:
+            return None
+        if self._reader is None:
+            specs = [b.checkpoint for b in self._bindings if b.checkpoint is not None]
+            self._reader = CheckpointReader(specs)
+        return self._reader
+
+    def reconnect(self, cause: Exception, failed_since: float) -> bool:
+        """Replace the session lost to ``cause`` with a verified one: True.
         The caller has finished every use of the old session's segment (its
-        device copies, its page-locking): the segment goes away here."""
+        device copies, its page-locking): the segment goes away here.
+
+        With the fallback on, tries until ``VLLM_PLE_SHM_FALLBACK_S`` after the
+        server went away, then once per ``RETRY_WHILE_FALLING_BACK_S``: False
+        means "no server yet: read this lookup's rows with
+        ``checkpoint_reader``". With it off, tries until the reconnect window
+        (counted from the first failure) ends, then raises PleBackendError."""
         socket = self.settings.socket
-        log.warning(
-            "PLE backend shm: lost ple-server at %s (%s); reconnecting for up to %.0f s",
-            socket,
-            cause,
-            self.settings.reconnect_window,
-        )
+        now = time.monotonic()
+        fallback_after = self.settings.fallback_after
+        if self.lost_since is None:
+            self.lost_since = min(failed_since, now)
+            log.warning(
+                "PLE backend shm: lost ple-server at %s (%s); %s",
+                socket,
+                cause,
+                f"reconnecting; past {fallback_after:.1f} s this worker reads rows from the "
+                "checkpoint itself until it is back"
+                if fallback_after is not None
+                else f"reconnecting for up to {self.settings.reconnect_window:.0f} s",
+            )
         self._drop_session()
-        # The policy of the settings in force now (they may be replaced).
-        policy = ReconnectPolicy(self.settings.reconnect_window)
-        client = policy.reconnect(
-            self._connect, socket=socket, cause=cause, failed_since=failed_since
-        )
+        if fallback_after is None:
+            # The policy of the settings in force now (they may be replaced).
+            policy = ReconnectPolicy(self.settings.reconnect_window)
+            client = policy.reconnect(
+                self._connect, socket=socket, cause=cause, failed_since=self.lost_since
+            )
+        elif now - self.lost_since < fallback_after:
+            try:
+                client = ReconnectPolicy(fallback_after).reconnect(
+                    self._connect, socket=socket, cause=cause, failed_since=self.lost_since
+                )
+            except PleBackendError:
+                self._next_try = time.monotonic() + RETRY_WHILE_FALLING_BACK_S
+                return False
+        elif now < self._next_try:
+            return False
+        else:
+            try:
+                client = self._connect()
+            except (*TRANSIENT, ProtocolMismatch):
+                self._next_try = now + RETRY_WHILE_FALLING_BACK_S
+                return False
         self._verify_again(client)
         log.warning(
-            "PLE backend shm: reconnected to ple-server at %s after %.1f s",
+            "PLE backend shm: reconnected to ple-server at %s after %.1f s%s",
             socket,
-            time.monotonic() - failed_since,
+            time.monotonic() - self.lost_since,
+            f" ({self.fallback_rows} rows were read from the checkpoint meanwhile)"
+            if self.fallback_rows
+            else "",
         )
+        self.lost_since = None
+        return True
 
     def _drop_session(self) -> None:
         """Forget the current session. Its tickets become stale (another
@@ -248,6 +306,9 @@ class RowService:
             return
         try:
             self._drop_session()
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
         except Exception as exc:  # at exit, report and go on
             log.debug("PLE backend shm: close: %s", exc)
 

@@ -18,7 +18,14 @@ Every knob, its default and why:
                                    counts as hung (then the reconnect policy runs).
 ``VLLM_PLE_SHM_RECONNECT_S=30``    how long a worker keeps reconnecting (with backoff)
                                    to a server that went away mid-run before the
-                                   step fails. 0 = fail at once.
+                                   step fails, when it does not read rows itself
+                                   (``VLLM_PLE_SHM_FALLBACK_S=off``). 0 = fail at once.
+``VLLM_PLE_SHM_FALLBACK_S=1``      how long lookups wait for a server that went away
+                                   (a restart, an upgrade, a crash) before the worker
+                                   reads their rows from the checkpoint itself: slower,
+                                   bit-exact, until a server is back (it keeps trying).
+                                   ``off``: never; past the reconnect window the step
+                                   fails instead.
 ``VLLM_PLE_SHM_DEPTH=4``           channel slots. Prefetch keeps two requests in flight
                                    (the next layer's and the current one's) plus slots
                                    whose device copy is still running.
@@ -65,6 +72,7 @@ DEFAULT_SOCKET_DIR = os.path.dirname(protocol.DEFAULT_SOCKET)
 ENV_CONNECT_TIMEOUT = "VLLM_PLE_SHM_CONNECT_TIMEOUT"
 ENV_LOOKUP_TIMEOUT = "VLLM_PLE_SHM_LOOKUP_TIMEOUT"
 ENV_RECONNECT = "VLLM_PLE_SHM_RECONNECT_S"
+ENV_FALLBACK = "VLLM_PLE_SHM_FALLBACK_S"
 ENV_DEPTH = "VLLM_PLE_SHM_DEPTH"
 ENV_CAPACITY = "VLLM_PLE_SHM_CAPACITY"
 ENV_PREFETCH = "VLLM_PLE_SHM_PREFETCH"
@@ -85,6 +93,7 @@ VARIABLES = (
     ENV_CONNECT_TIMEOUT,
     ENV_LOOKUP_TIMEOUT,
     ENV_RECONNECT,
+    ENV_FALLBACK,
     ENV_DEPTH,
     ENV_CAPACITY,
     ENV_PREFETCH,
@@ -125,6 +134,7 @@ class ShmSettings:
     connect_timeout: float = 10.0
     lookup_timeout: float = 30.0
     reconnect_window: float = 30.0
+    fallback_after: float | None = 1.0  # None: no fallback reads
     depth: int = protocol.DEFAULT_DEPTH
     capacity: int | None = None
     prefetch: bool = True
@@ -157,6 +167,7 @@ class ShmSettings:
             connect_timeout=_float(ENV_CONNECT_TIMEOUT, 10.0, minimum=0.1),
             lookup_timeout=_float(ENV_LOOKUP_TIMEOUT, 30.0, minimum=0.1),
             reconnect_window=_float(ENV_RECONNECT, 30.0, minimum=0.0),
+            fallback_after=_seconds_or_off(ENV_FALLBACK, 1.0),
             depth=depth,
             capacity=capacity,
             prefetch=_bool(ENV_PREFETCH, True),
@@ -210,6 +221,14 @@ def _float(name: str, default: float, *, minimum: float) -> float:
     if value < minimum:
         raise SettingsError(f"{name}={raw!r}: must be at least {minimum}")
     return value
+
+
+def _seconds_or_off(name: str, default: float) -> float | None:
+    """Seconds (at least 0), or None for ``off``."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("off", "no", "none"):
+        return None
+    return _float(name, default, minimum=0.0)
 
 
 def _bool(name: str, default: bool) -> bool:

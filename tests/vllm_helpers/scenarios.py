@@ -877,14 +877,17 @@ def _run_ple_layer(loaded, layer: int, batch: m.Batch, hidden: torch.Tensor, *, 
     return output, ple.kv_cache[0][slots].clone()
 
 
-def _run_model_step(loaded, batch: m.Batch) -> dict:
+def _run_model_step(
+    loaded, batch: m.Batch, at_first_layer: Callable[[], None] | None = None
+) -> dict:
     """One ``Qwen4ExpModel.forward`` over a prefill batch, as vLLM's model runner
     calls it, with each decoder layer's body reduced to its PLE layer and the
     final hyper-connection mixer to a pass-through (attention, MoE and the mixer
     are CUDA/Triton kernels): the forward's own ``_start_layer_ple_prefetch``
     calls, in its own order, and each PLE layer's full forward. Returns each PLE
     layer's output, and which PLE layers had a lookup in flight (started, not
-    yet finished) when each decoder layer began."""
+    yet finished) when each decoder layer began. ``at_first_layer`` runs as
+    decoder layer 0 begins: the step's lookups are on their way."""
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
@@ -915,6 +918,8 @@ def _run_model_step(loaded, batch: m.Batch) -> dict:
         def forward(hidden_states, prev_block_output, prev_injection, positions, **ple_inputs):
             del prev_block_output, prev_injection, positions  # None (see the return); unused
             in_flight[index] = lookups_in_flight()
+            if index == 0 and at_first_layer is not None:
+                at_first_layer()
             if decoder_layer.ple is not None:
                 hidden_states = decoder_layer.ple(hidden_states, **ple_inputs)
                 outputs[index] = hidden_states.clone()
@@ -1077,6 +1082,107 @@ def whole_model(args: dict) -> dict:
     result["row_path"] = _row_path()
     result["cpu_gemm"] = cpu_kernels.gemm_report()
     result["seconds"] = time.monotonic() - started
+    return result
+
+
+def _generation(seed: int, steps: int) -> list[m.Batch]:
+    """A prefill of two requests, then one token per request per step."""
+    from tests.vllm_helpers import qwen4_model as qm
+
+    first = _prefill_batch(seed)
+    bounds = first.query_start_loc[1:-1].long()
+    tokens = [list(t) for t in torch.tensor_split(first.input_ids, bounds)]
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [first]
+    for _ in range(steps - 1):
+        new = torch.randint(0, qm.UNIGRAM_VOCAB, (len(tokens),), generator=g)
+        context = torch.tensor([[int(t) for t in seq[-(qm.NGRAM_SIZE - 1) :]] for seq in tokens])
+        batches.append(
+            m.Batch(new, torch.arange(len(tokens) + 1, dtype=torch.int32), context.long())
+        )
+        for seq, token in zip(tokens, new, strict=True):
+            seq.append(token)
+    return batches
+
+
+@scenario
+def restart_mid_generation(args: dict) -> dict:
+    """The whole tiny model, stock and with the plugin, over the steps of a
+    generation; the server is SIGKILLed as a step's lookups are on their way
+    (``kill_step``) and, in ``restart`` mode, started again ``restart_after``
+    seconds later (and killed once more between two steps); in ``fallback``
+    mode it stays away until the last step, so the worker's own reads of the
+    checkpoint serve what is between. Every step's PLE outputs are compared
+    with the stock build's."""
+    import vllm.models.qwen4_exp.nvidia.ple_layer as ple_layer_module
+
+    from pleclient.vllm_plugin.routes import Routes
+    from tests.vllm_helpers import qwen4_model as qm
+
+    ple_layer_module.ple_gate = qm.torch_ple_gate
+    ple_layer_module.ple_conv = qm.torch_ple_conv
+    mode, kill_step, steps = args["mode"], args["kill_step"], args["steps"]
+    server = Server(args["model"], os.environ["VLLM_PLE_SHM_SOCKET"], args["log"]).start()
+    result: dict = {"steps": [], "stalls": []}
+    timers: list[threading.Timer] = []
+    try:
+        with m.distributed():
+            stock = qm.load_vllm_model(args["model"])
+            register_plugin()
+            shm = qm.load_vllm_model(args["model"])
+            for index, batch in enumerate(_generation(args.get("seed", 0), steps)):
+                hook = None
+                if index == kill_step:
+                    # Stopped first, so that the step's lookups wait in its
+                    # channel (none answered) when the kill comes.
+                    from tests.harness import stop_process
+
+                    stop_process(server.running.pid)
+
+                    def hook() -> None:
+                        server.kill()
+                        if mode == "restart":
+                            timers.append(server.restart_after(args["restart_after"]))
+
+                elif mode == "restart" and index == kill_step + 2:
+                    server.kill()  # between two steps, this time
+                    timers.append(server.restart_after(args["restart_after"]))
+                elif mode == "fallback" and index == steps - 1:
+                    server.start()  # back for the last step
+                    gpu = Routes.shared()._gpu
+                    deadline = time.monotonic() + 10
+                    while gpu is not None and gpu.lookups.watchdog.lost_since is not None:
+                        check(time.monotonic() < deadline, "the watchdog did not reconnect")
+                        time.sleep(0.01)
+                want = _run_model_step(stock, batch)
+                started = time.monotonic()
+                got = _run_model_step(shm, batch, hook)
+                result["stalls"].append(time.monotonic() - started)
+                for timer in timers:
+                    timer.join()
+                timers.clear()
+                result["steps"].append(
+                    all(
+                        same_bits(want["outputs"][i], got["outputs"][i])
+                        for i in qm.PLE_DECODER_LAYERS
+                    )
+                )
+            routes = Routes.shared()
+            gpu = routes._gpu
+            result["route"] = routes.path
+            # A copy: the server's stop at the end is one more loss.
+            result["events"] = [dict(e) for e in gpu.lookups.watchdog.events] if gpu else []
+            result["fallback_rows"] = (
+                gpu.lookups.watchdog.fallback_rows if gpu is not None else 0
+            ) + routes.service.fallback_rows
+            result["lost"] = routes.service.lost_since is not None or (
+                gpu is not None and gpu.lookups.watchdog.lost_since is not None
+            )
+            result["last_server_requests"] = _server_requests()
+    finally:
+        for timer in timers:
+            timer.join()
+        server.kill(signal.SIGTERM)
     return result
 
 
