@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Real vLLM 0.33 on the GPU host: stock against VLLM_PLE_BACKEND=shm (issue 33).
+# Run from the repository root after the bundle of ../shared/gpu-vllm/README.md:
+#
+#   T0=$(date +%s); . .gpu-bundle/site.sh && T0=$T0 CELLS=exact-1 OUT=$OUT bash bench/device_vllm.sh
+#
+# It writes the checkpoints the cells need (bench/qwen4_checkpoint.py on the GPU,
+# kept under $WORK and reused by later calls while the host lives), then runs
+# bench/vllm_real.py's coordinator: each cell (one engine: LLM.generate or
+# vllm serve, with its own ple-server where it uses one) in a process group of
+# its own that is ended after the cell, one JSON per cell into $OUT/cells, the
+# logs' tails into $OUT/logs, the disk probe into $OUT/run.json, and a summary
+# table at the end (also $OUT/summary.txt) over this call's cells and the
+# earlier calls' on the same host. Cell names and plans: bench/vllm_cells.py;
+# `python3 bench/vllm_real.py plan --cells LIST --warm` prints a call's
+# expected timeline.
+#
+# Environment (all optional but CELLS):
+#   CELLS       cell and plan names, comma-separated (e.g. exact-1, or
+#               stock-default,shm-default-direct-large-tp)
+#   T0          when the device call began (date +%s before site.sh), so that
+#               the install counts against the deadline (default: now)
+#   DEADLINE_S  seconds after T0 by which every cell has ended (default 540:
+#               the summary is out before a 600 s limit); a cell that would not
+#               end in time is skipped, and says so
+#   OUT         where the results go (default .)
+#   WORK        checkpoints, full logs, the host's history (default /tmp/vllm-real)
+#   COMMIT      the commit measured, for the JSONs (the device copy has no .git)
+#   PYTHON      the interpreter site.sh set up (default python3)
+# Extra arguments go to `bench/vllm_real.py run`.
+set -euo pipefail
+
+T0=${T0:-$(date +%s)}
+DEADLINE_S=${DEADLINE_S:-540}
+OUT=${OUT:-.}
+WORK=${WORK:-/tmp/vllm-real}
+PYTHON=${PYTHON:-python3}
+CELLS=${CELLS:?"CELLS=<cell and plan names, comma-separated> (bench/vllm_cells.py)"}
+export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export TOKENIZERS_PARALLELISM=false
+
+mkdir -p "$OUT" "$WORK/ckpt" "$WORK/logs"
+if ! (cd / && "$PYTHON" -c 'import importlib.util as u, pleclient, pleserver._native
+assert u.find_spec("vllm") and u.find_spec("openai")') >/dev/null 2>&1; then
+    echo "device_vllm.sh: vLLM or pleserver is not importable: source .gpu-bundle/site.sh first" >&2
+    exit 2
+fi
+elapsed() { echo $(( $(date +%s) - T0 )); }
+echo "== $(nproc) CPUs, $(awk '/^MemTotal:/ {printf "%d GiB", $2 / 1048576}' /proc/meminfo)," \
+     "$(df -Ph "$WORK" | awk 'NR == 2 {print $4 " free under " $6}'), commit $COMMIT," \
+     "$(elapsed) s since T0"
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader || true
+
+# The checkpoints, each after the one it is the FP8 twin of; a complete one of
+# the same arguments is reused.
+"$PYTHON" bench/vllm_real.py checkpoints --cells "$CELLS" --work "$WORK" >"$WORK/checkpoints.txt"
+while read -r name args; do
+    t=$(date +%s)
+    # shellcheck disable=SC2086  # $args: the script's own arguments, word-split on purpose
+    if ! "$PYTHON" bench/qwen4_checkpoint.py --out "$WORK/ckpt/$name" --device cuda --reuse $args \
+            >"$WORK/logs/checkpoint-$name.log" 2>&1; then
+        tail -20 "$WORK/logs/checkpoint-$name.log" >&2
+        echo "device_vllm.sh: checkpoint $name was not written (log above)" >&2
+        exit 2
+    fi
+    echo "== checkpoint $name: $(( $(date +%s) - t )) s ($(du -sh "$WORK/ckpt/$name" | cut -f1))"
+done <"$WORK/checkpoints.txt"
+
+echo "== cells, $(elapsed) s since T0, deadline ${DEADLINE_S} s"
+"$PYTHON" bench/vllm_real.py run --cells "$CELLS" --work "$WORK" --out "$OUT" \
+    --t0 "$T0" --deadline-s "$DEADLINE_S" "$@"

@@ -1,0 +1,787 @@
+"""The cells of ``bench/vllm_real.py``: what each one runs, what it costs, its prompts,
+its server figures and the summary of a run. Pure Python (no vLLM, no torch), so the
+plan, the deadline and the summary are the same code on the GPU host and in the
+CPU test.
+
+**A cell is one engine start**: one ``LLM`` (or one ``vllm serve``) in its own
+process group, with a ple-server of its own where it uses one, and the
+measurements it runs inside that engine (vLLM's start costs 75–95 s on a warm
+host and about 220 s on a fresh one; a measurement costs seconds). Its name
+says what it is, words joined by ``-`` in any order:
+
+  stock | offload | shm     the PLE table: resident in vLLM (``cpu_offload``
+                            off), vLLM's ``cpu_offload`` (pinned host memory,
+                            UVA), or rows from ple-server (``VLLM_PLE_BACKEND=shm``)
+  eager | piecewise | default
+                            ``enforce_eager``, ``-cc.cudagraph_mode=PIECEWISE``,
+                            or vLLM's default (FULL_AND_PIECEWISE breakable graphs)
+  serve                     ``vllm serve`` driven over HTTP by the ``openai``
+                            client (else ``LLM.generate``)
+  host                      shm: the host route (``VLLM_PLE_SHM_GPU_PATH=off``;
+                            else the GPU-driven route)
+  direct                    shm: ``--io direct`` with a 1 GiB row cache (else
+                            ``--io mmap``)
+  nopa                      shm: ``VLLM_PLE_SHM_PROMPT_AHEAD=off``
+  fp8 | large | deep | deepsmall
+                            the checkpoint (else ``small-bf16``): ``CHECKPOINTS``
+  mp0                       ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core
+                            in the same process, every prompt queued before the
+                            first step
+  x<N>                      N exact runs (default 3)
+  tp | tp<N>                throughput, N repetitions (default 3) of
+                            concurrency 1, 8 and 32, interleaved
+  noexact                   no exact runs
+  #<k>                      another engine of the same cell (a second stock
+                            engine for the spread between engines)
+
+e.g. ``stock-default-tp``, ``shm-default-direct-large-tp``,
+``serve-shm-piecewise-host``, ``stock-default-mp0-x10``. ``PLANS`` name lists of
+cells for one device call each.
+
+**Exact runs**: 8 prompts of real English text (one of 2 900 tokens, chunked
+at 512), 32 greedy tokens, ``logprobs=5``, ``ignore_eos``, every prompt
+submitted at once; the token ids and logprobs are the outcome
+(``vllm_exact.Outcome``). A shm run is judged against every stock run of the
+same reference (API, graphs mode, trunk and table size, multiprocessing), the
+stock runs of every engine of it in this run and in earlier runs on the host.
+
+**Throughput**: repetition r of concurrency c submits c prompts of 256 tokens
+at once (new text each time), 512 tokens each with ``ignore_eos``; output
+tokens/s over the wall time, TTFT and TPOT per request. Repetitions are
+interleaved (1, 8, 32, 1, 8, 32, …) so that a drift of the host falls on every
+figure alike; each figure is given as median [min–max] over them. The server's
+counters before and after each measurement give its row-cache hit rate, the
+miss reads per second the decode demanded, its lookup time (p50 / p99 of its
+request histogram) and its CPU seconds per row read from disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import statistics
+import sys
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+CELL_FORMAT = "vllm-real-cell/1"
+CONCURRENCY = (1, 8, 32)
+EXACT_TOKENS = 32
+EXACT_PROMPTS = 8
+LONG_PROMPT_TOKENS = 2900  # chunked prefill over several 512-token steps
+TP_PROMPT_TOKENS = 256
+TP_OUTPUT_TOKENS = 512
+DIRECT_CACHE = "1G"
+
+
+# ----------------------------------------------------------------- checkpoints
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint of ``bench/qwen4_checkpoint.py``."""
+
+    name: str
+    layers: int
+    ngram_vocab_base: int
+    dtype: str = "bf16"
+    twin_of: str | None = None  # FP8: the twin of this BF16 checkpoint (same numbers)
+
+    @property
+    def family(self) -> str:
+        """Checkpoints of one family hold the same numbers (an FP8 twin included),
+        so a stock run of one is a reference for the others."""
+        return f"{self.layers}L-{self.ngram_vocab_base}"
+
+    def args(self, work: Path) -> list[str]:
+        """``bench/qwen4_checkpoint.py``'s arguments, but ``--out`` and ``--device``."""
+        if self.twin_of:
+            return ["--twin-of", str(work / "ckpt" / self.twin_of)]
+        return [
+            "--layers",
+            str(self.layers),
+            "--ngram-vocab-base",
+            str(self.ngram_vocab_base),
+            "--dtype",
+            self.dtype,
+        ]
+
+
+CHECKPOINTS = {
+    c.name: c
+    for c in (
+        Checkpoint("small-bf16", 4, 100_000),  # two tables of 0.51 GB: mmap
+        Checkpoint("small-fp8", 4, 100_000, "fp8", twin_of="small-bf16"),
+        Checkpoint("large-bf16", 4, 1_100_000),  # two of 5.6 GB: 10.5 GiB, --io direct
+        Checkpoint("deep-bf16", 16, 550_000),  # four of 2.8 GB: 10.5 GiB
+        Checkpoint("deepsmall-bf16", 16, 100_000),  # the deep trunk on mmap
+    )
+}
+CHECKPOINT_WORDS = {
+    "fp8": "small-fp8",
+    "large": "large-bf16",
+    "deep": "deep-bf16",
+    "deepsmall": "deepsmall-bf16",
+}
+
+
+# ----------------------------------------------------------------------- cells
+class CellError(ValueError):
+    """A cell name that does not describe a cell that can run."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    api: str = "generate"  # generate | serve
+    backend: str = "stock"  # stock | offload | shm
+    mode: str = "default"  # eager | piecewise | default
+    checkpoint: str = "small-bf16"
+    route: str = "gpu"  # shm: gpu | host
+    io: str = "mmap"  # shm: mmap | direct
+    cache_size: str | None = None  # shm direct: the row cache
+    prompt_ahead: bool = True
+    multiproc: bool = True
+    exact_runs: int = 3
+    throughput_reps: int = 0
+    instance: int = 1
+
+    @property
+    def shm(self) -> bool:
+        return self.backend == "shm"
+
+    @property
+    def stock(self) -> bool:
+        return self.backend == "stock"
+
+    def reference_key(self) -> str:
+        """Stock runs of this key are the references of a shm cell of it."""
+        family = CHECKPOINTS[self.checkpoint].family
+        return f"{self.api}/{self.mode}/{family}/{'mp' if self.multiproc else 'mp0'}"
+
+    def env(self, socket: str | None = None) -> dict[str, str]:
+        """The environment the engine starts with (beside the host's)."""
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.multiproc else "0"}
+        if self.shm:
+            env["VLLM_PLE_BACKEND"] = "shm"
+            if socket:
+                env["VLLM_PLE_SHM_SOCKET"] = socket
+            env["VLLM_PLE_SHM_GPU_PATH"] = "off" if self.route == "host" else "auto"
+            if not self.prompt_ahead:
+                env["VLLM_PLE_SHM_PROMPT_AHEAD"] = "off"
+        return env
+
+    def server_args(self) -> list[str]:
+        """ple-server's flags beside ``--model`` and ``--socket``."""
+        if not self.shm:
+            return []
+        args = ["--io", self.io, "--prewarm", "none", "--hotset-save-interval", "0"]
+        if self.io == "direct":
+            args += ["--cache-size", self.cache_size or DIRECT_CACHE]
+        return args
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "reference_key": self.reference_key()}
+
+
+MODES = ("eager", "piecewise", "default")
+BACKENDS = ("stock", "offload", "shm")
+
+
+def parse_cell(name: str) -> Cell:
+    """The cell a name describes (module docstring); CellError names what is wrong."""
+    base, _, instance = name.partition("#")
+    fields: dict = {"name": name}
+    if instance:
+        if not instance.isdigit() or int(instance) < 1:
+            raise CellError(f"{name}: '#{instance}' must be a positive instance number")
+        fields["instance"] = int(instance)
+    seen_backend = seen_mode = False
+    for word in base.split("-"):
+        if word in BACKENDS:
+            if seen_backend:
+                raise CellError(f"{name}: two backends; a cell has one of {BACKENDS}")
+            fields["backend"], seen_backend = word, True
+        elif word in MODES:
+            if seen_mode:
+                raise CellError(f"{name}: two graph modes; a cell has one of {MODES}")
+            fields["mode"], seen_mode = word, True
+        elif word == "serve":
+            fields["api"] = "serve"
+        elif word == "host":
+            fields["route"] = "host"
+        elif word == "direct":
+            fields["io"] = "direct"
+            fields["cache_size"] = DIRECT_CACHE
+        elif word == "nopa":
+            fields["prompt_ahead"] = False
+        elif word in CHECKPOINT_WORDS:
+            fields["checkpoint"] = CHECKPOINT_WORDS[word]
+        elif word == "mp0":
+            fields["multiproc"] = False
+        elif word == "noexact":
+            fields["exact_runs"] = 0
+        elif m := re.fullmatch(r"x(\d+)", word):
+            fields["exact_runs"] = int(m[1])
+        elif m := re.fullmatch(r"tp(\d*)", word):
+            fields["throughput_reps"] = int(m[1] or 3)
+        else:
+            raise CellError(
+                f"{name}: unknown word {word!r}; a cell name joins {BACKENDS}, {MODES}, "
+                "serve, host, direct, nopa, fp8/large/deep/deepsmall, mp0, x<N>, tp[<N>], "
+                "noexact (bench/vllm_cells.py)"
+            )
+    if not seen_backend:
+        raise CellError(f"{name}: no backend; name one of {BACKENDS}")
+    cell = Cell(**fields)
+    problem = cell_problem(cell)
+    if problem:
+        raise CellError(f"{name}: {problem}")
+    return cell
+
+
+def cell_problem(cell: Cell) -> str | None:
+    """Why a cell cannot run as named, or None."""
+    if not cell.shm and (cell.route != "gpu" or cell.io != "mmap" or not cell.prompt_ahead):
+        return "host, direct and nopa are ple-server settings: they need the shm backend"
+    if cell.shm and cell.route == "host" and cell.mode == "default":
+        return (
+            "the host route under vLLM's default full CUDA graphs is refused by the plugin "
+            "at start (docs/VLLM.md, Supported compilation settings); use eager or piecewise"
+        )
+    if cell.exact_runs == 0 and cell.throughput_reps == 0:
+        return "neither exact runs nor throughput: it would measure nothing"
+    return None
+
+
+PLANS: dict[str, list[str]] = {
+    # Session 1, call 1 (fresh host: install and first compiles): ≈ 520 s
+    "exact-1": ["stock-eager", "shm-eager", "shm-eager-host", "stock-eager#2"],
+    # call 2: vLLM's default graphs, and whether mp0 makes stock reproducible: ≈ 530 s
+    "exact-2": ["stock-default", "shm-default", "stock-default-mp0-x10", "stock-default#2"],
+    # call 3: piecewise, FP8, prompt-ahead off, the mp0 shm cell: ≈ 530 s
+    "exact-3": [
+        "shm-default-mp0",
+        "shm-default-fp8",
+        "shm-piecewise-host",
+        "stock-piecewise",
+        "shm-default-nopa",
+    ],
+    # vllm serve with the openai client
+    "serve": ["serve-stock-default", "serve-shm-default", "serve-stock-default#2"],
+    # Session 2: the benchmark on the 4-layer trunk, 10.5 GiB tables
+    "bench-1": [
+        "stock-default-large-tp",
+        "shm-default-direct-large-tp",
+        "offload-default-large-tp",
+    ],
+    # small tables on mmap, and the deep trunk
+    "bench-2": ["stock-default-tp", "shm-default-tp", "stock-default-deep-tp"],
+    "bench-3": ["shm-default-direct-deep-tp", "offload-default-deep-tp", "stock-default-deep-tp#2"],
+}
+
+
+def expand(spec: str | Iterable[str]) -> list[Cell]:
+    """Cells of a comma-separated list of cell names and plan names."""
+    words = spec.split(",") if isinstance(spec, str) else list(spec)
+    cells: list[Cell] = []
+    for word in (w.strip() for w in words):
+        if not word:
+            continue
+        for name in PLANS.get(word, [word]):
+            cells.append(parse_cell(name))
+    names = [c.name for c in cells]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise CellError(f"cells named twice: {twice}; add #2 for a second engine of a cell")
+    return cells
+
+
+def checkpoints_needed(cells: Iterable[Cell]) -> list[Checkpoint]:
+    """The checkpoints the cells load, each after the one it is the twin of."""
+    names: list[str] = []
+    for cell in cells:
+        ck = CHECKPOINTS[cell.checkpoint]
+        for name in ([ck.twin_of] if ck.twin_of else []) + [ck.name]:
+            if name not in names:
+                names.append(name)
+    return [CHECKPOINTS[n] for n in names]
+
+
+# ----------------------------------------------------------------------- costs
+@dataclass(frozen=True)
+class Costs:
+    """Expected seconds of a cell's parts, from the H200 runs of
+    ``../shared/gpu-vllm/README.md``; a start measured on this host replaces the
+    guess for its API and mode (``History``)."""
+
+    engine_start_s: dict[str, float] = field(
+        default_factory=lambda: {"eager": 80.0, "piecewise": 95.0, "default": 95.0}
+    )
+    first_start_extra_s: float = 140.0  # a fresh host: Triton and CuTe DSL compile (≈ 220 s)
+    first_compile_extra_s: float = 30.0  # the host's first torch.compile (default, piecewise)
+    serve_extra_s: float = 15.0  # vllm serve's API server and readiness
+    server_start_s: float = 5.0  # ple-server, nothing prewarmed
+    exact_run_s: float = 4.0  # 8 prompts (2.9 k + 7 short), 32 tokens
+    tp_rep_s: float = 12.0  # concurrency 1, 8, 32 × 512 tokens at stock's rates, plus prefill
+    disk_factor: float = 1.7  # --io direct decode: 0.45–1.0 × stock
+    resident_s_per_gib: float = 2.0  # tables read into GPU or pinned memory at load
+    teardown_s: float = 10.0  # ending the process group, writing the JSON
+    margin_s: float = 15.0  # kept free before the deadline
+
+
+@dataclass
+class History:
+    """Engine starts measured on this host (``<work>/history.json``): whether
+    the host has compiled vLLM's kernels yet, and how long a start took."""
+
+    starts: list[dict] = field(default_factory=list)  # {"api", "mode", "seconds"}
+
+    @classmethod
+    def load(cls, path: Path) -> History:
+        try:
+            return cls(json.loads(path.read_text())["starts"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return cls()
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"starts": self.starts}, indent=1))
+
+    def record(self, api: str, mode: str, seconds: float) -> None:
+        self.starts.append({"api": api, "mode": mode, "seconds": round(seconds, 1)})
+
+    def measured(self, api: str, mode: str) -> float | None:
+        seen = [s["seconds"] for s in self.starts if s["api"] == api and s["mode"] == mode]
+        return max(seen) if seen else None
+
+
+def expected_seconds(cell: Cell, costs: Costs, history: History, table_gib: float = 0.0) -> float:
+    """What a cell is expected to take, start to end."""
+    measured = history.measured(cell.api, cell.mode)
+    if measured is not None:
+        start = 1.05 * measured
+    else:
+        start = costs.engine_start_s[cell.mode] + (cell.api == "serve") * costs.serve_extra_s
+        if not history.starts:
+            start += costs.first_start_extra_s
+        if cell.mode != "eager" and not any(s["mode"] != "eager" for s in history.starts):
+            start += costs.first_compile_extra_s
+    if not cell.shm:
+        start += costs.resident_s_per_gib * table_gib
+    else:
+        start += costs.server_start_s
+    rep = costs.tp_rep_s * (costs.disk_factor if cell.io == "direct" else 1.0)
+    return (
+        start + cell.exact_runs * costs.exact_run_s + cell.throughput_reps * rep + costs.teardown_s
+    )
+
+
+@dataclass(frozen=True)
+class Decision:
+    run: bool
+    expected_s: float
+    left_s: float
+    reason: str
+
+
+def decide(
+    cell: Cell, left_s: float, costs: Costs, history: History, table_gib: float = 0.0
+) -> Decision:
+    """Run the cell only when it is expected to end before the deadline."""
+    expected = expected_seconds(cell, costs, history, table_gib)
+    usable = left_s - costs.margin_s
+    if expected > usable:
+        return Decision(
+            False,
+            expected,
+            left_s,
+            f"skipped: expected {expected:.0f} s, {max(usable, 0):.0f} s left before the "
+            f"deadline (raise DEADLINE_S, or run it first in the next call)",
+        )
+    return Decision(True, expected, left_s, f"expected {expected:.0f} s of {usable:.0f} s left")
+
+
+def plan_text(
+    cells: list[Cell], deadline_s: float, costs: Costs, history: History, spent_s: float = 0.0
+) -> str:
+    """The expected timeline of a call (``vllm_real.py plan``) whose first
+    ``spent_s`` seconds went to the install and the checkpoints."""
+    lines, clock = [f"{'(install, checkpoints)':<36} {spent_s:>5.0f} s"], spent_s
+    history = History(list(history.starts))
+    for cell in cells:
+        gib = table_gib_estimate(cell.checkpoint)
+        d = decide(cell, deadline_s - clock, costs, history, gib)
+        if d.run:
+            clock += d.expected_s
+            history.record(cell.api, cell.mode, costs.engine_start_s[cell.mode])
+            lines.append(f"{cell.name:<36} {d.expected_s:>5.0f} s  ends at {clock:>5.0f} s")
+        else:
+            lines.append(f"{cell.name:<36} {d.expected_s:>5.0f} s  {d.reason}")
+    return "\n".join(lines)
+
+
+def table_gib_estimate(checkpoint: str) -> float:
+    """PLE tables of a checkpoint, GiB (16 heads × base rows × 160 columns)."""
+    ck = CHECKPOINTS[checkpoint]
+    tables = len({4: (2, 3), 16: (2, 6, 10, 14)}[ck.layers])
+    row_bytes = 160 * (1 if ck.dtype == "fp8" else 2)
+    return tables * 16 * ck.ngram_vocab_base * row_bytes / 2**30
+
+
+# --------------------------------------------------------------------- prompts
+@dataclass(frozen=True)
+class Prose:
+    """Real English text and where it came from."""
+
+    documents: tuple[tuple[str, str], ...]  # (name, text)
+    source: str
+
+    @property
+    def text(self) -> str:
+        return "\n\n".join(text for _, text in self.documents)
+
+
+EXACT_TOPICS = ("execmodel", "exceptions", "truth", "if", "while", "for", "try", "with")
+
+
+def prose() -> Prose:
+    """The Python language reference's topics (``pydoc_data.topics``, which ships
+    with Python: the GPU host has no network), sorted by name; the exact
+    prompts come from ``EXACT_TOPICS`` first. Without pydoc_data, the
+    repository's own documentation."""
+    try:
+        import pydoc_data.topics as topics
+
+        docs = tuple((name, topics.topics[name]) for name in sorted(topics.topics))
+        return Prose(docs, f"pydoc_data.topics of Python {sys.version.split()[0]}")
+    except ImportError:
+        root = Path(__file__).resolve().parent.parent
+        docs = tuple(
+            (p.name, p.read_text(errors="replace")) for p in sorted((root / "docs").glob("*.md"))
+        )
+        return Prose(docs, "the repository's docs/*.md")
+
+
+def tokens_of(text: str) -> list[int]:
+    """The byte-level tokenizer of ``bench/qwen4_checkpoint.py``: id = byte."""
+    return list(text.encode("utf-8"))
+
+
+def exact_prompts(p: Prose) -> list[list[int]]:
+    """8 prompts: the first 2 900 tokens of one topic (several prefill chunks),
+    then 7 of 100–400 tokens."""
+    by_name = dict(p.documents)
+    names = [n for n in EXACT_TOPICS if n in by_name]
+    names += [n for n, _ in p.documents if n not in names]
+    lengths = [LONG_PROMPT_TOKENS, 100, 150, 200, 250, 300, 350, 400]
+    prompts = []
+    for name, length in zip(names, lengths, strict=False):
+        ids = tokens_of(by_name[name])
+        prompts.append(ids[:length])
+    return prompts
+
+
+def throughput_prompts(p: Prose, rep: int, concurrency: int) -> list[list[int]]:
+    """``concurrency`` prompts of 256 tokens, text no other (rep, concurrency)
+    of the run reads: windows of the whole text after the exact prompts'."""
+    ids = tokens_of(p.text)
+    slot = sum(CONCURRENCY) * rep + sum(c for c in CONCURRENCY if c < concurrency)
+    start = 8 * LONG_PROMPT_TOKENS + slot * TP_PROMPT_TOKENS
+    out = []
+    for i in range(concurrency):
+        a = (start + i * TP_PROMPT_TOKENS) % max(1, len(ids) - TP_PROMPT_TOKENS)
+        out.append(ids[a : a + TP_PROMPT_TOKENS])
+    return out
+
+
+def prompts_digest(prompts: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------- server figures
+SERVER_COUNTERS = (
+    "requests",
+    "rows",
+    "hits",
+    "misses",
+    "reads",
+    "read_bytes",
+    "hints_received",
+    "hints_read",
+)
+
+
+def server_counters(snapshot: dict) -> dict:
+    """The counters of a ``PleClient.query_stats`` snapshot this bench uses,
+    summed over the tables, and the request-time histogram's buckets."""
+    out = dict.fromkeys(SERVER_COUNTERS, 0)
+    buckets: list[int] = []
+    io_known = False
+    for t in snapshot.get("tables", []):
+        out["requests"] += t.get("requests", 0)
+        out["rows"] += t.get("rows", 0)
+        out["hints_received"] += t.get("hints_received", 0) or 0
+        out["hints_read"] += t.get("hints_read", 0) or 0
+        io = t.get("io") or {}
+        if io.get("hit_rate") is not None or io.get("reads"):
+            io_known = True
+        for key in ("hits", "misses", "reads", "read_bytes"):
+            out[key] += io.get(key, 0) or 0
+        b = t.get("server_time", {}).get("buckets", [])
+        buckets = [x + y for x, y in zip(buckets, b, strict=True)] if buckets else list(b)
+    out["buckets"] = buckets
+    out["io_known"] = io_known
+    return out
+
+
+def server_delta(before: dict, after: dict, cpu_s: float, wall_s: float) -> dict:
+    """What the server did between two ``server_counters``: the raw counts, kept
+    so that measurements can be summed before figures are taken."""
+    delta = {k: after[k] - before[k] for k in SERVER_COUNTERS}
+    delta["buckets"] = [a - b for a, b in zip(after["buckets"], before["buckets"], strict=True)]
+    delta["io_known"] = after["io_known"]
+    delta["cpu_s"] = cpu_s
+    delta["wall_s"] = wall_s
+    return delta
+
+
+def add_deltas(deltas: list[dict]) -> dict | None:
+    deltas = [d for d in deltas if d]
+    if not deltas:
+        return None
+    total = {k: sum(d[k] for d in deltas) for k in (*SERVER_COUNTERS, "cpu_s", "wall_s")}
+    total["buckets"] = [sum(col) for col in zip(*(d["buckets"] for d in deltas), strict=True)]
+    total["io_known"] = any(d["io_known"] for d in deltas)
+    return total
+
+
+def bucket_quantile(buckets: list[int], q: float) -> float | None:
+    """The upper bound (seconds) of the bucket holding quantile ``q`` of the
+    server's request-time histogram (``pleserver.stats.BUCKETS_S``)."""
+    from pleserver.stats import BUCKETS_S
+
+    total = sum(buckets)
+    if not total:
+        return None
+    seen = 0
+    for i, c in enumerate(buckets):
+        seen += c
+        if c and seen >= q * total:
+            return BUCKETS_S[i] if i < len(BUCKETS_S) else math.inf
+    return math.inf
+
+
+def server_figures(delta: dict | None) -> dict:
+    """Hit rate, miss reads/s, lookup p50/p99 and CPU per row of a delta."""
+    if not delta:
+        return {}
+    wall = delta["wall_s"] or math.nan
+    looked = delta["hits"] + delta["misses"]
+    return {
+        "rows": delta["rows"],
+        "hit_rate": delta["hits"] / looked if delta["io_known"] and looked else None,
+        "misses_per_s": delta["misses"] / wall if delta["io_known"] else None,
+        "reads_per_s": delta["reads"] / wall if delta["io_known"] else None,
+        "lookup_p50_s": bucket_quantile(delta["buckets"], 0.5),
+        "lookup_p99_s": bucket_quantile(delta["buckets"], 0.99),
+        "cpu_s": delta["cpu_s"],
+        "cpu_us_per_miss": (
+            1e6 * delta["cpu_s"] / delta["misses"]
+            if delta["io_known"] and delta["misses"]
+            else None
+        ),
+        "cpu_us_per_row": 1e6 * delta["cpu_s"] / delta["rows"] if delta["rows"] else None,
+        "hints_received": delta["hints_received"],
+        "hints_read": delta["hints_read"],
+    }
+
+
+# ------------------------------------------------------------------- the figures
+def spread(values: list[float]) -> dict | None:
+    """min / median / max of repetitions."""
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return None
+    return {
+        "n": len(values),
+        "min": min(values),
+        "median": statistics.median(values),
+        "max": max(values),
+    }
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (no interpolation: a figure that was measured)."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+def throughput_figures(reps: list[dict]) -> dict[int, dict]:
+    """Per concurrency: tokens/s spread over repetitions, TTFT and TPOT p50/p99
+    over every request of them, server figures over their sum (and of the
+    first repetition alone: the cold one on a fresh server)."""
+    out: dict[int, dict] = {}
+    for c in sorted({r["concurrency"] for r in reps}):
+        rs = [r for r in reps if r["concurrency"] == c and r.get("tok_s") is not None]
+        ttft = [x for r in rs for x in r.get("ttft_s") or [] if x is not None]
+        tpot = [x for r in rs for x in r.get("tpot_s") or [] if x is not None]
+        out[c] = {
+            "tok_s": spread([r["tok_s"] for r in rs]),
+            "tok_s_each": [r["tok_s"] for r in rs],
+            "ttft_p50_s": percentile(ttft, 0.5),
+            "ttft_p99_s": percentile(ttft, 0.99),
+            "tpot_p50_s": percentile(tpot, 0.5),
+            "tpot_p99_s": percentile(tpot, 0.99),
+            "server": server_figures(add_deltas([r.get("server") for r in rs])),
+            "server_first": server_figures(rs[0].get("server")) if rs else {},
+        }
+    return out
+
+
+# -------------------------------------------------------------------- summary
+def load_cells(dirs: Iterable[Path]) -> list[dict]:
+    """Every cell JSON under the directories, once each (a cell copied to two
+    places counts once: its run id and name)."""
+    seen: dict[tuple, dict] = {}
+    for d in dirs:
+        for path in sorted(Path(d).glob("**/*.json")):
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(data, dict) and data.get("format") == CELL_FORMAT:
+                seen.setdefault((data.get("run_id"), data.get("name")), data)
+    return sorted(seen.values(), key=lambda d: (d.get("run_id") or "", d.get("order", 0)))
+
+
+def judgments(cells: list[dict]) -> dict[str, dict]:
+    """Every shm cell's exact runs, judged against the stock runs of its
+    reference key (all runs loaded); per cell: verdicts and a one-line result."""
+    from vllm_exact import Outcome, distinct_outcomes, judge
+
+    stock: dict[tuple[str, str], list[Outcome]] = {}
+    for c in cells:
+        if c["cell"]["backend"] == "stock":
+            exact = c.get("exact") or {}
+            for run in exact.get("runs", []):
+                o = Outcome.from_json(run)
+                stock.setdefault((c["cell"]["reference_key"], o.prompts_digest), []).append(o)
+    out: dict[str, dict] = {}
+    for c in cells:
+        key = _cell_key(c)
+        runs = [Outcome.from_json(r) for r in (c.get("exact") or {}).get("runs", [])]
+        if not runs:
+            continue
+        if c["cell"]["backend"] != "shm":
+            out[key] = {
+                "line": f"{c['cell']['backend']}: {len(runs)} runs, "
+                f"{distinct_outcomes(runs)} distinct outcome(s)",
+                "verdicts": [],
+            }
+            continue
+        refs = stock.get((c["cell"]["reference_key"], runs[0].prompts_digest), [])
+        if len(refs) < 2:
+            out[key] = {
+                "line": f"no verdict: {len(refs)} stock run(s) of "
+                f"{c['cell']['reference_key']} (2 needed)",
+                "verdicts": [],
+            }
+            continue
+        verdicts = [judge(refs, r) for r in runs]
+        passed = sum(v.passed for v in verdicts)
+        same = sum(v.how == "identical" for v in verdicts)
+        worst = next((v for v in verdicts if not v.passed), verdicts[0])
+        word = "PASS" if passed == len(verdicts) else "FAIL"
+        out[key] = {
+            "line": f"{word} {passed}/{len(verdicts)} ({same} identical to a stock run; "
+            f"{len(refs)} stock runs, {verdicts[0].stock_outcomes} distinct)"
+            + ("" if word == "PASS" else f": {worst.detail}"),
+            "verdicts": [v.to_json() for v in verdicts],
+        }
+    return out
+
+
+def _cell_key(c: dict) -> str:
+    return f"{c.get('run_id', '?')}/{c['name']}"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def _num(x: float | None, fmt: str = ".0f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def summary(cells: list[dict]) -> str:
+    """The tables a run prints at its end (``vllm_real.py summary`` for any set
+    of cell JSONs)."""
+    lines = ["== cells"]
+    lines.append(f"{'cell':<40} {'status':<8} {'start s':>8} {'total s':>8}  note")
+    for c in cells:
+        t = c.get("times") or {}
+        note = c.get("error") or c.get("reason") or ""
+        lines.append(
+            f"{c['name']:<40} {c.get('status', '?'):<8} {_num(t.get('engine_start_s')):>8} "
+            f"{_num(t.get('total_s')):>8}  {note[:100]}"
+        )
+    verdicts = judgments(cells)
+    if verdicts:
+        lines += ["", "== exactness (shm against every stock run of its reference)"]
+        for c in cells:
+            v = verdicts.get(_cell_key(c))
+            if v:
+                lines.append(f"{c['name']:<40} {c['cell']['reference_key']:<30} {v['line']}")
+    tp = [c for c in cells if (c.get("throughput") or {}).get("reps")]
+    if tp:
+        stock_median = _stock_medians(tp)
+        lines += [
+            "",
+            "== throughput (output tok/s median [min-max] over repetitions; TTFT/TPOT ms "
+            "p50/p99 over requests; server over the repetitions)",
+            f"{'cell':<34} {'c':>3} {'tok/s':>7} {'[min-max]':>13} {'×stock':>6} "
+            f"{'TTFT p50/p99':>15} {'TPOT p50/p99':>13} {'hit %':>6} {'miss/s':>8} "
+            f"{'lookup p50/p99 ms':>17} {'cpu µs/miss':>11}",
+        ]
+        for c in tp:
+            figures = throughput_figures(c["throughput"]["reps"])
+            for conc, f in figures.items():
+                s, srv = f["tok_s"] or {}, f["server"]
+                base = stock_median.get((c["cell"]["reference_key"], conc))
+                ratio = (
+                    f"{s['median'] / base:.2f}"
+                    if s and base and c["cell"]["backend"] != "stock"
+                    else ""
+                )
+                lines.append(
+                    f"{c['name']:<34} {conc:>3} {_num(s.get('median')):>7} "
+                    f"{'[' + _num(s.get('min')) + '-' + _num(s.get('max')) + ']':>13} "
+                    f"{ratio:>6} "
+                    f"{_ms(f['ttft_p50_s']) + '/' + _ms(f['ttft_p99_s']):>15} "
+                    f"{_ms(f['tpot_p50_s']) + '/' + _ms(f['tpot_p99_s']):>13} "
+                    f"{_pct(srv.get('hit_rate')):>6} {_num(srv.get('misses_per_s')):>8} "
+                    f"{_ms(srv.get('lookup_p50_s')) + '/' + _ms(srv.get('lookup_p99_s')):>17} "
+                    f"{_num(srv.get('cpu_us_per_miss'), '.1f'):>11}"
+                )
+    return "\n".join(lines)
+
+
+def _stock_medians(cells: list[dict]) -> dict[tuple[str, int], float]:
+    """Median tok/s of the stock cells per (reference key, concurrency), over
+    every repetition of every stock engine of that key."""
+    pooled: dict[tuple[str, int], list[float]] = {}
+    for c in cells:
+        if c["cell"]["backend"] != "stock":
+            continue
+        for r in c["throughput"]["reps"]:
+            if r.get("tok_s") is not None:
+                key = (c["cell"]["reference_key"], r["concurrency"])
+                pooled.setdefault(key, []).append(r["tok_s"])
+    return {k: statistics.median(v) for k, v in pooled.items()}

@@ -1,0 +1,1024 @@
+#!/usr/bin/env python3
+"""Real vLLM 0.33 on the GPU host: stock against ``VLLM_PLE_BACKEND=shm``, cell by cell.
+
+``bench/device_vllm.sh`` runs this on the GPU host after ``. .gpu-bundle/site.sh``
+(``../shared/gpu-vllm/README.md``); the cells, their names and what they measure
+are in ``bench/vllm_cells.py``, the exactness rule in ``bench/vllm_exact.py``.
+
+``run`` is the coordinator. It imports neither torch nor vLLM, and for each cell
+
+1. decides whether the cell fits before the deadline (``--t0`` + ``--deadline-s``;
+   its expected cost from ``vllm_cells.Costs`` and the starts measured on this
+   host so far, ``<work>/history.json``) and otherwise records it as skipped,
+   saying why;
+2. starts ``vllm_real.py cell NAME`` in a process group of its own (``setsid``):
+   the cell starts its ple-server (``python -m pleserver.cli serve --model …
+   --socket … --io mmap|direct [--cache-size 1G]``, through
+   ``pleserver.launcher``, with a state directory that does not exist, so every
+   server starts cold and saves no hot set), then the engine, and writes its
+   JSON after every measurement;
+3. ends the whole group when the cell returns or its time is up (SIGTERM, then
+   SIGKILL): a finished ``LLM``'s engine core otherwise keeps about 70 GB of GPU
+   memory and the next engine fails. The coordinator is a child subreaper, so an
+   engine process that left the group is still found (as its child) and ended;
+   then it waits for the GPU's memory to be given back;
+4. adds what it saw (times, exit code, the log's tail) to the cell's JSON:
+   ``<out>/cells/<name>.json``, and a copy under ``<work>/cells/`` that later
+   calls on the same host read as references.
+
+At the start, where a cell reads tables with ``--io direct``, the disk is probed
+(4 KiB ``O_DIRECT`` random reads at queue depth 1 and 128 over the table files:
+``pleserver doctor``'s probe) into ``<out>/run.json``. At the end the summary
+(cells, exactness verdicts, throughput) of every cell of this call and of the
+earlier calls on the host is printed, and written to ``<out>/summary.txt``.
+
+    python bench/vllm_real.py plan --cells exact-1           # the expected timeline
+    python bench/vllm_real.py run --cells stock-eager,shm-eager --work /tmp/vllm-real --out $OUT
+    python bench/vllm_real.py summary fetched/cells          # any set of cell JSONs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import datetime
+import json
+import logging
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from vllm_cells import (
+    CELL_FORMAT,
+    CONCURRENCY,
+    EXACT_TOKENS,
+    TP_OUTPUT_TOKENS,
+    Cell,
+    CellError,
+    Costs,
+    History,
+    checkpoints_needed,
+    decide,
+    exact_prompts,
+    expand,
+    load_cells,
+    parse_cell,
+    plan_text,
+    prompts_digest,
+    prose,
+    server_counters,
+    server_delta,
+    summary,
+    table_gib_estimate,
+    throughput_prompts,
+)
+
+log = logging.getLogger("bench.vllm_real")
+
+BENCH = Path(__file__).resolve().parent
+RUN_FORMAT = "vllm-real-run/1"
+MODEL_NAME = "qwen4-exp"
+ENGINE = {
+    "max_num_seqs": 32,
+    "max_num_batched_tokens": 512,
+    "gpu_memory_utilization": 0.5,
+    "max_model_len": 4096,
+}
+LOGPROBS = 5
+GROUP_GRACE_S = 10.0  # SIGTERM to SIGKILL
+GPU_FREE_WAIT_S = 20.0
+GPU_FREE_SLACK_MIB = 1024  # given back: within this much of the use before the first cell
+LOG_TAIL_CHARS = 4000
+OUT_LOG_BYTES = 256 * 1024  # the part of a cell's log that goes to $OUT
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def file_stem(name: str) -> str:
+    """A cell's name as a file name of plain characters ('#2' → '_2')."""
+    return name.replace("#", "_")
+
+
+# ===================================================================== the host
+def machine() -> dict:
+    """The host, as a reader of the figures needs it (bench/lookup.py has the
+    same, but importing it puts this checkout's packages first on sys.path, and
+    on the GPU host only the installed ones have their native modules)."""
+    info: dict = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "cores": os.cpu_count(),
+    }
+    try:
+        with open("/proc/meminfo") as f:
+            total = next(line for line in f if line.startswith("MemTotal:"))
+        info["ram_gib"] = round(int(total.split()[1]) / 2**20, 1)
+    except (OSError, StopIteration):
+        pass
+    gpu = _nvidia_smi("--query-gpu=name,driver_version,memory.total", "--format=csv,noheader")
+    if gpu:
+        info["gpu"] = gpu.strip().splitlines()
+    return info
+
+
+def source() -> dict:
+    """The commit measured: ``git`` where the tree is a checkout, else ``$COMMIT``
+    (the device copy of a working tree has no .git)."""
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(BENCH.parent), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"commit": commit or os.environ.get("COMMIT") or None}
+
+
+def _nvidia_smi(*args: str) -> str | None:
+    try:
+        r = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def gpu_used_mib() -> int | None:
+    out = _nvidia_smi("--query-gpu=memory.used", "--format=csv,noheader,nounits")
+    try:
+        return sum(int(x) for x in out.split()) if out else None
+    except ValueError:
+        return None
+
+
+def probe_disk(model_dir: Path, seconds: float = 2.0) -> dict:
+    """``pleserver doctor``'s disk probe over the table files: 4 KiB random reads
+    at queue depth 1 and 128, O_DIRECT where the file system takes it; the mean
+    latency is queue depth / rate (Little's law)."""
+    from pleclient.checkpoint import discover_tables
+    from pleserver import doctor
+
+    files = sorted({p for t in discover_tables(str(model_dir), fingerprint=False) for p in t.files})
+    direct = doctor.check_o_direct(files).status == "ok"
+    engine = "io_uring" if doctor.check_io_uring().status == "ok" else "threads"
+    finding = doctor.check_disk(files, seconds, (1, 128), direct, engine)
+    results = finding.data["results"]
+    for r in results:
+        r["mean_latency_s"] = r["queue_depth"] / r["reads_per_s"] if r["reads_per_s"] else None
+    return {"model": str(model_dir), "summary": finding.summary, "results": results}
+
+
+# ============================================================== the coordinator
+def process_table() -> dict[int, tuple[int, int, str]]:
+    """pid → (ppid, process group, state) of every process."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        table[int(entry)] = (int(fields[1]), int(fields[2]), fields[0])
+    return table
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group."""
+    return [pid for pid, (_, g, state) in process_table().items() if g == pgid and state != "Z"]
+
+
+def become_subreaper() -> bool:
+    """Orphans of the cells become our children (PR_SET_CHILD_SUBREAPER), so an
+    engine process that left its group is still found and ended."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def end_group(proc: subprocess.Popen, grace_s: float | None = None) -> dict:
+    """End a cell's process group (its leader is ``proc``): SIGTERM, SIGKILL
+    after ``grace_s`` (``GROUP_GRACE_S``); then any child of ours left over (an
+    orphan the subreaper took). What it took, for the cell's JSON."""
+    grace_s = GROUP_GRACE_S if grace_s is None else grace_s
+    pgid = proc.pid
+    seen = len(group_members(pgid))
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()
+        if not group_members(pgid):
+            break
+        time.sleep(0.1)
+    killed = group_members(pgid)
+    if killed:
+        _signal_group(pgid, signal.SIGKILL)
+        end = time.monotonic() + 5.0
+        while group_members(pgid) and time.monotonic() < end:
+            time.sleep(0.1)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    orphans = [
+        pid
+        for pid, (ppid, _, state) in process_table().items()
+        if ppid == os.getpid() and pid != proc.pid and state != "Z"
+    ]
+    for pid in orphans:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _reap_children()
+    return {"processes": seen, "sigkilled": len(killed), "orphans_killed": len(orphans)}
+
+
+def _reap_children() -> None:
+    """Collect every exited child (orphans the subreaper inherited included)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def wait_gpu_free(baseline_mib: int | None, timeout_s: float = GPU_FREE_WAIT_S) -> int | None:
+    """Wait until the GPU's used memory is back within ``GPU_FREE_SLACK_MIB`` of
+    ``baseline_mib`` (the ended engine's memory given back); the last reading
+    (None: no nvidia-smi)."""
+    end = time.monotonic() + timeout_s
+    used = gpu_used_mib()
+    if used is None or baseline_mib is None:
+        return used
+    while used > baseline_mib + GPU_FREE_SLACK_MIB and time.monotonic() < end:
+        time.sleep(1.0)
+        used = gpu_used_mib()
+    return used
+
+
+def cell_argv(cell: Cell, work: Path, out: Path, run_id: str, order: int, end_at: float) -> list:
+    return [
+        sys.executable,
+        str(BENCH / "vllm_real.py"),
+        "cell",
+        cell.name,
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+        "--run-id",
+        run_id,
+        "--order",
+        str(order),
+        "--end-at",
+        f"{end_at:.3f}",
+    ]
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _tail(path: Path, chars: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - chars))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def checkpoint_table_gib(work: Path, cell: Cell) -> float:
+    """The tables' GiB from the checkpoint's marker, else the estimate."""
+    try:
+        marker = json.loads((work / "ckpt" / cell.checkpoint / "bench-checkpoint.json").read_text())
+        return marker["table_bytes"] / 2**30
+    except (OSError, ValueError, KeyError):
+        return table_gib_estimate(cell.checkpoint)
+
+
+def run(
+    cells: list[Cell],
+    work: Path,
+    out: Path,
+    *,
+    t0: float,
+    deadline_s: float,
+    costs: Costs | None = None,
+    run_id: str | None = None,
+    probe: bool = True,
+    argv_of: Callable[..., list] = cell_argv,
+) -> list[dict]:
+    """Run the cells in order (module docstring); their JSONs."""
+    costs = costs or Costs()
+    run_id = run_id or time.strftime("%Y%m%d-%H%M%S")
+    for d in (out / "cells", out / "logs", work / "cells", work / "logs"):
+        d.mkdir(parents=True, exist_ok=True)
+    become_subreaper()
+    history_path = work / "history.json"
+    history = History.load(history_path)
+    info: dict = {
+        "format": RUN_FORMAT,
+        "run_id": run_id,
+        "cells": [c.name for c in cells],
+        "deadline_s": deadline_s,
+        "t0": t0,
+        "machine": machine(),
+        "source": source(),
+    }
+    direct = [c for c in cells if c.shm and c.io == "direct"]
+    if probe and direct:
+        model = work / "ckpt" / direct[0].checkpoint
+        try:
+            info["disk"] = probe_disk(model)
+            say(f"== disk: {info['disk']['summary']}")
+        except Exception as exc:  # the probe is a figure, not a precondition
+            info["disk"] = {"error": f"{type(exc).__name__}: {exc}"}
+            say(f"== disk probe failed: {exc}")
+    info["gpu_used_mib_before"] = baseline = gpu_used_mib()
+    _write_json(out / "run.json", info)
+    results = []
+    for order, cell in enumerate(cells):
+        left = t0 + deadline_s - time.time()
+        d = decide(cell, left, costs, history, checkpoint_table_gib(work, cell))
+        if not d.run:
+            say(f"== {cell.name}: {d.reason}")
+            record = {
+                "format": CELL_FORMAT,
+                "run_id": run_id,
+                "order": order,
+                "name": cell.name,
+                "cell": cell.to_json(),
+                "status": "skipped",
+                "reason": d.reason,
+                "coordinator": {"expected_s": d.expected_s, "left_s": d.left_s},
+            }
+            _write_json(out / "cells" / f"{file_stem(cell.name)}.json", record)
+            results.append(record)
+            continue
+        say(f"== {cell.name}: {d.reason}")
+        record = run_one(
+            cell, work, out, run_id, order, d.expected_s, t0 + deadline_s, argv_of, baseline
+        )
+        start = (record.get("times") or {}).get("engine_start_s")
+        if start is not None:
+            history.record(cell.api, cell.mode, start)
+            history.save(history_path)
+        say(
+            f"   {record.get('status')} in {record['coordinator']['wall_s']:.0f} s"
+            + (f": {record['error']}" if record.get("error") else "")
+        )
+        results.append(record)
+    text = summary(load_cells([out / "cells", work / "cells"]))
+    (out / "summary.txt").write_text(text + "\n")
+    say(text)
+    return results
+
+
+def run_one(
+    cell: Cell,
+    work: Path,
+    out: Path,
+    run_id: str,
+    order: int,
+    expected_s: float,
+    hard_end: float,
+    argv_of: Callable[..., list],
+    gpu_baseline_mib: int | None = None,
+) -> dict:
+    """One cell in its own process group, ended whatever happens; its JSON."""
+    stem = file_stem(cell.name)
+    log_path = work / "logs" / f"{run_id}-{stem}.log"
+    json_path = out / "cells" / f"{stem}.json"
+    kill_at = hard_end - 5.0
+    # The cell stops measuring in time to write its JSON and leave its teardown
+    # to the group's end before kill_at.
+    end_at = kill_at - 15.0
+    t = time.monotonic()
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(
+            argv_of(cell, work, out, run_id, order, end_at),
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        timed_out = False
+        try:
+            proc.wait(timeout=max(1.0, kill_at - time.time()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        ended = end_group(proc)
+    wall = time.monotonic() - t
+    try:
+        record = json.loads(json_path.read_text())
+    except (OSError, ValueError):
+        record = {
+            "format": CELL_FORMAT,
+            "run_id": run_id,
+            "order": order,
+            "name": cell.name,
+            "cell": cell.to_json(),
+            "status": "failed",
+            "error": "the cell wrote no JSON (see its log)",
+        }
+    if timed_out:
+        record["status"] = "killed"
+        record["error"] = (
+            f"still running at the deadline: its process group was ended after {wall:.0f} s "
+            f"(expected {expected_s:.0f} s); what it measured before is kept"
+        )
+    elif record.get("status") == "running":
+        record["status"] = "failed"
+        record.setdefault("error", f"exited with status {proc.returncode} mid-cell (see its log)")
+    record["coordinator"] = {
+        "expected_s": round(expected_s, 1),
+        "wall_s": round(wall, 1),
+        "exit_code": proc.returncode,
+        "ended": ended,
+        "gpu_used_mib_after": wait_gpu_free(gpu_baseline_mib),
+        "log": str(log_path),
+    }
+    if record.get("status") != "done":
+        record["log_tail"] = _tail(log_path, LOG_TAIL_CHARS)
+    _write_json(json_path, record)
+    _write_json(work / "cells" / f"{run_id}-{stem}.json", record)
+    (out / "logs" / f"{stem}.log").write_text(_tail(log_path, OUT_LOG_BYTES))
+    return record
+
+
+# ===================================================================== the cell
+class CellRecord:
+    """The cell's JSON, rewritten (atomically) after every step, so that a cell
+    ended at the deadline keeps what it measured."""
+
+    def __init__(self, path: Path, data: dict) -> None:
+        self.path = path
+        self.data = data
+        self.save()
+
+    def save(self) -> None:
+        _write_json(self.path, self.data)
+
+
+class Served:
+    """The cell's ple-server, and what the figures need of it."""
+
+    def __init__(self, model_dir: Path, cell: Cell, log_path: Path) -> None:
+        from pleserver.launcher import ServerLauncher
+
+        self._state = tempfile.mkdtemp(prefix="vllm-real-state-")
+        # A state directory that does not exist: no hot set is loaded or saved,
+        # so the server starts cold.
+        missing = os.path.join(self._state, "none")
+        self.args = [*cell.server_args(), "--state-dir", missing]
+        launcher = ServerLauncher(
+            model_dir, *self.args, log_level="INFO", log_path=log_path, die_with_parent=True
+        )
+        self.server = launcher.start()
+
+    @property
+    def socket(self) -> str:
+        return self.server.socket
+
+    @property
+    def pid(self) -> int:
+        return self.server.pid
+
+    def snapshot(self) -> dict:
+        from pleclient import PleClient
+
+        return PleClient.query_stats(self.socket)
+
+    def counters(self) -> dict:
+        return server_counters(self.snapshot())
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the server process, all its threads."""
+        with open(f"/proc/{self.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def close(self) -> None:
+        try:
+            self.server.close()
+        finally:
+            import shutil
+
+            shutil.rmtree(self._state, ignore_errors=True)
+
+
+def measured(served: Served | None, fn: Callable[[], dict]) -> dict:
+    """``fn()``'s result with the server's delta over it (where there is a server)."""
+    before = served.counters() if served else None
+    cpu0 = served.cpu_seconds() if served else 0.0
+    t = time.perf_counter()
+    result = fn()
+    wall = time.perf_counter() - t
+    if served and before is not None:
+        result["server"] = server_delta(
+            before, served.counters(), served.cpu_seconds() - cpu0, wall
+        )
+    return result
+
+
+def engine_kwargs(cell: Cell) -> dict:
+    """``LLM(...)``'s arguments for a cell (besides the model)."""
+    kwargs: dict = {
+        **ENGINE,
+        "enable_prefix_caching": False,  # every repetition computes its prompts
+        "disable_log_stats": False,  # RequestOutput.metrics: TTFT and TPOT
+        "seed": 0,
+        "engram_config": {"cpu_offload": cell.backend == "offload"},
+    }
+    if cell.mode == "eager":
+        kwargs["enforce_eager"] = True
+    elif cell.mode == "piecewise":
+        kwargs["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+    return kwargs
+
+
+def serve_argv(cell: Cell, model_dir: Path, port: int) -> list[str]:
+    """``vllm serve``'s command line for a cell: the same engine as ``engine_kwargs``."""
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL_NAME,
+        "--max-num-seqs",
+        str(ENGINE["max_num_seqs"]),
+        "--max-num-batched-tokens",
+        str(ENGINE["max_num_batched_tokens"]),
+        "--gpu-memory-utilization",
+        str(ENGINE["gpu_memory_utilization"]),
+        "--max-model-len",
+        str(ENGINE["max_model_len"]),
+        "--no-enable-prefix-caching",
+        "--seed",
+        "0",
+        "--engram-config",
+        json.dumps({"cpu_offload": cell.backend == "offload"}),
+    ]
+    if cell.mode == "eager":
+        argv.append("--enforce-eager")
+    elif cell.mode == "piecewise":
+        argv += ["--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"})]
+    return argv
+
+
+class GenerateEngine:
+    """``LLM.generate``: the offline engine, prompts as token ids."""
+
+    def __init__(self, cell: Cell, model_dir: Path) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(model=str(model_dir), **engine_kwargs(cell))
+
+    def _generate(self, prompts: list[list[int]], max_tokens: int, logprobs: int | None):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            logprobs=logprobs,
+            detokenize=False,
+        )
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        return self.llm.generate(inputs, params, use_tqdm=False)
+
+    def exact(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        outputs = self._generate(prompts, max_tokens, LOGPROBS)
+        tokens, logprobs = [], []
+        for o in outputs:
+            c = o.outputs[0]
+            tokens.append(list(c.token_ids))
+            logprobs.append(
+                [{str(t): lp.logprob for t, lp in pos.items()} for pos in (c.logprobs or [])]
+            )
+        return {"tokens": tokens, "logprobs": logprobs}
+
+    def throughput(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        t = time.perf_counter()
+        outputs = self._generate(prompts, max_tokens, None)
+        wall = time.perf_counter() - t
+        ttft, tpot, generated = [], [], 0
+        for o in outputs:
+            n = len(o.outputs[0].token_ids)
+            generated += n
+            m = getattr(o, "metrics", None)
+            if m is not None and getattr(m, "first_token_latency", 0):
+                ttft.append(m.first_token_latency)
+                if n > 1 and m.last_token_ts > m.first_token_ts:
+                    tpot.append((m.last_token_ts - m.first_token_ts) / (n - 1))
+        return {"wall_s": wall, "output_tokens": generated, "ttft_s": ttft, "tpot_s": tpot}
+
+    def close(self) -> None:
+        pass  # the process group's end frees the engine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, end_at: float) -> None:
+    """Wait for ``GET url`` to answer 200; raise when the server exits or the
+    time is up."""
+    while time.time() < end_at:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with status {proc.returncode} before it was up")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"vllm serve was not up ({url}) before the cell's time ran out")
+
+
+def _extra(obj, name: str):
+    """A field vLLM adds to an OpenAI object (kept by the client as an extra)."""
+    value = getattr(obj, name, None)
+    if value is None:
+        value = (getattr(obj, "model_extra", None) or {}).get(name)
+    return value
+
+
+def _token_id(text: str) -> int:
+    """``token_id:123`` (``return_tokens_as_token_ids``) → 123."""
+    return int(text.rsplit(":", 1)[1])
+
+
+async def stream_completion(client, prompt: list[int], max_tokens: int, logprobs: int | None):
+    """One streamed completion: its token ids, logprobs per position, and the
+    arrival time of each token."""
+    t0 = time.perf_counter()
+    stream = await client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        logprobs=logprobs,
+        extra_body={
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        },
+    )
+    tokens: list[int] = []
+    positions: list[dict[str, float]] = []
+    arrivals: list[float] = []
+    async for chunk in stream:
+        now = time.perf_counter()
+        for choice in chunk.choices or []:
+            ids = _extra(choice, "token_ids")
+            lp = choice.logprobs
+            if ids is None and lp is not None and lp.tokens:
+                ids = [_token_id(t) for t in lp.tokens]
+            ids = list(ids or [])
+            tokens += ids
+            arrivals += [now] * len(ids)
+            if lp is not None and lp.tokens:
+                for tok, tok_lp, top in zip(
+                    lp.tokens, lp.token_logprobs or [], lp.top_logprobs or [], strict=False
+                ):
+                    pos = {str(_token_id(k)): v for k, v in (top or {}).items()}
+                    if tok_lp is not None:
+                        pos[str(_token_id(tok))] = tok_lp
+                    positions.append(pos)
+    ttft = arrivals[0] - t0 if arrivals else None
+    tpot = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) if len(arrivals) > 1 else None
+    return {"tokens": tokens, "logprobs": positions, "ttft_s": ttft, "tpot_s": tpot}
+
+
+async def stream_all(base_url: str, prompts: list[list[int]], max_tokens: int, logprobs):
+    """Every prompt as its own concurrent stream, on a client of this event loop."""
+    import openai
+
+    async with openai.AsyncOpenAI(
+        base_url=base_url, api_key="unused", max_retries=0, timeout=600.0
+    ) as client:
+        return await asyncio.gather(
+            *(stream_completion(client, p, max_tokens, logprobs) for p in prompts)
+        )
+
+
+class ServeEngine:
+    """``vllm serve`` in the cell's process group, driven by the ``openai`` client."""
+
+    def __init__(self, cell: Cell, model_dir: Path, log_path: Path, end_at: float) -> None:
+        port = free_port()
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            serve_argv(cell, model_dir, port),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        wait_healthy(f"http://127.0.0.1:{port}/health", self.proc, end_at)
+
+    def exact(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        results = asyncio.run(stream_all(self.base_url, prompts, max_tokens, LOGPROBS))
+        return {
+            "tokens": [r["tokens"] for r in results],
+            "logprobs": [r["logprobs"] for r in results],
+        }
+
+    def throughput(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        t = time.perf_counter()
+        results = asyncio.run(stream_all(self.base_url, prompts, max_tokens, None))
+        wall = time.perf_counter() - t
+        return {
+            "wall_s": wall,
+            "output_tokens": sum(len(r["tokens"]) for r in results),
+            "ttft_s": [r["ttft_s"] for r in results if r["ttft_s"] is not None],
+            "tpot_s": [r["tpot_s"] for r in results if r["tpot_s"] is not None],
+        }
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+def versions() -> dict:
+    out = {}
+    for name in ("vllm", "torch", "transformers", "openai"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:
+            out[name] = None
+    try:
+        import torch
+
+        out["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            out["device"] = torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return out
+
+
+def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at: float) -> int:
+    """Run one cell in this process (the coordinator's child, a process group
+    of its own); the exit status says whether it finished."""
+    cell = parse_cell(name)
+    model_dir = work / "ckpt" / cell.checkpoint
+    stem = file_stem(name)
+    rec = CellRecord(
+        out / "cells" / f"{stem}.json",
+        {
+            "format": CELL_FORMAT,
+            "run_id": run_id,
+            "order": order,
+            "name": name,
+            "cell": cell.to_json(),
+            "status": "running",
+            "error": None,
+            "times": {},
+            "skipped_measurements": [],
+        },
+    )
+    data = rec.data
+    t_cell = time.monotonic()
+    served: Served | None = None
+    engine = None
+    status = 1
+    try:
+        marker = model_dir / "bench-checkpoint.json"
+        if not marker.exists():
+            raise FileNotFoundError(
+                f"{model_dir}: no checkpoint ({marker.name} missing); bench/device_vllm.sh "
+                "writes it with bench/qwen4_checkpoint.py before the cells run"
+            )
+        data["checkpoint"] = json.loads(marker.read_text())
+        text = prose()
+        data["prompts"] = {"source": text.source}
+        if cell.shm:
+            t = time.monotonic()
+            served = Served(model_dir, cell, work / "logs" / f"{run_id}-{stem}.server.log")
+            data["server"] = {"args": served.args, "pid": served.pid}
+            data["times"]["server_start_s"] = round(time.monotonic() - t, 2)
+        env = cell.env(served.socket if served else None)
+        os.environ.update(env)
+        data["env"] = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+        t = time.monotonic()
+        if cell.api == "serve":
+            engine = ServeEngine(
+                cell, model_dir, work / "logs" / f"{run_id}-{stem}.serve.log", end_at
+            )
+        else:
+            engine = GenerateEngine(cell, model_dir)
+        data["times"]["engine_start_s"] = round(time.monotonic() - t, 1)
+        data["versions"] = versions()
+        if served:
+            snap = served.snapshot()
+            data["server"]["dataplane"] = snap.get("dataplane")
+            data["server"]["at_ready"] = server_counters(snap)  # vLLM's profiling lookups
+        rec.save()
+        measure(cell, engine, served, text, data, rec, end_at)
+        data["status"] = "done"
+        status = 0
+    except BaseException as exc:
+        data["status"] = "failed"
+        data["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        traceback.print_exc()
+    finally:
+        data["times"]["total_s"] = round(time.monotonic() - t_cell, 1)
+        rec.save()
+        for part in (engine, served):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:
+                    traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    # An engine's teardown can hang; the coordinator ends the process group.
+    os._exit(status)
+
+
+def measure(
+    cell: Cell, engine, served: Served | None, text, data: dict, rec: CellRecord, end_at: float
+) -> None:
+    """The exact runs, then the throughput repetitions, each only when it is
+    expected to end before ``end_at``."""
+    costs = Costs()
+    t = time.monotonic()
+    if cell.exact_runs:
+        prompts = exact_prompts(text)
+        digest = prompts_digest(prompts)
+        exact = data["exact"] = {
+            "prompts_digest": digest,
+            "prompt_tokens": [len(p) for p in prompts],
+            "max_tokens": EXACT_TOKENS,
+            "logprobs": LOGPROBS,
+            "runs": [],
+            "server": [],
+        }
+        for i in range(cell.exact_runs):
+            if time.time() + costs.exact_run_s > end_at:
+                data["skipped_measurements"].append(f"exact runs {i + 1}..{cell.exact_runs}: time")
+                break
+            r = measured(served, lambda p=prompts: engine.exact(p, EXACT_TOKENS))
+            exact["runs"].append(
+                {"prompts_digest": digest, "tokens": r["tokens"], "logprobs": r["logprobs"]}
+            )
+            exact["server"].append(r.get("server"))
+            rec.save()
+        exact["seconds"] = round(time.monotonic() - t, 1)
+    if cell.throughput_reps:
+        tp = data["throughput"] = {
+            "prompt_tokens": 256,
+            "output_tokens": TP_OUTPUT_TOKENS,
+            "concurrency": list(CONCURRENCY),
+            "reps": [],
+        }
+        rep_s = costs.tp_rep_s * (costs.disk_factor if cell.io == "direct" else 1.0)
+        for rep in range(cell.throughput_reps):
+            for c in CONCURRENCY:
+                if time.time() + rep_s * c / sum(CONCURRENCY) + 2 > end_at:
+                    data["skipped_measurements"].append(f"throughput rep {rep + 1} c {c}: time")
+                    continue
+                prompts = throughput_prompts(text, rep, c)
+                r = measured(served, lambda p=prompts: engine.throughput(p, TP_OUTPUT_TOKENS))
+                r.update(
+                    rep=rep,
+                    concurrency=c,
+                    tok_s=r["output_tokens"] / r["wall_s"] if r["wall_s"] else None,
+                )
+                tp["reps"].append(r)
+                rec.save()
+
+
+# ======================================================================== CLI
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="run cells (the coordinator)")
+    p_run.add_argument("--cells", required=True, help="cell and plan names, comma-separated")
+    p_run.add_argument("--work", type=Path, default=Path("/tmp/vllm-real"))
+    p_run.add_argument("--out", type=Path, default=Path("."))
+    p_run.add_argument(
+        "--t0", type=float, help="when the device call began (epoch s; default: now)"
+    )
+    p_run.add_argument("--deadline-s", type=float, default=540.0)
+    p_run.add_argument("--no-probe", action="store_true", help="skip the disk probe")
+    p_cell = sub.add_parser("cell", help="run one cell in this process (the coordinator's child)")
+    p_cell.add_argument("name")
+    p_cell.add_argument("--work", type=Path, required=True)
+    p_cell.add_argument("--out", type=Path, required=True)
+    p_cell.add_argument("--run-id", required=True)
+    p_cell.add_argument("--order", type=int, default=0)
+    p_cell.add_argument("--end-at", type=float, required=True)
+    p_plan = sub.add_parser("plan", help="the expected timeline of a list of cells")
+    p_plan.add_argument("--cells", required=True)
+    p_plan.add_argument("--deadline-s", type=float, default=540.0)
+    p_plan.add_argument("--work", type=Path, help="read the host's measured starts from here")
+    p_plan.add_argument(
+        "--warm",
+        action="store_true",
+        help="as on a host that has started every kind of engine once (compiles cached)",
+    )
+    p_plan.add_argument(
+        "--spent-s",
+        type=float,
+        default=0.0,
+        help="seconds gone before the cells (install, checkpoints)",
+    )
+    p_ck = sub.add_parser("checkpoints", help="the checkpoints the cells need, one a line")
+    p_ck.add_argument("--cells", required=True)
+    p_ck.add_argument("--work", type=Path, default=Path("/tmp/vllm-real"))
+    p_sum = sub.add_parser("summary", help="the summary of cell JSONs under directories")
+    p_sum.add_argument("dirs", type=Path, nargs="+")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    try:
+        if args.command == "cell":
+            return cell_main(args.name, args.work, args.out, args.run_id, args.order, args.end_at)
+        if args.command == "summary":
+            print(summary(load_cells(args.dirs)))
+            return 0
+        cells = expand(args.cells)
+    except CellError as exc:
+        print(f"vllm_real: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "plan":
+        history = History.load(args.work / "history.json") if args.work else History()
+        if args.warm:
+            costs = Costs()
+            for api in ("generate", "serve"):
+                for mode, start in costs.engine_start_s.items():
+                    history.record(api, mode, start + (api == "serve") * costs.serve_extra_s)
+        print(plan_text(cells, args.deadline_s, Costs(), history, args.spent_s))
+        return 0
+    if args.command == "checkpoints":
+        for ck in checkpoints_needed(cells):
+            print(ck.name, *ck.args(args.work))
+        return 0
+    results = run(
+        cells,
+        args.work,
+        args.out,
+        t0=args.t0 or time.time(),
+        deadline_s=args.deadline_s,
+        probe=not args.no_probe,
+    )
+    return 0 if all(r.get("status") in ("done", "skipped") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

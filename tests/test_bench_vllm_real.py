@@ -1,0 +1,751 @@
+"""``bench/vllm_real.py``, ``bench/vllm_cells.py``, ``bench/vllm_exact.py`` and
+``bench/qwen4_checkpoint.py`` on the CPU, before they get the GPU host's scarce
+minutes: the exactness rule on constructed outcomes, the checkpoint (written
+by the script, accepted by ``pleserver inspect``, transformers and vLLM's own
+loader), the arguments vLLM's own parsers make of each cell, the OpenAI
+streaming client against a stand-in of vLLM's completions stream, the
+server's figures from a real ple-server, the coordinator's deadline and its
+end of a cell's process group, and the summary.
+
+A whole ``LLM`` does not run here: the CUDA wheel of vLLM 0.33 has no CPU
+kernels (its CPU worker stops at ``torch.ops._C.init_cpu_memory_env``), and
+Qwen4Exp's hyper-connection and PLE kernels are Triton-only."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import pytest
+
+from tests.harness import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+
+import vllm_cells as vc
+from vllm_exact import IncomparableOutcomes, Outcome, judge
+
+BENCH = REPO / "bench"
+
+
+# ------------------------------------------------------------------ exactness
+def outcome(tokens, lps=None, digest="p") -> Outcome:
+    """Outcomes of two prompts; each position's logprobs: the token's own and
+    a runner-up's."""
+    lps = lps or [[-0.5] * len(seq) for seq in tokens]
+    return Outcome(
+        tuple(tuple(seq) for seq in tokens),
+        tuple(
+            tuple({t: lp, 999: lp - 1.0} for t, lp in zip(seq, lseq, strict=True))
+            for seq, lseq in zip(tokens, lps, strict=True)
+        ),
+        digest,
+    )
+
+
+A = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+B = [[1, 2, 3, 4, 50, 60], [7, 8, 9, 10, 11, 12]]  # stock's other outcome: parts at 4
+
+
+def test_an_outcome_equal_to_one_stock_run_passes_as_identical():
+    stock = [outcome(A), outcome(B), outcome(A)]
+    v = judge(stock, outcome(B))
+    assert v.passed and v.how == "identical" and v.identical_to == [1]
+    assert v.stock_outcomes == 2
+
+
+def test_a_difference_within_stocks_own_spread_passes():
+    # stock: one sequence differs, from position 4; logprobs before it differ by 0.01
+    stock = [outcome(A), outcome(B, [[-0.51] * 6, [-0.5] * 6])]
+    # candidate: A's tokens but its own small logprob drift, less than stock's
+    v = judge(stock, outcome(A, [[-0.505] * 6, [-0.5] * 6]))
+    assert v.passed and v.how == "within spread", v.detail
+    assert v.stock_spread.sequences == 1 and v.stock_spread.first_position == 4
+
+
+@pytest.mark.parametrize(
+    "tokens, lps, measure",
+    [
+        ([[1, 2, 3, 4, 50, 60], [7, 8, 9, 10, 11, 99]], None, "more sequences"),
+        ([[1, 2, 30, 4, 5, 6], [7, 8, 9, 10, 11, 12]], None, "earlier"),
+        (A, [[-0.5] * 6, [-0.9] * 6], "larger logprob"),
+    ],
+)
+def test_a_difference_outside_stocks_spread_fails(tokens, lps, measure):
+    stock = [outcome(A), outcome(B, [[-0.51] * 6, [-0.5] * 6])]
+    v = judge(stock, outcome(tokens, lps))
+    assert not v.passed and v.how == "outside spread", measure
+
+
+def test_stock_runs_that_agree_leave_room_for_nothing_but_identity():
+    stock = [outcome(A), outcome(A)]
+    assert judge(stock, outcome(A)).passed
+    v = judge(stock, outcome(A, [[-0.5] * 5 + [-0.50001], [-0.5] * 6]))
+    assert not v.passed and v.stock_spread.max_logprob == 0.0
+
+
+def test_the_judge_needs_two_stock_runs_of_the_same_prompts():
+    with pytest.raises(ValueError, match="at least two"):
+        judge([outcome(A)], outcome(A))
+    with pytest.raises(IncomparableOutcomes):
+        judge([outcome(A), outcome(A)], outcome(A, digest="other"))
+
+
+def test_outcomes_survive_their_json():
+    o = outcome(B, [[-0.1, -0.2, -0.3, -0.4, -1e-9, -7.5], [-0.5] * 6])
+    back = Outcome.from_json(json.loads(json.dumps(o.to_json())))
+    assert back.key() == o.key()
+
+
+# ---------------------------------------------------------------- checkpoint
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """The script's tiny checkpoint, written by its command line on the CPU, and
+    its FP8 twin beside it."""
+    root = tmp_path_factory.mktemp("qwen4-bench")
+    for args in (
+        ["--out", str(root / "bf16"), "--tiny", "--device", "cpu", "--ngram-vocab-base", "300"],
+        ["--out", str(root / "fp8"), "--twin-of", str(root / "bf16")],
+    ):
+        r = subprocess.run(
+            [sys.executable, str(BENCH / "qwen4_checkpoint.py"), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd="/",
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+    return root
+
+
+@pytest.fixture(scope="module")
+def vllm_facts(tiny):
+    """What vLLM (and transformers) make of the checkpoint and of the cells'
+    arguments, found by a process of their own that starts with the first
+    checkpoint test and runs beside the tests that follow (vLLM's import and
+    loader take most of this file's time); ``vllm_facts()`` waits for it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", VLLM_CHECKS, str(tiny / "bf16"), str(BENCH), TOKENIZER_TEXT],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    found: dict = {}
+
+    def facts() -> dict:
+        if not found:
+            stdout, stderr = proc.communicate(timeout=300)
+            lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+            assert proc.returncode == 0 and lines, stdout[-3000:] + stderr[-6000:]
+            found.update(json.loads(lines[-1][len("RESULT ") :]))
+        return found
+
+    yield facts
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+def test_the_checkpoint_is_one_pleserver_inspect_accepts(tiny, vllm_facts):
+    for dtype, expected in (("bf16", "BF16"), ("fp8", "F8_E4M3")):
+        r = subprocess.run(
+            [sys.executable, "-m", "pleserver.cli", "inspect", "--json", str(tiny / dtype)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        tables = json.loads(r.stdout)["tables"]
+        assert [t["layer"] for t in tables] == [1, 2]  # ple_layer_ids [2, 3], one-indexed
+        assert {t["dtype"] for t in tables} == {expected}
+        assert {t["cols"] for t in tables} == {16}  # the tiny dims: 64 / 4 n-gram heads
+    marker = json.loads((tiny / "fp8" / "bench-checkpoint.json").read_text())
+    assert marker["dtype"] == "fp8" and marker["twin_of"] == str(tiny / "bf16")
+
+
+def test_fp8_twin_holds_the_bf16_numbers(tiny):
+    import torch
+    from safetensors.torch import load_file
+
+    bf16 = load_file(str(tiny / "bf16" / "model.safetensors"))
+    fp8 = load_file(str(tiny / "fp8" / "model.safetensors"))
+    shards = [k for k in bf16 if ".ngram_embedding.shard_" in k]
+    assert shards
+    for key in shards:
+        table = key.split(".shard_")[0]
+        scale = fp8[f"{table}.weight_scale"].float()
+        assert fp8[key].dtype == torch.float8_e4m3fn
+        assert torch.equal((fp8[key].float() * scale).to(torch.bfloat16), bf16[key])
+
+
+# ---------------------------------------------------------------- the cells
+def test_cell_names_say_what_runs():
+    c = vc.parse_cell("serve-shm-piecewise-host-nopa-direct-large-tp5-x2")
+    assert (c.api, c.backend, c.mode, c.route, c.io, c.checkpoint) == (
+        "serve",
+        "shm",
+        "piecewise",
+        "host",
+        "direct",
+        "large-bf16",
+    )
+    assert (c.prompt_ahead, c.throughput_reps, c.exact_runs) == (False, 5, 2)
+    assert c.env("/s") == {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "VLLM_PLE_BACKEND": "shm",
+        "VLLM_PLE_SHM_SOCKET": "/s",
+        "VLLM_PLE_SHM_GPU_PATH": "off",
+        "VLLM_PLE_SHM_PROMPT_AHEAD": "off",
+    }
+    assert c.server_args()[:2] == ["--io", "direct"] and "--cache-size" in c.server_args()
+    stock = vc.parse_cell("stock-default-mp0-x10")
+    assert stock.env() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} and stock.exact_runs == 10
+    # an FP8 twin is judged against the BF16 stock runs: the same numbers
+    assert (
+        vc.parse_cell("shm-default-fp8").reference_key()
+        == vc.parse_cell("stock-default").reference_key()
+    )
+    assert vc.parse_cell("stock-default#2").instance == 2
+
+
+@pytest.mark.parametrize(
+    "name, problem",
+    [
+        ("shm-default-host", "refused by the plugin"),
+        ("stock-eager-direct", "need the shm backend"),
+        ("eager", "no backend"),
+        ("shm-eager-fast", "unknown word"),
+        ("stock-shm", "two backends"),
+        ("stock-eager-noexact", "measure nothing"),
+    ],
+)
+def test_a_cell_that_cannot_run_is_refused_with_its_reason(name, problem):
+    with pytest.raises(vc.CellError, match=problem):
+        vc.parse_cell(name)
+
+
+def test_plans_expand_to_cells_and_their_checkpoints():
+    for plan in vc.PLANS:
+        assert vc.expand(plan)
+    needed = [c.name for c in vc.checkpoints_needed(vc.expand("shm-default-fp8,stock-eager"))]
+    assert needed == ["small-bf16", "small-fp8"]  # the twin after its source
+    with pytest.raises(vc.CellError, match="named twice"):
+        vc.expand("stock-eager,stock-eager")
+
+
+def test_the_deadline_skips_a_cell_that_would_not_end_in_time():
+    costs = vc.Costs()
+    cold, warm = vc.History(), vc.History([{"api": "generate", "mode": "eager", "seconds": 60}])
+    cell = vc.parse_cell("stock-eager")
+    fresh = vc.expected_seconds(cell, costs, cold)
+    assert fresh > vc.expected_seconds(cell, costs, warm) + costs.first_start_extra_s - 25
+    assert vc.decide(cell, fresh + costs.margin_s + 1, costs, cold).run
+    late = vc.decide(cell, fresh + costs.margin_s - 1, costs, cold)
+    assert not late.run and late.reason.startswith("skipped: expected")
+    # a start measured on the host replaces the guess
+    assert vc.expected_seconds(cell, costs, warm) < vc.expected_seconds(cell, costs, cold)
+    slower = vc.History([{"api": "generate", "mode": "eager", "seconds": 300}])
+    assert vc.expected_seconds(cell, costs, slower) > 300
+    # throughput from disk is expected slower than from memory
+    assert vc.expected_seconds(
+        vc.parse_cell("shm-default-direct-large-tp"), costs, warm
+    ) > vc.expected_seconds(vc.parse_cell("shm-default-large-tp"), costs, warm)
+
+
+def test_prompts_are_real_text_and_new_for_every_measurement():
+    p = vc.prose()
+    exact = vc.exact_prompts(p)
+    assert len(exact) == vc.EXACT_PROMPTS and len(exact[0]) == vc.LONG_PROMPT_TOKENS
+    assert b" the " in bytes(exact[0])  # English
+    assert vc.prompts_digest(exact) == vc.prompts_digest(vc.exact_prompts(vc.prose()))
+    windows = [
+        tuple(w)
+        for rep in range(3)
+        for c in vc.CONCURRENCY
+        for w in vc.throughput_prompts(p, rep, c)
+    ]
+    assert len(windows) == 3 * sum(vc.CONCURRENCY) == len(set(windows))
+    assert {len(w) for w in windows} == {vc.TP_PROMPT_TOKENS}
+
+
+# ------------------------------------------------- the OpenAI client (serve cells)
+class VllmStreamStandIn(BaseHTTPRequestHandler):
+    """``/v1/completions`` streamed as vLLM 0.33 streams it with
+    ``return_token_ids`` and ``return_tokens_as_token_ids``: each chunk a
+    choice with ``token_ids`` and, when asked, logprobs keyed
+    ``token_id:N``; tokens 2 at a time. The token at position i is prompt[i]."""
+
+    requests: ClassVar[list[dict]] = []
+    in_flight = 0
+    most_in_flight = 0
+    lock = threading.Lock()
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        cls = type(self)
+        with cls.lock:
+            cls.requests.append(body)
+            cls.in_flight += 1
+            cls.most_in_flight = max(cls.most_in_flight, cls.in_flight)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        try:
+            time.sleep(0.05)  # every request of a batch is in flight at once
+            prompt, n = body["prompt"], body["max_tokens"]
+            for start in range(0, n, 2):
+                ids = [prompt[i % len(prompt)] for i in range(start, min(n, start + 2))]
+                choice = {"index": 0, "text": "", "finish_reason": None, "token_ids": ids}
+                if body.get("logprobs"):
+                    choice["logprobs"] = {
+                        "text_offset": [0] * len(ids),
+                        "tokens": [f"token_id:{t}" for t in ids],
+                        "token_logprobs": [-0.25] * len(ids),
+                        "top_logprobs": [{f"token_id:{t}": -0.25, "token_id:3": -2.5} for t in ids],
+                    }
+                chunk = {
+                    "id": "cmpl-1",
+                    "object": "text_completion",
+                    "created": 0,
+                    "model": body["model"],
+                    "choices": [choice],
+                }
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(0.002)
+            self.wfile.write(b"data: [DONE]\n\n")
+        finally:
+            with cls.lock:
+                cls.in_flight -= 1
+
+
+def test_the_serve_cells_client_reads_tokens_logprobs_and_times_from_the_stream():
+    import asyncio
+
+    import vllm_real
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), VllmStreamStandIn)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        prompts = [[65 + i, 66, 67] for i in range(8)]
+        results = asyncio.run(vllm_real.stream_all(url, prompts, 5, vllm_real.LOGPROBS))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert VllmStreamStandIn.most_in_flight == len(prompts)  # concurrent streams
+    sent = VllmStreamStandIn.requests[0]
+    assert sent["ignore_eos"] and sent["return_token_ids"] and sent["return_tokens_as_token_ids"]
+    assert sent["temperature"] == 0.0 and sent["logprobs"] == vllm_real.LOGPROBS
+    for p, r in zip(prompts, results, strict=True):
+        assert r["tokens"] == [p[i % 3] for i in range(5)]
+        assert r["logprobs"][0] == {str(p[0]): -0.25, "3": -2.5}
+        assert len(r["logprobs"]) == 5 and r["ttft_s"] > 0.04 and r["tpot_s"] >= 0
+
+
+# ------------------------------------------------------- the server's figures
+def test_server_figures_come_from_a_real_ple_server(tiny):
+    """A real ple-server as a ``direct`` cell starts it: cold, its row cache
+    filled by the first lookups; hits, misses, lookup time and CPU per row
+    come from its own counters."""
+    import vllm_real
+
+    cell = vc.parse_cell("shm-default-direct")
+    served = vllm_real.Served(tiny / "bf16", cell, tiny / "server.log")
+    try:
+        with served.server.client() as client:
+            table = client.tables[0]
+            ids = np.arange(0, table.rows, 7)
+
+            def lookups() -> dict:
+                client.lookup(table.layer, ids)
+                return {}
+
+            cold = vllm_real.measured(served, lookups)["server"]
+            warm = vllm_real.measured(served, lookups)["server"]
+    finally:
+        served.close()
+    assert not Path(served._state).exists()
+    fc, fw = vc.server_figures(cold), vc.server_figures(warm)
+    assert cold["rows"] == warm["rows"] == len(ids)
+    assert cold["misses"] > 0 and fc["hit_rate"] < 1.0  # a cold server reads from disk
+    assert warm["misses"] == 0 and fw["hit_rate"] == 1.0
+    assert fc["lookup_p50_s"] > 0 and fc["lookup_p99_s"] >= fc["lookup_p50_s"]
+    assert cold["cpu_s"] >= 0 and fc["cpu_us_per_row"] is not None
+    total = vc.server_figures(vc.add_deltas([cold, warm]))
+    assert total["rows"] == 2 * len(ids) and 0 < total["hit_rate"] < 1
+
+
+# ------------------------------------------------------- the coordinator
+MARK = "vllm-real-test-standin"
+STANDIN_CELL = r"""
+import json, os, subprocess, sys, time
+name, out, run_id, order, end_at, mark, sleep = sys.argv[1:8]
+# an engine core that ignores SIGTERM: only SIGKILL ends it
+subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)", mark])
+# a process that leaves the group (setsid) and is orphaned: the subreaper finds it
+subprocess.Popen([sys.executable, "-c",
+    "import os, subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+    "'import os, time; os.setsid(); time.sleep(300)', sys.argv[1]])", mark])
+stem = name.replace("#", "_")
+record = {"format": "vllm-real-cell/1", "run_id": run_id, "order": int(order), "name": name,
+          "cell": {"backend": "stock", "reference_key": "k", "api": "generate"},
+          "status": "running", "times": {"engine_start_s": 1.5}}
+path = os.path.join(out, "cells", stem + ".json")
+def save():
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+save()
+time.sleep(float(sleep))
+record["status"] = "done"
+save()
+os._exit(0)
+"""
+
+COORDINATOR = r"""
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import vllm_cells, vllm_real
+work, out = Path(sys.argv[2]), Path(sys.argv[3])
+sleeps, deadline = json.loads(sys.argv[4]), float(sys.argv[5])
+standin = sys.argv[6]
+vllm_real.GROUP_GRACE_S = 1.0  # the SIGTERM-proof stand-in: SIGKILL soon
+
+def argv_of(cell, work, out, run_id, order, end_at):
+    return [sys.executable, "-c", standin, cell.name, str(out), run_id, str(order),
+            str(end_at), "MARK", str(sleeps[cell.name])]
+
+costs = vllm_cells.Costs(engine_start_s={"eager": 2.0, "piecewise": 2.0, "default": 2.0},
+                         first_start_extra_s=0.0, first_compile_extra_s=0.0, exact_run_s=0.0,
+                         teardown_s=0.0, margin_s=1.0)
+cells = vllm_cells.expand(list(sleeps))
+results = vllm_real.run(cells, work, out, t0=time.time(), deadline_s=deadline, costs=costs,
+                        run_id="test", probe=False, argv_of=argv_of)
+print("RESULT " + json.dumps([{k: r.get(k) for k in ("name", "status", "reason", "coordinator")}
+                               for r in results]))
+""".replace("MARK", MARK)
+
+
+def standin_processes() -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if MARK.encode() in cmdline:
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture
+def no_standins_left():
+    yield
+    left = standin_processes()
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"stand-in processes outlived the coordinator: {left}"
+
+
+def run_coordinator(tmp_path, sleeps: dict, deadline_s: float) -> list[dict]:
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            COORDINATOR,
+            str(BENCH),
+            str(tmp_path / "work"),
+            str(tmp_path / "out"),
+            json.dumps(sleeps),
+            str(deadline_s),
+            textwrap.dedent(STANDIN_CELL),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def test_the_coordinator_ends_each_cells_whole_process_group(tmp_path, no_standins_left):
+    results = run_coordinator(tmp_path, {"stock-eager": 1.5, "stock-eager#2": 1.5}, 60)
+    assert [r["status"] for r in results] == ["done", "done"]
+    for r in results:
+        ended = r["coordinator"]["ended"]
+        assert ended["sigkilled"] >= 1  # the SIGTERM-proof engine stand-in
+        assert ended["orphans_killed"] >= 1  # the one that left the group
+    assert not standin_processes()
+    out = tmp_path / "out"
+    assert sorted(p.name for p in (out / "cells").glob("*.json")) == [
+        "stock-eager.json",
+        "stock-eager_2.json",
+    ]
+    assert (out / "summary.txt").read_text().startswith("== cells")
+    history = json.loads((tmp_path / "work" / "history.json").read_text())
+    assert [s["seconds"] for s in history["starts"]] == [1.5, 1.5]
+
+
+def test_the_coordinator_skips_what_does_not_fit_and_kills_what_overruns(
+    tmp_path, no_standins_left
+):
+    # 10 s to the deadline: the first cell (expected 4 s) starts but sleeps past
+    # its kill time (deadline − 5 s); the second no longer fits, and says why.
+    results = run_coordinator(tmp_path, {"stock-eager": 60, "shm-eager": 0.1}, 10)
+    first, second = results
+    assert first["status"] == "killed" and first["coordinator"]["wall_s"] < 12
+    assert second["status"] == "skipped" and "deadline" in second["reason"]
+    kept = json.loads((tmp_path / "out" / "cells" / "stock-eager.json").read_text())
+    assert kept["times"]["engine_start_s"] == 1.5  # what it wrote before is kept
+    assert "log_tail" in kept
+
+
+# ------------------------------------------------------------------ the summary
+def cell_json(name: str, order: int, outcomes: list[Outcome], tok_s: dict | None = None) -> dict:
+    cell = vc.parse_cell(name)
+    record = {
+        "format": vc.CELL_FORMAT,
+        "run_id": "r1",
+        "order": order,
+        "name": name,
+        "cell": cell.to_json(),
+        "status": "done",
+        "times": {"engine_start_s": 80.0, "total_s": 100.0},
+        "exact": {"runs": [o.to_json() for o in outcomes]},
+    }
+    if tok_s:
+        reps = []
+        for rep in range(3):
+            for c, base in tok_s.items():
+                server = None
+                if cell.shm:
+                    server = {
+                        **dict.fromkeys(vc.SERVER_COUNTERS, 0),
+                        "rows": 1000,
+                        "hits": 900,
+                        "misses": 100,
+                        "buckets": [0] * 60 + [10] + [0] * 37,
+                        "io_known": True,
+                        "cpu_s": 0.002,
+                        "wall_s": 2.0,
+                    }
+                reps.append(
+                    {
+                        "rep": rep,
+                        "concurrency": c,
+                        "tok_s": base * (0.9 + 0.1 * rep),
+                        "ttft_s": [0.05] * c,
+                        "tpot_s": [0.004] * c,
+                        "server": server,
+                    }
+                )
+        record["throughput"] = {"reps": reps}
+    return record
+
+
+def test_the_summary_judges_every_shm_cell_and_gives_each_figure_its_spread(tmp_path):
+    cells = [
+        cell_json("stock-default-tp", 0, [outcome(A), outcome(B)], {1: 250.0, 32: 5000.0}),
+        cell_json("stock-default#2", 1, [outcome(A)]),
+        cell_json("shm-default-tp", 2, [outcome(B), outcome(A)], {1: 240.0, 32: 4500.0}),
+        cell_json("shm-default-fp8", 3, [outcome(A, [[-0.5] * 6, [-3.0] * 6])]),
+        cell_json("shm-eager", 4, [outcome(A)]),  # no stock eager run: no verdict
+        {
+            "format": vc.CELL_FORMAT,
+            "run_id": "r1",
+            "order": 5,
+            "name": "stock-piecewise",
+            "cell": vc.parse_cell("stock-piecewise").to_json(),
+            "status": "skipped",
+            "reason": "skipped: expected 124 s, 60 s left before the deadline",
+        },
+    ]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for c in cells:
+        (tmp_path / "a" / f"{c['name'].replace('#', '_')}.json").write_text(json.dumps(c))
+    # the same cell copied to the host's directory counts once
+    (tmp_path / "b" / "r1-stock-default-tp.json").write_text(json.dumps(cells[0]))
+    loaded = vc.load_cells([tmp_path / "a", tmp_path / "b"])
+    assert [c["name"] for c in loaded] == [c["name"] for c in cells]
+    text = vc.summary(loaded)
+    exact = text.split("== exactness")[1].split("\n==")[0]
+    lines = {line.split()[0]: line for line in exact.splitlines()[1:] if line}
+    assert "PASS 2/2 (2 identical" in lines["shm-default-tp"]
+    assert "FAIL 0/1" in lines["shm-default-fp8"] and "logprob" in lines["shm-default-fp8"]
+    assert "no verdict" in text and "skipped: expected 124 s" in text
+    assert "stock: 2 runs, 2 distinct" in text
+    tp = [line for line in text.splitlines() if line.startswith("shm-default-tp ")]
+    c32 = next(line for line in tp if line.split()[1] == "32")
+    # median of 4050, 4500, 4950 [min-max], × the stock median (5000), hit rate 90 %
+    assert "4500" in c32 and "[4050-4950]" in c32 and "0.90" in c32 and "90.0" in c32
+    fig = vc.throughput_figures(cells[2]["throughput"]["reps"])[32]
+    assert fig["tok_s"]["n"] == 3 and math.isclose(fig["ttft_p99_s"], 0.05)
+    assert fig["server"]["misses_per_s"] == 300 / 6.0
+
+
+# ------------------------------------------------------------------ the scripts
+def test_the_device_script_parses_and_lists_the_checkpoints_its_cells_need(tmp_path):
+    assert subprocess.run(["bash", "-n", str(BENCH / "device_vllm.sh")]).returncode == 0
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "vllm_real.py"),
+            "checkpoints",
+            "--cells",
+            "exact-3,bench-1",
+            "--work",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    names = [line.split()[0] for line in r.stdout.splitlines()]
+    assert names == ["small-bf16", "small-fp8", "large-bf16"]
+    assert f"--twin-of {tmp_path}/ckpt/small-bf16" in r.stdout
+    plan = subprocess.run(
+        [sys.executable, str(BENCH / "vllm_real.py"), "plan", "--cells", "exact-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert plan.returncode == 0 and "stock-eager" in plan.stdout
+    bad = subprocess.run(
+        [sys.executable, str(BENCH / "vllm_real.py"), "plan", "--cells", "shm-default-host"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "eager or piecewise" in bad.stderr
+
+
+# ------------------------------------------------------------- vLLM's view
+TOKENIZER_TEXT = "Real English text, with a \u2018quote\u2019.\n"
+
+VLLM_CHECKS = r"""
+import json, os, sys
+from pathlib import Path
+os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+sys.path.insert(0, sys.argv[2])
+from tests.vllm_helpers.cpu_kernels import install_sgl_gemm_standins
+install_sgl_gemm_standins()
+from vllm.distributed import init_distributed_environment
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.config import CompilationConfig
+from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+import vllm_cells, vllm_real
+from transformers import AutoConfig
+from vllm.tokenizers import get_tokenizer
+model, text = sys.argv[1], sys.argv[3]
+config = AutoConfig.from_pretrained(model)
+tokenizer = get_tokenizer(model)
+ids = tokenizer.encode(text, add_special_tokens=False)
+checked = {}
+for name in ("stock-eager", "offload-piecewise", "shm-default"):
+    cell = vllm_cells.parse_cell(name)
+    kwargs = dict(vllm_real.engine_kwargs(cell))
+    cc = kwargs.pop("compilation_config", None)  # LLM() makes the dict a CompilationConfig
+    generate = EngineArgs(model=model, **kwargs,
+                          **({"compilation_config": CompilationConfig(**cc)} if cc else {}))
+    argv = vllm_real.serve_argv(cell, Path(model), 8000)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[argv.index("serve") + 1:])
+    validate_parsed_serve_args(args)
+    serve = AsyncEngineArgs.from_cli_args(args)
+    checked[name] = [
+        {
+            "offload": e.engram_config.cpu_offload,
+            "eager": bool(e.enforce_eager),
+            "cudagraph_mode": str(getattr(e.compilation_config, "cudagraph_mode", None)),
+            "prefix_caching": e.enable_prefix_caching,
+            "max_num_seqs": e.max_num_seqs,
+            "chunk": e.max_num_batched_tokens,
+        }
+        for e in (generate, serve)
+    ]
+import tempfile
+init_distributed_environment(1, 0, f"file://{tempfile.mkdtemp()}/init", 0, backend="gloo")
+from tests.vllm_helpers.qwen4_model import load_vllm_model
+loaded = load_vllm_model(model)
+layers = loaded.model.model.layers
+print("RESULT " + json.dumps({
+    "config": {
+        "layer_types": config.layer_types,
+        "ple_layer_ids": config.ple_layer_ids,
+        "eos_token_id": config.eos_token_id,
+        "indexer_n_heads": getattr(config, "indexer_n_heads", None),
+        "partial_rotary_factor": config.rope_parameters["partial_rotary_factor"],
+    },
+    "tokenizer": {"ids": ids, "decoded": tokenizer.decode(ids), "size": len(tokenizer),
+                  "eos": tokenizer.eos_token_id},
+    "args": checked,
+    "attention": type(layers[3].self_attn).__name__,
+    "ple_layers": [i for i, layer in enumerate(layers) if getattr(layer, "ple", None) is not None],
+    "unloaded": loaded.unloaded_parameters,
+}))
+"""
+
+
+def test_the_checkpoint_has_no_indexer_and_a_byte_tokenizer(tiny, vllm_facts):
+    from safetensors import safe_open
+
+    config = vllm_facts()["config"]
+    assert config["layer_types"] == ["linear_attention"] * 3 + ["indexed_attention"]
+    assert config["ple_layer_ids"] == [2, 3] and config["eos_token_id"] == 256
+    assert config["indexer_n_heads"] is None  # vLLM builds plain full attention
+    assert config["partial_rotary_factor"] == 0.25
+    with safe_open(str(tiny / "bf16" / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert names and not [n for n in names if ".indexer." in n]
+    tokenizer = vllm_facts()["tokenizer"]  # as vLLM loads it
+    assert tokenizer["ids"] == vc.tokens_of(TOKENIZER_TEXT) == list(TOKENIZER_TEXT.encode())
+    assert tokenizer["decoded"] == TOKENIZER_TEXT
+    assert (tokenizer["size"], tokenizer["eos"]) == (512, 256)
+
+
+def test_vllm_takes_the_checkpoint_and_every_cells_arguments(vllm_facts):
+    """vLLM's own loader builds the whole model from the checkpoint (the
+    indexed layer as plain attention), and vLLM's own argument handling takes
+    what the cells give ``LLM`` and ``vllm serve``."""
+    result = vllm_facts()
+    assert result["attention"] == "Qwen3NextAttention" and result["unloaded"] == []
+    assert result["ple_layers"] == [1, 2]
+    for name, runs in result["args"].items():
+        for e in runs:  # LLM(...) and vllm serve alike
+            assert e["offload"] is name.startswith("offload"), (name, e)
+            assert e["eager"] is name.endswith("eager"), (name, e)
+            assert e["prefix_caching"] is False
+            assert (e["max_num_seqs"], e["chunk"]) == (32, 512)
+    assert all("PIECEWISE" in e["cudagraph_mode"] for e in result["args"]["offload-piecewise"])
