@@ -131,3 +131,9 @@ class ChannelBudget:
     def give_back(self, size: int) -> None:
         with self._lock:
             self.used -= size
+
+    def set_limit(self, limit: int | None) -> None:
+        """A new limit (a reload): channels already counted stay, even above
+        it; ``take`` refuses new ones until they fit."""
+        with self._lock:
+            self.limit = limit

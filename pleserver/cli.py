@@ -20,7 +20,7 @@ from pleclient import protocol as p
 
 if TYPE_CHECKING:
     from pleclient.checkpoint import CheckpointError
-    from pleserver.config import ConfigError
+    from pleserver.config import ConfigError, ServerConfig
 
 log = logging.getLogger("pleserver")
 
@@ -68,13 +68,16 @@ def setup_logging(level: str) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pleclient.checkpoint import CheckpointError
-    from pleserver.config import CONFIG_ENV, SETTINGS, ConfigError, load_config
+    from pleserver.config import CONFIG_ENV, SETTINGS, ConfigError
     from pleserver.flags import deprecations, given_settings
+    from pleserver.reload import ConfigSource
     from pleserver.server import Server
 
     flags = given_settings(args)
+    # Kept for reloads (SIGHUP): they read the same file under the same flags.
+    source = ConfigSource(args.config or os.environ.get(CONFIG_ENV) or None, flags)
     try:
-        loaded = load_config(args.config or os.environ.get(CONFIG_ENV) or None, flags)
+        loaded = source.load()
     except ConfigError as exc:
         setup_logging("INFO")
         log.error("%s", exc)
@@ -92,7 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     log.debug("effective configuration:\n%s", loaded.to_toml())
     try:
-        return Server(loaded.config).run()
+        return Server(loaded.config, source=source).run()
     except CheckpointError as exc:
         log.error("%s", exc)
         return 2
@@ -111,27 +114,113 @@ def print_problems(as_json: bool, subject: dict, exc: ConfigError | CheckpointEr
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
-    from pleserver.config import ConfigError, load_config
+    from pleserver.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, SETTINGS, ConfigError, load_config
+    from pleserver.reload import diff, format_changes
+
+    if args.socket is not None and not args.against_running:
+        args.parser.error("--socket names the running server: it goes with --against-running")
+    file = args.file or os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH
+    against: dict | None = None  # what the file is compared with, for the report
+    old = None
+    flags: dict = {}
+    optional_file = False  # the running server's default file, read only if it exists
+    if args.against_running:
+        running = _running_config(args.socket)
+        if isinstance(running, int):
+            return running
+        against, old, flags = running
+        if args.file is None:  # the file a reload of that server reads
+            file, optional_file = against["running"]["file"], not against["running"]["file_named"]
+    elif args.against is not None:
+        try:
+            old = load_config(args.against).config
+        except ConfigError as exc:
+            return print_problems(args.json, {"file": file, "against": args.against}, exc)
+        against = {"file": args.against}
+    try:
+        loaded = (
+            load_config(None, flags, default_path=file)
+            if optional_file
+            else load_config(file, flags)
+        )
+    except ConfigError as exc:
+        subject = {"file": file, **({"against": against} if against else {})}
+        return print_problems(args.json, subject, exc)
+    report: dict = {
+        "file": loaded.file,
+        "ok": True,
+        "config": loaded.to_dict(),
+        "sources": loaded.sources,
+    }
+    if old is None:
+        if args.json:
+            print(json.dumps(report, indent=1))
+        else:
+            print(loaded.to_toml(), end="")
+        return 0
+    changes = diff(old, loaded.config)
+    report.update(
+        against=against,
+        changes=[c.to_json() for c in changes],
+        reload=[c.name for c in changes if c.reloadable],
+        restart=[c.name for c in changes if not c.reloadable],
+    )
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    assert against is not None  # (set with old)
+    if "running" in against:
+        server = against["running"]
+        print(
+            f"{file}: valid; against the running ple-server (pid {server['pid']}, "
+            f"socket {server['socket']}):"
+        )
+        if server["file"] != file:
+            print(f"note: that server reads {server['file']}: a reload reads that file, not {file}")
+        if flags:
+            print(f"with its command line's {', '.join(SETTINGS[n].flag for n in flags)} over it")
+    else:
+        print(f"{file}: valid; against {against['file']}:")
+    print(format_changes(changes), end="")
+    return 0
+
+
+def _running_config(socket_path: str | None) -> tuple[dict, ServerConfig, dict] | int:
+    """(what to call it, its configuration in effect, its command line's
+    settings) of the server on ``socket_path``, from its stats; else the exit
+    status, the error printed."""
+    from pleclient import PleClient, PleError
+    from pleserver.config import SETTINGS
+    from pleserver.reload import config_from_dict
 
     try:
-        loaded = load_config(args.file)
-    except ConfigError as exc:
-        return print_problems(args.json, {"file": args.file}, exc)
-    if args.json:
+        stats = PleClient.query_stats(socket_path)
+    except PleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    report = stats.get("config")
+    if not isinstance(report, dict) or not isinstance(report.get("settings"), dict):
         print(
-            json.dumps(
-                {
-                    "file": loaded.file,
-                    "ok": True,
-                    "config": loaded.to_dict(),
-                    "sources": loaded.sources,
-                },
-                indent=1,
-            )
+            f"error: the ple-server at {stats.get('socket', socket_path)} (version "
+            f"{stats.get('version', '?')}) does not report its configuration: it predates "
+            "configuration reloads. Compare with its file instead (--against FILE), or "
+            "restart it on this version",
+            file=sys.stderr,
         )
-    else:
-        print(loaded.to_toml(), end="")
-    return 0
+        return 1
+    # A setting of another version's command line that this one lacks cannot
+    # be compared: left out (its key in the file would be reported unknown).
+    flags = {k: v for k, v in (report.get("flags") or {}).items() if k in SETTINGS}
+    against = {
+        "running": {
+            "pid": stats.get("pid"),
+            "socket": stats.get("socket"),
+            "file": report.get("file") or "",
+            "file_named": bool(report.get("file_named", True)),
+            "flags": flags,
+        }
+    }
+    return against, config_from_dict(report["settings"]), flags
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -414,13 +503,44 @@ def build_parser() -> argparse.ArgumentParser:
         config_sub,
         "check",
         "validate a config file and print the effective configuration (exit 1 when invalid)",
+        "Validate a config file and print the effective configuration, each value with "
+        "its source; exit status 1, and every problem, when it is invalid.\n"
+        "With --against-running (or --against OLD): instead of the configuration, what "
+        "a reload (systemctl reload ple-server, SIGHUP) would apply and what needs a "
+        "restart, with the reason for each, as the server itself would log it.",
     )
     complete(
         check.add_argument(
             "file",
             nargs="?",
-            default=os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH,
-            help=f"the file to check (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH})",
+            default=None,
+            help=f"the file to check (default: the running server's file with "
+            f"--against-running, else ${CONFIG_ENV}, else {DEFAULT_CONFIG_PATH})",
+        ),
+        "file",
+    )
+    against = check.add_mutually_exclusive_group()
+    against.add_argument(
+        "--against-running",
+        action="store_true",
+        help="compare with the configuration the running server is in, under the "
+        "command-line flags it was started with (its stats say both)",
+    )
+    complete(
+        against.add_argument(
+            "--against",
+            metavar="OLD",
+            help="compare with the config file OLD (the one in effect), without flags",
+        ),
+        "file",
+    )
+    complete(
+        check.add_argument(
+            "--socket",
+            metavar="PATH",
+            default=None,
+            help=f"the running server's control socket, with --against-running (default: "
+            f"${p.SOCKET_ENV}, else {p.DEFAULT_SOCKET})",
         ),
         "file",
     )

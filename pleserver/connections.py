@@ -67,19 +67,30 @@ class ConnectionGate:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.always = {0, os.geteuid()}
-        self.allowed_uids = set(config.allow_uids) | self.always
-        self.allowed_gids = set(config.allow_gids)
         self.counts = {"not_allowed": 0, "too_many_clients": 0, "rate_limited": 0}
         self._buckets: dict[int, _Bucket] = {}
         self._frames: dict[tuple[str, int], Refusal] = {}
+        self.reconfigure()
+
+    def reconfigure(self) -> None:
+        """Take the access lists and ``max_clients`` from ``config`` again (a
+        reload changed them): the next connection is checked against them.
+        Both run on the control thread, so no connection sees half of it."""
+        self.allowed_uids = set(self.config.allow_uids) | self.always
+        self.allowed_gids = set(self.config.allow_gids)
+        self._frames.clear()  # their texts name max_clients
+
+    def allows(self, uid: int, pid: int, gid: int) -> bool:
+        """Whether the access lists let this peer in."""
+        return uid in self.allowed_uids or bool(
+            self.allowed_gids and self.allowed_gids & groups_of(pid, gid)
+        )
 
     def check(self, uid: int, pid: int, gid: int, sessions: int) -> Refusal | None:
         """None to admit the peer, else its refusal (counted)."""
         if uid not in self.always and not self._take_token(uid, time.monotonic()):
             return self._refuse("rate_limited", uid)
-        if uid not in self.allowed_uids and not (
-            self.allowed_gids and self.allowed_gids & groups_of(pid, gid)
-        ):
+        if not self.allows(uid, pid, gid):
             return self._refuse("not_allowed", uid)
         # One session beyond max_clients, so that `pleserver stats` gets in when
         # every client slot is taken; only max_clients of them may open channels.

@@ -230,6 +230,14 @@ class HintReader:
         if self.thread.is_alive():
             self.thread.join()
 
+    def set_queue_rows(self, rows: int) -> None:
+        """A new bound on the queue (a reload). Taken under the queue's lock,
+        as ``offer`` reads it; ``drop_early``'s lock-free look may use the old
+        bound once more, which only decides whether a hint is copied before
+        ``offer`` looks again. Rows queued past a lower bound stay queued."""
+        with self._cond:
+            self.queue_rows = rows
+
     @property
     def queued_rows(self) -> int:
         return self._queued

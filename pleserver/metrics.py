@@ -48,6 +48,11 @@ Every mode:
   ``ple_hints_bad_table_total`` (a table index the server does not have);
 - ``ple_metrics_connections_rejected_total{reason}`` (``connection_cap``,
   ``timeout``, ``bad_request``) — this endpoint's own refusals;
+- configuration reloads (SIGHUP): ``ple_config_reloads_total{result}``
+  (``ok``, ``failed``), ``ple_config_last_reload_successful`` (1 or 0; 1 before
+  the first reload), ``ple_config_last_reload_success_timestamp_seconds`` (the
+  start, or the last successful reload), ``ple_config_restart_pending_settings``
+  (changes read by a reload that need a restart);
 - the standard ``process_*`` series (CPU, resident memory, open fds, start time).
 
 ``io = direct`` or ``buffered`` (a row cache and a miss engine):
@@ -152,6 +157,7 @@ class SnapshotCollector(Collector):
             value=snap.get("gpu_channels", 0),
         )
         yield from _control(snap)
+        yield from _config(snap.get("config"))
         plane = snap.get("dataplane") or {}
         mode = plane.get("io")
         yield from _dataplane(plane)
@@ -195,6 +201,39 @@ def _control(snap: dict) -> Iterator[Metric]:
         for reason, code in reasons.items():
             family.add_metric([reason], counted.get(code, 0))
         yield family
+
+
+def _config(config: dict | None) -> Iterator[Metric]:
+    """Configuration reloads (SIGHUP), named as Prometheus names its own
+    (``prometheus_config_last_reload_successful``): the start's load counts as
+    a successful one, so a server never reloaded reads 1 and its start time."""
+    if not config:
+        return
+    reloads = CounterMetricFamily(
+        "ple_config_reloads",
+        "Configuration reloads (SIGHUP, systemctl reload), by result.",
+        labels=["result"],
+    )
+    failed = config.get("reloads_failed", 0)
+    reloads.add_metric(["ok"], config.get("reloads", 0) - failed)
+    reloads.add_metric(["failed"], failed)
+    yield reloads
+    yield GaugeMetricFamily(
+        "ple_config_last_reload_successful",
+        "1 when the last configuration load (a reload, or the start) succeeded.",
+        value=0 if config.get("last_reload_ok") is False else 1,
+    )
+    yield GaugeMetricFamily(
+        "ple_config_last_reload_success_timestamp_seconds",
+        "When the configuration in effect was last loaded whole (the start, or a "
+        "successful reload), in seconds since the epoch.",
+        value=config.get("loaded_unix", 0),
+    )
+    yield GaugeMetricFamily(
+        "ple_config_restart_pending_settings",
+        "Settings the last successful reload read but left as they were: they need a restart.",
+        value=len(config.get("restart_pending") or ()),
+    )
 
 
 def _prewarm(pw: dict | None) -> Iterator[Metric]:
@@ -554,6 +593,14 @@ class MetricsEndpoint:
             self.http.max_connections,
             self.http.timeout_s,
         )
+
+    def set_limits(self, max_connections: int, timeout_s: float) -> None:
+        """New connection limits (a reload). The I/O thread reads each once per
+        connection it accepts or times: one attribute store each, so a
+        connection is held to the old values or the new ones, never a mix of
+        the two for one check."""
+        self.http.max_connections = max_connections
+        self.http.timeout_s = timeout_s
 
     def stop(self) -> None:
         self.http.stop()

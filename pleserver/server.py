@@ -5,8 +5,10 @@ metrics endpoint, channel memory budget, serving loop and reservers, control
 socket — a stale one of a dead server replaced —, readiness, then prewarm or
 the hot set's refill), one ``handle_<signal>`` method per signal, the control
 loop (a selector over the listening socket, the sessions and a wake-up pipe
-for signals and for the serving and reserver threads), and stop. What the
-control loop hears from clients goes to ``pleserver.sessions`` (the sessions
+for signals and for the serving and reserver threads), configuration reloads
+(SIGHUP: ``reload``; ``pleserver.reload`` decides what a reload may change),
+and stop. What the control loop hears from clients goes to
+``pleserver.sessions`` (the sessions
 and the control protocol); the data plane lives in ``pleserver.serving``; its
 parts (files, row cache, miss engine, tables) in ``pleserver.dataplane``; the
 hot set in ``pleserver.hotset``; prewarm in ``pleserver.prewarm``; channel
@@ -34,12 +36,21 @@ from pleclient.checkpoint import discover_tables
 from pleserver import __version__
 from pleserver.admission import DoorbellAdmission
 from pleserver.budget import ChannelBudget, default_channel_budget
-from pleserver.config import ServerConfig
+from pleserver.config import SETTINGS, ConfigError, ServerConfig, parse_host_port
 from pleserver.connections import listen_backlog
 from pleserver.dataplane import DataPlane, PlaneOptions
 from pleserver.hotset import HotSet, StateDirError
 from pleserver.memory import memory_room
 from pleserver.prewarm import Prewarm, resident_bytes
+from pleserver.reload import (
+    Change,
+    ConfigSource,
+    ReloadError,
+    ReloadState,
+    config_report,
+    count,
+    diff,
+)
 from pleserver.segments import Reserver
 from pleserver.serving import POLL_S, Channel, ServingLoop
 from pleserver.sessions import Sessions
@@ -68,9 +79,21 @@ class StartupError(RuntimeError):
 class Server:
     """The process, from start to stop (the module docstring lists the steps)."""
 
-    def __init__(self, config: ServerConfig, notifier: Notifier | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        notifier: Notifier | None = None,
+        source: ConfigSource | None = None,
+    ) -> None:
         self.config = config
         self.notifier = notifier or Notifier()
+        # Where ``config`` came from, for reloads (None: made in-process, no
+        # file to read again).
+        self.source = source
+        self.reload_state = ReloadState(loaded_unix=time.time())
+        self._reload_requested = False  # set by SIGHUP's handler, taken by the control loop
+        self._socket_ino = 0  # the control socket file's inode, once bound
+        self._config_report = config_report(source or ConfigSource(), config, self.reload_state)
         self.instance = f"{p.NAME_PREFIX}.{os.getpid()}"
         self.started = time.monotonic()
         self.sessions: Sessions | None = None  # from start() on
@@ -380,6 +403,7 @@ class Server:
                 "directory exists and this user may write it"
             ) from None
         os.chmod(path, self.config.socket_mode)
+        self._socket_ino = os.lstat(path).st_ino  # a reload chmods this file only
         wanted, granted = listen_backlog()
         listener.listen(wanted)
         if granted is not None and granted < wanted:
@@ -401,9 +425,12 @@ class Server:
         self.request_stop("SIGINT")
 
     def handle_sighup(self, signum, frame) -> None:
-        log.info(
-            "SIGHUP: configuration reload is not supported; restart the service to apply changes"
-        )
+        # A handler runs between any two bytecodes of the main thread, which
+        # is the control loop's, perhaps in the middle of a session's message:
+        # it only asks, and the loop reloads between two events (``reload``).
+        # Several SIGHUPs before the loop looks are one reload.
+        self._reload_requested = True
+        self._wake()
 
     def request_stop(self, reason: str) -> None:
         self._stopping = True
@@ -470,6 +497,16 @@ class Server:
                     sessions.handle(key.data, events)
             self._collect_reservations()
             self._collect_dropped()
+            if self._reload_requested:
+                self._reload_requested = False
+                try:
+                    self.reload()
+                except Exception:  # a reload never takes the server down
+                    log.exception(
+                        "reload: internal error; serving on, perhaps with part of the new "
+                        "settings applied: reload again, or restart"
+                    )
+                    self._reloaded(ok=False, problems=["internal error (see the log)"])
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + HOUSEKEEPING_S
@@ -527,6 +564,265 @@ class Server:
             session_id, reason = self._dropped.get_nowait()
             self.sessions.end_for_channel(session_id, reason)
 
+    # ---------------------------------------------------------------- reload
+    # A reload runs on the control thread, between two events of the control
+    # loop, and in this order:
+    #  1. the configuration a restart would run with is loaded whole (the same
+    #     file, the same flags: ``self.source``) and checked; a bad one ends
+    #     the reload there, and nothing has changed;
+    #  2. the changes that can fail are made, and undone if one does: the
+    #     socket file's mode, then the metrics endpoint (a new one is bound
+    #     before the old one closes);
+    #  3. the reloadable settings are stored into ``self.config``, in place.
+    #     The control thread is the only one that reads them there (sessions,
+    #     the connection gate), so no session sees half a reload;
+    #  4. each value another thread reads is handed over by one attribute
+    #     store of an immutable number, which that thread reads once per use
+    #     (the serving loop's ``chunk_rows``, ``spin_s``, ``gpu_poll_s`` and
+    #     ``heartbeat_every_s`` once a pass or turn; each table's
+    #     ``parallel_min_rows`` and ``dedup_min_rows`` once a request; the
+    #     metrics server's limits once a connection): a reader sees the old
+    #     value or the new one, and no two of these values depend on each
+    #     other (a request handed off under the old ``parallel_min_rows`` and
+    #     gathered under the new one is only split over more or fewer native
+    #     threads). The hint queue's bound is stored under the queue's lock, the
+    #     channel budget's under the budget's lock, as their other readers
+    #     hold them; the log level through ``logging``, which locks;
+    #  5. ``reload_state`` and the stats' ``config`` report are replaced whole
+    #     (one reference store each), so the metrics thread reads one reload
+    #     or the next, never a mix.
+    # Settings that need a restart are left as they are in ``self.config``:
+    # it always holds what is in effect, and each reload compares against it.
+    def reload(self) -> bool:
+        """(control thread) Read the configuration again and apply what can
+        change while serving; log every change, and why each one that needs a
+        restart was not applied. True when the configuration was valid and
+        every reloadable change was applied; False changes nothing."""
+        attempt = self.reload_state.reloads + 1
+        self.notifier.reloading()
+        try:
+            if self.source is None:
+                raise ReloadError(
+                    ["this server was made without a configuration source: nothing to read again"]
+                )
+            log.info("reload #%d (SIGHUP): reading %s", attempt, self.source.describe())
+            new = self.source.load().config
+            changes = diff(self.config, new)
+            applied = [c for c in changes if c.reloadable]
+            self._apply_fallible(new, {c.name for c in applied})
+        except (ConfigError, ReloadError) as exc:
+            log.error(
+                "reload #%d failed; nothing changed, serving on with the configuration in "
+                "effect. Fix these, then reload again:\n  %s",
+                attempt,
+                "\n  ".join(exc.problems),
+            )
+            self._reloaded(ok=False, problems=exc.problems)
+            return False
+        for change in applied:
+            setattr(self.config, change.name, change.new)
+        self._apply_live({c.name for c in applied})
+        for change in applied:
+            log.info("reload #%d: %s", attempt, change.describe())
+        restart = [c for c in changes if not c.reloadable]
+        for change in restart:
+            log.warning(
+                "reload #%d: %s; %s stays %s until then",
+                attempt,
+                change.describe(),
+                change.name,
+                SETTINGS[change.name].format(change.old),
+            )
+        log.info(
+            "reload #%d done: %s",
+            attempt,
+            f"{count(len(applied), 'setting')} applied, {len(restart)} waiting for a restart"
+            if changes
+            else "no setting changed",
+        )
+        self._reloaded(ok=True, applied=applied, restart=restart)
+        return True
+
+    def _apply_fallible(self, new: ServerConfig, names: set[str]) -> None:
+        """The changes of ``names`` that can fail, made with the new values of
+        ``new``: the socket file's mode, the metrics endpoint. Raises
+        ReloadError having undone them when one fails."""
+        chmod_back: int | None = None
+        if "socket_mode" in names:
+            path = self.config.socket
+            try:
+                # Only the socket this server bound: a path replaced since (by
+                # whoever may write its directory) is not chmod-ed.
+                st = os.lstat(path)
+                if not stat.S_ISSOCK(st.st_mode) or st.st_ino != self._socket_ino:
+                    raise ReloadError(
+                        [
+                            f"socket_mode: {path} is no longer the socket this server "
+                            "bound (replaced or removed since): restart the server to "
+                            "bind it again"
+                        ]
+                    )
+                os.chmod(path, new.socket_mode)
+            except OSError as exc:
+                raise ReloadError(
+                    [
+                        f"socket_mode: cannot chmod {self.config.socket}: "
+                        f"{exc.strerror or exc}; check who owns the socket file"
+                    ]
+                ) from None
+            chmod_back = self.config.socket_mode
+        if "metrics_address" in names:
+            try:
+                self._move_metrics(new)
+            except ReloadError:
+                if chmod_back is not None:
+                    try:
+                        os.chmod(self.config.socket, chmod_back)
+                    except OSError:
+                        pass
+                raise
+
+    def _move_metrics(self, new: ServerConfig) -> None:
+        """The metrics endpoint on ``new.metrics_address`` (or none), the old
+        one closed once the new one listens. Where the new address needs the
+        old one's port, the old one closes first; if the new one then cannot
+        bind, it is opened again where it was. Raises ReloadError when the
+        new address cannot be served (the endpoint in effect is kept)."""
+        from pleserver.metrics import MetricsEndpoint, MetricsError
+
+        old = self.metrics
+
+        def endpoint(address: str) -> MetricsEndpoint:
+            made = MetricsEndpoint(
+                address,
+                self.snapshot,
+                alive=self.alive,
+                ready=self.ready,
+                max_connections=new.metrics_max_connections,
+                timeout_s=new.metrics_timeout_s,
+            )
+            made.start()
+            return made
+
+        if new.metrics_address is None:
+            if old is not None:
+                old.stop()
+                log.info("metrics endpoint on %s closed (metrics_address = none)", old.address)
+            self.metrics = None
+            return
+        try:
+            self.metrics = endpoint(new.metrics_address)
+        except MetricsError as first:
+            port = parse_host_port(new.metrics_address)[1]
+            if old is None or not port or port != parse_host_port(old.address)[1]:
+                raise ReloadError([f"metrics_address: {first}"]) from None
+            # Perhaps only because the old endpoint holds the port (0.0.0.0:9478
+            # after 127.0.0.1:9478): try again without it.
+            old.stop()
+            try:
+                self.metrics = endpoint(new.metrics_address)
+            except MetricsError as second:
+                try:
+                    self.metrics = endpoint(old.address)
+                except MetricsError as back:
+                    self.metrics = None
+                    log.error(
+                        "metrics endpoint: cannot open it again on %s (%s): no metrics "
+                        "until a reload or restart opens it",
+                        old.address,
+                        back,
+                    )
+                raise ReloadError([f"metrics_address: {second}"]) from None
+            return
+        if old is not None:
+            old.stop()
+            log.info(
+                "metrics endpoint on %s closed (moved to %s)", old.address, new.metrics_address
+            )
+
+    def _apply_live(self, names: set[str]) -> None:
+        """Hand the reloaded ``names`` (already in ``self.config``) to the
+        parts that read them (the comment above ``reload`` says how each is
+        read consistently)."""
+        cfg = self.config
+        assert self.sessions is not None and self.loop is not None  # (start() made both)
+        if names & {"allow_uids", "allow_gids", "max_clients"}:
+            gate = self.sessions.gate
+            gate.reconfigure()
+            kept = [
+                s for s in self.sessions.by_socket.values() if not gate.allows(s.uid, s.pid, s.gid)
+            ]
+            if kept:
+                log.info(
+                    "%d open session(s) of peers the new access lists refuse (uids %s) stay "
+                    "open until they close; a restart would end them",
+                    len(kept),
+                    ", ".join(str(u) for u in sorted({s.uid for s in kept})),
+                )
+        if "max_channel_memory" in names:
+            self.budget.set_limit(cfg.max_channel_memory)
+            if cfg.max_channel_memory is not None and self.budget.used > cfg.max_channel_memory:
+                log.info(
+                    "channels hold %.0f MiB, over the new max_channel_memory: no channel "
+                    "opens until enough of them close",
+                    self.budget.used / 2**20,
+                )
+        loop = self.loop
+        if "chunk_rows" in names:
+            loop.chunk_rows = cfg.chunk_rows
+        if "spin_us" in names:
+            loop.spin_s = cfg.spin_us * 1e-6
+        if "gpu_poll_us" in names:
+            loop.gpu_poll_s = cfg.gpu_poll_us * 1e-6
+        if "watchdog_s" in names:
+            interval = cfg.watchdog_s or watchdog_interval()
+            loop.heartbeat_every_s = min(interval or 1.0, 1.0)
+            self._watchdog = bool(interval)
+        if "hint_queue_rows" in names:
+            loop.hints.set_queue_rows(cfg.hint_queue_rows)
+        for table in self.tables:
+            if "parallel_min_rows" in names:
+                table.parallel_min_rows = cfg.parallel_min_rows
+            if "dedup_min_rows" in names:
+                table.dedup_min_rows = cfg.dedup_min_rows
+        if names & {"metrics_max_connections", "metrics_timeout_s"} and self.metrics is not None:
+            self.metrics.set_limits(cfg.metrics_max_connections, cfg.metrics_timeout_s)
+        if "log_level" in names:
+            logging.getLogger().setLevel(cfg.log_level)
+        loop.wake()  # a sleeping loop takes its new spin and poll times now
+
+    def _reloaded(
+        self,
+        ok: bool,
+        applied: list[Change] | None = None,
+        restart: list[Change] | None = None,
+        problems: list[str] | None = None,
+    ) -> None:
+        """Record a reload (stats, metrics) and tell systemd it is over."""
+        before = self.reload_state
+        now = time.time()
+        self.reload_state = ReloadState(
+            loaded_unix=now if ok else before.loaded_unix,
+            reloads=before.reloads + 1,
+            failed=before.failed + (not ok),
+            last_unix=now,
+            last_ok=ok,
+            last_applied=tuple(c.name for c in applied or ()),
+            last_problems=tuple(problems or ()),
+            restart_pending=tuple(restart or ()) if ok else before.restart_pending,
+        )
+        self._config_report = config_report(
+            self.source or ConfigSource(), self.config, self.reload_state
+        )
+        if ok:
+            pending = [c.name for c in self.reload_state.restart_pending]
+            outcome = "configuration reloaded" + (
+                f"; waiting for a restart: {', '.join(pending)}" if pending else ""
+            )
+        else:
+            outcome = "configuration reload failed (see the log); the previous one is in effect"
+        self.notifier.ready(f"{self._serving_status}; {outcome}")
+
     # ----------------------------------------------------------------- stats
     def snapshot(self) -> dict:
         """Every number `pleserver stats` and the metrics endpoint show."""
@@ -579,6 +875,8 @@ class Server:
             "channel_memory": {"used_bytes": self.budget.used, "budget_bytes": self.budget.limit},
             "control_errors": self.sessions.errors_sent() if self.sessions is not None else {},
             "hints": self.loop.hints.snapshot() if self.loop else None,
+            # Built on the control thread, replaced whole by a reload: read as one.
+            "config": self._config_report,
             "tables": tables,
         }
 

@@ -178,6 +178,37 @@ def format_progress(done: int, target: int, fraction: float) -> str:
     return f"{100 * fraction:.1f}% ({format_bytes(done)} of {format_bytes(target)})"
 
 
+def _reload_lines(config: dict) -> list[str]:
+    """The configuration reloads (SIGHUP) of a snapshot's ``config`` part:
+    nothing before the first one."""
+    if not config.get("reloads"):
+        return []
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(config["last_reload_unix"]))
+    line = (
+        f"config {config['file']}: {config['reloads']} reload(s), "
+        f"{config['reloads_failed']} failed; the last at {when}, "
+        + ("ok" if config["last_reload_ok"] else "FAILED, the previous configuration is in effect")
+    )
+    lines = [line]
+    if not config["last_reload_ok"]:
+        lines += [f"  {problem}" for problem in config.get("last_reload_problems") or ()]
+    pending = config.get("restart_pending") or []
+    if pending:
+        from pleserver.config import SETTINGS
+
+        def shown(name: str, value: object) -> str:
+            return SETTINGS[name].format(value) if name in SETTINGS else repr(value)
+
+        lines.append(
+            "read but waiting for a restart: "
+            + ", ".join(
+                f"{c['setting']} {shown(c['setting'], c['old'])} → {shown(c['setting'], c['new'])}"
+                for c in pending
+            )
+        )
+    return lines
+
+
 def format_human(stats: dict) -> str:
     """The ``pleserver stats`` text view of a snapshot."""
     lines = [
@@ -193,6 +224,7 @@ def format_human(stats: dict) -> str:
             "refused connections: "
             + ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in refused.items())
         )
+    lines += _reload_lines(stats.get("config") or {})
     plane = stats.get("dataplane") or {}
     if plane:
         lines.append(f"io {plane['io']} ({plane['io_reason']})")

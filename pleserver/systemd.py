@@ -1,8 +1,9 @@
 """systemd's notify protocol, without libsystemd: datagrams to $NOTIFY_SOCKET.
 
 ``READY=1`` once the tables are open and the socket listens, ``STATUS=…`` lines
-(prewarm progress), ``WATCHDOG=1`` from the serving loop, ``STOPPING=1`` on
-shutdown. Outside systemd (no ``NOTIFY_SOCKET``) every call is a no-op.
+(prewarm progress), ``WATCHDOG=1`` from the serving loop, ``RELOADING=1`` and
+then ``READY=1`` again around a configuration reload (SIGHUP), ``STOPPING=1``
+on shutdown. Outside systemd (no ``NOTIFY_SOCKET``) every call is a no-op.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,13 @@ class Notifier:
 
     def watchdog(self) -> None:
         self.notify("WATCHDOG=1")
+
+    def reloading(self) -> None:
+        """The configuration is being reloaded; ``ready`` again once done.
+        ``MONOTONIC_USEC`` is what ``Type=notify-reload`` (systemd 253 and
+        later) requires with it; older managers ignore it."""
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        self.notify("RELOADING=1", f"MONOTONIC_USEC={usec}", "STATUS=reloading the configuration")
 
     def stopping(self) -> None:
         self.notify("STOPPING=1", "STATUS=stopping")

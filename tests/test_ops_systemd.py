@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,9 @@ def test_unit_is_notify_type_with_watchdog_restart_and_directories():
     assert s["StateDirectory"] == ["ple-server"]
     assert s["LimitMEMLOCK"] == ["infinity"]
     assert s["ExecStart"][0].startswith(f"{UNIT_EXEC} serve --config /etc/ple-server/")
+    # `systemctl reload`: SIGHUP, which reloads the config (Type=notify-reload
+    # would need systemd 253; the units support 249).
+    assert s["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
 
 
 def test_template_is_the_unit_with_per_instance_config_socket_and_state():
@@ -236,6 +240,24 @@ def test_stopping_is_sent_on_sigterm(start_server, checkpoint):
     stopping = server.wait_for("STOPPING=1", timeout=20.0)
     assert "STATUS=stopping" in stopping
     assert server.exit_code(20) == 0
+
+
+def test_a_reload_is_announced_with_reloading_then_ready(start_server, checkpoint):
+    server = start_server(checkpoint)
+    server.notify.drain()
+    seen = len(server.notify.messages)
+    sent_at = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+    server.proc.send_signal(signal.SIGHUP)
+    ready = server.wait_status("configuration reloaded", timeout=30.0)
+    fields = [f for _, message in server.notify.messages[seen:] for f in message]
+    assert fields.index("RELOADING=1") < fields.index("READY=1"), fields
+    # MONOTONIC_USEC: when the reload began, on the manager's clock (notify-reload needs it).
+    usec = int(next(f for f in fields if f.startswith("MONOTONIC_USEC=")).split("=")[1])
+    assert sent_at <= usec < sent_at + 30_000_000
+    assert f"MAINPID={server.pid}" in fields
+    assert ready == f"serving 2 tables on {server.socket}; configuration reloaded"
+    with PleClient.connect(server.socket) as client:  # serving on
+        assert client.lookup(1, [0]).shape == (1, 160)
 
 
 def test_a_server_that_cannot_start_never_sends_ready(start_server, checkpoint):
