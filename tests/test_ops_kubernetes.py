@@ -175,6 +175,23 @@ def test_the_pod_schedules_on_tainted_gpu_nodes_above_vllm():
     assert pod_spec(find("Pod")).get("priorityClassName") is None  # vLLM: priority 0
 
 
+def test_a_rolling_update_replaces_each_nodes_server_stop_then_start():
+    """One node's socket has one server: the old pod stops (its in-flight
+    requests finished within the grace period) before the new one starts, and
+    the vLLM pods ride through (their lookups wait, then read the checkpoint
+    they mount themselves, until the new server adopts their channels)."""
+    daemonset = find("DaemonSet")
+    strategy = daemonset["spec"]["updateStrategy"]
+    assert strategy["type"] == "RollingUpdate"
+    assert strategy["rollingUpdate"]["maxUnavailable"] == 1
+    assert strategy["rollingUpdate"].get("maxSurge", 0) == 0  # never two on one socket
+    assert pod_spec(daemonset)["terminationGracePeriodSeconds"] >= 10
+    vllm = pod_spec(find("Pod"))
+    mounts = {m["mountPath"]: m for c in vllm["containers"] for m in c["volumeMounts"]}
+    (model,) = [a for a in vllm["containers"][0]["command"] if a.startswith("/models/")]
+    assert mounts["/models"].get("readOnly") and model.startswith("/models/")
+
+
 def test_the_server_pod_is_guaranteed():
     """Every container, init containers included, with requests equal to
     limits for both CPU and memory: Kubernetes' rule for the Guaranteed class."""
