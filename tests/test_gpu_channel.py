@@ -193,7 +193,7 @@ def test_the_watchdog_ends_a_wait_on_a_server_gone_past_the_reconnect_window(ser
         assert gl.client.channel.slots[0].doorbell == p.Doorbell.RUNG
         server.kill()
         started = time.monotonic()
-        with pytest.raises(GpuLookupError, match="SHUTTING_DOWN: .* did not come back within 1 s"):
+        with pytest.raises(GpuLookupError, match=r"SHUTTING_DOWN: .* did not come back within 1 s"):
             gl.collect(0, np.empty((10, 160), dtype=np.uint8))
         with pytest.raises(GpuLookupError, match="did not come back"):
             gl.collect(1, np.empty((10, 320), dtype=np.uint8))
