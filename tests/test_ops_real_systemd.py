@@ -21,6 +21,7 @@ something is missing.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -415,6 +416,98 @@ def test_manual_restarts_do_not_hit_the_start_limit(installed):
     machine.python(
         client_code("/run/ple-server/ple.sock", "/models/Qwen3.8-Flash-Next"), user="vllm"
     )
+
+
+# Two clients that look rows up without a pause until /tmp/load.stop appears,
+# as a vLLM worker's two routes do: a CPU client that reconnects in place, and
+# a GPU-driven channel (the CPU stand-in of a CUDA stream) whose watchdog has
+# the next server adopt it, reading rows from the checkpoint past 1 s.
+LOAD = """
+import json, os, threading
+import numpy as np
+from pleclient import PleClient, PleError, ServerGone, ServerUnavailable
+from pleclient.checkpoint import discover_tables
+from pleclient.fallback import CheckpointReader
+from pleclient.gpu import GpuLookups
+from pleserver.synthetic import read_reference
+SOCKET, MODEL = "/run/ple-server/ple.sock", "/models/Qwen3.8-Flash-Next"
+refs = {t.name: read_reference(MODEL, t.name) for t in discover_tables(MODEL)}
+result = {"cpu": 0, "gpu": 0, "wrong": 0, "failed": [], "reconnects": 0}
+rng = np.random.default_rng(0)
+
+def cpu():
+    client = PleClient.connect(SOCKET, capacity=256, depth=2)
+    while not os.path.exists("/tmp/load.stop"):
+        table = client.tables[result["cpu"] % 2]
+        ids = rng.integers(0, table.rows, 256)
+        try:
+            rows = client.lookup(table, ids)
+        except (ServerGone, ServerUnavailable):
+            client.reconnect(window=60)
+            result["reconnects"] += 1
+            continue
+        result["wrong"] += not np.array_equal(rows, refs[table.name][ids])
+        result["cpu"] += 1
+    client.close()
+
+def gpu():
+    reader = CheckpointReader(discover_tables(MODEL))
+    gl = GpuLookups.open(SOCKET, device="cpu", capacity=256, depth=2, reader=reader)
+    while not os.path.exists("/tmp/load.stop"):
+        table = gl.tables[result["gpu"] % 2]
+        ids = rng.integers(0, table.rows, 256)
+        out = np.empty((256, table.row_bytes), dtype=np.uint8)
+        gl.ring(0, table, ids)
+        gl.collect(0, out)
+        result["wrong"] += not np.array_equal(out, refs[table.name][ids])
+        result["gpu"] += 1
+    result["events"] = [e["ended"] for e in gl.watchdog.events]
+    result["fallback_rows"] = gl.watchdog.fallback_rows
+    gl.close()
+
+def run(body):
+    try:
+        body()
+    except Exception as exc:
+        result["failed"].append(repr(exc))
+
+threads = [threading.Thread(target=run, args=(f,)) for f in (cpu, gpu)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+json.dump(result, open("/tmp/load.json", "w"))
+"""
+
+
+@real_systemd
+def test_reload_restart_and_crash_under_running_clients_lose_no_lookup(installed):
+    """The upgrade path of deploy/README.md (restart under running workers),
+    a reload, and a crash that systemd restarts: the clients never see a
+    failed lookup or a wrong row, and end on the server again."""
+    machine, _, _ = installed
+    machine.run("rm -f /tmp/load.stop /tmp/load.json")
+    machine.run(
+        f"nohup {VENV_PY} - > /tmp/load.log 2>&1 <<'PY' &\n{LOAD}\nPY", user="vllm", timeout=30
+    )
+    time.sleep(3)
+    machine.run("systemctl reload ple-server")
+    time.sleep(2)
+    machine.run("systemctl restart ple-server")  # an upgrade's restart
+    time.sleep(3)
+    signal_and_wait_for_restart(machine, "KILL", "restart after SIGKILL", 30)
+    time.sleep(3)
+    machine.run("touch /tmp/load.stop")
+    deadline = time.monotonic() + 60
+    while machine.run("test -e /tmp/load.json", check=False).returncode != 0:
+        assert time.monotonic() < deadline, machine.run("cat /tmp/load.log").stdout[-3000:]
+        time.sleep(0.5)
+    result = json.loads(machine.run("cat /tmp/load.json").stdout)
+    assert result["failed"] == [] and result["wrong"] == 0, result
+    assert result["cpu"] > 0 and result["gpu"] > 0, result
+    assert result["reconnects"] >= 2, result  # the restart and the crash
+    assert result["events"] and set(result["events"]) == {"adopted"}, result
+    assert re.search(r"reload #\d+ done", machine.journal("ple-server", 400))
 
 
 @real_systemd
