@@ -2,7 +2,7 @@
 # Real vLLM 0.33 on the GPU host: stock against VLLM_PLE_BACKEND=shm (issue 33).
 # Run from the repository root after the bundle of ../shared/gpu-vllm/README.md:
 #
-#   T0=$(date +%s); . .gpu-bundle/site.sh && T0=$T0 CELLS=exact-1 OUT=$OUT bash bench/device_vllm.sh
+#   . .gpu-bundle/site.sh && CELLS=exact-1 bash bench/device_vllm.sh
 #
 # It writes the checkpoints the cells need (bench/qwen4_checkpoint.py on the GPU,
 # kept under $WORK and reused by later calls while the host lives), then runs
@@ -19,7 +19,8 @@
 #   CELLS       cell and plan names, comma-separated (e.g. exact-1, or
 #               stock-default,shm-default-direct-large-tp)
 #   T0          when the device call began (date +%s before site.sh), so that
-#               the install counts against the deadline (default: now)
+#               the install counts against the deadline (default: when this
+#               script's parent shell started, i.e. the device command's start)
 #   DEADLINE_S  seconds after T0 by which every cell has ended (default 540:
 #               the summary is out before a 600 s limit); a cell that would not
 #               end in time is skipped, and says so
@@ -30,7 +31,16 @@
 # Extra arguments go to `bench/vllm_real.py run`.
 set -euo pipefail
 
-T0=${T0:-$(date +%s)}
+# The deadline counts from the device call's start: T0 if given, else when the
+# command's shell (this script's parent, which sourced site.sh) started.
+call_start() {
+    local btime ticks start
+    btime=$(awk '/^btime/ {print $2}' /proc/stat 2>/dev/null) || return 1
+    ticks=$(getconf CLK_TCK 2>/dev/null) || return 1
+    start=$(sed 's/.*) //' "/proc/$PPID/stat" 2>/dev/null | awk '{print $20}') || return 1
+    [ -n "$btime" ] && [ -n "$start" ] && echo $(( btime + start / ticks ))
+}
+T0=${T0:-$(call_start || date +%s)}
 DEADLINE_S=${DEADLINE_S:-540}
 OUT=${OUT:-.}
 WORK=${WORK:-/tmp/vllm-real}
@@ -58,11 +68,14 @@ while read -r name args; do
     t=$(date +%s)
     # shellcheck disable=SC2086  # $args: the script's own arguments, word-split on purpose
     if ! "$PYTHON" bench/qwen4_checkpoint.py --out "$WORK/ckpt/$name" --device cuda --reuse $args \
-            >"$WORK/logs/checkpoint-$name.log" 2>&1; then
+            </dev/null >"$WORK/logs/checkpoint-$name.log" 2>&1; then
         tail -20 "$WORK/logs/checkpoint-$name.log" >&2
         echo "device_vllm.sh: checkpoint $name was not written (log above)" >&2
         exit 2
     fi
+    # On disk before anything is timed: no disk probe or --io direct read
+    # competes with the write-back of a table just written.
+    sync -f "$WORK/ckpt/$name/config.json"
     echo "== checkpoint $name: $(( $(date +%s) - t )) s ($(du -sh "$WORK/ckpt/$name" | cut -f1))"
 done <"$WORK/checkpoints.txt"
 

@@ -267,6 +267,18 @@ def build_model(config, device: str, seed: int, scale: float):
     return model
 
 
+def drop_indexer(model) -> int:
+    """Remove the QSA indexer modules, so that their tensors are never written
+    (a 12 GB file is not written twice); ``strip_indexer`` then finds none."""
+    dropped = 0
+    for layer in model.model.layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None and getattr(attn, "indexer", None) is not None:
+            del attn.indexer
+            dropped += 1
+    return dropped
+
+
 # --------------------------------------------------------------- the files
 def _safetensors_files(model_dir: Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
@@ -419,6 +431,7 @@ def write_checkpoint(args: argparse.Namespace) -> dict:
         for d in {out, bf16_dir}:
             if d.exists():
                 shutil.rmtree(d)
+        drop_indexer(model)
         model.save_pretrained(str(bf16_dir))
         del model
         strip_indexer(bf16_dir)

@@ -68,6 +68,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 CELL_FORMAT = "vllm-real-cell/1"
+RUN_FORMAT = "vllm-real-run/1"
 CONCURRENCY = (1, 8, 32)
 EXACT_TOKENS = 32
 EXACT_PROMPTS = 8
@@ -154,6 +155,12 @@ class Cell:
     @property
     def stock(self) -> bool:
         return self.backend == "stock"
+
+    def cache_size_gib(self) -> float | None:
+        """The row cache of a ``direct`` cell, GiB."""
+        from pleserver.config import parse_size
+
+        return parse_size(self.cache_size) / 2**30 if self.cache_size else None
 
     def reference_key(self) -> str:
         """Stock runs of this key are the references of a shm cell of it."""
@@ -250,35 +257,44 @@ def cell_problem(cell: Cell) -> str | None:
             "the host route under vLLM's default full CUDA graphs is refused by the plugin "
             "at start (docs/VLLM.md, Supported compilation settings); use eager or piecewise"
         )
+    if cell.api == "serve" and not cell.multiproc:
+        return "vllm serve always runs its engine core in a process of its own: drop mp0"
     if cell.exact_runs == 0 and cell.throughput_reps == 0:
         return "neither exact runs nor throughput: it would measure nothing"
     return None
 
 
 PLANS: dict[str, list[str]] = {
-    # Session 1, call 1 (fresh host: install and first compiles): ≈ 520 s
+    # Each plan is one device call's worth in the order that matters most; what
+    # does not fit is skipped and named, to run first in the next call.
+    # `vllm_real.py plan --cells NAME [--warm] [--spent-s S]` prints the timeline.
+    #
+    # Session 1, exactness. Call 1, on a fresh host (the install, then the
+    # first start's kernel compiles: ≈ 220 s):
     "exact-1": ["stock-eager", "shm-eager", "shm-eager-host", "stock-eager#2"],
-    # call 2: vLLM's default graphs, and whether mp0 makes stock reproducible: ≈ 530 s
-    "exact-2": ["stock-default", "shm-default", "stock-default-mp0-x10", "stock-default#2"],
-    # call 3: piecewise, FP8, prompt-ahead off, the mp0 shm cell: ≈ 530 s
+    # call 2: vLLM's default graphs; does mp0 make stock reproducible?
+    "exact-2": ["stock-default", "shm-default", "stock-default-mp0-x10", "shm-default-mp0"],
+    # call 3: FP8, piecewise graphs and the host route, prompt-ahead off
     "exact-3": [
-        "shm-default-mp0",
         "shm-default-fp8",
         "shm-piecewise-host",
         "stock-piecewise",
         "shm-default-nopa",
+        "stock-default#2",
     ],
-    # vllm serve with the openai client
+    # vllm serve, driven by the openai client
     "serve": ["serve-stock-default", "serve-shm-default", "serve-stock-default#2"],
-    # Session 2: the benchmark on the 4-layer trunk, 10.5 GiB tables
+    # Session 2, the benchmark (each cell also makes its 3 exact runs). The
+    # 4-layer trunk with 10.5 GiB tables: resident, from disk, vLLM's offload
     "bench-1": [
         "stock-default-large-tp",
         "shm-default-direct-large-tp",
         "offload-default-large-tp",
     ],
-    # small tables on mmap, and the deep trunk
-    "bench-2": ["stock-default-tp", "shm-default-tp", "stock-default-deep-tp"],
-    "bench-3": ["shm-default-direct-deep-tp", "offload-default-deep-tp", "stock-default-deep-tp#2"],
+    # small tables on mmap, and a second engine from disk
+    "bench-2": ["stock-default-tp", "shm-default-tp", "shm-default-direct-large-tp#2"],
+    # the 16-layer trunk (PLE on layers 2, 6, 10, 14), 10.5 GiB tables
+    "bench-3": ["stock-default-deep-tp", "shm-default-direct-deep-tp", "offload-default-deep-tp"],
 }
 
 
@@ -720,10 +736,62 @@ def _num(x: float | None, fmt: str = ".0f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def summary(cells: list[dict]) -> str:
+def load_runs(dirs: Iterable[Path]) -> list[dict]:
+    """Every run's ``run.json`` under the directories (the disk probe, the host)."""
+    runs: dict[str, dict] = {}
+    for d in dirs:
+        for path in sorted(Path(d).glob("**/run.json")):
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(data, dict) and data.get("format") == RUN_FORMAT:
+                runs.setdefault(data.get("run_id", str(path)), data)
+    return [runs[k] for k in sorted(runs)]
+
+
+def references(cells: list[dict]) -> list[str]:
+    """Per reference key: the stock engines, their exact runs and how many
+    distinct outcomes they gave (1: stock reproduced itself)."""
+    from vllm_exact import Outcome, distinct_outcomes
+
+    by_key: dict[tuple[str, str], tuple[set, list]] = {}
+    for c in cells:
+        if c["cell"]["backend"] != "stock":
+            continue
+        for run in (c.get("exact") or {}).get("runs", []):
+            o = Outcome.from_json(run)
+            engines, runs = by_key.setdefault(
+                (c["cell"]["reference_key"], o.prompts_digest), (set(), [])
+            )
+            engines.add(_cell_key(c))
+            runs.append(o)
+    return [
+        f"{key:<34} {len(engines)} engine(s), {len(runs)} runs, "
+        f"{distinct_outcomes(runs)} distinct outcome(s)"
+        for (key, _), (engines, runs) in sorted(by_key.items())
+    ]
+
+
+def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
     """The tables a run prints at its end (``vllm_real.py summary`` for any set
-    of cell JSONs)."""
-    lines = ["== cells"]
+    of cell JSONs and run.json files)."""
+    lines = []
+    for run in runs:
+        disk = run.get("disk") or {}
+        for r in disk.get("results", []):
+            lat = r.get("mean_latency_s")
+            lines.append(
+                f"== disk ({run.get('run_id')}): QD {r['queue_depth']}: "
+                f"{r['reads_per_s']:,.0f} reads/s of {r.get('block', 4096)} B, mean latency "
+                f"{'-' if lat is None else f'{1e6 * lat:.0f} µs'}"
+                f"{'' if r.get('direct') else ' (page cache, not O_DIRECT)'}"
+            )
+        if disk.get("error"):
+            lines.append(f"== disk ({run.get('run_id')}): probe failed: {disk['error']}")
+    if lines:
+        lines.append("")
+    lines.append("== cells")
     lines.append(f"{'cell':<40} {'status':<8} {'start s':>8} {'total s':>8}  note")
     for c in cells:
         t = c.get("times") or {}
@@ -732,6 +800,9 @@ def summary(cells: list[dict]) -> str:
             f"{c['name']:<40} {c.get('status', '?'):<8} {_num(t.get('engine_start_s')):>8} "
             f"{_num(t.get('total_s')):>8}  {note[:100]}"
         )
+    refs = references(cells)
+    if refs:
+        lines += ["", "== stock references (exact runs of every stock engine of a key)", *refs]
     verdicts = judgments(cells)
     if verdicts:
         lines += ["", "== exactness (shm against every stock run of its reference)"]
@@ -739,31 +810,54 @@ def summary(cells: list[dict]) -> str:
             v = verdicts.get(_cell_key(c))
             if v:
                 lines.append(f"{c['name']:<40} {c['cell']['reference_key']:<30} {v['line']}")
+    served = [c for c in cells if (c.get("server") or {}).get("cell")]
+    if served:
+        lines += [
+            "",
+            "== ple-server over each shm cell (from the engine's readiness to its end; "
+            "vLLM's start-up profiling looked up 'start rows')",
+            f"{'cell':<40} {'io':<7} {'start rows':>10} {'rows':>10} {'hit %':>6} "
+            f"{'lookup p50/p99 ms':>17} {'cpu s':>7} {'cpu µs/miss':>11} {'hints read':>10}",
+        ]
+        for c in served:
+            srv = c["server"]
+            f = server_figures(srv["cell"])
+            lines.append(
+                f"{c['name']:<40} {c['cell']['io']:<7} "
+                f"{(srv.get('at_ready') or {}).get('rows', 0):>10} {f['rows']:>10} "
+                f"{_pct(f.get('hit_rate')):>6} "
+                f"{_ms(f.get('lookup_p50_s')) + '/' + _ms(f.get('lookup_p99_s')):>17} "
+                f"{f['cpu_s']:>7.2f} {_num(f.get('cpu_us_per_miss'), '.1f'):>11} "
+                f"{f['hints_read']:>10}"
+            )
     tp = [c for c in cells if (c.get("throughput") or {}).get("reps")]
     if tp:
         stock_median = _stock_medians(tp)
         lines += [
             "",
-            "== throughput (output tok/s median [min-max] over repetitions; TTFT/TPOT ms "
-            "p50/p99 over requests; server over the repetitions)",
-            f"{'cell':<34} {'c':>3} {'tok/s':>7} {'[min-max]':>13} {'×stock':>6} "
-            f"{'TTFT p50/p99':>15} {'TPOT p50/p99':>13} {'hit %':>6} {'miss/s':>8} "
-            f"{'lookup p50/p99 ms':>17} {'cpu µs/miss':>11}",
+            "== throughput: output tok/s median [min-max] over interleaved repetitions, and "
+            "the first one's (a fresh server's cold start);",
+            "   TTFT and TPOT ms p50/p99 over every request; server figures over the "
+            "repetitions (hit rate, miss reads/s, lookup time, CPU per row read from disk)",
+            f"{'cell':<34} {'c':>3} {'tok/s':>7} {'[min-max]':>13} {'×stock':>6} {'1st':>6} "
+            f"{'1st hit%':>8} {'TTFT p50/p99':>15} {'TPOT p50/p99':>13} {'hit %':>6} "
+            f"{'miss/s':>8} {'lookup p50/p99 ms':>17} {'cpu µs/miss':>11}",
         ]
         for c in tp:
             figures = throughput_figures(c["throughput"]["reps"])
             for conc, f in figures.items():
-                s, srv = f["tok_s"] or {}, f["server"]
+                sp, srv, first = f["tok_s"] or {}, f["server"], f["server_first"]
                 base = stock_median.get((c["cell"]["reference_key"], conc))
                 ratio = (
-                    f"{s['median'] / base:.2f}"
-                    if s and base and c["cell"]["backend"] != "stock"
+                    f"{sp['median'] / base:.2f}"
+                    if sp and base and c["cell"]["backend"] != "stock"
                     else ""
                 )
+                first_tok = f["tok_s_each"][0] if f["tok_s_each"] else None
                 lines.append(
-                    f"{c['name']:<34} {conc:>3} {_num(s.get('median')):>7} "
-                    f"{'[' + _num(s.get('min')) + '-' + _num(s.get('max')) + ']':>13} "
-                    f"{ratio:>6} "
+                    f"{c['name']:<34} {conc:>3} {_num(sp.get('median')):>7} "
+                    f"{'[' + _num(sp.get('min')) + '-' + _num(sp.get('max')) + ']':>13} "
+                    f"{ratio:>6} {_num(first_tok):>6} {_pct(first.get('hit_rate')):>8} "
                     f"{_ms(f['ttft_p50_s']) + '/' + _ms(f['ttft_p99_s']):>15} "
                     f"{_ms(f['tpot_p50_s']) + '/' + _ms(f['tpot_p99_s']):>13} "
                     f"{_pct(srv.get('hit_rate')):>6} {_num(srv.get('misses_per_s')):>8} "

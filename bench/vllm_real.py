@@ -63,6 +63,7 @@ from vllm_cells import (
     CELL_FORMAT,
     CONCURRENCY,
     EXACT_TOKENS,
+    RUN_FORMAT,
     TP_OUTPUT_TOKENS,
     Cell,
     CellError,
@@ -73,6 +74,7 @@ from vllm_cells import (
     exact_prompts,
     expand,
     load_cells,
+    load_runs,
     parse_cell,
     plan_text,
     prompts_digest,
@@ -87,7 +89,6 @@ from vllm_cells import (
 log = logging.getLogger("bench.vllm_real")
 
 BENCH = Path(__file__).resolve().parent
-RUN_FORMAT = "vllm-real-run/1"
 MODEL_NAME = "qwen4-exp"
 ENGINE = {
     "max_num_seqs": 32,
@@ -404,7 +405,8 @@ def run(
             + (f": {record['error']}" if record.get("error") else "")
         )
         results.append(record)
-    text = summary(load_cells([out / "cells", work / "cells"]))
+    _write_json(work / "runs" / run_id / "run.json", info)
+    text = summary(load_cells([out / "cells", work / "cells"]), load_runs([out, work / "runs"]))
     (out / "summary.txt").write_text(text + "\n")
     say(text)
     return results
@@ -862,12 +864,24 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
             engine = GenerateEngine(cell, model_dir)
         data["times"]["engine_start_s"] = round(time.monotonic() - t, 1)
         data["versions"] = versions()
+        ready = None
         if served:
             snap = served.snapshot()
             data["server"]["dataplane"] = snap.get("dataplane")
-            data["server"]["at_ready"] = server_counters(snap)  # vLLM's profiling lookups
+            ready = server_counters(snap)  # vLLM's start-up profiling looked rows up
+            data["server"]["at_ready"] = ready
+            ready_cpu, ready_t = served.cpu_seconds(), time.perf_counter()
         rec.save()
-        measure(cell, engine, served, text, data, rec, end_at)
+        try:
+            measure(cell, engine, served, text, data, rec, end_at)
+        finally:
+            if served and ready is not None and served.server.running:
+                data["server"]["cell"] = server_delta(
+                    ready,
+                    served.counters(),
+                    served.cpu_seconds() - ready_cpu,
+                    time.perf_counter() - ready_t,
+                )
         data["status"] = "done"
         status = 0
     except BaseException as exc:
@@ -990,7 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "cell":
             return cell_main(args.name, args.work, args.out, args.run_id, args.order, args.end_at)
         if args.command == "summary":
-            print(summary(load_cells(args.dirs)))
+            print(summary(load_cells(args.dirs), load_runs(args.dirs)))
             return 0
         cells = expand(args.cells)
     except CellError as exc:

@@ -161,7 +161,38 @@ def vllm_facts(tiny):
         proc.communicate()
 
 
-def test_the_checkpoint_is_one_pleserver_inspect_accepts(tiny, vllm_facts):
+@pytest.fixture(scope="module")
+def cpu_cell(tiny, tmp_path_factory):
+    """``vllm_real.py run`` of a real shm cell on the tiny checkpoint, on the CPU,
+    started beside the tests that follow: the coordinator, the cell process,
+    its ple-server and vLLM's ``LLM`` with the cell's arguments, as far as
+    vLLM's CPU build lets an engine start (mp0: the engine core in the cell's
+    own process). ``cpu_cell()`` waits for it; (work, out, exit code, output)."""
+    work, out = tmp_path_factory.mktemp("cell-work"), tmp_path_factory.mktemp("cell-out")
+    (work / "ckpt").mkdir()
+    (work / "ckpt" / "small-bf16").symlink_to(tiny / "bf16")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="WARNING")
+    argv = [sys.executable, str(BENCH / "vllm_real.py"), "run", "--cells", "shm-eager-mp0"]
+    argv += ["--work", str(work), "--out", str(out), "--deadline-s", "600", "--no-probe"]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/", env=env
+    )
+    done: list = []
+
+    def result():
+        if not done:
+            output, _ = proc.communicate(timeout=300)
+            done.append((work, out, proc.returncode, output))
+        return done[0]
+
+    yield result
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+def test_the_checkpoint_is_one_pleserver_inspect_accepts(tiny, vllm_facts, cpu_cell):
     for dtype, expected in (("bf16", "BF16"), ("fp8", "F8_E4M3")):
         r = subprocess.run(
             [sys.executable, "-m", "pleserver.cli", "inspect", "--json", str(tiny / dtype)],
@@ -531,6 +562,19 @@ def test_the_coordinator_skips_what_does_not_fit_and_kills_what_overruns(
 
 
 # ------------------------------------------------------------------ the summary
+def stats_snapshot(rows: int, hits: int, misses: int, at_bucket: int) -> dict:
+    """A ``PleClient.query_stats`` snapshot's shape (one table), as the server
+    counts: rows served, row-cache hits and misses, request times in a bucket."""
+    buckets = [0] * 98
+    buckets[at_bucket] = rows // 100
+    io = {"hits": hits, "misses": misses, "hit_rate": hits / max(1, hits + misses), "reads": misses}
+    return {
+        "tables": [
+            {"requests": rows // 100, "rows": rows, "server_time": {"buckets": buckets}, "io": io}
+        ]
+    }
+
+
 def cell_json(name: str, order: int, outcomes: list[Outcome], tok_s: dict | None = None) -> dict:
     cell = vc.parse_cell(name)
     record = {
@@ -543,22 +587,20 @@ def cell_json(name: str, order: int, outcomes: list[Outcome], tok_s: dict | None
         "times": {"engine_start_s": 80.0, "total_s": 100.0},
         "exact": {"runs": [o.to_json() for o in outcomes]},
     }
+    zero = vc.server_counters(stats_snapshot(0, 0, 0, 60))
+    if cell.shm:
+        record["server"] = {
+            "at_ready": vc.server_counters(stats_snapshot(4000, 0, 0, 60)),
+            "cell": vc.server_delta(
+                zero, vc.server_counters(stats_snapshot(8000, 7000, 1000, 61)), 0.5, 30.0
+            ),
+        }
     if tok_s:
         reps = []
         for rep in range(3):
             for c, base in tok_s.items():
-                server = None
-                if cell.shm:
-                    server = {
-                        **dict.fromkeys(vc.SERVER_COUNTERS, 0),
-                        "rows": 1000,
-                        "hits": 900,
-                        "misses": 100,
-                        "buckets": [0] * 60 + [10] + [0] * 37,
-                        "io_known": True,
-                        "cpu_s": 0.002,
-                        "wall_s": 2.0,
-                    }
+                # 1000 rows a repetition, 90 % of them hits, in 2 s
+                after = vc.server_counters(stats_snapshot(1000, 900, 100, 60))
                 reps.append(
                     {
                         "rep": rep,
@@ -566,7 +608,7 @@ def cell_json(name: str, order: int, outcomes: list[Outcome], tok_s: dict | None
                         "tok_s": base * (0.9 + 0.1 * rep),
                         "ttft_s": [0.05] * c,
                         "tpot_s": [0.004] * c,
-                        "server": server,
+                        "server": vc.server_delta(zero, after, 0.002, 2.0) if cell.shm else None,
                     }
                 )
         record["throughput"] = {"reps": reps}
@@ -596,9 +638,15 @@ def test_the_summary_judges_every_shm_cell_and_gives_each_figure_its_spread(tmp_
         (tmp_path / "a" / f"{c['name'].replace('#', '_')}.json").write_text(json.dumps(c))
     # the same cell copied to the host's directory counts once
     (tmp_path / "b" / "r1-stock-default-tp.json").write_text(json.dumps(cells[0]))
+    disk = {"results": [{"queue_depth": 128, "reads_per_s": 512000.0, "mean_latency_s": 250e-6}]}
+    run = {"format": vc.RUN_FORMAT, "run_id": "r1", "disk": {**disk, "summary": "-"}}
+    (tmp_path / "a" / "run.json").write_text(json.dumps(run))
     loaded = vc.load_cells([tmp_path / "a", tmp_path / "b"])
     assert [c["name"] for c in loaded] == [c["name"] for c in cells]
-    text = vc.summary(loaded)
+    text = vc.summary(loaded, vc.load_runs([tmp_path / "a"]))
+    assert "QD 128: 512,000 reads/s" in text and "250 µs" in text
+    assert "generate/default/4L-100000/mp" in text.split("== stock references")[1]
+    assert "2 engine(s), 3 runs, 2 distinct outcome(s)" in text
     exact = text.split("== exactness")[1].split("\n==")[0]
     lines = {line.split()[0]: line for line in exact.splitlines()[1:] if line}
     assert "PASS 2/2 (2 identical" in lines["shm-default-tp"]
@@ -612,6 +660,10 @@ def test_the_summary_judges_every_shm_cell_and_gives_each_figure_its_spread(tmp_
     fig = vc.throughput_figures(cells[2]["throughput"]["reps"])[32]
     assert fig["tok_s"]["n"] == 3 and math.isclose(fig["ttft_p99_s"], 0.05)
     assert fig["server"]["misses_per_s"] == 300 / 6.0
+    # the whole cell, from readiness: 8000 rows, 7000 hits, 0.5 s of CPU for 1000 misses
+    srv = text.split("== ple-server")[1].split("\n==")[0]
+    line = next(x for x in srv.splitlines() if x.startswith("shm-default-fp8 "))
+    assert line.split()[1:5] == ["mmap", "4000", "8000", "87.5"] and "500.0" in line
 
 
 # ------------------------------------------------------------------ the scripts
@@ -695,6 +747,23 @@ for name in ("stock-eager", "offload-piecewise", "shm-default"):
         }
         for e in (generate, serve)
     ]
+import qwen4_checkpoint, torch
+from transformers import Qwen4ExpForCausalLM
+real = {}
+for layers, base in ((4, 100_000), (4, 1_100_000), (16, 550_000)):
+    with torch.device("meta"):  # the real dims' shapes, nothing allocated
+        m = Qwen4ExpForCausalLM(qwen4_checkpoint.text_config(layers, base))
+    qwen4_checkpoint.drop_indexer(m)
+    shapes = [list(m.model.layers[i - 1].ple.ple_embedding.ngram_embedding.weight.shape)
+              for i in m.config.ple_layer_ids]
+    real[f"{layers}-{base}"] = {
+        "tables": shapes,
+        "indexers": sum(hasattr(layer, "self_attn") and hasattr(layer.self_attn, "indexer")
+                        for layer in m.model.layers),
+        "estimate_gib": vllm_cells.table_gib_estimate(
+            {(4, 100_000): "small-bf16", (4, 1_100_000): "large-bf16",
+             (16, 550_000): "deep-bf16"}[(layers, base)]),
+    }
 import tempfile
 init_distributed_environment(1, 0, f"file://{tempfile.mkdtemp()}/init", 0, backend="gloo")
 from tests.vllm_helpers.qwen4_model import load_vllm_model
@@ -711,6 +780,7 @@ print("RESULT " + json.dumps({
     "tokenizer": {"ids": ids, "decoded": tokenizer.decode(ids), "size": len(tokenizer),
                   "eos": tokenizer.eos_token_id},
     "args": checked,
+    "real": real,
     "attention": type(layers[3].self_attn).__name__,
     "ple_layers": [i for i, layer in enumerate(layers) if getattr(layer, "ple", None) is not None],
     "unloaded": loaded.unloaded_parameters,
@@ -749,3 +819,52 @@ def test_vllm_takes_the_checkpoint_and_every_cells_arguments(vllm_facts):
             assert e["prefix_caching"] is False
             assert (e["max_num_seqs"], e["chunk"]) == (32, 512)
     assert all("PIECEWISE" in e["cudagraph_mode"] for e in result["args"]["offload-piecewise"])
+
+
+def test_the_real_dims_make_160_column_tables_of_the_planned_sizes(vllm_facts):
+    """The GPU checkpoints' configs, built on the meta device: transformers takes
+    them, every table has Qwen3.8-Flash-Next's 160 columns, the indexer goes,
+    and the disk cells' tables are at least 10 GiB (their row cache of 1 GiB is
+    under a tenth of them)."""
+    real = vllm_facts()["real"]
+    assert [len(r["tables"]) for r in real.values()] == [2, 2, 4]
+    for name, r in real.items():
+        assert {cols for _, cols in r["tables"]} == {160}, name
+        assert r["indexers"] == 0, name
+        gib = sum(rows * cols * 2 for rows, cols in r["tables"]) / 2**30
+        assert abs(gib - r["estimate_gib"]) < 0.02 * gib, (name, gib, r["estimate_gib"])
+    for name in ("4-1100000", "16-550000"):
+        gib = sum(rows * cols * 2 for rows, cols in real[name]["tables"]) / 2**30
+        assert gib >= 10 * vc.parse_cell("shm-default-direct").cache_size_gib()
+
+
+def test_a_cell_runs_on_the_cpu_as_far_as_vllms_cpu_build_lets_an_engine_start(cpu_cell):
+    """Everything of a shm cell but the GPU: the coordinator starts the cell in
+    its own process group, the cell its cold ple-server and vLLM's ``LLM`` with
+    the cell's environment; the engine cannot start on this CPU build of vLLM
+    (no CPU kernels), which the cell records as its error; then nothing of it
+    is left: no process, no server, no state directory."""
+    work, out, code, output = cpu_cell()
+    record = json.loads((out / "cells" / "shm-eager-mp0.json").read_text())
+    assert record["status"] in ("failed", "done"), output[-3000:]
+    if record["status"] == "failed":
+        assert code == 1 and record["error"] and record["log_tail"]
+    assert record["env"]["VLLM_PLE_BACKEND"] == "shm"
+    assert record["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert record["env"]["VLLM_PLE_SHM_SOCKET"].endswith("ple.sock")
+    assert record["server"]["args"][:2] == ["--io", "mmap"] and record["times"]["server_start_s"]
+    assert record["prompts"]["source"].startswith("pydoc_data.topics")
+    assert record["coordinator"]["ended"]["sigkilled"] == 0  # it ended on its own
+    state = Path(record["server"]["args"][record["server"]["args"].index("--state-dir") + 1])
+    assert not state.parent.exists()  # the server's cold state directory is gone
+    assert not Path(record["env"]["VLLM_PLE_SHM_SOCKET"]).parent.exists()
+    server_log = next((work / "logs").glob("*.server.log")).read_text()
+    assert "Traceback" not in server_log
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            assert str(work).encode() not in cmdline, cmdline
+    assert "== cells" in (out / "summary.txt").read_text()
