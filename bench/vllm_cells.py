@@ -350,9 +350,11 @@ class Costs:
 @dataclass
 class History:
     """Engine starts measured on this host (``<work>/history.json``): whether
-    the host has compiled vLLM's kernels yet, and how long a start took."""
+    the host has compiled vLLM's kernels yet, and how long a start took. A
+    cold start (the host's first, or its first compiled one) is kept apart:
+    it says nothing of the next start's time."""
 
-    starts: list[dict] = field(default_factory=list)  # {"api", "mode", "seconds"}
+    starts: list[dict] = field(default_factory=list)  # {"api", "mode", "seconds", "cold"}
 
     @classmethod
     def load(cls, path: Path) -> History:
@@ -364,12 +366,22 @@ class History:
     def save(self, path: Path) -> None:
         path.write_text(json.dumps({"starts": self.starts}, indent=1))
 
+    def compiled(self) -> bool:
+        return any(s["mode"] != "eager" for s in self.starts)
+
     def record(self, api: str, mode: str, seconds: float) -> None:
-        self.starts.append({"api": api, "mode": mode, "seconds": round(seconds, 1)})
+        """A start of ``seconds`` (without the load of resident tables)."""
+        cold = not self.starts or (mode != "eager" and not self.compiled())
+        self.starts.append({"api": api, "mode": mode, "seconds": round(seconds, 1), "cold": cold})
 
     def measured(self, api: str, mode: str) -> float | None:
-        seen = [s["seconds"] for s in self.starts if s["api"] == api and s["mode"] == mode]
-        return max(seen) if seen else None
+        """The latest warm start of this API and mode."""
+        seen = [
+            s["seconds"]
+            for s in self.starts
+            if s["api"] == api and s["mode"] == mode and not s.get("cold")
+        ]
+        return seen[-1] if seen else None
 
 
 def expected_seconds(cell: Cell, costs: Costs, history: History, table_gib: float = 0.0) -> float:
@@ -381,16 +393,20 @@ def expected_seconds(cell: Cell, costs: Costs, history: History, table_gib: floa
         start = costs.engine_start_s[cell.mode] + (cell.api == "serve") * costs.serve_extra_s
         if not history.starts:
             start += costs.first_start_extra_s
-        if cell.mode != "eager" and not any(s["mode"] != "eager" for s in history.starts):
+        if cell.mode != "eager" and not history.compiled():
             start += costs.first_compile_extra_s
-    if not cell.shm:
-        start += costs.resident_s_per_gib * table_gib
-    else:
+    start += resident_load_s(cell, costs, table_gib)
+    if cell.shm:
         start += costs.server_start_s
     rep = costs.tp_rep_s * (costs.disk_factor if cell.io == "direct" else 1.0)
     return (
         start + cell.exact_runs * costs.exact_run_s + cell.throughput_reps * rep + costs.teardown_s
     )
+
+
+def resident_load_s(cell: Cell, costs: Costs, table_gib: float) -> float:
+    """The part of a stock engine's start that loads its tables (none for shm)."""
+    return 0.0 if cell.shm else costs.resident_s_per_gib * table_gib
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ from vllm_cells import (
     EXACT_TOKENS,
     RUN_FORMAT,
     TP_OUTPUT_TOKENS,
+    TP_PROMPT_TOKENS,
     Cell,
     CellError,
     Costs,
@@ -79,6 +80,7 @@ from vllm_cells import (
     plan_text,
     prompts_digest,
     prose,
+    resident_load_s,
     server_counters,
     server_delta,
     summary,
@@ -393,12 +395,14 @@ def run(
             results.append(record)
             continue
         say(f"== {cell.name}: {d.reason}")
+        gib = checkpoint_table_gib(work, cell)
         record = run_one(
             cell, work, out, run_id, order, d.expected_s, t0 + deadline_s, argv_of, baseline
         )
         start = (record.get("times") or {}).get("engine_start_s")
         if start is not None:
-            history.record(cell.api, cell.mode, start)
+            load = min(resident_load_s(cell, costs, gib), start / 2)  # a guess: never most of it
+            history.record(cell.api, cell.mode, start - load)
             history.save(history_path)
         say(
             f"   {record.get('status')} in {record['coordinator']['wall_s']:.0f} s"
@@ -431,6 +435,7 @@ def run_one(
     # The cell stops measuring in time to write its JSON and leave its teardown
     # to the group's end before kill_at.
     end_at = kill_at - 15.0
+    json_path.unlink(missing_ok=True)  # only what this cell writes is read back
     t = time.monotonic()
     with open(log_path, "ab") as logf:
         proc = subprocess.Popen(
@@ -467,7 +472,8 @@ def run_one(
         )
     elif record.get("status") == "running":
         record["status"] = "failed"
-        record.setdefault("error", f"exited with status {proc.returncode} mid-cell (see its log)")
+        if not record.get("error"):
+            record["error"] = f"exited with status {proc.returncode} mid-cell (see its log)"
     record["coordinator"] = {
         "expected_s": round(expected_s, 1),
         "wall_s": round(wall, 1),
@@ -795,20 +801,16 @@ class ServeEngine:
 
 
 def versions() -> dict:
-    out = {}
-    for name in ("vllm", "torch", "transformers", "openai"):
-        try:
-            out[name] = __import__(name).__version__
-        except Exception:
-            out[name] = None
-    try:
-        import torch
+    """The packages measured, from their metadata (importing vLLM and torch in a
+    serve cell's client would cost seconds of the device's time)."""
+    from importlib import metadata
 
-        out["cuda"] = torch.version.cuda
-        if torch.cuda.is_available():
-            out["device"] = torch.cuda.get_device_name(0)
-    except Exception:
-        pass
+    out: dict = {}
+    for name in ("vllm", "torch", "transformers", "openai", "pleserver", "triton"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
     return out
 
 
@@ -934,19 +936,23 @@ def measure(
         exact["seconds"] = round(time.monotonic() - t, 1)
     if cell.throughput_reps:
         tp = data["throughput"] = {
-            "prompt_tokens": 256,
+            "prompt_tokens": TP_PROMPT_TOKENS,
             "output_tokens": TP_OUTPUT_TOKENS,
             "concurrency": list(CONCURRENCY),
             "reps": [],
         }
         rep_s = costs.tp_rep_s * (costs.disk_factor if cell.io == "direct" else 1.0)
+        took: dict[int, float] = {}  # the last wall time of each concurrency
         for rep in range(cell.throughput_reps):
             for c in CONCURRENCY:
-                if time.time() + rep_s * c / sum(CONCURRENCY) + 2 > end_at:
+                expected = 1.2 * took.get(c, rep_s / len(CONCURRENCY))
+                if time.time() + expected > end_at:
                     data["skipped_measurements"].append(f"throughput rep {rep + 1} c {c}: time")
                     continue
                 prompts = throughput_prompts(text, rep, c)
+                t = time.monotonic()
                 r = measured(served, lambda p=prompts: engine.throughput(p, TP_OUTPUT_TOKENS))
+                took[c] = time.monotonic() - t
                 r.update(
                     rep=rep,
                     concurrency=c,
