@@ -2,7 +2,7 @@
 # Real vLLM 0.33 on the GPU host: stock against VLLM_PLE_BACKEND=shm (issue 33).
 # Run from the repository root after the bundle of ../shared/gpu-vllm/README.md:
 #
-#   . .gpu-bundle/site.sh && CELLS=exact-1 bash bench/device_vllm.sh
+#   T0=$(date +%s); . .gpu-bundle/site.sh && T0=$T0 CELLS=exact-1 bash bench/device_vllm.sh
 #
 # It writes the checkpoints the cells need (bench/qwen4_checkpoint.py on the GPU,
 # kept under $WORK and reused by later calls while the host lives), then runs
@@ -40,7 +40,16 @@ call_start() {
     start=$(sed 's/.*) //' "/proc/$PPID/stat" 2>/dev/null | awk '{print $20}') || return 1
     [ -n "$btime" ] && [ -n "$start" ] && echo $(( btime + start / ticks ))
 }
-T0=${T0:-$(call_start || date +%s)}
+if [ -z "${T0:-}" ]; then
+    T0=$(call_start || date +%s)
+    # A parent that began long before (a shell kept between commands) is not
+    # the call's start: count from now, and say so.
+    if [ $(( $(date +%s) - T0 )) -gt 300 ]; then
+        echo "device_vllm.sh: the parent shell began $(( $(date +%s) - T0 )) s ago;" \
+             "counting the deadline from now (pass T0=\$(date +%s) before site.sh)" >&2
+        T0=$(date +%s)
+    fi
+fi
 DEADLINE_S=${DEADLINE_S:-540}
 OUT=${OUT:-.}
 WORK=${WORK:-/tmp/vllm-real}

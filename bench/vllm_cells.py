@@ -41,9 +41,12 @@ cells for one device call each.
 **Exact runs**: 8 prompts of real English text (one of 2 900 tokens, chunked
 at 512), 32 greedy tokens, ``logprobs=5``, ``ignore_eos``, every prompt
 submitted at once; the token ids and logprobs are the outcome
-(``vllm_exact.Outcome``). A shm run is judged against every stock run of the
-same reference (API, graphs mode, trunk and table size, multiprocessing), the
-stock runs of every engine of it in this run and in earlier runs on the host.
+(``vllm_exact.Outcome``). A shm (or offload) run is judged against every
+stock run of the same reference (API, graphs mode, trunk and table size,
+multiprocessing): the stock runs of every engine of it, in this call and in
+the host's earlier calls. Prefix caching is off in every engine, so a
+repetition computes its prompts again. The FP8 checkpoint holds the BF16 one's
+numbers, so BF16 stock runs are its references too.
 
 **Throughput**: repetition r of concurrency c submits c prompts of 256 tokens
 at once (new text each time), 512 tokens each with ``ignore_eos``; output
@@ -52,7 +55,13 @@ interleaved (1, 8, 32, 1, 8, 32, …) so that a drift of the host falls on every
 figure alike; each figure is given as median [min–max] over them. The server's
 counters before and after each measurement give its row-cache hit rate, the
 miss reads per second the decode demanded, its lookup time (p50 / p99 of its
-request histogram) and its CPU seconds per row read from disk.
+request histogram) and its CPU seconds per row read from disk. The first
+repetition of a cell on a fresh server (started cold: no hot set, nothing
+prewarmed) is its cold figure, the later ones warm.
+
+Every figure of a random-weight model over a byte-level vocabulary is a
+figure of this harness's checkpoint, not of Qwen3.8-Flash-Next's real text:
+its generated tokens, and so its decode's n-grams, are the random model's.
 """
 
 from __future__ import annotations
@@ -335,8 +344,10 @@ class Costs:
     engine_start_s: dict[str, float] = field(
         default_factory=lambda: {"eager": 80.0, "piecewise": 95.0, "default": 95.0}
     )
-    first_start_extra_s: float = 140.0  # a fresh host: Triton and CuTe DSL compile (≈ 220 s)
-    first_compile_extra_s: float = 30.0  # the host's first torch.compile (default, piecewise)
+    first_start_extra_s: float = (
+        125.0  # a fresh host's first start: every kernel compiles (≈ 220 s)
+    )
+    first_compile_extra_s: float = 30.0  # a later first start with torch.compile (not eager)
     serve_extra_s: float = 15.0  # vllm serve's API server and readiness
     server_start_s: float = 5.0  # ple-server, nothing prewarmed
     exact_run_s: float = 4.0  # 8 prompts (2.9 k + 7 short), 32 tokens
@@ -393,7 +404,7 @@ def expected_seconds(cell: Cell, costs: Costs, history: History, table_gib: floa
         start = costs.engine_start_s[cell.mode] + (cell.api == "serve") * costs.serve_extra_s
         if not history.starts:
             start += costs.first_start_extra_s
-        if cell.mode != "eager" and not history.compiled():
+        elif cell.mode != "eager" and not history.compiled():
             start += costs.first_compile_extra_s
     start += resident_load_s(cell, costs, table_gib)
     if cell.shm:
@@ -690,8 +701,9 @@ def load_cells(dirs: Iterable[Path]) -> list[dict]:
 
 
 def judgments(cells: list[dict]) -> dict[str, dict]:
-    """Every shm cell's exact runs, judged against the stock runs of its
-    reference key (all runs loaded); per cell: verdicts and a one-line result."""
+    """Every shm (and vLLM offload) cell's exact runs, judged against the stock
+    runs of its reference key (all runs loaded); per cell: verdicts and a
+    one-line result."""
     from vllm_exact import Outcome, distinct_outcomes, judge
 
     stock: dict[tuple[str, str], list[Outcome]] = {}
@@ -707,7 +719,7 @@ def judgments(cells: list[dict]) -> dict[str, dict]:
         runs = [Outcome.from_json(r) for r in (c.get("exact") or {}).get("runs", [])]
         if not runs:
             continue
-        if c["cell"]["backend"] != "shm":
+        if c["cell"]["backend"] == "stock":
             out[key] = {
                 "line": f"{c['cell']['backend']}: {len(runs)} runs, "
                 f"{distinct_outcomes(runs)} distinct outcome(s)",
@@ -734,6 +746,32 @@ def judgments(cells: list[dict]) -> dict[str, dict]:
             "verdicts": [v.to_json() for v in verdicts],
         }
     return out
+
+
+def cell_brief(c: dict) -> str:
+    """One line of what a cell measured, printed as it ends."""
+    from vllm_exact import Outcome, distinct_outcomes
+
+    parts = []
+    runs = [Outcome.from_json(r) for r in (c.get("exact") or {}).get("runs", [])]
+    if runs:
+        parts.append(f"{len(runs)} exact runs, {distinct_outcomes(runs)} distinct")
+    reps = (c.get("throughput") or {}).get("reps", [])
+    if reps:
+        figures = throughput_figures(reps)
+        parts.append(
+            "tok/s "
+            + ", ".join(
+                f"c{conc} {_num((f['tok_s'] or {}).get('median'))}" for conc, f in figures.items()
+            )
+        )
+    srv = (c.get("server") or {}).get("cell")
+    if srv:
+        f = server_figures(srv)
+        parts.append(
+            f"server hit {_pct(f.get('hit_rate'))} %, lookup p99 {_ms(f.get('lookup_p99_s'))} ms"
+        )
+    return "; ".join(parts)
 
 
 def _cell_key(c: dict) -> str:
@@ -821,7 +859,7 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
         lines += ["", "== stock references (exact runs of every stock engine of a key)", *refs]
     verdicts = judgments(cells)
     if verdicts:
-        lines += ["", "== exactness (shm against every stock run of its reference)"]
+        lines += ["", "== exactness (shm and offload against every stock run of their reference)"]
         for c in cells:
             v = verdicts.get(_cell_key(c))
             if v:

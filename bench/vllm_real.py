@@ -70,6 +70,7 @@ from vllm_cells import (
     CellError,
     Costs,
     History,
+    cell_brief,
     checkpoints_needed,
     decide,
     exact_prompts,
@@ -408,6 +409,8 @@ def run(
             f"   {record.get('status')} in {record['coordinator']['wall_s']:.0f} s"
             + (f": {record['error']}" if record.get("error") else "")
         )
+        if record.get("exact") or record.get("throughput"):
+            say(f"   {cell_brief(record)}")
         results.append(record)
     _write_json(work / "runs" / run_id / "run.json", info)
     text = summary(load_cells([out / "cells", work / "cells"]), load_runs([out, work / "runs"]))

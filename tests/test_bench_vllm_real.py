@@ -697,6 +697,8 @@ def test_the_summary_judges_every_shm_cell_and_gives_each_figure_its_spread(tmp_
     c32 = next(line for line in tp if line.split()[1] == "32")
     # median of 4050, 4500, 4950 [min-max], × the stock median (5000), hit rate 90 %
     assert "4500" in c32 and "[4050-4950]" in c32 and "0.90" in c32 and "90.0" in c32
+    brief = vc.cell_brief(cells[2])
+    assert brief.startswith("2 exact runs, 2 distinct; tok/s c1 240, c32 4500; server hit 87.5 %")
     fig = vc.throughput_figures(cells[2]["throughput"]["reps"])[32]
     assert fig["tok_s"]["n"] == 3 and math.isclose(fig["ttft_p99_s"], 0.05)
     assert fig["server"]["misses_per_s"] == 300 / 6.0
