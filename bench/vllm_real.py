@@ -313,7 +313,7 @@ def cell_argv(cell: Cell, work: Path, out: Path, run_id: str, order: int, end_at
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    tmp.write_text(json.dumps(data, separators=(",", ":")))
     os.replace(tmp, path)
 
 
@@ -447,6 +447,7 @@ def run_one(
             stdout=logf,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},  # a killed cell's log is whole
         )
         timed_out = False
         try:
@@ -490,6 +491,10 @@ def run_one(
     _write_json(json_path, record)
     _write_json(work / "cells" / f"{run_id}-{stem}.json", record)
     (out / "logs" / f"{stem}.log").write_text(_tail(log_path, OUT_LOG_BYTES))
+    for part in ("server", "serve"):  # ple-server's log, vllm serve's
+        path = work / "logs" / f"{run_id}-{stem}.{part}.log"
+        if path.exists():
+            (out / "logs" / f"{stem}.{part}.log").write_text(_tail(path, OUT_LOG_BYTES))
     return record
 
 
