@@ -457,7 +457,8 @@ def plan_text(
         d = decide(cell, deadline_s - clock, costs, history, gib)
         if d.run:
             clock += d.expected_s
-            history.record(cell.api, cell.mode, costs.engine_start_s[cell.mode])
+            guess = costs.engine_start_s[cell.mode] + (cell.api == "serve") * costs.serve_extra_s
+            history.record(cell.api, cell.mode, guess)
             lines.append(f"{cell.name:<36} {d.expected_s:>5.0f} s  ends at {clock:>5.0f} s")
         else:
             lines.append(f"{cell.name:<36} {d.expected_s:>5.0f} s  {d.reason}")
