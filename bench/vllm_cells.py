@@ -85,6 +85,15 @@ LONG_PROMPT_TOKENS = 2900  # chunked prefill over several 512-token steps
 TP_PROMPT_TOKENS = 256
 TP_OUTPUT_TOKENS = 512
 DIRECT_CACHE = "1G"
+RESTART_STREAMS = 32
+RESTART_TOKENS = 3072
+RESTART_EVENTS = (  # (seconds into the disturbed run, what is done to ple-server)
+    (4.0, "kill9-restart"),  # a crash, and Restart=on-failure at once
+    (11.0, "reload"),  # systemctl reload: SIGHUP
+    (17.0, "restart"),  # systemctl restart: SIGTERM, then a start
+    (24.0, "kill9-away"),  # a crash, and no server for RESTART_AWAY_S
+)
+RESTART_AWAY_S = 4.0
 
 
 # ----------------------------------------------------------------- checkpoints
@@ -155,6 +164,7 @@ class Cell:
     multiproc: bool = True
     exact_runs: int = 3
     throughput_reps: int = 0
+    restart: bool = False  # serve shm: the server killed, reloaded, restarted under streams
     instance: int = 1
 
     @property
@@ -238,6 +248,8 @@ def parse_cell(name: str) -> Cell:
             fields["multiproc"] = False
         elif word == "noexact":
             fields["exact_runs"] = 0
+        elif word == "restart":
+            fields["restart"] = True
         elif m := re.fullmatch(r"x(\d+)", word):
             fields["exact_runs"] = int(m[1])
         elif m := re.fullmatch(r"tp(\d*)", word):
@@ -246,7 +258,7 @@ def parse_cell(name: str) -> Cell:
             raise CellError(
                 f"{name}: unknown word {word!r}; a cell name joins {BACKENDS}, {MODES}, "
                 "serve, host, direct, nopa, fp8/large/deep/deepsmall, mp0, x<N>, tp[<N>], "
-                "noexact (bench/vllm_cells.py)"
+                "noexact, restart (bench/vllm_cells.py)"
             )
     if not seen_backend:
         raise CellError(f"{name}: no backend; name one of {BACKENDS}")
@@ -268,7 +280,9 @@ def cell_problem(cell: Cell) -> str | None:
         )
     if cell.api == "serve" and not cell.multiproc:
         return "vllm serve always runs its engine core in a process of its own: drop mp0"
-    if cell.exact_runs == 0 and cell.throughput_reps == 0:
+    if cell.restart and not (cell.shm and cell.api == "serve"):
+        return "restart disturbs a ple-server under vllm serve's streams: it needs shm and serve"
+    if cell.exact_runs == 0 and cell.throughput_reps == 0 and not cell.restart:
         return "neither exact runs nor throughput: it would measure nothing"
     return None
 
@@ -293,6 +307,9 @@ PLANS: dict[str, list[str]] = {
     ],
     # vllm serve, driven by the openai client
     "serve": ["serve-stock-default", "serve-shm-default", "serve-stock-default#2"],
+    # ple-server killed, reloaded and restarted under vllm serve's 32 streams
+    # (the GPU-driven route, vLLM's default graphs), then on the host route
+    "restart": ["serve-shm-default-restart", "serve-shm-piecewise-host-restart-noexact"],
     # Session 2, the benchmark (each cell also makes its 3 exact runs). The
     # 4-layer trunk with 10.5 GiB tables: resident, from disk, vLLM's offload
     "bench-1": [
@@ -354,6 +371,7 @@ class Costs:
     tp_rep_s: float = 12.0  # concurrency 1, 8, 32 × 512 tokens at stock's rates, plus prefill
     disk_factor: float = 1.7  # --io direct decode: 0.45–1.0 × stock
     resident_s_per_gib: float = 2.0  # tables read into GPU or pinned memory at load
+    restart_s: float = 110.0  # 3 runs of 32 streams × 3 072 tokens, the events, the starts
     teardown_s: float = 10.0  # ending the process group, writing the JSON
     margin_s: float = 15.0  # kept free before the deadline
 
@@ -411,7 +429,11 @@ def expected_seconds(cell: Cell, costs: Costs, history: History, table_gib: floa
         start += costs.server_start_s
     rep = costs.tp_rep_s * (costs.disk_factor if cell.io == "direct" else 1.0)
     return (
-        start + cell.exact_runs * costs.exact_run_s + cell.throughput_reps * rep + costs.teardown_s
+        start
+        + cell.exact_runs * costs.exact_run_s
+        + cell.throughput_reps * rep
+        + cell.restart * costs.restart_s
+        + costs.teardown_s
     )
 
 

@@ -43,15 +43,18 @@ import argparse
 import asyncio
 import ctypes
 import datetime
+import itertools
 import json
 import logging
 import os
 import platform
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import urllib.error
@@ -63,6 +66,10 @@ from vllm_cells import (
     CELL_FORMAT,
     CONCURRENCY,
     EXACT_TOKENS,
+    RESTART_AWAY_S,
+    RESTART_EVENTS,
+    RESTART_STREAMS,
+    RESTART_TOKENS,
     RUN_FORMAT,
     TP_OUTPUT_TOKENS,
     TP_PROMPT_TOKENS,
@@ -523,10 +530,27 @@ class Served:
         # so the server starts cold.
         missing = os.path.join(self._state, "none")
         self.args = [*cell.server_args(), "--state-dir", missing]
-        launcher = ServerLauncher(
-            model_dir, *self.args, log_level="INFO", log_path=log_path, die_with_parent=True
+        # One socket for every start: a restart is a new server where the old one was.
+        self.launcher = ServerLauncher(
+            model_dir,
+            *self.args,
+            socket_path=os.path.join(self._state, "ple.sock"),
+            log_level="INFO",
+            log_path=log_path,
+            die_with_parent=True,  # (started from the main thread, as every restart is)
         )
-        self.server = launcher.start()
+        self.server = self.launcher.start()
+
+    def kill(self, sig: int) -> None:
+        """End the server with ``sig`` (SIGKILL: a crash; SIGTERM: a stop)."""
+        self.server.stop(sig)
+        self.server.close()
+
+    def start(self) -> float:
+        """Start it again on the same socket; the seconds until it was ready."""
+        t = time.perf_counter()
+        self.server = self.launcher.start()
+        return time.perf_counter() - t
 
     @property
     def socket(self) -> str:
@@ -754,6 +778,35 @@ async def stream_completion(client, prompt: list[int], max_tokens: int, logprobs
     return {"tokens": tokens, "logprobs": positions, "ttft_s": ttft, "tpot_s": tpot}
 
 
+async def stream_each(base_url: str, prompts: list[list[int]], max_tokens: int) -> list:
+    """Every prompt as its own concurrent stream; a failed one is its exception."""
+    import openai
+
+    async def one(client, prompt):
+        tokens: list[int] = []
+        arrivals: list[float] = []
+        stream = await client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        async for chunk in stream:
+            now = time.perf_counter()
+            for choice in chunk.choices or []:
+                ids = list(_extra(choice, "token_ids") or [])
+                tokens += ids
+                arrivals += [now] * len(ids)
+        return {"tokens": tokens, "arrivals": arrivals}
+
+    async with openai.AsyncOpenAI(
+        base_url=base_url, api_key="unused", max_retries=0, timeout=600.0
+    ) as client:
+        return await asyncio.gather(*(one(client, p) for p in prompts), return_exceptions=True)
+
+
 async def stream_all(base_url: str, prompts: list[list[int]], max_tokens: int, logprobs):
     """Every prompt as its own concurrent stream, on a client of this event loop."""
     import openai
@@ -772,6 +825,7 @@ class ServeEngine:
     def __init__(self, cell: Cell, model_dir: Path, log_path: Path, end_at: float) -> None:
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}/v1"
+        self.log_path = log_path
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             serve_argv(cell, model_dir, port),
@@ -798,6 +852,10 @@ class ServeEngine:
             "ttft_s": [r["ttft_s"] for r in results if r["ttft_s"] is not None],
             "tpot_s": [r["tpot_s"] for r in results if r["tpot_s"] is not None],
         }
+
+    def streams(self, prompts: list[list[int]], max_tokens: int) -> list:
+        """Each prompt's tokens and their arrival times (perf_counter), or its error."""
+        return asyncio.run(stream_each(self.base_url, prompts, max_tokens))
 
     def close(self) -> None:
         self.proc.terminate()
@@ -942,6 +1000,9 @@ def measure(
             exact["server"].append(r.get("server"))
             rec.save()
         exact["seconds"] = round(time.monotonic() - t, 1)
+    if cell.restart:
+        assert served is not None  # (a restart cell is shm)
+        restart_run(engine, served, text, data, rec, end_at)
     if cell.throughput_reps:
         tp = data["throughput"] = {
             "prompt_tokens": TP_PROMPT_TOKENS,
@@ -968,6 +1029,100 @@ def measure(
                 )
                 tp["reps"].append(r)
                 rec.save()
+
+
+def restart_run(engine, served: Served, text, data: dict, rec: CellRecord, end_at: float) -> None:
+    """``RESTART_STREAMS`` greedy streams of ``RESTART_TOKENS`` tokens, three
+    times: undisturbed, then with ple-server killed, reloaded and restarted
+    under them (``RESTART_EVENTS``), then undisturbed again. The streams run
+    on a thread of their own; the server is restarted from this (main) thread,
+    whose end its death signal is tied to. Recorded: every failed stream, each
+    event's server start and the longest gap between two tokens of any stream
+    around it, the disturbed run's tokens against both undisturbed ones, and
+    the workers' own account (their log: stalls, rows read from the checkpoint)."""
+    prompts = throughput_prompts(text, 0, RESTART_STREAMS)
+    record = data["restart"] = {
+        "streams": RESTART_STREAMS,
+        "max_tokens": RESTART_TOKENS,
+        "away_s": RESTART_AWAY_S,
+        "runs": {},
+        "events": [],
+    }
+    tokens: dict[str, list] = {}
+
+    def one_run(name: str, disturb: bool) -> None:
+        if time.time() + 90 > end_at:
+            data["skipped_measurements"].append(f"restart run {name}: time")
+            return
+        box: dict = {}
+        t0 = time.perf_counter()
+        worker = threading.Thread(
+            target=lambda: box.update(out=engine.streams(prompts, RESTART_TOKENS))
+        )
+        worker.start()
+        if disturb:
+            for at, kind in RESTART_EVENTS:
+                time.sleep(max(0.0, t0 + at - time.perf_counter()))
+                event: dict = {"kind": kind, "at": time.perf_counter()}
+                if kind == "reload":
+                    os.kill(served.pid, signal.SIGHUP)
+                else:
+                    served.kill(signal.SIGTERM if kind == "restart" else signal.SIGKILL)
+                    if kind == "kill9-away":
+                        time.sleep(RESTART_AWAY_S)
+                    event["server_start_s"] = round(served.start(), 3)
+                record["events"].append(event)
+        worker.join()
+        wall = time.perf_counter() - t0
+        out = box.get("out") or []
+        failed = [f"{type(r).__name__}: {r}"[:300] for r in out if isinstance(r, BaseException)]
+        ok = [r for r in out if not isinstance(r, BaseException)]
+        tokens[name] = [r["tokens"] for r in ok] if not failed else []
+        gaps = sorted(b - a for r in ok for a, b in itertools.pairwise(r["arrivals"]))
+        record["runs"][name] = {
+            "wall_s": round(wall, 2),
+            "failed": failed,
+            "output_tokens": sum(len(r["tokens"]) for r in ok),
+            "gap_p50_ms": round(1e3 * gaps[len(gaps) // 2], 2) if gaps else None,
+            "gap_max_ms": round(1e3 * gaps[-1], 1) if gaps else None,
+        }
+        if disturb:
+            for event in record["events"]:
+                start = event["at"] - 0.05
+                end = start + RESTART_AWAY_S + 6.0
+                around = [
+                    b - a
+                    for r in ok
+                    for a, b in itertools.pairwise(r["arrivals"])
+                    if start <= b and a <= end
+                ]
+                event["stall_s"] = round(max(around), 3) if around else None
+                event["at"] = round(event["at"] - t0, 2)
+        rec.save()
+
+    one_run("before", False)
+    one_run("disturbed", True)
+    one_run("after", False)
+    same = record["identical_streams"] = {}
+    for a, b in (("disturbed", "before"), ("disturbed", "after"), ("before", "after")):
+        if tokens.get(a) and tokens.get(b):
+            same[f"{a}/{b}"] = sum(x == y for x, y in zip(tokens[a], tokens[b], strict=True))
+    record["worker_log"] = worker_restart_lines(engine)
+    rec.save()
+
+
+def worker_restart_lines(engine) -> list[str]:
+    """What the vLLM workers logged of each loss of the server (their log is the
+    serve log), shortened to the figures."""
+    path = getattr(engine, "log_path", None)
+    if path is None:
+        return []
+    wanted = re.compile(
+        r"(wait for the next ple-server|answered from the checkpoint|back on ple-server"
+        r"|fail from now on|lost ple-server|reconnected to ple-server)"
+    )
+    lines = Path(path).read_text(errors="replace").splitlines()
+    return [line[-300:] for line in lines if wanted.search(line)][-40:]
 
 
 # ======================================================================== CLI
