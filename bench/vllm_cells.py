@@ -86,14 +86,14 @@ TP_PROMPT_TOKENS = 256
 TP_OUTPUT_TOKENS = 512
 DIRECT_CACHE = "1G"
 RESTART_STREAMS = 32
-RESTART_TOKENS = 3072
+RESTART_TOKENS = 3584  # ≈ 20 s at concurrency 32 on the 4-layer trunk: every event inside
 RESTART_EVENTS = (  # (seconds into the disturbed run, what is done to ple-server)
-    (4.0, "kill9-restart"),  # a crash, and Restart=on-failure at once
-    (11.0, "reload"),  # systemctl reload: SIGHUP
-    (17.0, "restart"),  # systemctl restart: SIGTERM, then a start
-    (24.0, "kill9-away"),  # a crash, and no server for RESTART_AWAY_S
+    (2.0, "kill9-restart"),  # a crash, and Restart=on-failure at once
+    (5.0, "reload"),  # systemctl reload: SIGHUP
+    (8.0, "restart"),  # systemctl restart: SIGTERM, then a start
+    (11.0, "kill9-away"),  # a crash, and no server for RESTART_AWAY_S
 )
-RESTART_AWAY_S = 4.0
+RESTART_AWAY_S = 3.0
 
 
 # ----------------------------------------------------------------- checkpoints

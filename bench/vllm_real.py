@@ -537,6 +537,8 @@ class Served:
             socket_path=os.path.join(self._state, "ple.sock"),
             log_level="INFO",
             log_path=log_path,
+            # Not the checkout: `python -m` would import its unbuilt pleserver.
+            cwd=self._state,
             die_with_parent=True,  # (started from the main thread, as every restart is)
         )
         self.server = self.launcher.start()
@@ -829,6 +831,9 @@ class ServeEngine:
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             serve_argv(cell, model_dir, port),
+            # Not the checkout: `python -m` would import its unbuilt pleclient,
+            # and vLLM runs on without a plugin that fails to load.
+            cwd=tempfile.gettempdir(),
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -1089,7 +1094,8 @@ def restart_run(engine, served: Served, text, data: dict, rec: CellRecord, end_a
         if disturb:
             for event in record["events"]:
                 start = event["at"] - 0.05
-                end = start + RESTART_AWAY_S + 6.0
+                # Up to the next event (3 s apart), the away time included.
+                end = start + 2.9 + (RESTART_AWAY_S if event["kind"] == "kill9-away" else 0.0)
                 around = [
                     b - a
                     for r in ok
@@ -1104,9 +1110,16 @@ def restart_run(engine, served: Served, text, data: dict, rec: CellRecord, end_a
     one_run("disturbed", True)
     one_run("after", False)
     same = record["identical_streams"] = {}
+    first = record["first_difference"] = {}  # per pair: the earliest and median position
     for a, b in (("disturbed", "before"), ("disturbed", "after"), ("before", "after")):
         if tokens.get(a) and tokens.get(b):
-            same[f"{a}/{b}"] = sum(x == y for x, y in zip(tokens[a], tokens[b], strict=True))
+            pairs = list(zip(tokens[a], tokens[b], strict=True))
+            same[f"{a}/{b}"] = sum(x == y for x, y in pairs)
+            at = sorted(
+                next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), len(x))
+                for x, y in pairs
+            )
+            first[f"{a}/{b}"] = {"min": at[0], "median": at[len(at) // 2]}
     record["worker_log"] = worker_restart_lines(engine)
     rec.save()
 
