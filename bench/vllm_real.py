@@ -570,6 +570,20 @@ class Served:
     def counters(self) -> dict:
         return server_counters(self.snapshot())
 
+    def settled_counters(self, timeout_s: float = 1.0) -> dict:
+        """The counters once two reads 20 ms apart agree: the server counts a
+        request just after it has answered it, so a measurement that ends with
+        its last answer reads again until the count has caught up."""
+        last = self.counters()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            now = self.counters()
+            if now == last:
+                break
+            last = now
+        return last
+
     def cpu_seconds(self) -> float:
         """User + system CPU of the server process, all its threads."""
         with open(f"/proc/{self.pid}/stat") as f:
@@ -593,9 +607,8 @@ def measured(served: Served | None, fn: Callable[[], dict]) -> dict:
     result = fn()
     wall = time.perf_counter() - t
     if served and before is not None:
-        result["server"] = server_delta(
-            before, served.counters(), served.cpu_seconds() - cpu0, wall
-        )
+        after = served.settled_counters()
+        result["server"] = server_delta(before, after, served.cpu_seconds() - cpu0, wall)
     return result
 
 

@@ -491,7 +491,12 @@ def test_reload_restart_and_crash_under_running_clients_lose_no_lookup(installed
         f"nohup {VENV_PY} - > /tmp/load.log 2>&1 <<'PY' &\n{LOAD}\nPY", user="vllm", timeout=30
     )
     time.sleep(3)
-    machine.run("systemctl reload ple-server")
+    reload = machine.run("systemctl reload ple-server", check=False)
+    assert reload.returncode == 0, (
+        reload.stderr
+        + machine.run("systemctl status ple-server --no-pager", check=False).stdout
+        + machine.journal("ple-server", 40)
+    )
     time.sleep(2)
     machine.run("systemctl restart ple-server")  # an upgrade's restart
     time.sleep(3)

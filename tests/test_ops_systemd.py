@@ -86,7 +86,7 @@ def test_unit_is_notify_type_with_watchdog_restart_and_directories():
     assert s["ExecStart"][0].startswith(f"{UNIT_EXEC} serve --config /etc/ple-server/")
     # `systemctl reload`: SIGHUP, which reloads the config (Type=notify-reload
     # would need systemd 253; the units support 249).
-    assert s["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+    assert s["ExecReload"] == ['/bin/sh -c "kill -HUP $MAINPID"']
 
 
 def test_template_is_the_unit_with_per_instance_config_socket_and_state():
