@@ -149,8 +149,10 @@ def machine() -> dict:
 
 
 def source() -> dict:
-    """The commit measured: ``git`` where the tree is a checkout, else ``$COMMIT``
-    (the device copy of a working tree has no .git)."""
+    """The commit measured: ``$COMMIT`` where the caller set it (the device copy
+    of a working tree carries a .git of another commit), else ``git``'s."""
+    if os.environ.get("COMMIT"):
+        return {"commit": os.environ["COMMIT"]}
     try:
         commit = subprocess.run(
             ["git", "-C", str(BENCH.parent), "rev-parse", "--short", "HEAD"],
@@ -160,7 +162,7 @@ def source() -> dict:
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    return {"commit": commit or os.environ.get("COMMIT") or None}
+    return {"commit": commit or None}
 
 
 def _nvidia_smi(*args: str) -> str | None:
