@@ -167,3 +167,38 @@ def test_server_killed_mid_run_reconnects_within_the_window_then_fails_clearly(
     assert 2.0 <= result["seconds"] < 6.0
     assert result["recovered_equal"]
     assert not os.path.exists(socket)
+
+
+BROKEN_INSTALL = """
+import sys
+sys.modules["pleclient._sync"] = None  # a checkout whose native module was never built
+import vllm.plugins
+try:
+    vllm.plugins.load_general_plugins()
+    print("RESULT loaded")
+except Exception as exc:
+    print("RESULT", type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.parametrize("backend", ["shm", None])
+def test_a_client_without_its_native_module_stops_vllm_only_when_shm_is_asked(backend):
+    """vLLM only logs an entry point that fails to import, and runs on with
+    its own table: the plugin's entry point imports without the native module,
+    and ``register`` stops vLLM with the fix where ``VLLM_PLE_BACKEND=shm``."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_PLE_")}
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    if backend:
+        env["VLLM_PLE_BACKEND"] = backend
+    run = subprocess.run(
+        [sys.executable, "-c", BROKEN_INSTALL], capture_output=True, text=True, env=env, timeout=120
+    )
+    (line,) = [x for x in run.stdout.splitlines() if x.startswith("RESULT")]
+    if backend:
+        assert line.startswith("RESULT PleBackendError VLLM_PLE_BACKEND=shm"), line
+        assert "native module is not built" in line and "pip install" in line, line
+    else:
+        assert line == "RESULT loaded", run.stdout + run.stderr

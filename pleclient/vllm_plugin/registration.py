@@ -28,6 +28,7 @@ from types import ModuleType
 
 from pleclient.vllm_plugin import compat, settings
 from pleclient.vllm_plugin.compat import QWEN4_EXP, QWEN38_FLASH_NEXT, Target
+from pleclient.vllm_plugin.errors import PleBackendError
 
 log = logging.getLogger("pleclient.vllm_plugin")
 
@@ -112,6 +113,7 @@ def register() -> None:
     if selected == settings.BACKEND_VLLM:
         return
     settings.ShmSettings.from_env()  # validate every knob now, in every process
+    require_native()
     compat.check_layout(TARGETS)  # raises UnsupportedVllm, naming what is missing
     global _finder
     with _lock:
@@ -123,6 +125,22 @@ def register() -> None:
             module = sys.modules.get(name)
             if module is not None:
                 apply_patch(name, module)
+
+
+def require_native() -> None:
+    """The client's native module, or PleBackendError with the fix. Raised
+    from ``register``, it stops vLLM: an import error of the entry point
+    itself would only be logged, and vLLM would run on with its own table
+    while ``VLLM_PLE_BACKEND=shm`` says otherwise."""
+    try:
+        importlib.import_module("pleclient.channel")
+    except ImportError as exc:
+        raise PleBackendError(
+            f"VLLM_PLE_BACKEND=shm, but pleclient cannot be used here: {exc}. Install "
+            "pleserver into vLLM's environment from a wheel or with `pip install .` (a "
+            "source checkout on PYTHONPATH has no built native module), or unset "
+            "VLLM_PLE_BACKEND to keep vLLM's own table"
+        ) from None
 
 
 def declare_variables() -> bool:
