@@ -319,6 +319,19 @@ def cell_argv(cell: Cell, work: Path, out: Path, run_id: str, order: int, end_at
     ]
 
 
+def cell_record(cell: Cell, run_id: str, order: int, status: str, **more) -> dict:
+    """A cell's JSON: who it is, where it stands, and ``more``."""
+    return {
+        "format": CELL_FORMAT,
+        "run_id": run_id,
+        "order": order,
+        "name": cell.name,
+        "cell": cell.to_json(),
+        "status": status,
+        **more,
+    }
+
+
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -391,16 +404,14 @@ def run(
         d = decide(cell, left, costs, history, checkpoint_table_gib(work, cell))
         if not d.run:
             say(f"== {cell.name}: {d.reason}")
-            record = {
-                "format": CELL_FORMAT,
-                "run_id": run_id,
-                "order": order,
-                "name": cell.name,
-                "cell": cell.to_json(),
-                "status": "skipped",
-                "reason": d.reason,
-                "coordinator": {"expected_s": d.expected_s, "left_s": d.left_s},
-            }
+            record = cell_record(
+                cell,
+                run_id,
+                order,
+                "skipped",
+                reason=d.reason,
+                coordinator={"expected_s": d.expected_s, "left_s": d.left_s},
+            )
             _write_json(out / "cells" / f"{file_stem(cell.name)}.json", record)
             results.append(record)
             continue
@@ -468,15 +479,9 @@ def run_one(
     try:
         record = json.loads(json_path.read_text())
     except (OSError, ValueError):
-        record = {
-            "format": CELL_FORMAT,
-            "run_id": run_id,
-            "order": order,
-            "name": cell.name,
-            "cell": cell.to_json(),
-            "status": "failed",
-            "error": "the cell wrote no JSON (see its log)",
-        }
+        record = cell_record(
+            cell, run_id, order, "failed", error="the cell wrote no JSON (see its log)"
+        )
     if timed_out:
         record["status"] = "killed"
         record["error"] = (
@@ -908,17 +913,7 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
     stem = file_stem(name)
     rec = CellRecord(
         out / "cells" / f"{stem}.json",
-        {
-            "format": CELL_FORMAT,
-            "run_id": run_id,
-            "order": order,
-            "name": name,
-            "cell": cell.to_json(),
-            "status": "running",
-            "error": None,
-            "times": {},
-            "skipped_measurements": [],
-        },
+        cell_record(cell, run_id, order, "running", error=None, times={}, skipped_measurements=[]),
     )
     data = rec.data
     t_cell = time.monotonic()
