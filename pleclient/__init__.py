@@ -17,6 +17,7 @@ from pleclient.errors import (
     RequestError,
     ServerGone,
     ServerUnavailable,
+    TooManyClients,
 )
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ __all__ = [
     "ServerUnavailable",
     "ProtocolMismatch",
     "AccessDenied",
+    "TooManyClients",
     "RequestError",
     "LookupTimeout",
     "ServerGone",

@@ -37,6 +37,7 @@ from pleclient.errors import (
     RequestError,
     ServerGone,
     ServerUnavailable,
+    TooManyClients,
 )
 from pleclient.reconnect import DEFAULT_WINDOW_S, reconnect_within
 from pleclient.slots import SlotOwner, SlotPool
@@ -844,7 +845,9 @@ def _expect_with_fds(sock: socket.socket, kind: p.MessageType, path: str) -> tup
         code, text = msg.get("code", p.ErrorCode.INTERNAL), msg.get("message", "")
         if code == p.ErrorCode.VERSION_MISMATCH:
             raise ProtocolMismatch(text)
-        if code in (p.ErrorCode.NOT_ALLOWED, p.ErrorCode.TOO_MANY_CLIENTS):
+        if code == p.ErrorCode.TOO_MANY_CLIENTS:
+            raise TooManyClients(text)
+        if code == p.ErrorCode.NOT_ALLOWED:
             raise AccessDenied(text)
         raise RequestError(code, text)
     if msg["type"] != kind.value:

@@ -19,6 +19,16 @@ class AccessDenied(PleError):
     """The server refused this process (uid/gid not allowed, too many clients)."""
 
 
+class TooManyClients(AccessDenied):
+    """The server has no room for this process now: every client slot is
+    taken (``max_clients``, the last ones kept for root and the server's own
+    uid), this uid holds ``max_clients_per_uid`` sessions, or it connected
+    faster than the server admits. Transient, unlike a uid that is not
+    allowed: it clears as other clients close, so reconnecting retries it
+    (``pleclient.reconnect.TRANSIENT``). An ``AccessDenied``, as before it had
+    a class of its own."""
+
+
 class RequestError(PleError):
     """The server rejected one request; the session stays usable."""
 

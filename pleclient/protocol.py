@@ -431,6 +431,8 @@ class ErrorCode(enum.IntEnum):
     BAD_MESSAGE = 1
     VERSION_MISMATCH = 2
     NOT_ALLOWED = 3
+    # No room now (max_clients, max_clients_per_uid, the accept rate): transient,
+    # a client retries it where it reconnects (an older client reads it as a refusal).
     TOO_MANY_CLIENTS = 4
     BAD_TABLE = 5
     BAD_COUNT = 6

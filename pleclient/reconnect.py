@@ -5,8 +5,11 @@ crash and ``Restart=on-failure``): the socket disappears or refuses for the
 second or two it takes to start again. ``reconnect_within`` tries ``connect``
 at once, then after ``FIRST_DELAY_S``, doubling up to ``MAX_DELAY_S``, until
 ``window_s`` after the first failure, and raises ``ServerUnavailable`` past
-it. ``PleClient.reconnect`` and the vLLM plugin's sessions use it, so that no
-user of the client writes this loop again.
+it. A server that refuses for want of room (``TooManyClients``: every client
+slot taken, or this uid's) is waited for the same way: slots free as other
+clients close, and as the sessions of a worker that restarted end.
+``PleClient.reconnect`` and the vLLM plugin's sessions use it, so that no user
+of the client writes this loop again.
 """
 
 from __future__ import annotations
@@ -15,10 +18,17 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from pleclient.errors import LookupTimeout, ProtocolMismatch, ServerGone, ServerUnavailable
+from pleclient.errors import (
+    LookupTimeout,
+    ProtocolMismatch,
+    ServerGone,
+    ServerUnavailable,
+    TooManyClients,
+)
 
-TRANSIENT = (ServerGone, ServerUnavailable, LookupTimeout)
-"""Failures that a restarted server cures; anything else fails at once."""
+TRANSIENT = (ServerGone, ServerUnavailable, LookupTimeout, TooManyClients)
+"""Failures that a restarted server, or a slot freed on a full one, cures;
+anything else (a uid not allowed, a bad request) fails at once."""
 FIRST_DELAY_S = 0.05
 MAX_DELAY_S = 2.0
 DEFAULT_WINDOW_S = 30.0
@@ -57,6 +67,13 @@ def reconnect_within(
         except (*TRANSIENT, ProtocolMismatch) as exc:
             last = exc
         remaining = failed_since + window_s - time.monotonic()
+        if remaining <= 0 and isinstance(last, TooManyClients):
+            raise ReconnectWindowPassed(
+                f"ple-server at {socket} had no room for this client for {window_s:.0f} s "
+                f"(last error: {last}). Close idle clients, or raise max_clients or "
+                "max_clients_per_uid in its config",
+                last,
+            ) from None
         if remaining <= 0:
             went = f" went away ({cause})" if cause is not None else " is not there"
             raise ReconnectWindowPassed(

@@ -179,9 +179,20 @@ class ServerConfig:
     max_clients: int = _setting(
         64,
         "int",
-        "Sessions at most at once (each vLLM worker holds one).",
+        "Clients with a channel at most at once (each vLLM worker holds one); one "
+        "session more is accepted, for `pleserver stats`. The last 2 are kept for root "
+        "and the server's own uid.",
         minimum=1,
         group="channels",
+    )
+    max_clients_per_uid: int = _setting(
+        32,
+        "int",
+        "Sessions (with a channel or not) one uid may hold at once, root and the "
+        "server's own uid excepted; past it a new one gets TOO_MANY_CLIENTS. 32, half "
+        "the default max_clients, so that one uid cannot lock out the others; raise it "
+        "when every vLLM worker of the host runs as one uid and needs more.",
+        minimum=1,
     )
     max_capacity: int = _setting(
         262144, "int", "Largest rows-per-request a client may ask for its channel.", minimum=1

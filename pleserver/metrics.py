@@ -24,8 +24,9 @@ Every mode:
   (``max_channel_memory``; absent when there is none) — the channels' shared
   memory against its budget;
 - ``ple_sessions_refused_total{reason}`` (``not_allowed``: uid or groups not
-  in allow_uids/allow_gids; ``max_clients``; ``rate_limited``: past the
-  per-uid accept rate; ``version_mismatch``) and
+  in allow_uids/allow_gids; ``max_clients``; ``max_clients_per_uid``: the
+  uid holds that many sessions; ``rate_limited``: past the per-uid accept
+  rate; ``version_mismatch``) and
   ``ple_channels_refused_total{reason}`` (``no_resources``: the channel memory
   budget, the segment could not be reserved, or no descriptor left;
   ``channel_limit``: past max_capacity, max_depth or max_channel_bytes);
@@ -122,6 +123,7 @@ BUCKET_STEP = 3  # export every third stats bucket: 4 per decade
 SESSION_REFUSALS = {
     "not_allowed": "not_allowed",
     "max_clients": "too_many_clients",
+    "max_clients_per_uid": "uid_limit",
     "rate_limited": "rate_limited",
     "version_mismatch": "version_mismatch",
 }

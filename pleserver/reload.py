@@ -49,6 +49,9 @@ RELOADABLE: dict[str, str] = {
     "max_clients": (
         "applies to new sessions and channels; open ones stay, even above a lower limit"
     ),
+    "max_clients_per_uid": (
+        "applies to new sessions; a uid's open ones stay, even above a lower limit"
+    ),
     "max_capacity": _NEW_CHANNELS,
     "default_capacity": _NEW_CHANNELS,
     "max_depth": _NEW_CHANNELS,

@@ -746,11 +746,11 @@ class Server:
         read consistently)."""
         cfg = self.config
         assert self.sessions is not None and self.loop is not None  # (start() made both)
-        if names & {"allow_uids", "allow_gids", "max_clients"}:
+        if names & {"allow_uids", "allow_gids", "max_clients", "max_clients_per_uid"}:
             gate = self.sessions.gate
             gate.reconfigure()
             kept = [
-                s for s in self.sessions.by_socket.values() if not gate.allows(s.uid, s.pid, s.gid)
+                s for s in self.sessions.by_socket.values() if not gate.allows(s.uid, s.gid, s.sock)
             ]
             if kept:
                 log.info(

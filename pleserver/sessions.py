@@ -15,9 +15,12 @@ frame) close sessions that hold a slot without using it; log lines a peer can
 trigger at will are rate-limited.
 
 Access model (see docs/SECURITY.md):
-- who may connect, and how often: the peer's SO_PEERCRED uid/gids against
+- who may connect, and how often: the peer's uid and groups as the kernel
+  recorded them at connect (SO_PEERCRED, SO_PEERGROUPS) against
   ``allow_uids`` / ``allow_gids`` (the server's own uid and root always may),
   decided at accept by ``pleserver.connections``, before a session exists;
+- how many: ``max_clients`` (the last ones kept for root and the server's
+  own uid), at most ``max_clients_per_uid`` sessions of any other uid;
 - a session's segment is a memfd: it never has a name another process could
   open; its file descriptor goes to the peer alone (SCM_RIGHTS); its size is
   sealed, so the peer cannot shrink it under the server's mapping; its
@@ -141,6 +144,7 @@ class Sessions:
         self._selector = selector
         self._snapshot = snapshot
         self._next_id = 1
+        self._of_uid: dict[int, int] = {}  # open sessions by uid (max_clients_per_uid)
         self._peer_log = RateLimitedLog(log)
         self.gate = ConnectionGate(config)
         self._errors_sent = dict.fromkeys(p.ErrorCode, 0)  # refusals among them
@@ -231,7 +235,7 @@ class Sessions:
             pid, uid, gid = _PEERCRED.unpack(
                 sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
             )
-            refusal = self.gate.check(uid, pid, gid, len(self.by_socket))
+            refusal = self.gate.check(uid, gid, sock, len(self.by_socket), self._of_uid.get(uid, 0))
             if refusal is not None:
                 self._errors_sent[refusal.code] += 1
                 self._peer_log.log(
@@ -254,6 +258,7 @@ class Sessions:
             sock.setblocking(False)
             self.by_socket[sock] = session
             self.by_id[session.id] = session
+            self._of_uid[uid] = self._of_uid.get(uid, 0) + 1
             self._selector.register(sock, selectors.EVENT_READ, session)
 
     # -------------------------------------------------------------- messages
@@ -424,11 +429,17 @@ class Sessions:
                 f"({cfg.max_channel_bytes / 2**20:.0f} MiB)",
             )
         with_channel = sum(1 for o in self.by_socket.values() if o.channel or o.opening)
-        if with_channel >= cfg.max_clients:
+        limit = self.gate.client_limit(s.uid)
+        if with_channel >= limit:
+            kept = (
+                f"; the last {cfg.max_clients - limit} are kept for root and the server's own uid"
+                if limit < cfg.max_clients
+                else ""
+            )
             return Refusal(
                 p.ErrorCode.TOO_MANY_CLIENTS,
                 f"ple-server already has {with_channel} clients "
-                f"(max_clients = {cfg.max_clients}), each with its channel; "
+                f"(max_clients = {cfg.max_clients}{kept}), each with its channel; "
                 "close idle clients or raise max_clients",
                 close=True,
             )
@@ -592,6 +603,11 @@ class Sessions:
         if self.by_socket.pop(s.sock, None) is None:
             return
         self.by_id.pop(s.id, None)
+        left = self._of_uid[s.uid] - 1
+        if left:
+            self._of_uid[s.uid] = left
+        else:
+            del self._of_uid[s.uid]
         try:
             self._selector.unregister(s.sock)
         except (KeyError, ValueError):

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,10 +19,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pleclient import PleClient
 from pleclient.protocol import ErrorCode
 from pleserver.synthetic import write_checkpoint
 from tests.conftest import SMALL_TABLES
-from tests.harness import OtherUser, other_users, python_child, run_child
+from tests.harness import (
+    OtherUser,
+    other_users,
+    python_child,
+    run_child,
+    stop_process,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +140,149 @@ def test_allow_gid_admits_the_groups_members_only(start_server, users, public, s
     )
     assert lookup_as(client_user, server, public)["exact_tables"] == 2
     assert lookup_as(other, server, public)["error"] == "AccessDenied"
+
+
+# The groups a peer had when it connected, not what its pid is by accept time.
+JOIN_AFTER_CONNECT = """
+path, uid, gid, joined = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+os.setgroups([])
+os.setresgid(gid, gid, gid)
+os.setresuid(0, uid, 0)  # effective: the uid; real and saved root, to join a group later
+s = socket.socket(socket.AF_UNIX)
+s.connect(path)  # the kernel records uid, gid and no supplementary group
+p.send_message(s, {"type": "hello", "version": p.PROTOCOL_VERSION, "pid": 1, "name": "joiner"})
+os.seteuid(0)
+os.setgroups([joined])
+os.seteuid(uid)
+with open("/proc/self/status") as f:
+    groups = next(line.split()[1:] for line in f if line.startswith("Groups:"))
+print(json.dumps({"pid": os.getpid(), "groups": groups}), flush=True)
+s.settimeout(60)
+reply, _ = p.recv_message(s)
+print(json.dumps(reply), flush=True)
+"""
+
+
+def test_a_group_joined_after_connecting_does_not_let_a_peer_in(
+    start_server, users, public, socket_dir
+):
+    """A process of a uid outside the lists connects (with no supplementary
+    group), then joins an allowed group while its connection waits for accept
+    (the server is stopped meanwhile). Before: the server read the groups from
+    ``/proc/<pid>/status`` at accept, found the allowed group and greeted the
+    uid. Now the groups are the ones the kernel recorded at connect
+    (SO_PEERGROUPS): refused, NOT_ALLOWED, with the reason."""
+    (_, _, other), shared_gid = users
+    server = start_server(
+        public / "model", "--allow-gid", str(shared_gid), socket_path=str(socket_dir / "ple.sock")
+    )
+    stop_process(server.pid)
+    try:
+        joiner = python_child(
+            JOIN_AFTER_CONNECT, server.socket, str(other.uid), str(other.gid), str(shared_gid)
+        )
+        line = joiner.stdout.readline()
+        assert line, joiner.stderr.read()
+        joined = json.loads(line)
+        assert joined["groups"] == [str(shared_gid)]  # what /proc says by accept time
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    out, err = joiner.communicate(timeout=60)
+    assert joiner.returncode == 0, err
+    reply = json.loads(out.splitlines()[-1])
+    assert reply["type"] == "error" and reply["code"] == ErrorCode.NOT_ALLOWED, reply
+    assert f"uid {other.uid} may not use this ple-server" in reply["message"]
+    assert "the groups it had when it connected count" in reply["message"]
+    assert f"refused connection from pid {joined['pid']} uid {other.uid}" in server.log()
+
+
+CONNECT_AND_LEAVE = """
+# Connect and say hello, then hand the connection to a child and exit: the pid
+# the kernel recorded at connect is gone (the test reaps it) before the server
+# accepts. The child prints what the server answers.
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+p.send_message(s, {"type": "hello", "version": p.PROTOCOL_VERSION, "pid": 1, "name": "leaver"})
+print(os.getpid(), flush=True)
+if os.fork() == 0:
+    s.settimeout(60)
+    try:
+        reply, _ = p.recv_message(s)
+    except OSError as exc:
+        reply = {"error": str(exc)}
+    print(json.dumps(reply), flush=True)
+    os._exit(0)
+os._exit(0)
+"""
+
+NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
+
+
+def _take_pid(pid: int, user: OtherUser, tries: int = 300) -> subprocess.Popen | None:
+    """A process of ``user`` (with its supplementary groups) that has pid
+    ``pid``, made by setting the pid namespace's last pid before each fork;
+    None when that cannot be set, or other processes of the host keep taking
+    the pid first."""
+    for _ in range(tries):
+        try:
+            with open(NS_LAST_PID, "w") as f:
+                f.write(str(pid - 1))
+        except OSError:
+            return None
+        proc = subprocess.Popen(
+            ["sleep", "120"], user=user.uid, group=user.gid, extra_groups=list(user.groups)
+        )
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    return None
+
+
+def test_a_pid_reused_by_an_allowed_groups_member_does_not_let_a_peer_in(
+    start_server, users, public, socket_dir
+):
+    """The attack of the bug: a process of a uid outside the lists connects
+    and exits while its connection waits for accept (it handed the
+    connection to a child); a process of a member of an allowed group takes its
+    pid. Before: the server read that member's groups from
+    ``/proc/<pid>/status``, and greeted the stranger. Now: refused."""
+    (_, member, other), shared_gid = users
+    server = start_server(
+        public / "model", "--allow-gid", str(shared_gid), socket_path=str(socket_dir / "ple.sock")
+    )
+    stop_process(server.pid)
+    sleeper = None
+    try:
+        leaver = python_child(CONNECT_AND_LEAVE, server.socket, user=other)
+        line = leaver.stdout.readline()
+        assert line, leaver.stderr.read()
+        pid = int(line)
+        assert leaver.wait(30) == 0  # reaped: the pid is free
+        sleeper = _take_pid(pid, member)
+        if sleeper is None:
+            pytest.skip(f"cannot make a process of pid {pid} ({NS_LAST_PID} refused or raced)")
+
+        def member_holds_pid() -> bool:
+            with open(f"/proc/{pid}/status") as f:
+                status = dict(line.split(":", 1) for line in f)
+            return status["Uid"].split()[0] == str(member.uid) and str(shared_gid) in (
+                status["Groups"].split()
+            )
+
+        assert wait_until(member_holds_pid, 10)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    try:
+        out, err = leaver.communicate(timeout=60)  # the child's answer, on the same pipe
+        assert out.strip(), err
+        reply = json.loads(out.splitlines()[-1])
+        assert reply.get("type") == "error" and reply["code"] == ErrorCode.NOT_ALLOWED, reply
+        assert f"refused connection from pid {pid} uid {other.uid}" in server.log()
+    finally:
+        if sleeper is not None:
+            sleeper.kill()
+            sleeper.wait()
 
 
 def test_a_server_of_its_own_uid_serves_an_allowed_uid_and_refuses_others(
@@ -436,3 +589,187 @@ def test_a_connect_flood_from_a_refused_uid_locks_out_no_new_client(
     assert server.running
     started = time.monotonic()
     assert server.stop() == 0 and time.monotonic() - started < 10
+
+
+# ------------------------------------------------------- one uid filling the server
+HOG = """
+path, tries, keepalive = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "keepalive"
+import threading
+lost = []
+
+def keep_alive(sock):
+    # STATS every 0.25 s: never idle for idle_timeout_s, so its slot stays taken
+    while True:
+        p.send_message(sock, {"type": "stats"})
+        reply, _ = p.recv_message(sock)
+        if reply is None or reply["type"] != "stats":
+            lost.append(reply)
+            return
+        time.sleep(0.25)
+
+if keepalive:  # a greeted session without a channel, first
+    keep = socket.socket(socket.AF_UNIX)
+    keep.connect(path)
+    keep.settimeout(10)
+    p.send_message(keep, {"type": "hello", "version": p.PROTOCOL_VERSION, "pid": 1, "name": "hog"})
+    assert p.recv_message(keep)[0]["type"] == "welcome"
+    threading.Thread(target=keep_alive, args=(keep,), daemon=True).start()
+held, refusals = [], []
+for _ in range(tries):  # as many tiny channels as it can get
+    try:
+        held.append(PleClient.connect(path, name="hog", capacity=1, depth=1))
+    except PleError as exc:
+        refusals.append(f"{type(exc).__name__}: {exc}")
+rows = held[0].lookup(1, [1]).shape[0] if held else 0
+print(json.dumps({"channels": len(held), "refused": len(refusals),
+                  "first_refusal": refusals[0] if refusals else None, "rows": rows}), flush=True)
+for command in sys.stdin:  # "free": close one client; EOF: done
+    held.pop().close()
+    print(json.dumps({"channels": len(held)}), flush=True)
+print(json.dumps({"keepalive_lost": lost}), flush=True)
+"""
+
+PLUGIN_RECONNECT = """
+from pleclient.errors import ServerGone
+from pleclient.vllm_plugin.rows import RowService
+from pleclient.vllm_plugin.settings import ShmSettings
+_become(sys.argv[1])  # after the imports: the venv may be under a directory of root's alone
+
+def attempt(what, connect):
+    print(what, flush=True)
+    started = time.monotonic()
+    try:
+        client = connect()
+    except Exception as exc:
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}",
+                          "after_s": time.monotonic() - started}), flush=True)
+        sys.exit(0)
+    rows = client.lookup(1, [1, 2, 3]).shape[0]
+    print(json.dumps({"waited_s": time.monotonic() - started, "rows": rows}), flush=True)
+
+# A worker's first connect (at the first layer's bind), then a reconnect of a
+# worker whose session was lost: each while the server is full for this uid.
+first = RowService(ShmSettings.from_env())
+attempt("starting", lambda: first._connect_at_startup(None))
+lost = RowService(ShmSettings.from_env())
+
+def reconnect():
+    lost.reconnect(ServerGone("the test's lost session"), time.monotonic())
+    return lost.client
+
+attempt("reconnecting", reconnect)
+"""
+
+
+def _report(child: subprocess.Popen) -> dict:
+    line = child.stdout.readline()
+    assert line, child.stderr.read()
+    return json.loads(line)
+
+
+def test_one_uid_cannot_lock_out_other_uids_root_or_pleserver_stats(
+    start_server, users, public, socket_dir
+):
+    """An allowed uid opens a greeted session kept alive with STATS past
+    idle_timeout_s, then tries to open max_clients (64) tiny channels. Before:
+    it got all of them (65 sessions), and another allowed uid, root's clients
+    and `pleserver stats` were all refused (AccessDenied), and the plugin's
+    reconnect gave up at once on that. Now, with the default limits: the uid
+    holds at most max_clients_per_uid (32) sessions; another uid gets in and
+    may fill the rest but for the 2 slots kept for root and the server's own
+    uid, where root's client and `pleserver stats` get in; the refusal is
+    ``TooManyClients``, and the plugin's reconnect retries a full server
+    within its window until a slot frees."""
+    server_user, hog_user, other = users[0]
+    server = start_server(
+        public / "model",
+        "--allow-uid",
+        str(hog_user.uid),
+        "--allow-uid",
+        str(other.uid),
+        "--idle-timeout-s",
+        "1",
+        socket_path=str(socket_dir / "ple.sock"),
+        user=server_user,
+    )
+    hog = python_child(HOG, server.socket, "64", "keepalive", user=hog_user, stdin=subprocess.PIPE)
+    second = worker = None
+    try:
+        took = _report(hog)
+        assert took["channels"] == 31 and took["refused"] == 33 and took["rows"] == 1, took
+        assert took["first_refusal"] == (
+            f"TooManyClients: uid {hog_user.uid} already holds 32 sessions on this ple-server "
+            "(max_clients_per_uid = 32); close idle clients of this uid, or raise "
+            "max_clients_per_uid"
+        )
+        time.sleep(1.5)  # past idle_timeout_s: the session kept alive keeps its slot
+
+        # Another allowed uid is served, and may take all but the reserved slots.
+        second = python_child(HOG, server.socket, "64", "-", user=other, stdin=subprocess.PIPE)
+        rest = _report(second)
+        assert rest["channels"] == 31 and rest["rows"] == 1, rest  # 64 - 2 - 31
+        assert rest["first_refusal"] == (
+            "TooManyClients: ple-server already has 63 sessions (max_clients = 64, plus one "
+            "for `pleserver stats`, the other 2 kept for root and the server's own uid); "
+            "close idle clients or raise max_clients"
+        ), rest
+
+        # Root: a client with a channel, and `pleserver stats`, beside it.
+        with server.client(capacity=16, depth=1) as mine:
+            assert mine.lookup(3, [1, 2]).shape == (2, 320)
+            cli = subprocess.run(
+                [sys.executable, "-m", "pleserver.cli", "stats", "--json"],
+                env={**os.environ, "PLE_SERVER_SOCKET": server.socket},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert cli.returncode == 0, cli.stderr
+            stats = json.loads(cli.stdout)
+        assert stats["clients"] == 32 + 31 + 2 and stats["channels"] == 31 + 31 + 1, stats
+        assert stats["refused"]["uid_limit"] == 33, stats["refused"]
+        assert stats["refused"]["too_many_clients"] == 33, stats["refused"]
+
+        # The plugin as the second uid, on the server full for it: a worker's
+        # first connect and a reconnect retry within VLLM_PLE_SHM_RECONNECT_S
+        # until one of the uid's own clients closes.
+        def refused() -> int:
+            return PleClient.query_stats(server.socket)["refused"]["too_many_clients"]
+
+        spec = json.dumps([other.uid, other.gid, list(other.groups)])
+        worker = python_child(
+            PLUGIN_RECONNECT,
+            spec,
+            env={
+                "VLLM_PLE_SHM_SOCKET": server.socket,
+                "VLLM_PLE_SHM_RECONNECT_S": "60",
+                "VLLM_PLE_SHM_FALLBACK_S": "off",
+            },
+        )
+        for what, left in (("starting", 30), ("reconnecting", 29)):
+            before = refused()
+            line = worker.stdout.readline()
+            assert line == what + "\n", line + worker.stderr.read()
+            assert wait_until(lambda b=before: refused() >= b + 3 or worker.poll() is not None, 30)
+            assert worker.poll() is None, worker.communicate()  # it gave up at once
+            second.stdin.write("free\n")
+            second.stdin.flush()
+            assert _report(second) == {"channels": left}
+            result = _report(worker)
+            assert result.get("rows") == 3, (what, result)  # in, once a slot freed
+        _out, err = worker.communicate(timeout=60)
+        assert "has no room yet" in err and "reconnected to ple-server" in err, err[-3000:]
+        hog.stdin.close()
+        assert _report(hog) == {"keepalive_lost": []}  # held its slot throughout
+    finally:
+        for child in (hog, second, worker):
+            if child is None:
+                continue
+            if child.stdin is not None and not child.stdin.closed:
+                child.stdin.close()
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+    assert server.running

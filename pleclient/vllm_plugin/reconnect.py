@@ -4,7 +4,9 @@ Tries to connect again with exponential backoff (``pleclient.reconnect``)
 until ``window_s`` after the first failure, then gives up with a
 ``PleBackendError``: a forward step fails rather than use rows of no verified
 server, unless the worker's own reads take over first (``fallback``). The
-window is ``VLLM_PLE_SHM_RECONNECT_S``.
+window is ``VLLM_PLE_SHM_RECONNECT_S``. A server with no room for the worker
+(``TooManyClients``) is retried within the window too: it is full for now,
+not refusing this uid.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+from pleclient.errors import TooManyClients
 from pleclient.reconnect import TRANSIENT, ReconnectWindowPassed, reconnect_within
 from pleclient.vllm_plugin.errors import PleBackendError
 
@@ -40,6 +43,14 @@ class ReconnectPolicy:
                 failed_since=failed_since,
             )
         except ReconnectWindowPassed as exc:
+            if isinstance(exc.last, TooManyClients):
+                raise PleBackendError(
+                    f"VLLM_PLE_BACKEND=shm: ple-server at {socket} had no room for this "
+                    f"worker for {self.window_s:.0f} s (last error: {exc.last}). PLE rows "
+                    "cannot be served, so this step fails rather than use wrong rows. "
+                    "Close idle clients of the server, or raise its max_clients or "
+                    "max_clients_per_uid; raise VLLM_PLE_SHM_RECONNECT_S to wait longer."
+                ) from None
             raise PleBackendError(
                 f"VLLM_PLE_BACKEND=shm: ple-server at {socket} went away ({cause}) "
                 f"and did not come back within {self.window_s:.0f} s (last error: "

@@ -10,8 +10,10 @@ It looks nothing up itself: the routes do (``routes``). The host route
 Failure policy
 --------------
 * No server at startup: ``bind`` fails at once, naming the socket and
-  ``systemctl start ple-server``.
-* Server gone mid-run (``ServerGone``, ``ServerUnavailable``, ``LookupTimeout``):
+  ``systemctl start ple-server``. A server with no room for the worker
+  (``TooManyClients``) is waited for within ``VLLM_PLE_SHM_RECONNECT_S``.
+* Server gone mid-run (``ServerGone``, ``ServerUnavailable``, ``LookupTimeout``;
+  at reconnect also ``TooManyClients``, a server full for now):
   the route that noticed calls ``reconnect``, which connects again with
   exponential backoff (``reconnect.ReconnectPolicy``) and checks the new
   server's tables against the checkpoint again. Past
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pleclient import PleClient, ProtocolMismatch, TableInfo
+from pleclient import PleClient, ProtocolMismatch, TableInfo, TooManyClients
 from pleclient.checkpoint import NVFP4, TableSpec
 from pleclient.fallback import CheckpointReader
 from pleclient.vllm_plugin import discovery, identity
@@ -166,6 +168,21 @@ class RowService:
     def _connect_at_startup(self, fmt: str | None) -> PleClient:
         try:
             return self._connect()
+        except TooManyClients as exc:
+            # A full server, not a missing one: slots free as other clients
+            # close (a restarted vLLM's old workers, say), so wait as a reconnect does.
+            log.warning(
+                "PLE backend shm: ple-server at %s has no room yet (%s); retrying for up to %.0f s",
+                self.settings.socket,
+                exc,
+                self.settings.reconnect_window,
+            )
+            return ReconnectPolicy(self.settings.reconnect_window).reconnect(
+                self._connect,
+                socket=self.settings.socket,
+                cause=exc,
+                failed_since=time.monotonic(),
+            )
         except TRANSIENT as exc:
             hint = (
                 f" (or, with --load-format dummy, set {ENV_ALLOW_DUMMY}=1 to run without PLE rows)"
