@@ -14,22 +14,37 @@ capacity 16, depth 1, doing ``lookup`` of 16 random ids, one every
   fast as the server answers, a new connection each time;
 - ``health-flood``: the same on ``/healthz`` (no render: the cheapest answer);
 - ``connect-flood``: the same, connecting and closing without a request;
-- ``idle-3000``: 3 000 connections holding half-sent requests for the whole case.
+- ``idle-3000``: 3 000 connections holding half-sent requests for the whole case;
+- ``slowloris``: one process holding 40 half-sent requests (more than the
+  port's cap of 32), each reopened as soon as the server closes it;
+- ``connect-storm``: one process keeping 512 connects in flight, never
+  waiting for one (``connect-flood``'s processes wait for each, so they stay
+  near the port's accept rate; this one overflows the kernel's backlog).
 
 For each case it reports the bystander's p50 / p99 / p99.9 / max latency (the
 whole ``lookup`` call) and their ratios to ``none`` measured in the same run,
-the requests the flooders got answered (200) and refused (503) per second, the
+the requests the flooders got answered (200) and refused (503 or closed) per
+second (``slowloris``: its heads sent, and those closed under it;
+``connect-storm``: its connects), the
 server's CPU share, and the CPU share that processes other than the
 benchmark, its server and its flooders used meanwhile (``others_cpu``): a run
-with high ``others_cpu`` should be repeated. Everything is removed at the end.
+with high ``others_cpu`` should be repeated. Throughout each case a prober
+does what the kubelet and Prometheus would: a ``/healthz`` probe every 0.25 s
+(a new connection, failed unless answered 200 within 1 s, the kubelet's
+default timeout), a ``/metrics`` scrape every second (within 5 s), and, with
+``--health-socket``, ``pleserver health`` on the server's health socket every
+0.25 s (within 1 s); it reports the share of each that succeeded. Everything
+is removed at the end.
 
     python bench/metrics_flood.py                     # every case, 10 s each
     python bench/metrics_flood.py --cases none,scrape-flood --seconds 30 --json out.json
+    python bench/metrics_flood.py --cases none,slowloris,connect-flood --health-socket
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import shutil
@@ -37,7 +52,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -58,7 +75,16 @@ from lookup import (  # noqa: E402
 from pleclient import PleClient  # noqa: E402
 from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
 
-CASES = ("none", "prometheus", "scrape-flood", "health-flood", "connect-flood", "idle-3000")
+CASES = (
+    "none",
+    "prometheus",
+    "scrape-flood",
+    "health-flood",
+    "connect-flood",
+    "idle-3000",
+    "slowloris",
+    "connect-storm",
+)
 
 FLOODER = """
 import http.client, json, resource, selectors, socket, sys, time
@@ -85,6 +111,44 @@ if mode == "idle":
                 counts["failed"] += 1
     print("ready", flush=True)
     time.sleep(max(0.0, stop - time.monotonic()))
+elif mode == "slowloris":
+    selector = selectors.DefaultSelector()
+    def open_one():
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex((host, port))
+        selector.register(s, selectors.EVENT_WRITE)
+    for _ in range(40):
+        open_one()
+    print("ready", flush=True)
+    while time.monotonic() < stop:
+        for key, events in selector.select(0.2):
+            s = key.fileobj
+            if events & selectors.EVENT_WRITE and not s.getsockopt(
+                socket.SOL_SOCKET, socket.SO_ERROR
+            ):
+                try:
+                    s.send(b"GET /metrics HTTP/1.1\\r\\n")  # and never the blank line
+                    counts["ok"] += 1
+                    selector.modify(s, selectors.EVENT_READ)
+                    continue
+                except OSError:
+                    pass
+            counts["busy"] += 1  # closed under it (or refused): another at once
+            selector.unregister(s)
+            s.close()
+            open_one()
+elif mode == "storm":
+    print("ready", flush=True)
+    in_flight = []
+    while time.monotonic() < stop:
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex((host, port))
+        counts["ok"] += 1
+        in_flight.append(s)
+        if len(in_flight) > 512:
+            in_flight.pop(0).close()
 else:
     print("ready", flush=True)
     path = "/metrics" if mode == "scrape" else "/healthz"
@@ -122,8 +186,65 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--gap-ms", type=float, default=1.0, help="pause between the bystander's lookups"
     )
+    ap.add_argument(
+        "--health-socket",
+        action="store_true",
+        help="give the server a health socket and probe it too (servers that have one)",
+    )
     ap.add_argument("--json", help="also write the results here")
     return ap.parse_args(argv)
+
+
+class Prober:
+    """The kubelet's and Prometheus' view of the port during a case, each kind
+    of probe in a thread of its own (a slow one delays no other), each probe a
+    new connection: counts of those that succeeded, and of all."""
+
+    def __init__(self, port: int, health_socket: str | None) -> None:
+        self.port = port
+        self.counts = {k: [0, 0] for k in ("healthz", "scrape", "socket")}
+        self._stop = threading.Event()
+        kinds = [
+            ("healthz", 0.25, lambda: self._http("/healthz", 1.0)),
+            ("scrape", 1.0, lambda: self._http("/metrics", 5.0)),
+        ]
+        if health_socket is not None:
+            from pleserver.health import ask  # (a server from before it has none)
+
+            kinds.append(("socket", 0.25, lambda: ask(health_socket, timeout=1.0)[0]))
+        self._threads = [
+            threading.Thread(target=self._run, args=kind, daemon=True) for kind in kinds
+        ]
+
+    def _http(self, path: str, timeout: float) -> bool:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request("GET", path)
+            response = conn.getresponse()
+            response.read()
+            return response.status == 200
+        except OSError:
+            return False
+        finally:
+            conn.close()
+
+    def _run(self, what: str, every_s: float, one: Callable[[], bool]) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            ok = one()
+            self.counts[what][0] += ok
+            self.counts[what][1] += 1
+            self._stop.wait(max(0.0, every_s - (time.monotonic() - started)))
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> dict:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+        return {f"{what}_ok": f"{ok}/{total}" for what, (ok, total) in self.counts.items() if total}
 
 
 def free_port() -> int:
@@ -140,6 +261,8 @@ def start_flooders(case: str, port: int, args) -> list[subprocess.Popen]:
         "health-flood": ("health", args.flooders),
         "connect-flood": ("connect", args.flooders),
         "idle-3000": ("idle", 1),
+        "slowloris": ("slowloris", 1),
+        "connect-storm": ("storm", 1),
     }[case]
     children = [
         subprocess.Popen(
@@ -156,10 +279,13 @@ def start_flooders(case: str, port: int, args) -> list[subprocess.Popen]:
     return children
 
 
-def run_case(server: Server, port: int, case: str, args) -> dict:
+def run_case(server: Server, port: int, case: str, args, health_socket: str | None) -> dict:
     children = start_flooders(case, port, args)
+    prober = None
     try:
         time.sleep(1.0)  # the flood in its steady state
+        prober = Prober(port, health_socket)
+        prober.start()
         rng = np.random.default_rng(7)
         meter = OthersMeter([server.proc.pid] + [c.pid for c in children])
         server_ticks = _proc_ticks(server.proc.pid)
@@ -170,11 +296,14 @@ def run_case(server: Server, port: int, case: str, args) -> dict:
             wall = time.monotonic() - started
             others = meter.stop()
             server_cpu = (_proc_ticks(server.proc.pid) - server_ticks) / OthersMeter.HZ / wall
+        probes = prober.stop()
         reports = [
             json.loads(child.communicate(timeout=60)[0].strip().splitlines()[-1])
             for child in children
         ]
     finally:
+        if prober is not None:
+            prober.stop()  # (again, when the case ended well: it returns at once)
         for child in children:
             if child.poll() is None:
                 child.kill()
@@ -189,6 +318,7 @@ def run_case(server: Server, port: int, case: str, args) -> dict:
         "server_cpu": round(server_cpu, 3),
         "others_cpu": others,
         "loadavg": loadavg(),
+        **probes,
     }
 
 
@@ -204,17 +334,22 @@ def main(argv=None) -> int:
             files=1,
         )
         port = free_port()
-        server = Server("metrics", model, 0, 16, ["--metrics-address", f"127.0.0.1:{port}"])
+        health_socket = os.path.join(workdir, "health.sock") if args.health_socket else None
+        extra = ["--metrics-address", f"127.0.0.1:{port}"]
+        if health_socket is not None:
+            extra += ["--health-socket", health_socket]
+        server = Server("metrics", model, 0, 16, extra)
         server.wait_ready()
         result = {"machine": machine(), "source": source(), "args": vars(args), "cases": []}
         print(
             f"{'case':>13} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} {'p99.9 ms':>9} "
             f"{'max ms':>8} {'p50 ×':>6} {'p99 ×':>6} {'200/s':>7} {'503/s':>7} "
-            f"{'server cpu':>10} {'others cpu':>10}"
+            f"{'server cpu':>10} {'others cpu':>10} {'healthz ok':>10} {'scrapes ok':>10} "
+            f"{'socket ok':>9}"
         )
         base = None
         for case in [c.strip() for c in args.cases.split(",") if c.strip()]:
-            row = run_case(server, port, case, args)
+            row = run_case(server, port, case, args, health_socket)
             base = base or row
             row["p50_ratio"] = round(row["p50_ms"] / base["p50_ms"], 2)
             row["p99_ratio"] = round(row["p99_ms"] / base["p99_ms"], 2)
@@ -224,7 +359,9 @@ def main(argv=None) -> int:
                 f"{row['p99_ms']:>8.3f} {row['p999_ms']:>9.3f} {row['max_ms']:>8.3f} "
                 f"{row['p50_ratio']:>6.2f} {row['p99_ratio']:>6.2f} "
                 f"{row['answered_per_s']:>7.1f} {row['refused_per_s']:>7.1f} "
-                f"{100 * row['server_cpu']:>9.1f}% {100 * row['others_cpu']:>9.1f}%",
+                f"{100 * row['server_cpu']:>9.1f}% {100 * row['others_cpu']:>9.1f}% "
+                f"{row.get('healthz_ok', '-'):>10} {row.get('scrape_ok', '-'):>10} "
+                f"{row.get('socket_ok', '-'):>9}",
                 flush=True,
             )
         print(

@@ -1,5 +1,5 @@
 """The ``pleserver`` command: serve, config (check, show, default), inspect,
-doctor, stats, demo, files, completion.
+doctor, stats, health, demo, files, completion.
 
 The ``serve`` flags are generated from the settings' metadata
 (``pleserver.flags``); every other option is written out here, each with its
@@ -391,6 +391,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
             print()
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    from pleserver.health import ask
+
+    healthy, said = ask(args.path, ready=args.ready, timeout=args.timeout)
+    if healthy:
+        print(said)
+        return 0
+    print(f"{'not ready' if args.ready else 'unhealthy'}: {said}", file=sys.stderr)
+    return 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pleserver.demo import run_demo
     from pleserver.stats import format_human
@@ -638,6 +649,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="print them again every DURATION (seconds, or 500ms, 2s) until Ctrl-C",
     )
     stats.set_defaults(func=cmd_stats)
+
+    health = command(
+        sub,
+        "health",
+        "ask a running server's health socket: an exec probe (exit 1 when unhealthy)",
+        "Ask the server's health socket (health_socket) whether it is alive (/healthz: "
+        "its serving and control loops run) or, with --ready, ready (/readyz: it "
+        "serves). Exit status 0 and `ok` when it is; 1 and the reason otherwise, a "
+        "server that does not answer included.\nFor Kubernetes exec probes: unlike the "
+        "metrics port, only root and the server's own user can reach the socket, so no "
+        "other local user can make the probe fail.",
+    )
+    complete(health.add_argument("path", metavar="PATH", help="the server's health_socket"), "file")
+    health.add_argument(
+        "--ready", action="store_true", help="ask /readyz (startup and readiness probes)"
+    )
+    health.add_argument(
+        "--timeout",
+        type=duration_type("s", minimum=0.01),
+        default=5.0,
+        metavar="DURATION",
+        help="give up, unhealthy, after this long (default: 5s)",
+    )
+    health.set_defaults(func=cmd_health)
 
     demo = command(sub, "demo", "generate a demo checkpoint, serve it, drive it")
     complete(

@@ -32,7 +32,7 @@ Values:
   ``true``/``false``/``yes``/``no``/``on``/``off``/``1``/``0`` as strings; on
   the command line ``--cache-mlock`` and ``--no-cache-mlock``;
 - optional settings (``max_channel_memory``, ``prewarm_budget``, ``cache_size``,
-  ``watchdog_s``, ``metrics_address``):
+  ``watchdog_s``, ``metrics_address``, ``health_socket``):
   leave the key out for none; ``"none"`` also means none (on the command line,
   to drop a value the file sets).
 
@@ -419,8 +419,12 @@ class ServerConfig:
     metrics_max_connections: int = _setting(
         32,
         "int",
-        "Connections to the metrics port at most at once; past it a new one gets "
-        "503 and is closed.",
+        "Connections to the metrics port at most at once (a scraper and the probes "
+        "need a few). Past it a new one takes the place of the one sending its request "
+        "head the longest, of the address holding the most such, so half-sent requests "
+        "cannot keep a probe or a scrape out; it gets 503 only when every place holds a "
+        "whole request. /metrics requests hold 3/4 of the places at most, one address "
+        "half of that.",
         minimum=1,
     )
     metrics_timeout_s: float = _setting(
@@ -430,6 +434,16 @@ class ServerConfig:
         "long, else its connection is closed.",
         minimum=0.01,
         unit="s",
+    )
+    health_socket: str | None = _setting(
+        None,
+        "socket",
+        "Unix socket answering /healthz and /readyz for exec probes (`pleserver health "
+        "[--ready] PATH`), for root and the server's own uid only (mode 0600): unlike "
+        "the metrics port, no other local user can make a probe through it fail. "
+        "None: no health socket (the metrics port still answers both).",
+        optional=True,
+        metavar="PATH",
     )
     log_level: str = _setting(
         "INFO", "choice", "What the log shows: INFO and above by default.", choices=LOG_LEVELS

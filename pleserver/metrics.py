@@ -48,7 +48,8 @@ Every mode:
   ``refused``: bad count or ids; ``read_error``); and ``ple_hints_queued_rows``,
   ``ple_hints_bad_table_total`` (a table index the server does not have);
 - ``ple_metrics_connections_rejected_total{reason}`` (``connection_cap``,
-  ``timeout``, ``bad_request``) — this endpoint's own refusals;
+  ``evicted``: closed while sending its request head to make room for a new
+  connection, ``timeout``, ``bad_request``) — this endpoint's own refusals;
 - configuration reloads (SIGHUP): ``ple_config_reloads_total{result}``
   (``ok``, ``failed``), ``ple_config_last_reload_successful`` (1 or 0; 1 before
   the first reload), ``ple_config_last_reload_success_timestamp_seconds`` (the

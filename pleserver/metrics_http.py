@@ -17,14 +17,24 @@ is bounded, whatever the number or the behaviour of the peers:
   socket and every connection (all non-blocking); one render thread makes the
   exposition. No thread, and no work beyond a few system calls, per
   connection;
-- **a connection cap** (``max_connections``): past it a new connection gets a
-  prebuilt 503 in one non-blocking send and is closed at once, before any of
-  its bytes is read;
+- **a connection cap** (``max_connections``) that keeps room for whole
+  requests: past it a new connection takes the place of one still sending its
+  request head (of the peer address holding the most such, the longest
+  held first), so half-sent heads, however many and from whatever peers,
+  cannot keep out a probe or a scrape that sends its request at once. A new
+  connection gets a prebuilt 503 only when every place holds a whole request;
+- **a share of the places for ``/metrics``**: requests waiting for a render
+  or taking its body hold at most ``max_connections`` less a quarter (at
+  least one place is kept when there are two or more), one peer address at
+  most half of that; a ``/metrics`` request past either gets 503. Health
+  checks are answered as soon as their head is read, never wait, and so
+  always find a place;
 - **deadlines**: a request head must arrive whole within ``timeout_s`` of the
-  connection, in at most ``HEAD_LIMIT`` bytes, and its response be taken
-  within ``timeout_s`` once ready; past either the connection is closed. An
-  idle or half-sent request therefore holds its place for ``timeout_s`` at
-  most;
+  connection's accept (bytes trickled in do not extend it), in at most
+  ``HEAD_LIMIT`` bytes, and its response be taken within ``timeout_s`` once
+  ready; past either the connection is closed. An idle or half-sent request
+  therefore holds its place for ``timeout_s`` at most, and less when newer
+  connections need it;
 - **an accept rate** of at most ``ACCEPTS_PER_S`` (a token bucket of
   ``ACCEPT_BURST``): past it the listening socket is not read for a while, so
   a connect flood waits in, then overflows, the kernel's backlog and costs the
@@ -50,6 +60,7 @@ import socket
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -58,7 +69,9 @@ from pleserver.lograte import RateLimitedLog
 log = logging.getLogger(__name__)
 
 HEAD_LIMIT = 8192
-"""Bytes of request line and headers at most (a scraper sends ≈ 200)."""
+"""Bytes of request line and headers at most, the blank line that ends them
+included (a scraper sends ≈ 200, the kubelet ≈ 100). Nothing past it is ever
+read into the buffer: a longer head gets 431."""
 ACCEPTS_PER_S = 200.0
 ACCEPT_BURST = 100
 """Connections taken per second at most, and in one burst: a Prometheus pair
@@ -91,12 +104,32 @@ BUSY = response(
     Content_Type="text/plain; charset=utf-8",
     Retry_After="1",
 )
+SCRAPES_BUSY = response(
+    "503 Service Unavailable",
+    b"too many /metrics requests waiting on the metrics port (from this address, or in all)\n",
+    Content_Type="text/plain; charset=utf-8",
+    Retry_After="1",
+)
+
+
+def scrape_places(max_connections: int) -> tuple[int, int]:
+    """(in all, per peer address): ``/metrics`` requests held at most at once.
+    A quarter of the places (at least one, when there are two or more) is
+    kept for heads and health checks, so that requests waiting for a render
+    or slow to take their body never fill the port; one address may hold half
+    of the rest, so that one peer's scrapes cannot refuse another's."""
+    kept = max(1, max_connections // 4) if max_connections >= 2 else 0
+    total = max_connections - kept
+    return total, max(1, total // 2)
 
 
 @dataclass(eq=False)
 class Connection:
     sock: socket.socket
     deadline: float
+    peer: str = ""  # the peer's address: places are shared out by it
+    accepted: float = 0.0
+    routed: bool = False  # its whole head was read: it is being answered
     head: bytearray = field(default_factory=bytearray)
     out: memoryview | None = None  # the response, once known; what is left of it
     gzip: bool = False  # the request accepts a gzip body
@@ -132,13 +165,17 @@ class MetricsHTTPServer:
         self._checks = checks
         self.max_connections = max_connections
         self.timeout_s = timeout_s
-        self.rejected = dict.fromkeys(("connection_cap", "timeout", "bad_request"), 0)
+        self.rejected = dict.fromkeys(("connection_cap", "evicted", "timeout", "bad_request"), 0)
         """Connections turned away, by reason (exported as a counter)."""
         self._listener: socket.socket | None = None
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._connections: dict[socket.socket, Connection] = {}
         self._waiting: list[Connection] = []  # /metrics requests waiting for a render
+        # /metrics requests held (waiting for a render or taking its body), by
+        # peer address, and in all: scrape_places bounds both.
+        self._scrapes: Counter[str] = Counter()
+        self._scrape_count = 0
         self._stop = threading.Event()
         self._tokens = float(ACCEPT_BURST)
         self._tokens_at = time.monotonic()
@@ -272,9 +309,15 @@ class MetricsHTTPServer:
 
     def _accept(self) -> None:
         assert self._listener is not None
-        while self._tokens >= 1:
+        # At most half the cap per pass: every connection accepted is read
+        # (the next select) before half the places have changed hands, so a
+        # request that arrives just after its connection is read before
+        # newer connections could push it out.
+        for _ in range(max(1, self.max_connections // 2)):
+            if self._tokens < 1:
+                break
             try:
-                sock, _ = self._listener.accept()
+                sock, address = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # EMFILE and the like: leave the backlog be a while
@@ -282,32 +325,63 @@ class MetricsHTTPServer:
                 self._tokens = 1 - ACCEPTS_PER_S * 0.1 if exc.errno == errno.EMFILE else 0.0
                 break
             self._tokens -= 1
-            if len(self._connections) >= self.max_connections:
-                self.rejected["connection_cap"] += 1
-                self._peer_log.log(
-                    "busy",
-                    logging.WARNING,
-                    "metrics port: %d connections open (metrics_max_connections); "
-                    "new ones get 503 until some close",
-                    len(self._connections),
-                )
-                try:
-                    sock.setblocking(False)
-                    sock.send(BUSY)  # one try: a new socket's send buffer is empty
-                except OSError:
-                    pass
-                sock.close()
-                continue
             sock.setblocking(False)
-            conn = Connection(sock, time.monotonic() + self.timeout_s)
+            now = time.monotonic()
+            conn = Connection(sock, now + self.timeout_s, str(address[0]), now)
             self._connections[sock] = conn
             self._selector.register(sock, selectors.EVENT_READ, conn)
+            # A probe or a scraper sends its request with the connection: read
+            # it now, and a health check is answered before it needs a place.
+            self._read(conn)
+            if sock in self._connections and len(self._connections) > self.max_connections:
+                self._make_room(conn)
         if self._tokens < 1:
             self._listen(False)
 
+    def _make_room(self, newcomer: Connection) -> None:
+        """One connection too many, ``newcomer`` the last: close the one that
+        has been sending its head the longest, among those of the peer address
+        holding the most heads; when every other place holds a whole request,
+        turn the newcomer away with a 503."""
+        heads = [c for c in self._connections.values() if not c.routed and c is not newcomer]
+        if heads:
+            held = Counter(c.peer for c in heads)
+            most = max(held.values())
+            victim = min((c for c in heads if held[c.peer] == most), key=lambda c: c.accepted)
+            self.rejected["evicted"] += 1
+            self._peer_log.log(
+                "evicted",
+                logging.WARNING,
+                "metrics port: %d connections open (metrics_max_connections): for each "
+                "new one, the one sending its request head longest is closed (now one "
+                "of %s, which holds %d)",
+                len(self._connections) - 1,
+                victim.peer,
+                most,
+            )
+            self._close(victim)
+            return
+        self.rejected["connection_cap"] += 1
+        self._peer_log.log(
+            "busy",
+            logging.WARNING,
+            "metrics port: %d connections open (metrics_max_connections), each with a "
+            "whole request; new ones get 503 until some close",
+            len(self._connections) - 1,
+        )
+        if newcomer.out is None:
+            try:
+                newcomer.sock.send(BUSY)  # one try: a new socket's send buffer is empty
+            except OSError:
+                pass
+        self._close(newcomer)
+
     def _read(self, conn: Connection) -> None:
+        have = len(conn.head)
         try:
-            data = conn.sock.recv(HEAD_LIMIT)
+            # Never more than the limit: a head that does not end within
+            # HEAD_LIMIT bytes is refused without reading on.
+            data = conn.sock.recv(HEAD_LIMIT - have)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -315,12 +389,14 @@ class MetricsHTTPServer:
         if not data:
             return self._close(conn)
         conn.head += data
-        end = conn.head.find(b"\r\n\r\n")
+        end = conn.head.find(b"\r\n\r\n", max(0, have - 3))
         if end < 0:
-            if len(conn.head) > HEAD_LIMIT:
+            if len(conn.head) >= HEAD_LIMIT:
+                conn.routed = True
                 self.rejected["bad_request"] += 1
                 self._respond(conn, response("431 Request Header Fields Too Large", b""))
             return
+        conn.routed = True
         self._selector.unregister(conn.sock)
         self._route(conn, bytes(conn.head[:end]))
 
@@ -362,6 +438,23 @@ class MetricsHTTPServer:
             line.lower().startswith("accept-encoding:") and "gzip" in line.lower()
             for line in lines[1:]
         )
+        total, per_peer = scrape_places(self.max_connections)
+        if self._scrape_count >= total or self._scrapes[conn.peer] >= per_peer:
+            self.rejected["connection_cap"] += 1
+            self._peer_log.log(
+                "scrapes",
+                logging.WARNING,
+                "metrics port: %d /metrics requests held, %d of them from %s (at most "
+                "%d, %d per address, from metrics_max_connections); more get 503",
+                self._scrape_count,
+                self._scrapes[conn.peer],
+                conn.peer,
+                total,
+                per_peer,
+            )
+            return self._respond(conn, SCRAPES_BUSY)
+        self._scrapes[conn.peer] += 1
+        self._scrape_count += 1
         with self._render_lock:
             conn.wants_render = self._started_generation + 1
             self._render_wanted = True
@@ -424,6 +517,11 @@ class MetricsHTTPServer:
     def _close(self, conn: Connection) -> None:
         if self._connections.pop(conn.sock, None) is None:
             return
+        if conn.wants_render:
+            self._scrape_count -= 1
+            self._scrapes[conn.peer] -= 1
+            if not self._scrapes[conn.peer]:
+                del self._scrapes[conn.peer]
         try:
             self._selector.unregister(conn.sock)
         except (KeyError, ValueError):

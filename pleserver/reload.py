@@ -115,6 +115,10 @@ RESTART_ONLY: dict[str, str] = {
         "reader counts on their number"
     ),
     "idle_wait": "the serving loop picks how it sleeps when it starts",
+    "health_socket": (
+        "the health socket is bound at start, and the probes' command names its path: "
+        "change both together, with a restart"
+    ),
 }
 
 NO_DEFAULT_BUDGET = (

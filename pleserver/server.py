@@ -39,6 +39,7 @@ from pleserver.budget import ChannelBudget, default_channel_budget
 from pleserver.config import SETTINGS, ConfigError, ServerConfig, parse_host_port
 from pleserver.connections import listen_backlog
 from pleserver.dataplane import DataPlane, PlaneOptions
+from pleserver.health import HealthSocket, HealthSocketError
 from pleserver.hotset import HotSet, StateDirError
 from pleserver.memory import memory_room
 from pleserver.prewarm import Prewarm, resident_bytes
@@ -109,6 +110,7 @@ class Server:
         self.prewarm: Prewarm | None = None
         self.hotset: HotSet | None = None
         self.metrics: MetricsEndpoint | None = None
+        self.health: HealthSocket | None = None
         self.budget = ChannelBudget(None)
         self.reserver = Reserver(self._wake)
         self._dropped: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
@@ -137,6 +139,7 @@ class Server:
         StartupError, and ``run`` closes what the steps before it opened)."""
         self._open_tables()
         self._start_metrics()  # before the socket: a bad address fails the start cleanly
+        self._start_health()
         self._set_budget()
         self._start_serving()
         self._open_sessions()
@@ -203,6 +206,20 @@ class Server:
         except MetricsError as exc:
             self.metrics = None
             raise StartupError(str(exc)) from None
+
+    def _start_health(self) -> None:
+        """The health socket, when ``health_socket`` asks for one: the exec
+        probes' way to /healthz and /readyz, which no other uid can reach."""
+        if not self.config.health_socket:
+            return
+        health = HealthSocket(
+            self.config.health_socket, {"/healthz": self.alive, "/readyz": self.ready}
+        )
+        try:
+            health.start()
+        except HealthSocketError as exc:
+            raise StartupError(str(exc)) from None
+        self.health = health
 
     def _start_serving(self) -> None:
         """The serving loop (its heartbeat pings systemd's watchdog when the
@@ -474,6 +491,9 @@ class Server:
             self.hotset.stop()  # saves the hot set (the cache is still open)
         if self.metrics is not None:
             self.metrics.stop()
+        if self.health is not None:
+            self.health.stop()
+            self.health = None
         if self.plane is not None:
             self.plane.close()
             self.plane = None

@@ -347,7 +347,7 @@ COMPLETIONS = [
     (
         "pleserver",
         "",
-        {"serve", "config", "inspect", "doctor", "stats", "demo", "files", "completion"},
+        {"serve", "config", "inspect", "doctor", "stats", "health", "demo", "files", "completion"},
     ),
     ("pleserver", "se", {"serve"}),
     ("pleserver serve", "--i", {"--io", "--idle-wait", "--idle-timeout-s"}),

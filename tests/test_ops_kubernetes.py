@@ -1,8 +1,8 @@
 """deploy/kubernetes/: the manifests against the Kubernetes schemas (offline,
 the schemas bundled with kubernetes-validate) and through a policy linter
 (checkov), the ConfigMap through the config loader, the memory figure against
-the documented formula, scheduling, QoS and privileges, and the probes against
-a real server's metrics port."""
+the documented formula, scheduling, QoS and privileges, and the probes' command
+against a real server's health socket."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import subprocess
-import urllib.request
 from pathlib import Path
 
 import kubernetes_validate
@@ -22,6 +21,7 @@ import yaml
 
 from pleclient import protocol as p
 from pleserver.config import load_config, parse_size
+from tests.test_ops_cli import pleserver
 
 KUBE = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 MANIFESTS = sorted(KUBE.glob("*.yaml"))
@@ -123,37 +123,64 @@ def containers(spec: dict) -> list[dict]:
     return spec.get("initContainers", []) + spec["containers"]
 
 
-def test_no_probe_takes_a_control_session():
-    """Probes ask the metrics port (/healthz, /readyz): a probe through the
-    control socket would take one of the max_clients + 1 sessions."""
-    for doc in (find("DaemonSet"), find("Pod")):
-        for container in containers(pod_spec(doc)):
-            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-                probe = container.get(kind)
-                if probe is not None:
-                    assert "exec" not in probe and "httpGet" in probe, (container["name"], kind)
+PROBES = [("startupProbe", True), ("readinessProbe", True), ("livenessProbe", False)]
+DOCKERFILE = KUBE.parent / "container" / "ple-server.Dockerfile"
 
 
-@pytest.mark.parametrize(
-    "kind,path",
-    [("startupProbe", "/readyz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")],
-)
-def test_the_probe_asks_the_metrics_port_of_a_real_server(
-    kind, path, server_config, start_server, checkpoint
-):
+def probe_command(kind: str) -> list[str]:
+    return server_container()[kind]["exec"]["command"]
+
+
+def test_the_servers_probes_ask_its_health_socket_alone():
+    """Exec probes of `pleserver health` on the ConfigMap's health_socket, in a
+    directory of the pod's own: not the metrics port, which every user of the
+    node can flood past its accept rate (the kubelet would then restart the
+    server), nor the control socket, where a probe would take one of the
+    max_clients + 1 sessions."""
     server = server_container()
-    probe = server[kind]["httpGet"]
-    assert probe["path"] == path
-    (port,) = [p for p in server["ports"] if p["name"] == probe["port"]]
-    # The ConfigMap's metrics address is that port, on the pod's address.
+    config = load_health_socket()
+    (entrypoint,) = re.findall(r'^ENTRYPOINT \["([^"]+)"\]', DOCKERFILE.read_text(), re.M)
+    for kind, ready in PROBES:
+        assert "httpGet" not in server[kind] and "tcpSocket" not in server[kind], kind
+        wanted = [entrypoint, "health", *(["--ready"] if ready else []), config]
+        assert probe_command(kind) == wanted, kind
+    # The socket's directory is a volume of this pod alone, mounted by the server.
+    directory = config.rsplit("/", 1)[0]
+    (mount,) = [m for m in server["volumeMounts"] if m["mountPath"] == directory]
+    (volume,) = [v for v in pod_spec(find("DaemonSet"))["volumes"] if v["name"] == mount["name"]]
+    assert "emptyDir" in volume, volume
+    for doc in (find("DaemonSet"), find("Pod")):  # and no other probe takes a session
+        for container in containers(pod_spec(doc)):
+            for kind, _ in PROBES:
+                probe = container.get(kind)
+                if probe is not None and "exec" in probe:
+                    assert probe["exec"]["command"][1] == "health", (container["name"], kind)
+
+
+def load_health_socket() -> str:
+    path = re.search(
+        r'^\s*health_socket = "([^"]+)"', find("ConfigMap")["data"]["config.toml"], re.M
+    )
+    assert path, "the ConfigMap sets no health_socket"
+    return path.group(1)
+
+
+@pytest.mark.parametrize("kind,ready", PROBES)
+def test_the_probe_command_asks_a_real_server(
+    kind, ready, server_config, start_server, checkpoint, tmp_path
+):
+    assert server_config.health_socket == load_health_socket()
+    # The ConfigMap's metrics address is the metrics port, on the pod's address.
+    (port,) = [p for p in server_container()["ports"] if p["name"] == "metrics"]
     assert server_config.metrics_address == f"0.0.0.0:{port['containerPort']}"
-    launched = start_server(checkpoint, "--metrics-address", "127.0.0.1:0")
-    url = re.search(r"metrics on (http://\S+)/metrics", launched.log()).group(1)
-    with urllib.request.urlopen(url + path, timeout=10) as response:
-        assert response.status == 200
+    health = str(tmp_path / "health.sock")
+    command = [*probe_command(kind)[1:-1], health]  # the image's binary: this checkout's
+    launched = start_server(checkpoint, "--health-socket", health)
+    answered = pleserver(*command)
+    assert (answered.returncode, answered.stdout) == (0, "ok\n"), answered
     launched.stop()
-    with pytest.raises(OSError):  # the kubelet counts a refused connection as a failure
-        urllib.request.urlopen(url + path, timeout=10)
+    # The kubelet counts a non-zero exit as a failure.
+    assert pleserver(*command).returncode == 1
 
 
 def test_the_startup_probe_allows_a_slow_start():
