@@ -16,6 +16,13 @@ three cases:
   alone    again, after the flood (what the flood left behind in the cache
            and the disk, and the machine's drift).
 
+``--flood tiny`` floods with many tiny hints instead: ``--sessions`` sessions
+(default 30) of 64 slots each, every slot hinting 1 id, each slot hinted
+again as soon as it is answered; and the bystander's 16 ids come from the
+table's first ``--hot-rows`` rows (default 4 096), cached before the first
+case: its lookups are cache hits, whose time is the serving loop's own, which
+a flood of tiny hints competes for in the admission pass.
+
 For each case it reports the bystander's p50 / p99 / p99.9 / max (the whole
 ``lookup`` call), the server's misses per lookup, and, for the flood, the
 hints received, read, cached and dropped by reason; then the ratio of the
@@ -33,6 +40,7 @@ used meanwhile is ``others_cpu``: repeat a run where it is high.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -67,6 +75,32 @@ client.close()
 print(json.dumps({"sent": client.hints_sent, "skipped": client.hints_skipped}), flush=True)
 """
 
+TINY_FLOODER = """
+import json, os, sys
+import numpy as np
+from pleclient import PleClient
+path, stop, sessions = sys.argv[1], sys.argv[2], int(sys.argv[3])
+clients = [
+    PleClient.connect(path, name=f"tiny-flooder-{i}", capacity=1, depth=64)
+    for i in range(sessions)
+]
+rows = clients[0].tables[0].rows
+rng = np.random.default_rng(os.getpid())
+ids = rng.integers(0, rows, 4096)
+print("ready", flush=True)
+k = 0
+while not os.path.exists(stop):
+    for client in clients:  # every free slot of every session, 1 id each (skipped when none)
+        for _ in range(64):
+            client.hint(0, ids[k % 4096 : k % 4096 + 1])
+            k += 1
+sent = sum(c.hints_sent for c in clients)
+skipped = sum(c.hints_skipped for c in clients)
+for client in clients:
+    client.close()
+print(json.dumps({"sent": sent, "skipped": skipped}), flush=True)
+"""
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
@@ -84,19 +118,38 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=[],
         help="extra `pleserver serve` argument (repeatable), e.g. --server-arg=--queue-depth=64",
     )
+    ap.add_argument(
+        "--flood",
+        choices=("large", "tiny"),
+        default="large",
+        help="large: one client hinting 8 × 16 384 cold ids at a time (default); tiny: "
+        "--sessions sessions × 64 slots of 1-id hints, against cached bystander rows",
+    )
+    ap.add_argument("--sessions", type=int, default=30, help="tiny flood: sessions (30)")
+    ap.add_argument(
+        "--flooder-nice",
+        type=int,
+        default=0,
+        help="the flooder's nice value (default 0: the server's; 10 tells what the server "
+        "itself costs the bystander from what sharing 2 cores with the flooder does)",
+    )
+    ap.add_argument("--hot-rows", type=int, default=4096, help="tiny flood: bystander rows")
     ap.add_argument("--json", help="also write the results here")
     return ap.parse_args(argv)
 
 
 def measure_bystander(
-    socket: str, seconds: float, gap_ms: float, pids: list[int], seed: int
+    socket: str, seconds: float, gap_ms: float, pids: list[int], seed: int, hot_rows: int = 0
 ) -> dict:
-    """The shared bystander (bench/lookup.py) on the table's first layer, with
-    the server's misses and hint counters over its run."""
+    """The shared bystander (bench/lookup.py) on the table's first layer (its
+    first ``hot_rows`` rows only, when given), with the server's misses and
+    hint counters over its run."""
     rng = np.random.default_rng(seed)
     meter = OthersMeter(pids)
     with PleClient.connect(socket, name="bystander", capacity=16, depth=1) as client:
         table = client.tables[0]
+        if hot_rows:
+            table = dataclasses.replace(table, rows=min(hot_rows, table.rows))
         before = client.stats()["tables"][0]
         meter.start()
         ms = bystander(client, table, seconds, gap_ms, rng)
@@ -127,22 +180,35 @@ def measure_bystander(
     }
 
 
+def warm_hot_rows(socket: str, rows: int) -> None:
+    """The bystander's rows, read into the cache before the first case."""
+    with PleClient.connect(socket, name="warm", capacity=4096, depth=2) as client:
+        client.lookup(0, np.arange(rows))
+
+
 def flood_case(server, args, workdir: str) -> dict:
+    hot = args.hot_rows if args.flood == "tiny" else 0
     stop = os.path.join(workdir, "stop")
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    flooder = (
+        [TINY_FLOODER, server.socket, stop, str(args.sessions)]
+        if args.flood == "tiny"
+        else [FLOODER, server.socket, stop]
+    )
     child = subprocess.Popen(
-        [sys.executable, "-c", FLOODER, server.socket, stop],
+        [sys.executable, "-c", *flooder],
         stdout=subprocess.PIPE,
         text=True,
         cwd=REPO,
         env=env,
+        preexec_fn=(lambda: os.nice(args.flooder_nice)) if args.flooder_nice else None,
     )
     try:
         if child.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the flooder did not start:\n{server.log_tail()}")
         time.sleep(1.0)  # the flood in its steady state
         case = measure_bystander(
-            server.socket, args.seconds, args.gap_ms, [server.pid, child.pid], 2
+            server.socket, args.seconds, args.gap_ms, [server.pid, child.pid], 2, hot
         )
         open(stop, "w").close()
         case["flooder"] = json.loads(child.communicate(timeout=60)[0].strip().splitlines()[-1])
@@ -177,10 +243,15 @@ def main(argv=None) -> int:
         with launcher.start() as server:
             result: dict = {"machine": machine(), "source": source(), "args": vars(args)}
             pids = [server.pid]
-            result["alone"] = measure_bystander(server.socket, args.seconds, args.gap_ms, pids, 1)
+            hot = args.hot_rows if args.flood == "tiny" else 0
+            if hot:
+                warm_hot_rows(server.socket, hot)
+            result["alone"] = measure_bystander(
+                server.socket, args.seconds, args.gap_ms, pids, 1, hot
+            )
             result["flood"] = flood_case(server, args, workdir)
             result["alone_after"] = measure_bystander(
-                server.socket, args.seconds, args.gap_ms, pids, 3
+                server.socket, args.seconds, args.gap_ms, pids, 3, hot
             )
         base, flood = result["alone"], result["flood"]
         result["flood_over_alone"] = {
