@@ -8,9 +8,13 @@
 #               packages (CI runs it)
 #   make wheels the wheel of this machine's architecture, into WHEEL_DIR (dist),
 #               installed and checked in a fresh venv (CI runs it)
+#   make images the container images' builds (deploy/container/) as far as
+#               their Python goes, without a container engine: each build
+#               context installed by its Dockerfile's own steps (CI runs it)
 #   make test-aarch64   aarch64 under qemu-user-static: an arm64 Debian, the
-#               build, the native tests, a server and two clients, the aarch64
-#               wheel into WHEEL_DIR, the ordering in the disassembly (root; CI runs it)
+#               build, the native tests, the images' builds, a server and two
+#               clients, the aarch64 wheel into WHEEL_DIR, the ordering in the
+#               disassembly (root; CI runs it)
 #   make figures        the docs' SVG figures, from the recorded results in
 #               docs/figures/data/ (standard library only; tests/test_figures.py
 #               checks the committed ones)
@@ -25,7 +29,7 @@ PY := $(VENV)/bin/python
 # CI; a user's `pip install` from source leaves them warnings (setup.py).
 export PLESERVER_WERROR ?= 1
 
-.PHONY: demo test test-systemd venv venv-core native-sanitize lint wheels test-aarch64
+.PHONY: demo test test-systemd venv venv-core native-sanitize lint wheels images test-aarch64
 
 $(VENV)/.core:
 	$(PYTHON) -m venv $(VENV)
@@ -90,6 +94,15 @@ wheels: $(VENV)/.core
 	.ci/build-wheel $(PY) $(WHEEL_DIR)
 	PLE_WHEEL_DIR=$(WHEEL_DIR) $(PY) -m pytest -p no:cacheprovider -m wheels \
 		tests/test_ops_install.py $(PYTEST_ARGS)
+
+# deploy/container/'s images, built as far as their Python goes (CI has no
+# container engine, nor a registry to pull their bases from): each
+# Dockerfile's COPY lines resolved against its build context (the tree through
+# .dockerignore), its pip and Python steps run in a fresh venv standing in for
+# the base image's Python, the result run as the image runs it
+# (tests/test_ops_container.py; test-aarch64 builds them on arm64 too).
+images: $(VENV)/.core
+	$(PY) -m pytest -p no:cacheprovider -m images tests/test_ops_container.py $(PYTEST_ARGS)
 
 # aarch64 under qemu-user-static (root; tests/test_aarch64.py says what it needs).
 test-aarch64: $(VENV)/.core

@@ -2,10 +2,12 @@
 arm64``, debootstrap, cached beside the systemd test's root) in which the
 package is built from source with warnings as errors, its native tests run,
 the aarch64 wheel is built (``.ci/build-wheel``: auditwheel runs in the root)
-and installed into a fresh venv, one real server answers two client processes
-that check every row against the checkpoint, and the disassembly of the
-installed modules shows the ordering docs/NATIVE.md promises: LDAR (or LDAPR)
-for acquire loads, STLR for release stores, DMB ISH for seq_cst fences.
+and installed into a fresh venv, each container image's build context installs
+and imports the package (``tests/test_ops_container.py``), one real server
+answers two client processes that check every row against the checkpoint, and
+the disassembly of the installed modules shows the ordering docs/NATIVE.md
+promises: LDAR (or LDAPR) for acquire loads, STLR for release stores, DMB ISH
+for seq_cst fences.
 
 Commands run chrooted in the root, in their own mount and pid namespaces
 (``unshare``), over a throw-away overlay: the cached root is never written,
@@ -41,6 +43,15 @@ from pathlib import Path
 import pytest
 
 from tests.debian_root import CACHE, debian_root, fail, wheelhouse
+from tests.test_ops_container import (
+    DOCKERFILES,
+    build_context,
+    build_script,
+    check_report,
+    context_ignore,
+    dockerfile,
+    ignore_patterns,
+)
 from tests.test_ops_install import (
     WHEEL_CHECK,
     check_deploy_files,
@@ -302,6 +313,23 @@ def test_the_futex_waitv_probe_tells_the_truth_on_aarch64(arm64, source_build):
     else:
         kernel = tuple(int(x) for x in os.uname().release.split(".")[:2])
         assert (have, code) == ((1, -1) if kernel >= (5, 16) else (0, "ENOSYS")), (have, code)
+
+
+@under_qemu
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_each_images_build_context_installs_and_imports_the_package_on_aarch64(arm64, name):
+    """deploy/container/'s images on arm64 (DGX OS), as far as their Python goes:
+    tests/test_ops_container.py's build of the image from its context (the
+    tree's files through .dockerignore, as the Dockerfile copies them; its pip
+    and Python steps in a fresh venv), run in the root with its Python 3.11."""
+    src = arm64.dirs["src"]
+    files = [p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file()]
+    context = build_context(files, ignore_patterns(context_ignore(name)))
+    script = build_script(dockerfile(name), context, "/src", f"/tmp/image-{name}", "python3")
+    result = arm64.run(script, timeout=2400)
+    report = check_report(result.stdout, name)
+    assert report["machine"] == "aarch64", report
+    print(f"aarch64 image {name}: installed in {report['prefix']}")
 
 
 # One server, two client processes (pleserver.demo's, which check every row
