@@ -1,8 +1,8 @@
 """deploy/monitoring/: the alert rules through ``promtool check rules`` and
 ``promtool test rules`` (every alert on recorded series), the dashboard's
-queries through promtool's parser, every query naming a series a real server
-exports (scraped here in both kinds of io mode), and the PodMonitor selecting
-the DaemonSet's metrics port."""
+queries through promtool's parser, every query, and every series name in the
+docs, naming a series a real server exports (scraped here in both kinds of io
+mode), and the PodMonitor selecting the DaemonSet's metrics port."""
 
 from __future__ import annotations
 
@@ -129,11 +129,19 @@ def test_the_dashboard_is_importable_grafana_json():
     assert names == {"datasource", "instance"}
 
 
+def scrapes(start_server, checkpoint, tmp_path) -> list[Scrape]:
+    """A real server's scrape in each kind of io mode: the row cache's series
+    (direct), and the page cache's (mmap)."""
+    out = []
+    for io in ("direct", "mmap"):
+        server = serve_in_mode(start_server, checkpoint, io, tmp_path / io)
+        out.append(Scrape(metrics_url(server)))
+    return out
+
+
 def test_every_query_names_a_series_a_real_server_exports(start_server, checkpoint, tmp_path):
     exported = {"up"}  # Prometheus' own, per target
-    for io in ("direct", "mmap"):  # the row cache's series, and the page cache's
-        server = serve_in_mode(start_server, checkpoint, io, tmp_path / io)
-        scrape = Scrape(metrics_url(server))
+    for scrape in scrapes(start_server, checkpoint, tmp_path):
         exported |= {name for name, _ in scrape.samples}
         exported |= set(scrape.families)
     queries = [rule["expr"] for rule in alerts()] + dashboard_queries()
@@ -152,6 +160,74 @@ def test_every_query_names_a_series_a_real_server_exports(start_server, checkpoi
         "ple_hints_dropped_total",
     ):
         assert any(wanted in SERIES.findall(rule["expr"]) for rule in alerts()), wanted
+
+
+# Where an operator reads series names: the READMEs, docs/, and deploy/'s
+# files (the rules' and the dashboard's descriptions, comments in the config
+# and the manifests).
+DOCS = ("README.md", "docs/*.md", "deploy/**/*.md", "deploy/**/*.yaml", "deploy/**/*.json")
+DOCS += ("deploy/config.toml", "deploy/systemd/*")
+DOC_NAME = re.compile(
+    r"(?<![\w.:/-])((?:ple|process|python)_[a-z0-9_]*[a-z0-9])(_?\*)?(?![\w(-]|\.\w)"
+)
+"""A series name in prose or PromQL: not a call (``name(``), nor part of a
+dotted path or of a C++ name (``vllm::ple_shm_lookup``); ``ple_hints_*``
+names every series that starts so."""
+NOT_SERIES = {
+    "ple_gate": "vLLM's Triton kernel (docs/VLLM.md)",
+    "ple_conv": "vLLM's Triton kernel (docs/VLLM.md)",
+    "ple_layer_ids": "a key of the model's config.json (docs/DESIGN.md)",
+    "ple_embedding_dtype": "a key of the model's config.json (docs/VLLM.md)",
+    "process_weights_after_loading": "a method of vLLM's layers (docs/VLLM.md)",
+}
+"""Names the docs cite that are no series and that the native code does not
+define (its functions, which docs/NATIVE.md cites, are told apart by reading it)."""
+
+
+def names_in_docs() -> dict[str, list[str]]:
+    """Every series-like name the docs hold, with where (``file:line``)."""
+    native = " ".join(
+        p.read_text() for p in sorted(REPO.glob("pl*/native/*")) if p.suffix in (".c", ".h")
+    )
+    found: dict[str, list[str]] = {}
+    files = sorted({p for pattern in DOCS for p in REPO.glob(pattern) if p.is_file()})
+    assert len(files) > 10, files
+    for path in files:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for name, star in DOC_NAME.findall(line):
+                if name in NOT_SERIES or re.search(rf"\b{name}\b", native):
+                    continue
+                key = name + ("_*" if star else "")
+                found.setdefault(key, []).append(f"{path.relative_to(REPO)}:{number}")
+    return found
+
+
+def test_the_docs_name_no_series_a_real_server_does_not_export(start_server, checkpoint, tmp_path):
+    """Every name of a series in the docs is one a real server exports (a
+    counter by its ``_total`` series, a histogram by its name or its
+    ``_bucket``/``_sum``/``_count``); a ``prefix_*`` matches some. The docs once
+    cited ``ple_uptime_seconds``, which no server ever exported."""
+    exported = set(NOT_YET_REPORTED)
+    for scrape in scrapes(start_server, checkpoint, tmp_path):
+        exported |= {name for name, _ in scrape.samples}
+        exported |= {n for n, f in scrape.families.items() if f.type in ("histogram", "summary")}
+    named = names_in_docs()
+    assert len(named) > 20, sorted(named)  # the reader finds the metrics tables' names
+    unknown = {
+        name: places
+        for name, places in named.items()
+        if not (
+            any(e.startswith(name[:-1]) for e in exported)
+            if name.endswith("*")
+            else name in exported
+        )
+    }
+    assert not unknown, "the docs name series no server exports: " + "; ".join(
+        f"{name} ({', '.join(places)})" for name, places in sorted(unknown.items())
+    )
+    for name, what in NOT_SERIES.items():  # each one still cited, and still no series
+        assert name in " ".join(p.read_text() for p in REPO.glob("docs/*.md")), (name, what)
+        assert name not in exported, (name, what)
 
 
 def test_the_pod_monitor_scrapes_the_daemonsets_metrics_port():
