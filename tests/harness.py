@@ -149,9 +149,12 @@ def shm_entries() -> set[str]:
 class Bystander:
     """A well-behaved client in a thread, checking every row it gets."""
 
-    def __init__(self, server, references) -> None:
+    def __init__(self, server, references, pause_s: float = 0.0) -> None:
         self.client = server.client(name="bystander")
         self.references = references
+        # A pause between lookups longer than the server's spin (spin_us) lets
+        # the server sleep beside the bystander: the window some attacks need.
+        self.pause_s = pause_s
         self.lookups = 0
         self.worst_s = 0.0
         self.failure: BaseException | None = None
@@ -173,6 +176,8 @@ class Bystander:
                 with self._progress:
                     self.lookups += 1
                     self._progress.notify_all()
+                if self.pause_s:
+                    self._stop.wait(self.pause_s)
         except BaseException as exc:  # reported by __exit__
             with self._progress:
                 self.failure = exc

@@ -318,7 +318,7 @@ client = PleClient.connect(path, name="words-" + attack, depth=2, capacity=64)
 ch = client._channel
 client.lookup(1, [1, 2, 3])
 # The window: the server asleep on this channel (it says so before it sleeps).
-deadline = time.monotonic() + 10
+deadline = time.monotonic() + 30
 while ch.header[p.CH_SERVER_SLEEPING] != 1:
     assert time.monotonic() < deadline, "the server never slept on this channel"
     time.sleep(0.001)
@@ -369,7 +369,9 @@ def test_a_client_scribbling_on_its_sync_words_cannot_stop_the_server(
     served, references, attack, outcome
 ):
     baseline = quiet_footprint(served.pid, segments=0)
-    with Bystander(served, references):
+    # The bystander pauses past the server's 2 ms spin, so the server sleeps
+    # beside it: the window the attacker waits for.
+    with Bystander(served, references, pause_s=0.01):
         attacker = python_child(SYNC_WORD_ATTACK, served.socket, attack)
         out, err = attacker.communicate(timeout=60)
         assert served.proc.poll() is None, (
