@@ -31,6 +31,13 @@ says what it is, words joined by ``-`` in any order:
   tp | tp<N>                throughput, N repetitions (default 3) of
                             concurrency 1, 8 and 32, interleaved
   noexact                   no exact runs
+  restart                   serve: 32 greedy streams of 3 584 tokens, three
+                            runs; shm: ple-server killed, reloaded and
+                            restarted under the second (``RESTART_EVENTS``);
+                            stock: the references of their output
+  verify                    shm-eager-mp0: every PLE lookup of the engine's
+                            steps compared bit for bit with the checkpoint's
+                            bytes, stock's resident table (``vllm_verify``)
   #<k>                      another engine of the same cell (a second stock
                             engine for the spread between engines)
 
@@ -164,7 +171,8 @@ class Cell:
     multiproc: bool = True
     exact_runs: int = 3
     throughput_reps: int = 0
-    restart: bool = False  # serve shm: the server killed, reloaded, restarted under streams
+    restart: bool = False  # serve: the streams; shm: the server killed, reloaded, restarted
+    verify: bool = False  # shm eager mp0: every PLE row checked against the checkpoint
     instance: int = 1
 
     @property
@@ -250,6 +258,8 @@ def parse_cell(name: str) -> Cell:
             fields["exact_runs"] = 0
         elif word == "restart":
             fields["restart"] = True
+        elif word == "verify":
+            fields["verify"] = True
         elif m := re.fullmatch(r"x(\d+)", word):
             fields["exact_runs"] = int(m[1])
         elif m := re.fullmatch(r"tp(\d*)", word):
@@ -258,7 +268,7 @@ def parse_cell(name: str) -> Cell:
             raise CellError(
                 f"{name}: unknown word {word!r}; a cell name joins {BACKENDS}, {MODES}, "
                 "serve, host, direct, nopa, fp8/large/deep/deepsmall, mp0, x<N>, tp[<N>], "
-                "noexact, restart (bench/vllm_cells.py)"
+                "noexact, restart, verify (bench/vllm_cells.py)"
             )
     if not seen_backend:
         raise CellError(f"{name}: no backend; name one of {BACKENDS}")
@@ -280,8 +290,20 @@ def cell_problem(cell: Cell) -> str | None:
         )
     if cell.api == "serve" and not cell.multiproc:
         return "vllm serve always runs its engine core in a process of its own: drop mp0"
-    if cell.restart and not (cell.shm and cell.api == "serve"):
-        return "restart disturbs a ple-server under vllm serve's streams: it needs shm and serve"
+    if cell.restart and cell.api != "serve":
+        return (
+            "restart runs vllm serve's streams (disturbing ple-server under them, or, on "
+            "stock, as the reference): it needs serve"
+        )
+    if cell.verify and not (
+        cell.shm and cell.mode == "eager" and not cell.multiproc and cell.api == "generate"
+    ):
+        return (
+            "verify checks each lookup in Python: it needs shm, eager (a replayed CUDA graph "
+            "never reaches Python) and mp0 (the check is installed in the engine's process)"
+        )
+    if cell.restart and cell.backend == "offload":
+        return "restart's references are stock's streams: use stock or shm"
     if cell.exact_runs == 0 and cell.throughput_reps == 0 and not cell.restart:
         return "neither exact runs nor throughput: it would measure nothing"
     return None
@@ -297,6 +319,8 @@ PLANS: dict[str, list[str]] = {
     "exact-1": ["stock-eager", "shm-eager", "shm-eager-host", "stock-eager#2"],
     # call 2: vLLM's default graphs; does mp0 make stock reproducible?
     "exact-2": ["stock-default", "shm-default", "stock-default-mp0-x10", "shm-default-mp0"],
+    # the check with no noise: every row of an engine's steps against the checkpoint
+    "verify": ["shm-eager-mp0-verify", "shm-eager-mp0-host-verify"],
     # call 3: FP8, piecewise graphs and the host route, prompt-ahead off
     "exact-3": [
         "shm-default-fp8",
@@ -309,7 +333,13 @@ PLANS: dict[str, list[str]] = {
     "serve": ["serve-stock-default", "serve-shm-default", "serve-stock-default#2"],
     # ple-server killed, reloaded and restarted under vllm serve's 32 streams
     # (the GPU-driven route, vLLM's default graphs), then on the host route
-    "restart": ["serve-shm-default-restart", "serve-shm-piecewise-host-restart-noexact"],
+    # and stock's own streams twice, the references of their output
+    "restart": [
+        "serve-stock-default-restart-noexact",
+        "serve-shm-default-restart-noexact",
+        "serve-stock-default-restart-noexact#2",
+        "serve-shm-piecewise-host-restart-noexact",
+    ],
     # Session 2, the benchmark (each cell also makes its 3 exact runs). The
     # 4-layer trunk with 10.5 GiB tables: resident, from disk, vLLM's offload
     "bench-1": [
@@ -371,6 +401,7 @@ class Costs:
     tp_rep_s: float = 12.0  # concurrency 1, 8, 32 × 512 tokens at stock's rates, plus prefill
     disk_factor: float = 1.7  # --io direct decode: 0.45–1.0 × stock
     resident_s_per_gib: float = 2.0  # tables read into GPU or pinned memory at load
+    verify_factor: float = 3.0  # an exact run with every row copied out and compared
     restart_s: float = 110.0  # 3 runs of 32 streams × 3 072 tokens, the events, the starts
     teardown_s: float = 10.0  # ending the process group, writing the JSON
     margin_s: float = 15.0  # kept free before the deadline
@@ -430,7 +461,7 @@ def expected_seconds(cell: Cell, costs: Costs, history: History, table_gib: floa
     rep = costs.tp_rep_s * (costs.disk_factor if cell.io == "direct" else 1.0)
     return (
         start
-        + cell.exact_runs * costs.exact_run_s
+        + cell.exact_runs * costs.exact_run_s * (costs.verify_factor if cell.verify else 1.0)
         + cell.throughput_reps * rep
         + cell.restart * costs.restart_s
         + costs.teardown_s
@@ -887,6 +918,24 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
             v = verdicts.get(_cell_key(c))
             if v:
                 lines.append(f"{c['name']:<40} {c['cell']['reference_key']:<30} {v['line']}")
+    checked = [c for c in cells if c.get("verify")]
+    if checked:
+        lines += ["", "== every PLE row of the engine's steps against the checkpoint (verify)"]
+        for c in checked:
+            v = c["verify"]
+            verdict = (
+                "PASS: bit-equal"
+                if v.get("rows") and not v.get("mismatched_rows")
+                else f"FAIL: {v.get('mismatched_rows', '?')} rows differ"
+                if v.get("mismatched_rows")
+                else "no rows checked"
+            )
+            lines.append(
+                f"{c['name']:<40} {v.get('layers', 0)} layers, {v.get('lookups', 0)} lookups, "
+                f"{v.get('rows', 0)} rows: {verdict}"
+                + "".join(f"\n    {m}" for m in v.get("mismatches", []))
+            )
+    lines += streams_lines(cells)
     served = [c for c in cells if (c.get("server") or {}).get("cell")]
     if served:
         lines += [
@@ -942,6 +991,60 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
                     f"{_num(srv.get('cpu_us_per_miss'), '.1f'):>11}"
                 )
     return "\n".join(lines)
+
+
+def streams_lines(cells: list[dict]) -> list[str]:
+    """The restart cells: per run, its failed streams and its longest token gap;
+    each event's stall; and each run's tokens judged against every stock
+    streams run of its reference (``vllm_exact``'s rule, tokens only)."""
+    from vllm_exact import Outcome, distinct_outcomes, judge
+
+    restart = [c for c in cells if (c.get("restart") or {}).get("runs")]
+    if not restart:
+        return []
+    stock: dict[tuple[str, str], list[Outcome]] = {}
+    for c in restart:
+        if c["cell"]["backend"] == "stock":
+            for run in c["restart"]["runs"].values():
+                if run.get("outcome"):
+                    o = Outcome.from_json(run["outcome"])
+                    stock.setdefault((c["cell"]["reference_key"], o.prompts_digest), []).append(o)
+    lines = [
+        "",
+        f"== streams under restarts ({RESTART_STREAMS} greedy streams of {RESTART_TOKENS} "
+        "tokens; shm: ple-server disturbed in the second run; tokens judged against every "
+        "stock streams run)",
+        f"{'cell':<40} {'run':<10} {'failed':>6} {'wall s':>7} {'gap max ms':>10}  output",
+    ]
+    for c in restart:
+        for name, run in c["restart"]["runs"].items():
+            if not run.get("outcome"):
+                verdict = "-"
+            elif c["cell"]["backend"] == "stock":
+                verdict = "reference"
+            else:
+                o = Outcome.from_json(run["outcome"])
+                refs = stock.get((c["cell"]["reference_key"], o.prompts_digest), [])
+                if len(refs) < 2:
+                    verdict = f"no verdict: {len(refs)} stock streams run(s) (2 needed)"
+                else:
+                    v = judge(refs, o)
+                    verdict = f"{'PASS' if v.passed else 'FAIL'} {v.how}: {v.detail}"
+            lines.append(
+                f"{c['name']:<40} {name:<10} {len(run.get('failed', [])):>6} "
+                f"{_num(run.get('wall_s'), '.1f'):>7} {_num(run.get('gap_max_ms')):>10}  "
+                f"{verdict}"
+            )
+        for e in c["restart"].get("events", []):
+            lines.append(
+                f"{'':<40} {e['kind']:<14} at {e.get('at')} s: server start "
+                f"{_num(e.get('server_start_s'), '.2f')} s, stall {_num(e.get('stall_s'), '.2f')} s"
+            )
+    for (key, _), runs in sorted(stock.items()):
+        lines.append(
+            f"stock streams of {key}: {len(runs)} runs, {distinct_outcomes(runs)} distinct"
+        )
+    return lines
 
 
 def _stock_medians(cells: list[dict]) -> dict[tuple[str, int], float]:

@@ -947,6 +947,11 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
             engine = GenerateEngine(cell, model_dir)
         data["times"]["engine_start_s"] = round(time.monotonic() - t, 1)
         data["versions"] = versions()
+        if cell.verify:  # (mp0: the worker is in this process)
+            import vllm_verify
+
+            layers = engine.llm.collective_rpc(vllm_verify.install, args=(str(model_dir),))
+            data["verify"] = {"layers": layers[0]}
         ready = None
         if served:
             snap = served.snapshot()
@@ -958,6 +963,8 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
         try:
             measure(cell, engine, served, text, data, rec, end_at)
         finally:
+            if cell.verify:
+                data["verify"] = engine.llm.collective_rpc(vllm_verify.report)[0]
             if served and ready is not None and served.server.running:
                 data["server"]["cell"] = server_delta(
                     ready,
@@ -1016,7 +1023,6 @@ def measure(
             rec.save()
         exact["seconds"] = round(time.monotonic() - t, 1)
     if cell.restart:
-        assert served is not None  # (a restart cell is shm)
         restart_run(engine, served, text, data, rec, end_at)
     if cell.throughput_reps:
         tp = data["throughput"] = {
@@ -1046,20 +1052,26 @@ def measure(
                 rec.save()
 
 
-def restart_run(engine, served: Served, text, data: dict, rec: CellRecord, end_at: float) -> None:
+def restart_run(
+    engine, served: Served | None, text, data: dict, rec: CellRecord, end_at: float
+) -> None:
     """``RESTART_STREAMS`` greedy streams of ``RESTART_TOKENS`` tokens, three
     times: undisturbed, then with ple-server killed, reloaded and restarted
-    under them (``RESTART_EVENTS``), then undisturbed again. The streams run
-    on a thread of their own; the server is restarted from this (main) thread,
-    whose end its death signal is tied to. Recorded: every failed stream, each
-    event's server start and the longest gap between two tokens of any stream
-    around it, the disturbed run's tokens against both undisturbed ones, and
-    the workers' own account (their log: stalls, rows read from the checkpoint)."""
+    under them (``RESTART_EVENTS``; stock: undisturbed, the references), then
+    undisturbed again. The streams run on a thread of their own; the server is
+    restarted from this (main) thread, whose end its death signal is tied to.
+    Recorded: every failed stream, each event's server start and the longest
+    gap between two tokens of any stream around it, each run's tokens (an
+    outcome without logprobs, judged in the summary against stock's streams),
+    the disturbed run against both undisturbed ones, and the workers' own
+    account (their log: stalls, rows read from the checkpoint)."""
     prompts = throughput_prompts(text, 0, RESTART_STREAMS)
+    digest = prompts_digest(prompts)
     record = data["restart"] = {
         "streams": RESTART_STREAMS,
         "max_tokens": RESTART_TOKENS,
         "away_s": RESTART_AWAY_S,
+        "prompts_digest": digest,
         "runs": {},
         "events": [],
     }
@@ -1075,7 +1087,7 @@ def restart_run(engine, served: Served, text, data: dict, rec: CellRecord, end_a
             target=lambda: box.update(out=engine.streams(prompts, RESTART_TOKENS))
         )
         worker.start()
-        if disturb:
+        if disturb and served is not None:
             for at, kind in RESTART_EVENTS:
                 time.sleep(max(0.0, t0 + at - time.perf_counter()))
                 event: dict = {"kind": kind, "at": time.perf_counter()}
@@ -1100,8 +1112,17 @@ def restart_run(engine, served: Served, text, data: dict, rec: CellRecord, end_a
             "output_tokens": sum(len(r["tokens"]) for r in ok),
             "gap_p50_ms": round(1e3 * gaps[len(gaps) // 2], 2) if gaps else None,
             "gap_max_ms": round(1e3 * gaps[-1], 1) if gaps else None,
+            "outcome": (
+                {
+                    "prompts_digest": digest,
+                    "tokens": tokens[name],
+                    "logprobs": [[] for _ in tokens[name]],
+                }
+                if tokens[name]
+                else None
+            ),
         }
-        if disturb:
+        if disturb and served is not None:
             for event in record["events"]:
                 start = event["at"] - 0.05
                 # Up to the next event (3 s apart), the away time included.

@@ -264,6 +264,10 @@ def test_cell_names_say_what_runs():
         ("shm-eager-fast", "unknown word"),
         ("stock-shm", "two backends"),
         ("stock-eager-noexact", "measure nothing"),
+        ("shm-default-restart", "needs serve"),
+        ("serve-offload-default-restart", "use stock or shm"),
+        ("shm-default-mp0-verify", "needs shm, eager"),
+        ("shm-eager-verify", "and mp0"),
     ],
 )
 def test_a_cell_that_cannot_run_is_refused_with_its_reason(name, problem):
@@ -706,6 +710,76 @@ def test_the_summary_judges_every_shm_cell_and_gives_each_figure_its_spread(tmp_
     srv = text.split("== ple-server")[1].split("\n==")[0]
     line = next(x for x in srv.splitlines() if x.startswith("shm-default-fp8 "))
     assert line.split()[1:5] == ["mmap", "4000", "8000", "87.5"] and "500.0" in line
+
+
+def streams_cell(name: str, order: int, runs: dict[str, list[list[int]]]) -> dict:
+    """A restart cell's JSON as ``vllm_real.restart_run`` writes it."""
+    cell = vc.parse_cell(name)
+    events = [
+        {"kind": kind, "at": at, "server_start_s": 0.4, "stall_s": 0.5}
+        for at, kind in vc.RESTART_EVENTS
+    ]
+    return {
+        "format": vc.CELL_FORMAT,
+        "run_id": "r1",
+        "order": order,
+        "name": name,
+        "cell": cell.to_json(),
+        "status": "done",
+        "restart": {
+            "runs": {
+                run: {
+                    "wall_s": 20.0,
+                    "failed": [],
+                    "gap_max_ms": 30.0,
+                    "outcome": {
+                        "prompts_digest": "p",
+                        "tokens": tokens,
+                        "logprobs": [[] for _ in tokens],
+                    },
+                }
+                for run, tokens in runs.items()
+            },
+            "events": events if cell.shm else [],
+        },
+    }
+
+
+def test_the_summary_judges_restart_streams_against_stocks_own_streams():
+    a, b, c, d = [1, 2, 3, 4], [1, 2, 9, 9], [1, 5, 5, 5], [1, 2, 3, 7]
+    cells = [
+        streams_cell("serve-stock-default-restart-noexact", 0, {"before": [a, a], "after": [a, b]}),
+        streams_cell(
+            "serve-shm-default-restart-noexact",
+            1,
+            {"before": [a, a], "disturbed": [a, d], "after": [a, c]},
+        ),
+    ]
+    text = vc.summary(cells)
+    part = text.split("== streams under restarts")[1].split("\n==")[0]
+    rows = {tuple(line.split()[:2]): line for line in part.splitlines() if line.startswith("serve")}
+    assert "reference" in rows[("serve-stock-default-restart-noexact", "after")]
+    assert "PASS identical" in rows[("serve-shm-default-restart-noexact", "before")]
+    # one stream parting from each stock run at token 3: no more than stock from itself
+    assert "PASS within spread" in rows[("serve-shm-default-restart-noexact", "disturbed")]
+    # a stream parting at token 1, earlier than stock ever did
+    assert "FAIL outside spread" in rows[("serve-shm-default-restart-noexact", "after")]
+    assert "kill9-away" in part and "stall 0.50 s" in part
+    assert "2 runs, 2 distinct" in part
+
+
+def test_the_summary_gives_each_verify_cells_row_check():
+    ok, bad = (vc.parse_cell(n) for n in ("shm-eager-mp0-verify", "shm-eager-mp0-host-verify"))
+    cells = [
+        {"name": ok.name, "cell": ok.to_json(), "status": "done", "order": 0,
+         "verify": {"layers": 2, "lookups": 80, "rows": 9000, "mismatched_rows": 0}},
+        {"name": bad.name, "cell": bad.to_json(), "status": "done", "order": 1,
+         "verify": {"layers": 2, "lookups": 80, "rows": 9000, "mismatched_rows": 3,
+                    "mismatches": ["t1: 3 of 40 rows differ from the checkpoint"]}},
+    ]  # fmt: skip
+    part = vc.summary(cells).split("== every PLE row")[1]
+    assert "2 layers, 80 lookups, 9000 rows: PASS: bit-equal" in part
+    assert "FAIL: 3 rows differ" in part and "t1: 3 of 40 rows" in part
 
 
 # ------------------------------------------------------------------ the scripts

@@ -1187,6 +1187,34 @@ def restart_mid_generation(args: dict) -> dict:
 
 
 @scenario
+def verified_generation(args: dict) -> dict:
+    """The whole tiny model with the plugin over the steps of a generation,
+    every PLE lookup checked by ``bench/vllm_verify.py`` against the
+    checkpoint at ``args["expected"]`` (the served one, or a changed copy)."""
+    import vllm.models.qwen4_exp.nvidia.ple_layer as ple_layer_module
+
+    from tests.harness import REPO
+    from tests.vllm_helpers import qwen4_model as qm
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import vllm_verify
+
+    ple_layer_module.ple_gate = qm.torch_ple_gate
+    ple_layer_module.ple_conv = qm.torch_ple_conv
+    server = Server(args["model"], os.environ["VLLM_PLE_SHM_SOCKET"], args["log"]).start()
+    try:
+        with m.distributed():
+            register_plugin()
+            shm = qm.load_vllm_model(args["model"])
+            vllm_verify.install_on_model(shm.model, args["expected"])
+            for batch in _generation(0, args["steps"]):
+                _run_model_step(shm, batch)
+            return vllm_verify.report()
+    finally:
+        server.kill(signal.SIGTERM)
+
+
+@scenario
 def prompt_ahead(args: dict) -> dict:
     """vLLM's own ``Scheduler`` (CPU, chunked prefill) with the plugin takes a
     prompt of ``args["tokens"]`` tokens in chunks of ``args["chunk"]``; each
