@@ -18,11 +18,13 @@
 #   make figures        the docs' SVG figures, from the recorded results in
 #               docs/figures/data/ (standard library only; tests/test_figures.py
 #               checks the committed ones)
-# The virtual environment lives outside the checkout, keyed by the dependency
-# spec, so a second run reuses it and a changed pyproject.toml builds a new one.
+# The virtual environment lives outside the checkout, keyed by the checkout's
+# path and the dependency spec: a second run reuses it, a changed
+# pyproject.toml builds a new one, and two checkouts never share one (its
+# editable install points at one checkout).
 PYTHON ?= python3
 CACHE_DIR ?= $(HOME)/.cache/pleserver
-SPEC_HASH := $(shell $(PYTHON) -c 'import tomllib,json,hashlib;p=tomllib.load(open("pyproject.toml","rb"))["project"];print(hashlib.sha256(json.dumps([p["dependencies"],p["optional-dependencies"]],sort_keys=True).encode()).hexdigest()[:16])')
+SPEC_HASH := $(shell $(PYTHON) -c 'import tomllib,json,hashlib,os;p=tomllib.load(open("pyproject.toml","rb"))["project"];print(hashlib.sha256(json.dumps([os.getcwd(),p["dependencies"],p["optional-dependencies"]],sort_keys=True).encode()).hexdigest()[:16])')
 VENV ?= $(CACHE_DIR)/venv-$(SPEC_HASH)
 PY := $(VENV)/bin/python
 # Compiler warnings are errors in every build these targets make, and so in
@@ -37,8 +39,10 @@ $(VENV)/.core:
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# The linters (the dev extra) only where lint runs: `make demo` needs neither them
+# nor vLLM.
 $(VENV)/.full: $(VENV)/.core
-	$(PY) -m pip install -q -e '.[test,vllm]'
+	$(PY) -m pip install -q -e '.[test,dev,vllm]'
 	touch $@
 
 venv-core: $(VENV)/.core

@@ -15,6 +15,7 @@ from importlib.metadata import metadata, version
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 import pleserver
 from pleserver import deployfiles, doctor
@@ -22,9 +23,10 @@ from pleserver import deployfiles, doctor
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_version_prints_the_installed_package_version():
+@pytest.mark.parametrize("module", ["pleserver", "pleserver.cli"])
+def test_version_prints_the_installed_package_version(module):
     out = subprocess.run(
-        [sys.executable, "-m", "pleserver.cli", "--version"],
+        [sys.executable, "-m", module, "--version"],
         capture_output=True,
         text=True,
         check=True,
@@ -32,6 +34,21 @@ def test_version_prints_the_installed_package_version():
     ).stdout
     assert out == f"pleserver {version('pleserver')}\n"
     assert pleserver.__version__ == version("pleserver")
+
+
+def test_the_metadata_says_what_the_package_is_and_pins_vllm_to_its_minor_release():
+    meta = metadata("pleserver")
+    classifiers = meta.get_all("Classifier") or []
+    assert "Typing :: Typed" in classifiers and "Operating System :: POSIX :: Linux" in classifiers
+    (vllm,) = [r for r in meta.get_all("Requires-Dist") or [] if r.startswith("vllm")]
+    spec = Requirement(vllm).specifier
+    # a 0.33 patch release is taken, never a downgrade of it, never 0.34
+    assert "0.33.0" in spec and "0.33.4" in spec and "0.34.0" not in spec, vllm
+    # the linters are the dev extra's: not the test extra's, which make demo's venv installs
+    extras = {r.split(";")[1] for r in meta.get_all("Requires-Dist") or [] if ";" in r}
+    assert any("dev" in e for e in extras)
+    tests = [r for r in meta.get_all("Requires-Dist") or [] if 'extra == "test"' in r]
+    assert tests and not any(r.startswith(("ruff", "mypy")) for r in tests), tests
 
 
 def test_doctor_json_names_the_version():
@@ -136,6 +153,16 @@ def test_the_wheel_is_manylinux_abi3_with_the_license(wheel):
 @pytest.mark.wheels
 def test_the_wheel_carries_the_units_snippets_and_default_config(wheel):
     check_deploy_files(wheel)
+
+
+@pytest.mark.wheels
+def test_the_wheel_carries_its_type_hints(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    for typed in ("pleserver/py.typed", "pleclient/py.typed"):
+        assert typed in names, typed
+    # the native modules' stubs, which the hints of the rest refer to
+    assert {"pleserver/_native.pyi", "pleclient/_sync.pyi"} <= names
 
 
 @pytest.mark.wheels
