@@ -30,9 +30,11 @@ write the directory chooses it:
 - the file is opened ``O_NOFOLLOW | O_NONBLOCK`` (a symbolic link is refused,
   and a FIFO can never block the open) and must be a regular file whose size
   fits these tables: the header's bytes and one key per row at most. Its
-  magic, version, header and size are checked before its keys are read, and
-  the keys are read and hashed as a stream, keeping only those the cache can
-  hold: loading takes memory for the cache's keys, not for the file;
+  magic, version, header (every field's type, no number that is not finite,
+  no nesting deeper than a saved header's) and size are checked before its
+  keys are read, and the keys are read and hashed as a stream, keeping only
+  those the cache can hold: loading takes memory for the cache's keys, not
+  for the file;
 - a save writes a temp file created ``O_EXCL | O_NOFOLLOW`` under a random
   name in the directory opened at start, so no link planted there is ever
   followed.
@@ -45,6 +47,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import stat
 import struct
@@ -66,6 +69,9 @@ PREFIX = struct.Struct("<8sII")
 KEY_BYTES = 8
 DIGEST_BYTES = 32
 MAX_HEADER_BYTES = 1 << 20
+MAX_HEADER_NESTING = 8
+"""Bracket levels a header may nest: a saved one has 3 (the object, its list
+of tables, a table)."""
 STREAM_KEYS = 1 << 17
 """Keys read, checked and hashed at a time (1 MiB) when loading or saving."""
 STOP_JOIN_S = 10.0
@@ -197,11 +203,7 @@ def read_file(
         if header_len > min(MAX_HEADER_BYTES, st.st_size - smallest):
             raise HotSetError(f"header length {header_len} runs past the file")
         header = _read_exact(f, header_len)
-        try:
-            parsed = json.loads(header)
-            named, count = parsed["tables"], int(parsed["count"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise HotSetError(f"malformed header ({exc})") from None
+        named, count = parse_header(header)
         key_bytes = st.st_size - smallest - header_len
         if count < 0 or key_bytes != count * KEY_BYTES:
             raise HotSetError(f"{key_bytes} bytes of keys for a count of {count}")
@@ -235,6 +237,92 @@ def read_file(
         if _read_exact(f, DIGEST_BYTES) != digest.digest():
             raise HotSetError("checksum mismatch (truncated or corrupt)")
     return kept, count
+
+
+HEADER_FIELDS: dict[str, type] = {"tables": list, "count": int}
+TABLE_FIELDS: dict[str, type] = {"key": int, "name": str, "rows": int, "fingerprint": str}
+"""What a header says, and of each table (``identity``), with their JSON types."""
+_JSON_KINDS: dict[type, str] = {  # (bool before int: a bool is an int to Python)
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "a list",
+    dict: "an object",
+}
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_OPENERS = np.frombuffer(b"[{", dtype=np.uint8)
+_CLOSERS = np.frombuffer(b"]}", dtype=np.uint8)
+
+
+def parse_header(header: bytes) -> tuple[list[dict], int]:
+    """The tables and the key count a header names; raises HotSetError naming
+    what is wrong. The checksum proves only that whoever wrote the file
+    hashed it, not that a server did: every field is checked for its type
+    (and a number for being finite) before anything compares or converts it,
+    so a crafted header is refused as any damaged one is."""
+    try:
+        text = header.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HotSetError(
+            f"malformed header (not UTF-8: {exc.reason} at byte {exc.start})"
+        ) from None
+    if _nesting(text) > MAX_HEADER_NESTING:
+        raise HotSetError(
+            f"malformed header (nested deeper than the {MAX_HEADER_NESTING} levels "
+            "a hot-set header has)"
+        )
+    try:
+        parsed = json.loads(text, parse_constant=_refuse_constant)
+    except ValueError as exc:
+        raise HotSetError(f"malformed header ({exc})") from None
+    _expect(parsed, dict, "the header")
+    for name, kind in HEADER_FIELDS.items():
+        if name not in parsed:
+            raise HotSetError(f"malformed header (no {name!r})")
+        _expect(parsed[name], kind, repr(name))
+    for i, table in enumerate(parsed["tables"]):
+        _expect(table, dict, f"table {i}")
+        if set(table) != set(TABLE_FIELDS):
+            raise HotSetError(
+                f"malformed header (table {i} names {', '.join(sorted(table)) or 'nothing'}, "
+                f"not {', '.join(TABLE_FIELDS)})"
+            )
+        for field, of in TABLE_FIELDS.items():
+            _expect(table[field], of, f"table {i}'s {field!r}")
+    return parsed["tables"], parsed["count"]
+
+
+def _expect(value: object, kind: type, what: str) -> None:
+    """Raise HotSetError unless ``value`` is of ``kind`` (``true`` is no
+    integer here, though a bool is an int to Python)."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise HotSetError(
+            f"malformed header ({what} is a JSON {_json_kind(value)}, not {_JSON_KINDS[kind]})"
+        )
+
+
+def _refuse_constant(name: str) -> float:
+    """``NaN``, ``Infinity`` and ``-Infinity``, which Python's JSON reader
+    takes though JSON has no such numbers; no field of ours can hold one."""
+    raise ValueError(f"a non-finite number, {name}")
+
+
+def _nesting(text: str) -> int:
+    """How deep the brackets of a JSON text nest, strings left out, found
+    before parsing: the parser recurses once a level, and a header of a
+    million '[' would take it past Python's recursion limit."""
+    outside = np.frombuffer(_JSON_STRING.sub("", text).encode(), dtype=np.uint8)
+    steps = np.isin(outside, _OPENERS).astype(np.int64) - np.isin(outside, _CLOSERS)
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def _json_kind(value: object) -> str:
+    """What JSON calls the type of ``value``, as it was parsed."""
+    for kind, name in _JSON_KINDS.items():
+        if isinstance(value, kind):
+            return name.split(" ", 1)[1]
+    return "null"
 
 
 def _read_exact(f, n: int) -> bytes:

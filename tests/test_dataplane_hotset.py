@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import time
@@ -111,6 +112,81 @@ def test_a_corrupt_hot_set_file_is_ignored_with_a_warning(start_server, model, s
         )
     log = server.log()
     assert f"WARNING pleserver.hotset: hot set: ignoring {path}" in log, log[-3000:]
+
+
+def with_header(saved: bytes, header: bytes) -> bytes:
+    """``saved`` (a file the server wrote) with ``header`` in place of its
+    own, the keys kept and the checksum made anew: as valid as a file gets
+    but for what its header says."""
+    _, _, header_len = hotset.PREFIX.unpack_from(saved)
+    keys = saved[hotset.PREFIX.size + header_len : -hotset.DIGEST_BYTES]
+    body = hotset.PREFIX.pack(hotset.MAGIC, hotset.VERSION, len(header)) + header + keys
+    return body + hashlib.sha256(body).digest()
+
+
+def header_of(saved: bytes) -> str:
+    _, _, header_len = hotset.PREFIX.unpack_from(saved)
+    return saved[hotset.PREFIX.size : hotset.PREFIX.size + header_len].decode()
+
+
+CRAFTED_HEADERS = {
+    # name: (what becomes of the saved header, what the log names)
+    "nested 100 000 deep": (
+        lambda h: "[" * 100_000 + "]" * 100_000,
+        "nested deeper than the 8 levels a hot-set header has",
+    ),
+    "count Infinity": (
+        lambda h: re.sub(r'"count":\d+', '"count":Infinity', h),
+        "a non-finite number, Infinity",
+    ),
+    "count NaN": (lambda h: re.sub(r'"count":\d+', '"count":NaN', h), "a non-finite number, NaN"),
+    "count a float": (
+        lambda h: re.sub(r'"count":(\d+)', r'"count":\1.0', h),
+        "'count' is a JSON number, not an integer",
+    ),
+    "count a string": (
+        lambda h: re.sub(r'"count":(\d+)', r'"count":"\1"', h),
+        "'count' is a JSON string, not an integer",
+    ),
+    "rows 1e999": (
+        lambda h: re.sub(r'"rows":\d+', '"rows":1e999', h, count=1),
+        "table 0's 'rows' is a JSON number, not an integer",
+    ),
+    "a list": (lambda h: "[" + h + "]", "the header is a JSON list, not an object"),
+}
+
+
+@pytest.mark.parametrize("craft", list(CRAFTED_HEADERS))
+def test_a_hot_set_file_with_a_crafted_header_is_ignored_naming_the_field(
+    start_server, model, state_dir, craft
+):
+    """The checksum says only that the writer hashed the file. A header
+    nested 100 000 deep ran the JSON parser past the recursion limit, and a
+    count of Infinity overflowed its conversion to an integer: both ended the
+    refill in state `failed` with a traceback; a count of 1430.0 or "1430"
+    was converted and trusted. Every field is now checked for its type first,
+    and each of these files is ignored with a line naming what is wrong."""
+    warm_and_stop(start_server, model, state_dir)
+    path = state_dir / "hotset.bin"
+    saved = path.read_bytes()
+    change, why = CRAFTED_HEADERS[craft]
+    crafted = change(header_of(saved))
+    assert crafted != header_of(saved)
+    path.write_bytes(with_header(saved, crafted.encode()))
+    server = direct(start_server, model, state_dir)
+    with server.client() as client:
+        stats = refill_over(client)
+        assert stats["hotset"]["state"] == "ignored", (stats["hotset"], server.log_tail())
+        assert stats["dataplane"]["cache"]["used_rows"] == 0
+        for t in client.tables:
+            assert np.array_equal(
+                client.lookup(t.layer, HOT_IDS), read_reference(model, t.name)[HOT_IDS]
+            )
+    log = server.log()
+    assert f"hot set: ignoring {path}: malformed header ({why})" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    stops_in_budget(server)
+    assert header_of(path.read_bytes()) != crafted  # the save at stop replaced it
 
 
 def test_a_hot_set_of_another_checkpoint_is_ignored_with_a_warning(
