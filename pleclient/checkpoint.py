@@ -323,6 +323,11 @@ def checkpoint_files(model_dir: str) -> tuple[list[str], list[str]]:
             f"{model_dir}: not a directory; pass the model's local snapshot "
             "directory (the one with config.json and *.safetensors)"
         ]
+    if not os.access(model_dir, os.R_OK | os.X_OK):  # a glob would find nothing, silently
+        return [], [
+            f"cannot read the model directory {model_dir} (Permission denied for uid "
+            f"{os.geteuid()}): let this user read it and its files"
+        ]
     index_path = os.path.join(model_dir, INDEX_FILE)
     if os.path.exists(index_path):
         try:

@@ -21,6 +21,7 @@ import os
 import random
 import select
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -758,6 +759,9 @@ def _connect_socket(path: str, timeout: float) -> socket.socket:
                 ) from None
         except ConnectionRefusedError:
             sock.close()
+            wrong = _not_a_socket(path)
+            if wrong:
+                raise ServerUnavailable(wrong) from None
             if not _listening(path) or time.monotonic() + delay > deadline:
                 raise ServerUnavailable(
                     f"nothing listens on {path} (a stale socket of a stopped server): "
@@ -771,9 +775,32 @@ def _connect_socket(path: str, timeout: float) -> socket.socket:
             ) from None
         except OSError as exc:
             sock.close()
-            raise ServerUnavailable(f"cannot connect to {path}: {exc}") from None
+            raise ServerUnavailable(
+                _not_a_socket(path) or f"cannot connect to {path}: {exc}"
+            ) from None
         time.sleep(delay * random.uniform(0.5, 1.0))  # spread the retries of many clients
         delay = min(2 * delay, CONNECT_RETRY_MAX_S)
+
+
+def _not_a_socket(path: str) -> str | None:
+    """What ``path`` is when it is not a socket (a directory, a regular file:
+    a misread setting), said with the fix; None for a socket or no answer."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISDIR(mode):
+        return (
+            f"{path} is a directory, not ple-server's socket: pass the socket's own path "
+            f"(e.g. {os.path.join(path, 'ple.sock')}) as PLE_SERVER_SOCKET or socket_path"
+        )
+    if not stat.S_ISSOCK(mode):
+        return (
+            f"{path} is a {'regular file' if stat.S_ISREG(mode) else 'file'}, not a socket: "
+            "pass the path of ple-server's socket (its `socket` setting, "
+            f"{p.DEFAULT_SOCKET} by default) as PLE_SERVER_SOCKET or socket_path"
+        )
+    return None
 
 
 def _listening(path: str) -> bool:

@@ -146,18 +146,26 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         subject = {"file": file, **({"against": against} if against else {})}
         return print_problems(args.json, subject, exc)
+    problems, warnings = setting_effects(loaded.config)
     report: dict = {
         "file": loaded.file,
-        "ok": True,
+        "ok": not problems,
         "config": loaded.to_dict(),
         "sources": loaded.sources,
+        "warnings": warnings,
     }
+    if problems:
+        report["problems"] = problems
     if old is None:
         if args.json:
             print(json.dumps(report, indent=1))
         else:
+            for text in problems:
+                print(f"error: {text}", file=sys.stderr)
+            for text in warnings:
+                print(f"warning: {text}", file=sys.stderr)
             print(loaded.to_toml(), end="")
-        return 0
+        return 1 if problems else 0
     changes = diff(old, loaded.config)
     report.update(
         against=against,
@@ -183,6 +191,45 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         print(f"{file}: valid; against {against['file']}:")
     print(format_changes(changes), end="")
     return 0
+
+
+def setting_effects(cfg: ServerConfig) -> tuple[list[str], list[str]]:
+    """What a valid configuration still gets wrong on this host: problems (the
+    model cannot be read: the server would not start) and warnings (settings
+    that would have no effect, with the tables' sizes deciding ``io = auto``)."""
+    from pleclient.checkpoint import CheckpointError, checkpoint_files, discover_tables
+    from pleserver import budget
+
+    problems: list[str] = []
+    warnings: list[str] = []
+    io = cfg.io
+    auto = ""  # what io = auto chose, and why
+    if cfg.model:
+        _, unreadable = checkpoint_files(cfg.model)
+        problems += [f"model: {text}" for text in unreadable]
+        if not unreadable and io == "auto":  # what auto would choose here, and why
+            try:
+                tables = discover_tables(cfg.model, fingerprint=False)
+            except CheckpointError as exc:
+                problems += [f"model: {text}" for text in exc.problems]
+            else:
+                chosen = budget.plan(tables, "auto", cfg.cache_size, cfg.prewarm_reserve)
+                io = chosen.io
+                auto = f"io = auto chooses {io} on this host ({chosen.io_reason})"
+    if cfg.prewarm == "full" and io in ("direct", "buffered"):
+        why = auto if cfg.io == "auto" else f"io = {io}"
+        warnings.append(
+            f"prewarm = full has no effect: {why}; prewarm reads tables into the page cache "
+            "for io = mmap, and a row cache is refilled from the saved hot set instead. "
+            'Remove prewarm, or set io = "mmap" where the tables fit in memory'
+        )
+    # (With io = auto, cache_size is what the tables are weighed against.)
+    if cfg.cache_size is not None and cfg.io == "mmap":
+        warnings.append(
+            "cache_size has no effect: io = mmap, and mapped tables have no row cache "
+            "(the page cache serves them)"
+        )
+    return problems, warnings
 
 
 def _running_config(socket_path: str | None) -> tuple[dict, ServerConfig, dict] | int:

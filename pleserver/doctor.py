@@ -113,8 +113,11 @@ def run(
                 {"count": len(tables), "bytes": total},
             )
     files = sorted({path for t in tables for path in t.files})
+    # Without tables there are no files to check: say why (a model given whose
+    # tables failed is not a model to ask for).
+    no_files = "the model's tables could not be read (see tables)" if model else "give --model DIR"
     findings["o_direct"] = (
-        check_o_direct(files) if files else Finding("info", "not checked: give --model DIR")
+        check_o_direct(files) if files else Finding("info", f"not checked: {no_files}")
     )
     findings["memlock"] = check_memlock(config)
     findings["thp"] = check_thp()
@@ -129,7 +132,7 @@ def run(
     findings["disk"] = (
         check_disk(files, probe_seconds, queue_depths, direct, engine)
         if files
-        else Finding("info", "not measured: give --model DIR")
+        else Finding("info", f"not measured: {no_files}")
     )
     # The advice weighs the io modes afresh (auto), whatever the config sets.
     fresh = (

@@ -156,12 +156,6 @@ class Server:
         """Discover and validate the checkpoint's tables, open the data plane
         over them, log each table."""
         cfg = self.config
-        if cfg.model and os.path.isdir(cfg.model) and not os.access(cfg.model, os.R_OK | os.X_OK):
-            raise StartupError(
-                f"cannot read the model directory {cfg.model} (Permission "
-                f"denied for uid {os.geteuid()}): let the server's user read "
-                "it and its files"
-            )
         specs = discover_tables(cfg.model) if cfg.model else []
         if not specs:
             raise StartupError(
@@ -333,9 +327,12 @@ class Server:
                 self._report_hotset,
             )
         except FileNotFoundError:
-            log.info(
+            # A warning: a restart would then start cold, and an operator who
+            # set state_dir expects it used.
+            log.warning(
                 "state_dir %s does not exist: the hot set is neither saved nor "
-                "restored (the unit's StateDirectory= creates it)",
+                "restored (the unit's StateDirectory= creates it; by hand: "
+                "`install -d -m 0750 DIR` as the server's user)",
                 cfg.state_dir,
             )
         except StateDirError as exc:
@@ -383,7 +380,28 @@ class Server:
         """The control socket: a stale one of a dead server replaced, one a
         live server listens on refused."""
         path = self.config.socket
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        # Never made here: a typo in --socket would give a server no client finds.
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.stat(folder)
+        except PermissionError:
+            raise StartupError(
+                f"cannot reach the socket's directory {folder} (Permission denied for uid "
+                f"{os.geteuid()}): let this user search every directory above it, or choose "
+                "another --socket"
+            ) from None
+        except OSError:
+            raise StartupError(
+                f"the socket's directory {folder} does not exist: ple-server does not "
+                "create it (a misspelt --socket would give a server no client finds). "
+                + (
+                    "The service's unit makes /run/ple-server (RuntimeDirectory=); to run "
+                    f"by hand as uid {os.geteuid()}: `sudo install -d -o {os.geteuid()} "
+                    "/run/ple-server`, or choose a --socket in a directory of your own"
+                    if folder == os.path.dirname(p.DEFAULT_SOCKET)
+                    else "Create it, or correct --socket"
+                )
+            ) from None
         if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise StartupError(
                 f"{path} exists and is not a socket; ple-server removes only "
@@ -396,7 +414,14 @@ class Server:
                 probe.connect(path)
             except (ConnectionRefusedError, FileNotFoundError):
                 log.info("removing stale socket %s (no server listens on it)", path)
-                os.unlink(path)
+                self._remove_stale_socket(path, folder)
+            except PermissionError:
+                raise StartupError(
+                    f"socket {path} exists, belongs to uid {os.lstat(path).st_uid}, and this "
+                    f"user (uid {os.geteuid()}) may not connect to it, so cannot tell whether a "
+                    f"server listens there: if none does, remove it (`sudo rm {path}`); or "
+                    "choose another --socket"
+                ) from None
             except OSError as exc:
                 raise StartupError(
                     f"socket path {path} exists and cannot be probed ({exc}); "
@@ -434,6 +459,26 @@ class Server:
         listener.setblocking(False)
         self._listener = listener
         self._selector.register(listener, selectors.EVENT_READ, "accept")
+
+    @staticmethod
+    def _remove_stale_socket(path: str, folder: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # gone meanwhile: as good
+            pass
+        except OSError as exc:
+            owner = os.lstat(path).st_uid
+            sticky = bool(os.stat(folder).st_mode & stat.S_ISVTX)
+            why = (
+                f"it belongs to uid {owner} and {folder} is sticky (only its owner or "
+                "root may remove it)"
+                if sticky and owner != os.geteuid()
+                else f"this user (uid {os.geteuid()}) may not write {folder}"
+            )
+            raise StartupError(
+                f"cannot remove the stale socket {path} ({exc.strerror}): {why}. "
+                f"Remove it (`sudo rm {path}`), or choose another --socket"
+            ) from None
 
     def handle_sigterm(self, signum, frame) -> None:
         self.request_stop("SIGTERM")

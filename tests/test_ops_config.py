@@ -421,9 +421,53 @@ def test_config_check_of_a_bad_file_exits_1_with_the_problems_on_stderr(write):
     assert f"{path}: max_clients: must be at least 1, got 0" in result.stderr
 
 
+def test_config_check_refuses_a_model_it_cannot_read(write, tmp_path):
+    path = write(f'model = "{tmp_path / "absent"}"')
+    result = pleserver("config", "check", str(path))
+    assert result.returncode == 1
+    assert f"error: model: {tmp_path / 'absent'}: not a directory" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "settings, warned",
+    [
+        ('io = "direct"\nprewarm = "full"', "prewarm = full has no effect: io = direct"),
+        # the test tables (6 MiB) do not fit a 1 MiB cache: auto reads them direct
+        (
+            'prewarm = "full"\ncache_size = "1M"',
+            "prewarm = full has no effect: io = auto chooses direct on this host (auto: the "
+            "tables (6.11 MiB) exceed the 1.00 MiB budget",
+        ),
+        ('io = "mmap"\ncache_size = "1G"', "cache_size has no effect: io = mmap"),
+        ('prewarm = "full"', None),  # auto maps these small tables: prewarm applies
+    ],
+)
+def test_config_check_warns_of_settings_that_would_have_no_effect(write, settings, warned):
+    path = write(settings)
+    result = pleserver("config", "check", str(path))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(pleserver("config", "check", str(path), "--json").stdout)
+    if warned is None:
+        assert "warning" not in result.stderr and report["warnings"] == [], result.stderr
+    else:
+        assert f"warning: {warned}" in result.stderr, result.stderr
+        assert len(report["warnings"]) == 1 and warned in report["warnings"][0]
+
+
 # ------------------------------------------------------------------ example
-def test_the_example_config_is_valid():
+def test_the_example_config_is_valid(tmp_path, checkpoint):
+    # Valid as it is but for its model, which this host does not have.
     result = pleserver("config", "check", str(EXAMPLE), "--json")
+    report = json.loads(result.stdout)
+    assert result.returncode == 1 and report["problems"] == [
+        "model: /models/Qwen3.8-Flash-Next: not a directory; pass the model's local snapshot "
+        "directory (the one with config.json and *.safetensors)"
+    ], report
+    here = tmp_path / "config.toml"
+    here.write_text(
+        EXAMPLE.read_text().replace('"/models/Qwen3.8-Flash-Next"', f'"{checkpoint}"', 1)
+    )
+    result = pleserver("config", "check", str(here), "--json")
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads(result.stdout)["ok"] is True
 

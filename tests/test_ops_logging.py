@@ -101,3 +101,12 @@ def test_off_the_journal_lines_carry_timestamps(checkpoint, tmp_path):
     )
     assert "ready: serving" in text
     assert all(TIMESTAMP.match(line) for line in text.splitlines()), text
+
+
+def test_a_missing_state_dir_is_a_warning_that_says_how_to_make_it(
+    start_server, checkpoint, tmp_path
+):
+    missing = tmp_path / "no-state"
+    server = start_server(checkpoint, "--io", "direct", "--state-dir", str(missing))
+    line = next(x for x in server.log().splitlines() if "does not exist" in x)
+    assert " WARNING " in line and str(missing) in line and "StateDirectory=" in line, line

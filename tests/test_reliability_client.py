@@ -266,3 +266,15 @@ def test_a_ticket_released_unanswered_does_not_fail_the_next_lookup(served, refe
             assert asked_at < resumed_at[0], "the lookup came after the server resumed"
         finally:
             os.kill(served.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("kind", ["directory", "regular file"])
+def test_connecting_to_a_path_that_is_not_a_socket_says_what_it_is(tmp_path, kind):
+    path = tmp_path / "ple.sock"
+    if kind == "directory":
+        path.mkdir()
+    else:
+        path.write_text("")
+    with pytest.raises(PleError, match=f"{re.escape(str(path))} is a {kind}") as caught:
+        PleClient.connect(str(path), timeout=2.0)
+    assert "socket_path" in str(caught.value)

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -24,7 +25,10 @@ from pleclient.protocol import ErrorCode
 from pleserver.synthetic import write_checkpoint
 from tests.conftest import SMALL_TABLES
 from tests.harness import (
+    PRELUDE,
+    REPO,
     OtherUser,
+    child_env,
     other_users,
     python_child,
     run_child,
@@ -392,6 +396,15 @@ def test_another_uid_cannot_reach_a_sessions_segment(start_server, users, public
         holder.wait(10)
 
 
+# The CLI's modules are imported before the privilege drop (PRELUDE): the
+# interpreter's own files may not be readable by the other user.
+CLI_AS_USER = (
+    "from pleserver import cli, doctor, budget, config\n"
+    + PRELUDE
+    + "sys.exit(cli.main(sys.argv[1:]))\n"
+)
+
+
 def test_an_unreadable_model_directory_is_a_clear_startup_error(
     start_server, users, public, socket_dir
 ):
@@ -409,6 +422,21 @@ def test_an_unreadable_model_directory_is_a_clear_startup_error(
             log[-1500:]
         )
         assert not os.path.exists(socket_dir / "ple.sock")
+        # inspect and doctor say the same, and doctor does not ask for the model it has
+        for command in (["inspect", str(private)], ["doctor", "--model", str(private)]):
+            ran = subprocess.run(
+                [sys.executable, "-c", CLI_AS_USER, *command, "--json"],
+                env=child_env(server_user),
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert ran.returncode != 0, ran.stdout
+            said = ran.stdout + ran.stderr
+            expected = f"(Permission denied for uid {server_user.uid})"
+            assert f"cannot read the model directory {private}" in said, said[-1500:]
+            assert expected in said and "give --model" not in said, said[-1500:]
     finally:
         shutil.rmtree(private)
 
@@ -438,6 +466,45 @@ def test_a_socket_directory_the_server_may_not_write_is_a_clear_startup_error(
     )  # `public` is root's, 0755
     assert server.exit_code() == 2
     assert "cannot bind" in server.log() and "Permission denied" in server.log()
+
+
+def test_a_socket_directory_that_does_not_exist_is_named_and_not_created(
+    start_server, public, tmp_path
+):
+    missing = tmp_path / "typo" / "ple.sock"
+    server = start_server(public / "model", socket_path=str(missing), wait=False)
+    assert server.exit_code() == 2
+    assert f"the socket's directory {missing.parent} does not exist" in server.log()
+    assert not missing.parent.exists()
+
+
+def test_a_stale_socket_of_another_uid_in_a_sticky_directory_is_named_with_the_fix(
+    start_server, users, public
+):
+    server_user = users[0][0]
+    sticky = public / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    stale = sticky / "ple.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(stale))  # root's, and no one listens on it
+    dead.close()
+    # As bound: the server's user may not even connect to it
+    server = start_server(public / "model", socket_path=str(stale), user=server_user, wait=False)
+    assert server.exit_code() == 2
+    log = server.log()
+    assert f"socket {stale} exists, belongs to uid 0" in log, log[-1500:]
+    assert "may not connect to it" in log and f"sudo rm {stale}" in log
+    # Open to all: found stale, and then not removable from the sticky directory
+    os.chmod(stale, 0o777)
+    server = start_server(public / "model", socket_path=str(stale), user=server_user, wait=False)
+    assert server.exit_code() == 2
+    log = server.log()
+    assert f"cannot remove the stale socket {stale}" in log, log[-1500:]
+    assert f"belongs to uid 0 and {sticky} is sticky" in log and f"sudo rm {stale}" in log
+    assert "Traceback" not in log
+    stale.unlink()
+    sticky.rmdir()
 
 
 # ----------------------------------------------------------- the state directory
