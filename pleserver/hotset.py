@@ -35,9 +35,11 @@ write the directory chooses it:
   keys are read, and the keys are read and hashed as a stream, keeping only
   those the cache can hold: loading takes memory for the cache's keys, not
   for the file;
-- a save writes a temp file created ``O_EXCL | O_NOFOLLOW`` under a random
-  name in the directory opened at start, so no link planted there is ever
-  followed.
+- a save opens the directory again by its path, with the same checks (so a
+  directory removed and made again under the server is saved into, and one
+  that another uid may now write is refused), and writes a temp file
+  created ``O_EXCL | O_NOFOLLOW`` under a random name in it, so no link
+  planted there is ever followed.
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ STREAM_KEYS = 1 << 17
 STOP_JOIN_S = 10.0
 """How long ``stop`` waits for the refill thread (a read stuck in the kernel
 must not hold up the server's exit)."""
+STOP_SAVE_S = 10.0
+"""How long ``stop`` waits for its save (a state directory on a disk that no
+longer answers must not hold up the server's exit either; the previous file
+stays). With ``STOP_JOIN_S`` and the serving loop's drain, within the unit's
+TimeoutStopSec=."""
 REFILL_CHUNK = 8192
 """Rows per ``fill`` call: enough to keep the miss engine's queue full, few
 enough that a stop request is seen quickly."""
@@ -386,9 +393,12 @@ class HotSet:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._save_lock = threading.Lock()
-        # Every name below is looked up in this directory, as opened (and
-        # checked) now: a path swapped under the server changes nothing.
-        self._dir_fd: int | None = open_state_dir(state_dir)
+        self._stopped = False  # (under _save_lock) no save from now on
+        # Names in the directory are looked up through a descriptor of it,
+        # opened and then checked: the directory written to is the one
+        # checked. Each save opens the path again (``_current_dir``), so a
+        # directory removed and made anew under the server is saved into.
+        self._dir_fd: int = open_state_dir(state_dir)
         self._remove_temp_files()
 
     # ---------------------------------------------------------------- thread
@@ -398,31 +408,54 @@ class HotSet:
 
     def stop(self) -> None:
         """Stop the refill and the periodic saves; save once more, unless the
-        refill did not finish (the file on disk then still holds more)."""
+        refill did not finish (the file on disk then still holds more). Takes
+        at most ``STOP_JOIN_S`` + ``STOP_SAVE_S``, and never raises: a save
+        that fails or hangs is logged, and the server stops all the same."""
         self._stop.set()
-        try:
-            if self._thread is not None:
-                self._thread.join(STOP_JOIN_S)
-                if self._thread.is_alive():
-                    log.warning(
-                        "hot set: the refill thread did not stop within %.0f s (a read "
-                        "stuck in the kernel?); not saved at stop",
-                        STOP_JOIN_S,
-                    )
-                    return
-            if self.state in ("refilling", "stopped", "pending"):
-                log.info(
-                    "hot set: not saved at stop (the refill did not finish; %s keeps "
-                    "the previous set)",
+        if self._thread is not None:
+            self._thread.join(STOP_JOIN_S)
+            if self._thread.is_alive():
+                log.warning(
+                    "hot set: its thread (the refill or a save) did not stop within "
+                    "%.0f s (a read or write stuck in the kernel?); not saved at stop, "
+                    "%s keeps the previous set",
+                    STOP_JOIN_S,
                     self.path,
                 )
+                self._close(wait=False)
                 return
-            self.save()
+        if self.state in ("refilling", "stopped", "pending"):
+            log.info(
+                "hot set: not saved at stop (the refill did not finish; %s keeps the previous set)",
+                self.path,
+            )
+        else:
+            # On a thread of its own, so that the stop can go on without it.
+            saver = threading.Thread(target=self.save, name="hotset-save", daemon=True)
+            saver.start()
+            saver.join(STOP_SAVE_S)
+            if saver.is_alive():
+                log.warning(
+                    "hot set: the save at stop did not finish within %.0f s (is the disk "
+                    "of %s answering?); stopping without it, the previous file stays",
+                    STOP_SAVE_S,
+                    self.state_dir,
+                )
+                self._close(wait=False)
+                return
+        self._close(wait=True)
+
+    def _close(self, wait: bool) -> None:
+        """No save from now on; the directory closed, unless a save still
+        holds it (``wait`` False: the process is about to exit anyway)."""
+        if not self._save_lock.acquire(blocking=wait):
+            self._stopped = True  # (that save holds the directory: left open)
+            return
+        try:
+            self._stopped = True
+            os.close(self._dir_fd)
         finally:
-            with self._save_lock:
-                if self._dir_fd is not None:
-                    os.close(self._dir_fd)
-                    self._dir_fd = None
+            self._save_lock.release()
 
     def wait(self, timeout: float | None = None) -> None:
         """Until the refill is over (a test and benchmark helper)."""
@@ -468,7 +501,6 @@ class HotSet:
     def load(self) -> tuple[np.ndarray, int] | None:
         """The saved keys the cache can hold and how many the file holds, or
         None (no file, a file not to trust — logged —, or a stop meanwhile)."""
-        assert self._dir_fd is not None  # (open until stop)
         try:
             # O_NONBLOCK: opening a FIFO must not wait for a writer.
             fd = os.open(
@@ -554,62 +586,111 @@ class HotSet:
 
     # ------------------------------------------------------------------ save
     def save(self) -> bool:
-        """Write the cache's keys atomically; False (logged) when it cannot."""
+        """Write the cache's keys atomically; False (logged) when it cannot.
+        Never raises: the periodic saver and the stop must outlive a save."""
         with self._save_lock:
-            if self._dir_fd is None:  # stopped
+            if self._stopped:
                 return False
-            dir_fd = self._dir_fd
             try:
-                check_state_dir(dir_fd, self.state_dir)  # its mode may have changed since
-            except StateDirError as exc:
-                if self.save_error is None:
-                    log.error("hot set: not saved: %s", exc)
-                self.save_error = str(exc)
+                return self._save()
+            except Exception as exc:  # a bug, not the disk (_save handles OSError)
+                log.exception("hot set: saving %s failed", self.path)
+                self._save_failed(f"internal error: {exc}", logging.ERROR)
                 return False
-            keys = self.cache.keys()
-            # A name no one can have planted a link under, created only if new.
-            tmp = TEMP_PREFIX + secrets.token_hex(8)
+
+    def _save(self) -> bool:
+        dir_fd = self._current_dir()
+        if dir_fd is None:
+            return False
+        keys = self.cache.keys()
+        # A name no one can have planted a link under, created only if new.
+        tmp = TEMP_PREFIX + secrets.token_hex(8)
+        created = False
+        try:
+            fd = os.open(
+                tmp,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o640,
+                dir_fd=dir_fd,
+            )
+            created = True
+            try:
+                write_file(fd, self.tables, keys)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, FILE_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             created = False
-            try:
-                fd = os.open(
-                    tmp,
-                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                    0o640,
-                    dir_fd=dir_fd,
-                )
-                created = True
+            os.fsync(dir_fd)
+        except OSError as exc:
+            if created:
                 try:
-                    write_file(fd, self.tables, keys)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.rename(tmp, FILE_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-                created = False
-                os.fsync(dir_fd)
-            except OSError as exc:
-                if created:
-                    try:
-                        os.unlink(tmp, dir_fd=dir_fd)
-                    except OSError:
-                        pass
-                if self.save_error is None:
-                    log.warning(
-                        "hot set: cannot save %s (%s); check that state_dir is "
-                        "writable by the server's user",
-                        self.path,
-                        exc.strerror or exc,
-                    )
-                self.save_error = str(exc.strerror or exc)
-                return False
-            self.save_error = None
-            self.saved_rows, self.saved_at = int(keys.size), time.time()
+                    os.unlink(tmp, dir_fd=dir_fd)
+                except OSError:
+                    pass
+            self._save_failed(
+                f"cannot save {self.path} ({exc.strerror or exc}); check that state_dir "
+                "is writable by the server's user",
+                logging.WARNING,
+            )
+            return False
+        if self.save_error is not None:
+            log.info("hot set: saved %d keys to %s again", keys.size, self.path)
+        else:
             log.debug("hot set: saved %d keys to %s", keys.size, self.path)
-            return True
+        self.save_error = None
+        self.saved_rows, self.saved_at = int(keys.size), time.time()
+        return True
+
+    def _current_dir(self) -> int | None:
+        """The directory ``state_dir`` names now, opened and checked as at
+        start (``open_state_dir``): the one held since, if it still is, else
+        the one made in its place, which is held from now on. None (logged)
+        when there is none to save into."""
+        try:
+            fd = open_state_dir(self.state_dir)
+        except FileNotFoundError:
+            self._save_failed(
+                f"state_dir {self.state_dir} does not exist any more (removed or moved "
+                "since the server opened it): the hot set is not saved until it is back; "
+                "make it again, owned by the server's user (the unit's StateDirectory= "
+                "does at the next start)",
+                logging.WARNING,
+            )
+            return None
+        except StateDirError as exc:
+            self._save_failed(str(exc), logging.ERROR)
+            return None
+        except OSError as exc:
+            self._save_failed(
+                f"cannot open state_dir {self.state_dir} ({exc.strerror or exc}): "
+                "the hot set is not saved",
+                logging.ERROR,
+            )
+            return None
+        held, now = os.fstat(self._dir_fd), os.fstat(fd)
+        if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+            os.close(fd)
+            return self._dir_fd
+        log.info(
+            "hot set: state_dir %s is another directory than the one opened before "
+            "(removed or moved, and made again): saving into the new one",
+            self.state_dir,
+        )
+        os.close(self._dir_fd)
+        self._dir_fd = fd
+        return fd
+
+    def _save_failed(self, why: str, level: int) -> None:
+        """Log why a save failed, once while the reason stays the same (a save
+        is tried every interval)."""
+        if why != self.save_error:
+            log.log(level, "hot set: not saved: %s", why)
+        self.save_error = why
 
     def _remove_temp_files(self) -> None:
         """Remove temp files of saves a crash interrupted (each has a name of
         its own, so they would pile up). Unlinking never follows a link."""
-        assert self._dir_fd is not None
         removed = 0
         for name in os.listdir(self._dir_fd):
             if name.startswith(TEMP_PREFIX):

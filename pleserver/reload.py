@@ -104,7 +104,7 @@ RESTART_ONLY: dict[str, str] = {
     "read_engine": "the miss engine is chosen and built at start",
     "read_threads": "the miss engine's pread threads are started at start",
     "state_dir": (
-        "the hot set's directory is opened and checked at start; the hot set is saved there at stop"
+        "the hot set is refilled from the directory at start, and saved to the path given then"
     ),
     "hotset_save_interval": "the hot set's saver thread takes its interval when it starts",
     "prewarm": "the prewarm runs once, after start",

@@ -339,3 +339,85 @@ def test_loading_a_hot_set_takes_memory_for_the_cache_not_for_the_file(
         assert f"refilled {hs['done_rows']} of the {BIG_TABLE.rows} saved rows" in log
     # The valid file alone is 32 MiB: it is never held whole.
     assert peak - baseline_peak < 16 << 10, (baseline_peak, peak)
+
+
+# ------------------------------------------- a state dir replaced under the server
+def saved_rows_after_restart(start_server, model, state_dir) -> int:
+    """How many rows a fresh server refills from ``state_dir``'s hot set."""
+    server = direct(start_server, model, state_dir)
+    with server.client() as client:
+        hs = refill_over(client)["hotset"]
+    stops_in_budget(server)
+    assert hs["state"] == "done", (hs, server.log_tail())
+    return hs["done_rows"]
+
+
+@pytest.mark.parametrize("save", ["periodic", "at stop"])
+@pytest.mark.parametrize("how", ["removed", "moved aside"])
+def test_a_state_dir_made_again_under_the_server_is_the_one_saved_into(
+    start_server, model, state_dir, tmp_path, save, how
+):
+    """The server held the directory it opened at start and saved into it for
+    good: once that directory was removed (or moved aside) and made again,
+    every periodic save and the save at SIGTERM went to the old one (gone,
+    or no longer the state_dir), and the next start found no hot set. Each
+    save now opens the path again, with the start's checks."""
+    interval = "0.2" if save == "periodic" else "0"
+    server = direct(start_server, model, state_dir, "--hotset-save-interval", interval)
+    with server.client() as client:
+        assert refill_over(client)["hotset"]["state"] == "none"
+        for t in client.tables:
+            client.lookup(t.layer, HOT_IDS)
+        rows = HOT_IDS.size * len(client.tables)
+        if save == "periodic":
+            assert wait_until(lambda: (state_dir / "hotset.bin").exists())
+        aside = tmp_path / "state.old"
+        if how == "removed":
+            shutil.rmtree(state_dir)
+        else:
+            state_dir.rename(aside)
+        if save == "periodic":  # a save meanwhile finds no directory, and says so
+            assert wait_until(lambda: "does not exist any more" in server.log()), server.log_tail()
+            assert client.stats()["hotset"]["save_error"]
+        state_dir.mkdir(mode=0o750)
+        if save == "periodic":
+            assert wait_until(lambda: (state_dir / "hotset.bin").exists()), server.log_tail()
+            hs = client.stats()["hotset"]
+            assert hs["save_error"] is None and hs["saved_rows"] == rows, hs
+            assert "saving into the new one" in server.log()
+    stops_in_budget(server)
+    log = server.log()
+    assert "Traceback" not in log, log[-3000:]
+    if how == "moved aside" and save == "at stop":
+        assert not (aside / "hotset.bin").exists()  # the old directory is not the state_dir
+    assert saved_rows_after_restart(start_server, model, state_dir) == rows
+
+
+@pytest.mark.parametrize("state", ["removed", "made again writable by others"])
+def test_a_save_at_stop_that_cannot_be_made_is_logged_and_the_stop_completes(
+    start_server, model, state_dir, state
+):
+    """With the state_dir gone, or made again with a mode others may write,
+    SIGTERM logs why nothing is saved and the server exits 0 in its budget;
+    nothing is written to a directory others may write."""
+    server = direct(start_server, model, state_dir, "--hotset-save-interval", "0")
+    with server.client() as client:
+        assert refill_over(client)["hotset"]["state"] == "none"
+        client.lookup(client.tables[0].layer, HOT_IDS)
+    shutil.rmtree(state_dir)
+    if state != "removed":
+        state_dir.mkdir()
+        state_dir.chmod(0o777)
+    stops_in_budget(server)
+    log = server.log()
+    why = (
+        f"WARNING pleserver.hotset: hot set: not saved: state_dir {state_dir} does not exist"
+        if state == "removed"
+        else f"ERROR pleserver.hotset: hot set: not saved: state_dir {state_dir} is writable "
+        "by group and others (mode 0777)"
+    )
+    assert why in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert "stopped" in log.splitlines()[-1], log[-3000:]
+    if state != "removed":
+        assert not os.listdir(state_dir)
