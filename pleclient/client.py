@@ -65,6 +65,25 @@ def server_socket(socket_path: str | None = None) -> str:
     return socket_path or os.environ.get(p.SOCKET_ENV) or p.DEFAULT_SOCKET
 
 
+def sockets_in(directory: str) -> list[str]:
+    """The Unix sockets in ``directory``, by name: the ple-servers of a host
+    that runs one per model (``/run/ple-server/NAME.sock``). An absent
+    directory has none; one that cannot be listed raises ``OSError``."""
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if stat.S_ISSOCK(os.stat(path).st_mode):
+                found.append(path)
+        except OSError:
+            continue  # removed meanwhile
+    return found
+
+
 @dataclass(frozen=True)
 class TableInfo:
     """A table the server serves (one PLE layer)."""

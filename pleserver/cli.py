@@ -416,25 +416,69 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def stats_sockets(socket_path: str | None) -> list[str]:
+    """The servers ``pleserver stats`` shows: the one named (``--socket``,
+    else ``$PLE_SERVER_SOCKET``), or every socket in the directory named, else
+    in the default socket directory (a host may run one server per model),
+    else the default socket (so that its absence is what the error names)."""
+    from pleclient.client import server_socket, sockets_in
+
+    named = socket_path or os.environ.get(p.SOCKET_ENV)
+    if named and not os.path.isdir(named):
+        return [server_socket(named)]
+    folder = named or os.path.dirname(p.DEFAULT_SOCKET)  # a directory: its every socket
+    try:
+        found = sockets_in(folder)
+    except OSError:
+        found = []
+    return found or [named or p.DEFAULT_SOCKET]
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     from pleclient import PleClient, PleError
-    from pleserver.stats import format_human
+    from pleserver.stats import format_human, format_interval, interval
 
+    sockets = stats_sockets(args.socket)
+    redraw = bool(args.watch) and not args.json and sys.stdout.isatty()
+    last: dict[str, tuple[float, dict]] = {}
     while True:
-        try:
-            stats = PleClient.query_stats(args.socket)
-        except PleError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
+        blocks: list[tuple[dict, str]] = []
+        failed = False
+        for path in sockets:
+            now = time.monotonic()
+            try:
+                stats = PleClient.query_stats(path)
+            except PleError as exc:
+                if not args.watch:
+                    print(f"error: {exc}", file=sys.stderr)
+                    return 1
+                # Watching waits through a restart: say so, and look again.
+                failed = True
+                last.pop(path, None)
+                blocks.append(({"socket": path, "error": str(exc)}, f"{path}: waiting: {exc}"))
+                continue
+            figures = None
+            if path in last:
+                then, before = last[path]
+                figures = interval(before, stats, now - then)
+            last[path] = (now, stats)
+            text = format_human(stats)
+            if figures is not None:
+                text += "\n" + format_interval(figures)
+            blocks.append(({**stats, "interval": figures} if args.watch else stats, text))
         if args.json:
-            print(json.dumps(stats))
+            reports = [b[0] for b in blocks]
+            print(json.dumps(reports[0] if len(sockets) == 1 else reports))
         else:
-            print(format_human(stats))
+            if redraw:  # in place: home, then clear the screen
+                sys.stdout.write("\x1b[H\x1b[2J")
+            heading = len(sockets) > 1
+            print("\n\n".join(f"== {b[0]['socket']}\n{b[1]}" if heading else b[1] for b in blocks))
         if not args.watch:
             return 0
         sys.stdout.flush()
         time.sleep(args.watch)  # Ctrl-C here: main() exits quietly with 130
-        if not args.json:
+        if not args.json and not redraw and not failed:
             print()
 
 
@@ -684,7 +728,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--socket",
             metavar="PATH",
             default=None,
-            help=f"the server's control socket (default: ${p.SOCKET_ENV}, else {p.DEFAULT_SOCKET})",
+            help=f"the server's control socket, or a directory: each socket in it (default: "
+            f"${p.SOCKET_ENV}, else every socket in {os.path.dirname(p.DEFAULT_SOCKET)}/)",
         ),
         "file",
     )
@@ -693,7 +738,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--watch",
         type=duration_type("s", minimum=0.01),
         metavar="DURATION",
-        help="print them again every DURATION (seconds, or 500ms, 2s) until Ctrl-C",
+        help="show them again every DURATION (seconds, or 500ms, 2s) until Ctrl-C, with the "
+        "rates of each interval; on a terminal in place. Waits through a server restart",
     )
     stats.set_defaults(func=cmd_stats)
 

@@ -319,7 +319,10 @@ class Sessions:
         if offered is not None:
             os.close(offered)
         if kind == p.MessageType.STATS.value:
-            return self._send(s, {"type": p.MessageType.STATS.value, "stats": self._snapshot()})
+            stats = self._snapshot()
+            if s.channel is None and not s.opening:  # `pleserver stats` is not a client
+                stats["clients"] = max(0, stats["clients"] - 1)
+            return self._send(s, {"type": p.MessageType.STATS.value, "stats": stats})
         if kind == p.MessageType.BYE.value:
             return self._close_session(s, "bye")
         self._reject(s, p.ErrorCode.BAD_MESSAGE, f"unknown message type {kind!r}")

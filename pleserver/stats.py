@@ -320,3 +320,67 @@ def format_human(stats: dict) -> str:
                 f"{reasons or '-'}"
             )
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------- a live view
+def bucket_quantile(buckets: list[int], q: float) -> float | None:
+    """The ``q`` quantile of counts over ``BUCKETS_S`` (plus +Inf): the upper
+    bound of the bucket that holds it (None without a count; +Inf's bucket
+    reads as the last bound)."""
+    total = sum(buckets)
+    if not total:
+        return None
+    seen = 0
+    for i, c in enumerate(buckets):
+        seen += c
+        if c and seen >= q * total:
+            return BUCKETS_S[min(i, len(BUCKETS_S) - 1)]
+    return BUCKETS_S[-1]
+
+
+def interval(before: dict, after: dict, seconds: float) -> dict:
+    """What a server did between two snapshots ``seconds`` apart, over all its
+    tables: requests, rows and misses per second, the hit rate and the p99 of
+    the server time of the requests answered in between. A restarted server
+    (its pid changed, or a counter went back) gives ``restarted`` instead."""
+    old = {t["name"]: t for t in before.get("tables", [])}
+    if before.get("pid") != after.get("pid") or seconds <= 0:
+        return {"restarted": True, "seconds": seconds}
+    requests = rows = hits = misses = 0
+    buckets = [0] * (len(BUCKETS_S) + 1)
+    for t in after.get("tables", []):
+        b = old.get(t["name"])
+        if b is None:
+            continue
+        requests += t["requests"] - b["requests"]
+        rows += t["rows"] - b["rows"]
+        hits += t["io"]["hits"] - b["io"]["hits"]
+        misses += t["io"]["misses"] - b["io"]["misses"]
+        for i, (x, y) in enumerate(
+            zip(t["server_time"]["buckets"], b["server_time"]["buckets"], strict=False)
+        ):
+            buckets[i] += x - y
+    if min(requests, rows, hits, misses, *buckets) < 0:  # counters went back: a new server
+        return {"restarted": True, "seconds": seconds}
+    return {
+        "seconds": seconds,
+        "requests_per_s": requests / seconds,
+        "rows_per_s": rows / seconds,
+        "misses_per_s": misses / seconds,
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "p99_s": bucket_quantile(buckets, 0.99),
+    }
+
+
+def format_interval(figures: dict) -> str:
+    """One line of ``interval``'s figures, for ``pleserver stats --watch``."""
+    if figures.get("restarted"):
+        return "last interval: the server restarted (its counters start again)"
+    hit = figures["hit_rate"]
+    p99 = figures["p99_s"]
+    return (
+        f"last {figures['seconds']:.1f} s: {figures['requests_per_s']:,.0f} requests/s, "
+        f"{figures['rows_per_s']:,.0f} rows/s, {figures['misses_per_s']:,.0f} misses/s, "
+        f"hit rate {'-' if hit is None else f'{100 * hit:.1f} %'}, "
+        f"p99 {'-' if p99 is None else f'{1e3 * p99:.2f} ms'}"
+    )

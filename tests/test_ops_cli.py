@@ -18,6 +18,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pleserver import deployfiles
@@ -485,3 +486,83 @@ def test_config_show_is_the_configuration_serve_would_run_with(tmp_path):
     assert re.search(r"^socket = \"/run/x.sock\" +# --socket$", text.stdout, re.MULTILINE)
     bad = pleserver("config", "show", "--config", str(config), "--max-clients", "0")
     assert bad.returncode == 1 and "--max-clients: must be at least 1" in bad.stderr
+
+
+def json_lines(proc: subprocess.Popen):
+    """The reports a ``stats --watch --json`` prints, one a line."""
+    while line := proc.stdout.readline():
+        yield json.loads(line)
+
+
+def test_stats_watch_gives_each_intervals_rates_and_waits_through_a_restart(
+    start_server, checkpoint, tmp_path
+):
+    sock = str(tmp_path / "ple.sock")
+    server = start_server(checkpoint, socket_path=sock)
+    args = ["stats", "--socket", sock, "--watch", "100ms", "--json"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pleserver", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        reports = json_lines(proc)
+        first = next(reports)
+        assert first["interval"] is None and first["clients"] == 0  # not itself
+        with server.client() as client:
+            for seen, report in enumerate(reports):
+                client.lookup(1, np.arange(64))
+                figures = report["interval"]
+                if figures and figures["requests_per_s"] > 0:
+                    break
+                assert seen < 100, report
+            assert report["clients"] == 1 and figures["rows_per_s"] >= figures["requests_per_s"]
+            assert figures["p99_s"] > 0 and 0.09 < figures["seconds"] < 5
+        old_pid = server.pid
+        assert server.stop() == 0
+        waiting = next(r for r in reports if "error" in r)  # still watching
+        assert waiting["socket"] == sock and "not found" in waiting["error"]
+        again = start_server(checkpoint, socket_path=sock)
+        back = next(r for r in reports if "pid" in r)
+        assert back["pid"] == again.pid != old_pid and back["interval"] is None
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_stats_shows_every_server_of_a_socket_directory(start_server, checkpoint, tmp_path):
+    for name in ("a", "b"):
+        start_server(checkpoint, socket_path=str(tmp_path / f"{name}.sock"))
+    (tmp_path / "not-a-socket").write_text("")
+    reports = json.loads(pleserver("stats", "--socket", str(tmp_path), "--json").stdout)
+    assert [r["socket"] for r in reports] == [str(tmp_path / "a.sock"), str(tmp_path / "b.sock")]
+    text = pleserver("stats", "--socket", str(tmp_path)).stdout
+    assert (
+        f"== {tmp_path / 'a.sock'}\nple-server pid" in text and f"== {tmp_path / 'b.sock'}" in text
+    )
+
+
+def test_stats_watch_redraws_in_place_on_a_terminal(server):
+    import pty
+
+    main, child = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pleserver", "stats", "--socket", server.socket, "--watch", "100ms"],
+        stdout=child,
+        stderr=subprocess.PIPE,
+    )
+    os.close(child)
+    try:
+        seen = b""
+        deadline = time.monotonic() + 30
+        while seen.count(b"\x1b[H\x1b[2J") < 2 and time.monotonic() < deadline:
+            seen += os.read(main, 65536)
+        draws = seen.split(b"\x1b[H\x1b[2J")
+        assert len(draws) >= 3 and draws[2].startswith(b"ple-server pid "), seen[-2000:]
+        assert b"last 0." in draws[2] or b"last 1." in draws[2], draws[2]  # the interval's rates
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(main)

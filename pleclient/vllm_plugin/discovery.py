@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import stat
 
 from pleclient import PleClient, PleError, TableInfo
+from pleclient.client import sockets_in as client_sockets_in
 from pleclient.vllm_plugin import identity
 from pleclient.vllm_plugin.errors import PleBackendError
 from pleclient.vllm_plugin.settings import (
@@ -35,26 +34,15 @@ log = logging.getLogger("pleclient.vllm_plugin")
 
 
 def sockets_in(directory: str) -> list[str]:
-    """The Unix sockets in ``directory``, by name."""
+    """The Unix sockets in ``directory``, by name (``pleclient.client.sockets_in``)."""
     try:
-        names = sorted(os.listdir(directory))
-    except FileNotFoundError:
-        return []
+        return client_sockets_in(directory)
     except OSError as exc:
         raise PleBackendError(
             f"VLLM_PLE_BACKEND=shm cannot list the ple-server socket "
             f"directory {directory}: {exc}; set {ENV_SOCKET} to the "
             "server's socket"
         ) from None
-    found = []
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            if stat.S_ISSOCK(os.stat(path).st_mode):
-                found.append(path)
-        except OSError:
-            continue  # removed meanwhile
-    return found
 
 
 def with_socket(settings: ShmSettings, checkpoint_dir: str) -> ShmSettings:
