@@ -12,7 +12,10 @@ the server (so opening a channel never depends on starting a thread): one for
 channels up to ``SMALL_BYTES``, one for larger ones, so that a small channel
 never waits behind a large one. Each finished ``Reservation`` comes back
 through ``results`` and the ``on_done`` callback (which wakes the control
-loop).
+loop). A reservation whose session closed before its turn came
+(``abandoned``) is skipped, not made: a flood of opens from sessions that
+close at once must not keep a lane, and the next session's open, busy with
+segments nobody will take.
 """
 
 from __future__ import annotations
@@ -139,6 +142,11 @@ class Reservation:
     mapping: ChannelMap | None = None
     error: str | None = None
     refused: bool = False  # the offered segment is not one to adopt (``error`` says why)
+    # Set by the control thread when the session closes, read by the reserver
+    # before it makes the segment: a plain flag (the GIL orders it), and one
+    # read too late costs only a segment made and then discarded.
+    abandoned: bool = False
+    skipped: bool = False  # abandoned before its turn: nothing was made
 
     def discard(self) -> None:
         """Free what was created (the session went away meanwhile)."""
@@ -207,6 +215,11 @@ class Reserver:
 
     def _run(self, jobs: queue.SimpleQueue) -> None:
         while (job := jobs.get()) is not None:
+            if job.abandoned:
+                job.skipped = True
+                self.results.put(job)  # (its budget goes back on the control thread)
+                self.on_done()
+                continue
             try:
                 job.make()
             except ValueError as exc:

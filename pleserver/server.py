@@ -939,6 +939,11 @@ class Server:
             "hotset": self.hotset.snapshot() if self.hotset else None,
             "channel_memory": {"used_bytes": self.budget.used, "budget_bytes": self.budget.limit},
             "control_errors": self.sessions.errors_sent() if self.sessions is not None else {},
+            # Channel opens skipped, their session closed before the reserver
+            # came to them (``pleserver.segments``).
+            "abandoned_channel_opens": (
+                self.sessions.abandoned_opens if self.sessions is not None else 0
+            ),
             "hints": self.loop.hints.snapshot() if self.loop else None,
             # Built on the control thread, replaced whole by a reload: read as one.
             "config": self._config_report,

@@ -103,6 +103,7 @@ class Session:
     gpu_driven: bool = False  # its channel (asked for in OPEN_CHANNEL) is GPU-driven
     gpu_slots: int = 0  # the slots of that channel when GPU-driven (max_gpu_slots_per_uid)
     offered_fd: int | None = None  # a segment the client sent to adopt (owned here until used)
+    reservation: Reservation | None = None  # its channel's, while being made (``opening``)
     adopted: bool = False  # its channel is a segment it kept from an earlier server
     opened_at: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)  # last frame received
@@ -148,6 +149,9 @@ class Sessions:
         self._peer_log = RateLimitedLog(log)
         self.gate = ConnectionGate(config)
         self._errors_sent = dict.fromkeys(p.ErrorCode, 0)  # refusals among them
+        # Channels whose session closed before the reserver came to them: not
+        # made, their memory given back (stats: abandoned_channel_opens).
+        self.abandoned_opens = 0
 
     def errors_sent(self) -> dict[str, int]:
         """ERROR replies sent so far, by code in lower case (``not_allowed``,
@@ -372,9 +376,8 @@ class Sessions:
         s.gpu_driven = bool(msg.get("gpu_driven", False))
         s.gpu_slots = refusal.depth if s.gpu_driven else 0
         s.adopted = offered is not None
-        self.reserver.submit(
-            Reservation(s.id, f"{self.instance}.{s.id}", refusal, adopt_fd=offered)
-        )
+        s.reservation = Reservation(s.id, f"{self.instance}.{s.id}", refusal, adopt_fd=offered)
+        self.reserver.submit(s.reservation)
 
     def _channel_refusal(
         self, s: Session, msg: dict, offers_segment: bool
@@ -475,6 +478,10 @@ class Sessions:
     def on_reserved(self, job: Reservation) -> None:
         """A channel segment is ready (or could not be made): serve it, answer."""
         s = self.by_id.get(job.session_id)
+        if s is not None:
+            s.reservation = None
+        if job.skipped:
+            self.abandoned_opens += 1
         if job.error is not None or s is None:
             job.discard()
             self.budget.give_back(job.layout.size)
@@ -619,6 +626,9 @@ class Sessions:
         if s.channel is not None:
             self.loop.remove(s.channel)
             s.channel = None
+        if s.reservation is not None:  # the reserver skips it (or discards what it made)
+            s.reservation.abandoned = True
+            s.reservation = None
         for out in s.outbox:
             for fd in out.fds:
                 os.close(fd)
