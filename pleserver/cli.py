@@ -494,11 +494,17 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pleserver.demo import run_demo
+    from pleserver.demo import headline, run_demo
     from pleserver.stats import format_human
 
     setup_logging(args.log_level)
-    code, report = run_demo(cache_dir=args.cache_dir, seconds=args.seconds, clients=args.clients)
+    code, report = run_demo(
+        cache_dir=args.cache_dir,
+        seconds=args.seconds,
+        clients=args.clients,
+        io=args.io,
+        cache_size=args.cache_size,
+    )
     if args.json:
         print(json.dumps(report))
         return code
@@ -508,6 +514,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"{report['requests']} requests, {report['rows']} rows, "
         f"{report['mismatches']} mismatching, {report['errors']} errors"
     )
+    print(headline(report["stats"]))
     print(format_human(report["stats"]))
     print(
         "server stopped cleanly"
@@ -791,6 +798,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=2,
         metavar="N",
         help="client processes, each checking every row it gets",
+    )
+    demo.add_argument(
+        "--io",
+        choices=("direct", "buffered", "mmap"),
+        default="direct",
+        help="how the server reads rows (default: direct, with a row cache smaller than "
+        "the tables: hits, misses and disk reads; mmap: the tables mapped and prewarmed)",
+    )
+    demo.add_argument(
+        "--cache-size",
+        default=None,
+        metavar="SIZE",
+        help="the row cache of direct and buffered (default: about a fifth of the demo tables)",
     )
     json_flag(demo)
     demo.add_argument(

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from pleclient import PleClient
 from tests.harness import shm_entries, wait_until
@@ -59,28 +61,25 @@ def test_a_session_creates_no_name_another_process_could_open(server):
         assert len(segment_mappings(server.pid)) == 1
 
 
-def test_demo_runs_end_to_end(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pleserver.cli",
-            "demo",
-            "--json",
-            "--seconds",
-            "1",
-            "--cache-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+@pytest.mark.parametrize("io", [None, "mmap"])
+def test_demo_runs_end_to_end(tmp_path, io):
+    demo = [sys.executable, "-m", "pleserver.cli", "demo", "--seconds", "1"]
+    demo += ["--cache-dir", str(tmp_path), *(["--io", io] if io else [])]
+    result = subprocess.run([*demo, "--json"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["ok"] and report["mismatches"] == 0 and report["requests"] > 0
     assert report["server_exit_code"] == 0
     assert {t["dtype"] for t in report["stats"]["tables"]} == {"F8_E4M3", "BF16", "NVFP4"}
+    io_stats = [t["io"] for t in report["stats"]["tables"]]
+    if io is None:  # by default the headline path: a row cache smaller than the tables
+        assert report["stats"]["dataplane"]["io"] in ("direct", "buffered")
+        assert sum(x["hits"] for x in io_stats) > 0 and sum(x["misses"] for x in io_stats) > 0
+        assert sum(x["reads"] for x in io_stats) > 0
+        text = subprocess.run(demo, capture_output=True, text=True, timeout=300).stdout
+        assert re.search(r"a row cache of 16 MiB: \d+ hits, \d+ misses \(hit rate", text), text
+    else:
+        assert report["stats"]["dataplane"]["io"] == "mmap"
 
 
 def test_stats_cli_human_and_json(server):
