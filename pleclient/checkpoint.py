@@ -316,11 +316,52 @@ def read_header(path: str) -> tuple[dict[str, TensorEntry], list[str]]:
 PLE_TENSOR_RES = (SHARD_RE, SCALE_RE, BLOCK_SCALE_RE, GLOBAL_SCALE_RE)
 
 
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hf_cache_dir() -> str:
+    """The Hugging Face hub cache: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``,
+    else ``~/.cache/huggingface/hub`` (huggingface_hub's own order)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
+    return os.path.join(home, "hub")
+
+
+def local_model_dir(model: str, revision: str | None = None) -> str:
+    """``model`` itself when it is a directory; else, for a Hugging Face repo id
+    (``org/name``) already downloaded, its snapshot directory in the local
+    cache (at ``revision``, a branch, tag or commit; default ``main``), as vLLM
+    finds it; else ``model`` unchanged, for the caller's error to name. Never
+    downloads: ple-server reads what vLLM will load."""
+    if os.path.isdir(model) or not _REPO_ID.fullmatch(model) or os.path.exists(model):
+        return model
+    repo = os.path.join(hf_cache_dir(), "models--" + model.replace("/", "--"))
+    ref = revision or "main"
+    try:
+        with open(os.path.join(repo, "refs", ref)) as f:
+            commit = f.read().strip()
+    except OSError:
+        commit = ref  # a commit hash names its snapshot directly
+    snapshot = os.path.join(repo, "snapshots", commit)
+    return snapshot if commit and os.path.isdir(snapshot) else model
+
+
 def checkpoint_files(model_dir: str) -> tuple[list[str], list[str]]:
-    """Files that may hold PLE tensors: from the index when there is one, else a glob."""
+    """Files that may hold PLE tensors: from the index when there is one, else a
+    glob. ``model_dir`` may be a Hugging Face repo id (``local_model_dir``)."""
+    model_dir = local_model_dir(model_dir)
     if not os.path.isdir(model_dir):
+        repo = (
+            f" nor a Hugging Face repo id in the local cache ({hf_cache_dir()}: download it "
+            f"first, e.g. `huggingface-cli download {model_dir}`)"
+            if _REPO_ID.fullmatch(model_dir)
+            else ""
+        )
         return [], [
-            f"{model_dir}: not a directory; pass the model's local snapshot "
+            f"{model_dir}: not a directory{repo}; pass the model's local snapshot "
             "directory (the one with config.json and *.safetensors)"
         ]
     if not os.access(model_dir, os.R_OK | os.X_OK):  # a glob would find nothing, silently
@@ -353,8 +394,11 @@ def checkpoint_files(model_dir: str) -> tuple[list[str], list[str]]:
 
 def discover_tables(model_dir: str, *, fingerprint: bool = True) -> list[TableSpec]:
     """Every PLE table in ``model_dir``, validated; raises CheckpointError listing
-    every problem found (or when there is no table at all)."""
-    model_dir = os.path.abspath(model_dir)
+    every problem found (or when there is no table at all). ``model_dir`` may
+    be a Hugging Face repo id in the local cache (``local_model_dir``)."""
+    model_dir = local_model_dir(model_dir)
+    if os.path.isdir(model_dir):  # (a repo id not found stays one, for the error)
+        model_dir = os.path.abspath(model_dir)
     files, problems = checkpoint_files(model_dir)
     shards: dict[str, dict[int, TensorEntry]] = {}
     block_scales: dict[str, dict[int, TensorEntry]] = {}

@@ -32,7 +32,7 @@ import time
 from typing import TYPE_CHECKING
 
 from pleclient import protocol as p
-from pleclient.checkpoint import discover_tables
+from pleclient.checkpoint import discover_tables, local_model_dir
 from pleserver import __version__
 from pleserver.admission import DoorbellAdmission
 from pleserver.budget import ChannelBudget, default_channel_budget
@@ -156,6 +156,10 @@ class Server:
         """Discover and validate the checkpoint's tables, open the data plane
         over them, log each table."""
         cfg = self.config
+        if cfg.model and (snapshot := local_model_dir(cfg.model)) != cfg.model:
+            log.info(
+                "model %s: its snapshot %s in the local Hugging Face cache", cfg.model, snapshot
+            )
         specs = discover_tables(cfg.model) if cfg.model else []
         if not specs:
             raise StartupError(

@@ -341,3 +341,42 @@ def test_inspect_shows_nvfp4_layout_and_global_scale(tmp_path):
         ("shard_<i>.weight", "U8", 16),
         ("shard_<i>.weight_scale", "F8_E4M3", 2),
     ]
+
+
+def hf_cache(tmp_path: Path, model: Path, repo: str = "acme/ple-tiny") -> Path:
+    """A Hugging Face hub cache holding ``model`` as ``repo``'s main snapshot,
+    laid out as huggingface_hub lays it out (refs/main names the commit)."""
+    cache = tmp_path / "hub"
+    root = cache / ("models--" + repo.replace("/", "--"))
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text("0123abcd")
+    (root / "snapshots").mkdir()
+    (root / "snapshots" / "0123abcd").symlink_to(model, target_is_directory=True)
+    return cache
+
+
+def test_a_hugging_face_repo_id_is_its_snapshot_in_the_local_cache(
+    tmp_path, checkpoint, start_server, monkeypatch
+):
+    cache = hf_cache(tmp_path, checkpoint)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache)}
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert [t.name for t in discover_tables("acme/ple-tiny")] == [
+        t.name for t in discover_tables(str(checkpoint))
+    ]
+    inspect = subprocess.run(
+        [sys.executable, "-m", "pleserver", "inspect", "acme/ple-tiny", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert inspect.returncode == 0, inspect.stderr
+    assert len(json.loads(inspect.stdout)["tables"]) == 2
+    server = start_server(Path("acme/ple-tiny"), env={"HF_HUB_CACHE": str(cache)})
+    with server.client() as client:
+        assert client.lookup(1, [0, 1]).shape[0] == 2
+    assert f"its snapshot {cache}" in server.log()
+    # Not in the cache: the error names both readings and the download
+    with pytest.raises(CheckpointError, match=r"nor a Hugging Face repo id in the local cache"):
+        discover_tables("acme/not-downloaded")

@@ -30,6 +30,7 @@ from pleclient.checkpoint import (
     CheckpointError,
     TableSpec,
     discover_tables,
+    local_model_dir,
 )
 from pleclient.vllm_plugin.errors import IdentityMismatch, PleBackendError
 from pleclient.vllm_plugin.settings import ENV_ALLOW_DUMMY, ENV_CHECKPOINT
@@ -145,8 +146,8 @@ def checkpoint_dir(
     else:
         path, revision = (model, revision) if model else _vllm_model()
         source = "vLLM's --model"
-        if path and not os.path.isdir(path):
-            path = _hf_snapshot(path, revision) or path
+        if path:  # a repo id: its snapshot in the local cache, as vLLM loads it
+            path = local_model_dir(path, revision)
     if not path or not os.path.isdir(path):
         raise PleBackendError(
             f"VLLM_PLE_BACKEND=shm cannot find the checkpoint to check the server "
@@ -189,18 +190,3 @@ def _vllm_model() -> tuple[str | None, str | None]:
     if model_config is None:
         return None, None
     return getattr(model_config, "model", None), getattr(model_config, "revision", None)
-
-
-def _hf_snapshot(repo: str, revision: str | None) -> str | None:
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(
-            repo,
-            revision=revision,
-            local_files_only=True,
-            allow_patterns=["*.json", "*.safetensors"],
-        )
-    except Exception as exc:  # any failure means "not local"
-        log.debug("PLE shm: %s is not in the local Hugging Face cache: %s", repo, exc)
-        return None
