@@ -389,7 +389,8 @@ class HotSet:
         self.refill_seconds: float | None = None
         self.saved_rows: int | None = None
         self.saved_at: float | None = None  # time.time() of the last save
-        self.save_error: str | None = None
+        self.save_error: str | None = None  # why the last save failed (None: it did not)
+        self.save_failures = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._save_lock = threading.Lock()
@@ -480,6 +481,7 @@ class HotSet:
             "saved_rows": self.saved_rows,
             "saved_unix": self.saved_at,
             "save_error": self.save_error,
+            "save_failures": self.save_failures,
             "save_interval_s": self.interval_s,
         }
 
@@ -629,8 +631,8 @@ class HotSet:
                 except OSError:
                     pass
             self._save_failed(
-                f"cannot save {self.path} ({exc.strerror or exc}); check that state_dir "
-                "is writable by the server's user",
+                f"cannot save {self.path} ({exc.strerror or exc}): "
+                + save_hint(exc, self.state_dir),
                 logging.WARNING,
             )
             return False
@@ -683,10 +685,11 @@ class HotSet:
 
     def _save_failed(self, why: str, level: int) -> None:
         """Log why a save failed, once while the reason stays the same (a save
-        is tried every interval)."""
+        is tried every interval); counted (stats, ``ple_hotset_save_failures_total``)."""
         if why != self.save_error:
             log.log(level, "hot set: not saved: %s", why)
         self.save_error = why
+        self.save_failures += 1
 
     def _remove_temp_files(self) -> None:
         """Remove temp files of saves a crash interrupted (each has a name of
@@ -705,3 +708,27 @@ class HotSet:
                 removed,
                 self.state_dir,
             )
+
+
+def save_hint(exc: OSError, state_dir: str) -> str:
+    """What to do about a save that failed with ``exc``, by its errno."""
+    uid = os.geteuid()
+    hints = {
+        errno.ENOSPC: (
+            f"the file system of {state_dir} is full: free space there (`df -h {state_dir}`)"
+        ),
+        errno.EDQUOT: f"uid {uid} is over its disk quota on {state_dir}'s file system",
+        errno.EROFS: (
+            f"the file system of {state_dir} is read-only (remounted so after a disk error? "
+            "`dmesg`, `findmnt`); give state_dir a writable file system"
+        ),
+        errno.EACCES: (
+            f"uid {uid} (the server's user) may not write {state_dir}: make it the server's "
+            "(the unit's StateDirectory= does)"
+        ),
+        errno.EPERM: f"uid {uid} may not write in {state_dir} (a file attribute or mount option?)",
+        errno.EIO: f"the disk of {state_dir} failed a write: check it (`dmesg`, SMART)",
+    }
+    return hints.get(
+        exc.errno or 0, "check that state_dir is on a healthy file system, writable by the server"
+    )

@@ -34,7 +34,9 @@ Every mode:
 - per table: ``ple_requests_total``, ``ple_rows_total``, ``ple_bytes_total``,
   ``ple_errors_total{kind}`` (``bad_table``, ``bad_count``,
   ``id_out_of_range``, ``read_error``, ``internal``), the histograms
-  ``ple_server_time_seconds`` (taking a request to completing it) and
+  ``ple_server_time_seconds{size}`` (taking a request to completing it;
+  ``large`` from ``LARGE_REQUEST_ROWS`` rows, a prefill chunk's, else
+  ``small``) and
   ``ple_queue_time_seconds`` (the client's submit to the server taking it) —
   every third bucket of ``pleserver.stats`` (4 per decade, 1 µs to 100 s), so
   the cumulative counts are exact —, ``ple_table_info{dtype,rows,cols,
@@ -71,7 +73,10 @@ Every mode:
   it);
 - ``ple_hotset_target_rows``, ``ple_hotset_done_rows``,
   ``ple_hotset_progress_ratio``, ``ple_hotset_state{state}``,
-  ``ple_hotset_saved_rows`` — the refill of the cache from the saved hot set.
+  ``ple_hotset_saved_rows`` — the refill of the cache from the saved hot set;
+  ``ple_hotset_save_failing`` (1 while the last save failed),
+  ``ple_hotset_save_failures_total``,
+  ``ple_hotset_last_save_timestamp_seconds`` — its saves.
 
 ``io = mmap`` (the page cache):
 
@@ -100,7 +105,7 @@ from prometheus_client.utils import floatToGoString
 
 from pleserver.config import parse_host_port
 from pleserver.metrics_http import Check, MetricsError, MetricsHTTPServer
-from pleserver.stats import BUCKETS_S, ERROR_KINDS, READ_BUCKETS_S
+from pleserver.stats import BUCKETS_S, ERROR_KINDS, LARGE_REQUEST_ROWS, READ_BUCKETS_S
 
 __all__ = ["MetricsEndpoint", "MetricsError", "SnapshotCollector"]
 
@@ -336,6 +341,21 @@ def _hotset(hs: dict | None) -> Iterator[Metric]:
         "Rows in the hot set at its last save (0 before the first).",
         value=hs.get("saved_rows") or 0,
     )
+    yield GaugeMetricFamily(
+        "ple_hotset_save_failing",
+        "1 while the last save of the hot set failed (stats' save_error says why).",
+        value=1 if hs.get("save_error") else 0,
+    )
+    yield CounterMetricFamily(
+        "ple_hotset_save_failures",
+        "Saves of the hot set that failed.",
+        value=hs.get("save_failures") or 0,
+    )
+    yield GaugeMetricFamily(
+        "ple_hotset_last_save_timestamp_seconds",
+        "When the hot set was last saved (Unix time; 0 before the first save).",
+        value=hs.get("saved_unix") or 0,
+    )
 
 
 def _table_io(tables: list[dict]) -> Iterator[Metric]:
@@ -435,8 +455,9 @@ def _tables(tables: list[dict]) -> Iterator[Metric]:
     )
     server_time = HistogramMetricFamily(
         "ple_server_time_seconds",
-        "Seconds from taking a request to completing it.",
-        labels=TABLE_LABELS,
+        f"Seconds from taking a request to completing it; size: large from "
+        f"{LARGE_REQUEST_ROWS} rows (a prefill chunk's), else small.",
+        labels=[*TABLE_LABELS, "size"],
     )
     queue_time = HistogramMetricFamily(
         "ple_queue_time_seconds",
@@ -466,9 +487,10 @@ def _tables(tables: list[dict]) -> Iterator[Metric]:
         nbytes.add_metric(labels, t["bytes"])
         for kind in dict.fromkeys([*ERROR_KINDS, *t["errors"]]):
             errors.add_metric([*labels, kind], t["errors"].get(kind, 0))
-        server_time.add_metric(
-            labels, _buckets(t["server_time"], BUCKETS_S, BUCKET_STEP), t["server_time"]["sum_s"]
-        )
+        for request_size, h in t["server_time_by_size"].items():
+            server_time.add_metric(
+                [*labels, request_size], _buckets(h, BUCKETS_S, BUCKET_STEP), h["sum_s"]
+            )
         queue_time.add_metric(
             labels, _buckets(t["queue_time"], BUCKETS_S, BUCKET_STEP), t["queue_time"]["sum_s"]
         )

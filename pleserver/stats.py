@@ -23,6 +23,13 @@ BUCKETS_S: tuple[float, ...] = tuple(10 ** (-6 + i / 12) for i in range(0, 8 * 1
 READ_BUCKET_BITS = range(12, 35)
 READ_BUCKETS_S: tuple[float, ...] = tuple(2**k * 1e-9 for k in READ_BUCKET_BITS)
 ERROR_KINDS = ("bad_table", "bad_count", "id_out_of_range", "read_error", "internal")
+LARGE_REQUEST_ROWS = 16384
+"""Requests of at least this many rows are ``large`` in the server-time
+histogram: a prefill chunk's lookup, split over the gather workers
+(``parallel_min_rows``' default) and reading many rows, takes tens of
+milliseconds where a decode step's takes well under one; one latency alert
+cannot serve both (``ple_server_time_seconds{size}``)."""
+REQUEST_SIZES = ("small", "large")
 RATE_WINDOW_S = 10.0
 
 
@@ -52,6 +59,13 @@ class Histogram:
             if seen >= rank and c:
                 return min(BUCKETS_S[i], self.max_s) if i < len(BUCKETS_S) else self.max_s
         return self.max_s
+
+    def add(self, other: Histogram) -> None:
+        """Count ``other``'s requests in this one too."""
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.total += other.total
+        self.sum_s += other.sum_s
+        self.max_s = max(self.max_s, other.max_s)
 
     def snapshot(self) -> dict:
         return {
@@ -128,16 +142,21 @@ class TableStats:
     rows: int = 0
     bytes: int = 0
     errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ERROR_KINDS, 0))
-    server_time: Histogram = field(default_factory=Histogram)
+    # The server's time per request, by size (REQUEST_SIZES); ``snapshot``'s
+    # ``server_time`` is both together.
+    server_time_by_size: dict[str, Histogram] = field(
+        default_factory=lambda: {size: Histogram() for size in REQUEST_SIZES}
+    )
     queue_time: Histogram = field(default_factory=Histogram)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, rows: int, row_bytes: int, server_s: float, queue_s: float) -> None:
+        size = "large" if rows >= LARGE_REQUEST_ROWS else "small"
         with self.lock:
             self.requests += 1
             self.rows += rows
             self.bytes += rows * row_bytes
-            self.server_time.record(server_s)
+            self.server_time_by_size[size].record(server_s)
             if queue_s >= 0:
                 self.queue_time.record(queue_s)
 
@@ -155,9 +174,18 @@ class TableStats:
                 "bytes": self.bytes,
                 "errors": dict(self.errors),
                 "error_count": sum(self.errors.values()),
-                "server_time": self.server_time.snapshot(),
+                "server_time": self._server_time().snapshot(),
+                "server_time_by_size": {
+                    size: h.snapshot() for size, h in self.server_time_by_size.items()
+                },
                 "queue_time": self.queue_time.snapshot(),
             }
+
+    def _server_time(self) -> Histogram:
+        both = Histogram()
+        for h in self.server_time_by_size.values():
+            both.add(h)
+        return both
 
 
 def format_bytes(n: float) -> str:
@@ -260,6 +288,9 @@ def format_human(stats: dict) -> str:
             + (f" in {hs['refill_seconds']:.1f} s" if hs.get("refill_seconds") is not None else "")
             + (f", last save {hs['saved_rows']} rows" if hs.get("saved_rows") is not None else "")
         )
+        if hs.get("save_error"):
+            tries = hs.get("save_failures", 1)
+            lines.append(f"hot set NOT SAVED ({tries} failed saves): {hs['save_error']}")
     pw = stats.get("prewarm") or {}
     if pw:
         lines.append(

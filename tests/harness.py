@@ -304,6 +304,8 @@ if os.environ.get("PLE_TEST_AS"):
 SERVER_MAIN = (
     """\
 from pleserver import cli, config, server, serving, table, stats, systemd
+from pleserver import metrics, metrics_http
+import encodings.idna  # the metrics address is resolved after the drop
 from pleclient import checkpoint
 """
     + PRELUDE

@@ -174,9 +174,10 @@ def test_counters_and_histograms_move_with_traffic(metrics_server):
     assert delta("ple_bytes_total") == 500 * row_bytes
     assert delta("ple_errors_total", kind="id_out_of_range") == 1
     assert delta("ple_errors_total", kind="bad_table") == 0
-    assert delta("ple_server_time_seconds_count") == 5
+    assert delta("ple_server_time_seconds_count", size="small") == 5
+    assert delta("ple_server_time_seconds_count", size="large") == 0
     assert delta("ple_queue_time_seconds_count") == 5
-    assert delta("ple_server_time_seconds_sum") > 0
+    assert delta("ple_server_time_seconds_sum", size="small") > 0
     assert during.table("ple_requests_total", 1) == before.table("ple_requests_total", 1)
 
 
@@ -199,8 +200,11 @@ def test_metrics_show_the_numbers_of_pleserver_stats(metrics_server):
         assert scrape.table("ple_requests_total", t["layer"]) == t["requests"]
         assert scrape.table("ple_rows_total", t["layer"]) == t["rows"]
         assert scrape.table("ple_bytes_total", t["layer"]) == t["bytes"]
+        for size in ("small", "large"):
+            count = t["server_time_by_size"][size]["count"]
+            assert scrape.table("ple_server_time_seconds_count", t["layer"], size=size) == count
         assert (
-            scrape.table("ple_server_time_seconds_count", t["layer"]) == t["server_time"]["count"]
+            sum(h["count"] for h in t["server_time_by_size"].values()) == t["server_time"]["count"]
         )
         assert scrape.table("ple_table_size_bytes", t["layer"]) == t["table_bytes"]
         assert (
@@ -217,18 +221,27 @@ def test_metrics_show_the_numbers_of_pleserver_stats(metrics_server):
 
 def test_latency_buckets_are_cumulative_in_seconds_up_to_the_count(metrics_server):
     with metrics_server.client() as client:
-        for n in (1, 100, 10_000):
-            client.lookup(1, np.arange(n))
+        # (a lookup over the channel's capacity goes as several requests)
+        capacity = client.capacity
+        assert capacity >= 16_384  # the last one a large request (from 16 384 rows)
+        for n in (1, 100, 10_000, capacity):
+            client.lookup(1, np.arange(n) % 20_011)
     scrape = Scrape(metrics_url(metrics_server))
-    for name in ("ple_server_time_seconds_bucket", "ple_queue_time_seconds_bucket"):
+    for name, labels, total in (
+        ("ple_server_time_seconds_bucket", {"size": "small"}, 3),
+        ("ple_server_time_seconds_bucket", {"size": "large"}, 1),
+        ("ple_queue_time_seconds_bucket", {}, 4),
+    ):
         buckets = sorted(
             (float(dict(ls)["le"]), v)
             for (n, ls), v in scrape.samples.items()
-            if n == name and dict(ls)["layer"] == "1"
+            if n == name
+            and dict(ls)["layer"] == "1"
+            and all(dict(ls).get(k) == v2 for k, v2 in labels.items())
         )
         bounds, counts = zip(*buckets, strict=True)
         assert bounds[0] == BUCKETS_S[0] and bounds[-2] == BUCKETS_S[-1]
-        assert bounds[-1] == float("inf") and counts[-1] == 3
+        assert bounds[-1] == float("inf") and counts[-1] == total, (name, labels)
         assert list(counts) == sorted(counts)
 
 

@@ -93,6 +93,16 @@ def test_every_alert_is_tested_firing_and_silent():
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
 
 
+def test_every_alert_links_its_section_of_the_runbook():
+    runbook = (Path(__file__).resolve().parent.parent / "docs" / "RUNBOOK.md").read_text()
+    sections = {m.lower() for m in re.findall(r"^## (\w+)$", runbook, re.MULTILINE)}
+    for rule in alerts():
+        url = rule["annotations"].get("runbook_url", "")
+        assert url == f"docs/RUNBOOK.md#{rule['alert'].lower()}", (rule["alert"], url)
+        assert rule["alert"].lower() in sections, f"docs/RUNBOOK.md has no {rule['alert']}"
+    assert sections == {rule["alert"].lower() for rule in alerts()}  # no stale section
+
+
 def test_the_dashboard_queries_parse(tmp_path):
     """promtool parses each query (as a recording rule) with Grafana's
     variables filled in."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -793,7 +795,8 @@ def test_one_uid_cannot_lock_out_other_uids_root_or_pleserver_stats(
             )
             assert cli.returncode == 0, cli.stderr
             stats = json.loads(cli.stdout)
-        assert stats["clients"] == 32 + 31 + 2 and stats["channels"] == 31 + 31 + 1, stats
+        # (the sessions, `pleserver stats`' own not counted)
+        assert stats["clients"] == 32 + 31 + 1 and stats["channels"] == 31 + 31 + 1, stats
         assert stats["refused"]["uid_limit"] == 33, stats["refused"]
         assert stats["refused"]["too_many_clients"] == 33, stats["refused"]
 
@@ -840,3 +843,55 @@ def test_one_uid_cannot_lock_out_other_uids_root_or_pleserver_stats(
                 child.kill()
                 child.wait()
     assert server.running
+
+
+def test_a_hot_set_that_cannot_be_saved_shows_in_stats_and_metrics_with_its_fix(
+    start_server, users, public, socket_dir
+):
+    server_user = users[0][0]
+    state = public / "state-unsaved"
+    state.mkdir()
+    os.chown(state, server_user.uid, server_user.gid)
+    os.chmod(state, 0o750)
+    try:
+        server = start_server(
+            public / "model",
+            "--io",
+            "direct",
+            "--state-dir",
+            str(state),
+            "--hotset-save-interval",
+            "0.2",
+            "--metrics-address",
+            "127.0.0.1:0",
+            socket_path=str(socket_dir / "ple.sock"),
+            user=server_user,
+        )
+        metrics = re.search(r"metrics on (http://\S+/metrics)", server.log())
+        assert metrics, server.log()
+
+        def failing() -> float:
+            with urllib.request.urlopen(metrics.group(1), timeout=10) as response:
+                text = response.read().decode()
+            return float(re.search(r"^ple_hotset_save_failing (\S+)$", text, re.M).group(1))
+
+        os.chmod(state, 0o550)  # the server's own directory, no longer writable by it
+        assert wait_until(lambda: failing() == 1.0, timeout=30)
+        stats = PleClient.query_stats(server.socket)["hotset"]
+        assert stats["save_failures"] >= 1
+        assert (
+            f"uid {server_user.uid} (the server's user) may not write {state}"
+            in (stats["save_error"])
+        )
+        text = subprocess.run(
+            [sys.executable, "-m", "pleserver", "stats", "--socket", server.socket],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        assert "hot set NOT SAVED (" in text and "Permission denied" in text, text
+        os.chmod(state, 0o750)  # fixed: the next save succeeds, and says so
+        assert wait_until(lambda: failing() == 0.0, timeout=30)
+        assert "hot set: saved" in server.log() and (state / "hotset.bin").exists()
+    finally:
+        shutil.rmtree(state)
