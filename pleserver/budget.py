@@ -12,13 +12,33 @@ limit when that is smaller), not all of it.
   served from the page cache (``mmap``) only when they fit in that budget: a
   page cache that grows without limit starves the GPU allocator, a row cache
   of fixed size does not.
+- **The request path** (``RequestMemory``): what answering requests may
+  hold beside the channels and the cache, each part bounded when the server
+  starts, so that no sequence of requests can take more: the miss path's read
+  buffers (a native bound, ``nat.set_read_memory``: a round that would pass it
+  waits for a buffer given back; default ``READ_SHARE`` of the room beside
+  the row cache, at most what every reading thread can use), what the
+  threads that gather allocate besides (their misses a piece at a time, the
+  fill's chunk, mmap mode's deduplicated pieces), the hint queue's ring and
+  the hinted rows' table, the hot set's keys; and, per byte of channel, the
+  private copies of its requests' ids (``ids_share``: a channel holds at most
+  its slots' ids, ``8 / (8 + widest row)`` of its segment).
 - **Channel segments** (``ChannelBudget``): a channel's pages are reserved
   when it opens (``posix_fallocate`` on its memfd) and charged to the server's
   memory cgroup, but they never show in its RSS. Under a memory limit
   (systemd's ``MemoryMax=``, a container's limit) one channel too many would
   get the daemon OOM-killed with nothing logged; the budget refuses that
   channel instead (``NO_RESOURCES``). Its default is ``CHANNEL_SHARE`` of the
-  room once the row cache has taken its budget.
+  room once the row cache and the request path have taken theirs (the
+  channels' id copies counted with them); the rest is the margin for what
+  grows with the process itself (sessions, replies, statistics, the
+  interpreter's heap).
+
+So under a memory limit the server's memory is at most what it used at
+start, plus the row cache, the request path's parts and the channels with
+their id copies: ``room ≥ cache + request.fixed + channels × (1 +
+ids_share)``, with a quarter of what is left beside the cache and the request
+path to spare.
 """
 
 from __future__ import annotations
@@ -36,7 +56,12 @@ MIN_CACHE_BYTES = 64 << 20
 """A default cache never smaller than this (a machine short of memory still
 serves its hottest rows from the cache rather than none)."""
 CHANNEL_SHARE = 0.75
-"""Share of the room left beside the row cache that channels may take."""
+"""Share of the room left beside the row cache and the request path that
+channels (and their id copies) may take."""
+READ_SHARE = 0.25
+"""Share of the room beside the row cache that the miss path's read buffers
+take by default (at least ``nat.READ_MEMORY_MIN``, at most what every thread
+that reads can use at once)."""
 
 
 # ---------------------------------------------------------------- row cache
@@ -102,14 +127,74 @@ def plan(
     return Budget(cache_bytes, cache_reason, chosen, io_reason)
 
 
+# ------------------------------------------------------------- request path
+@dataclass(frozen=True)
+class RequestMemory:
+    """What answering requests may hold at most beside the channels' segments
+    and the row cache (bytes; the module docstring lists the parts)."""
+
+    read_buffers: int  # the miss path's read buffers, every thread together (0: mmap)
+    read_reason: str
+    scratch: int  # what the threads that gather allocate besides
+    state: int  # the hint queue and hinted rows, the hot set's keys
+    ids_share: float  # the channels' id copies, per byte of their segments
+
+    @property
+    def fixed(self) -> int:
+        """Every part but the channels' id copies."""
+        return self.read_buffers + self.scratch + self.state
+
+    def describe(self) -> str:
+        return (
+            f"{format_bytes(self.fixed)}: read buffers {format_bytes(self.read_buffers)} "
+            f"({self.read_reason}), gather scratch {format_bytes(self.scratch)}, hints and "
+            f"hot set {format_bytes(self.state)}; and the channels' id copies, "
+            f"{100 * self.ids_share:.1f} % of their size"
+        )
+
+
+def read_buffer_budget(
+    setting: int | None, beside: int | None, full: int, minimum: int
+) -> tuple[int, str]:
+    """The read buffers' bound and why: ``setting`` (not below ``minimum``),
+    else ``READ_SHARE`` of the room ``beside`` the row cache, between
+    ``minimum`` and ``full`` (what every reading thread can use at once), or
+    ``full`` when the room is not known."""
+    if setting is not None:
+        if setting < minimum:
+            return (
+                minimum,
+                "read_buffer_memory setting, raised to the smallest round's "
+                + format_bytes(minimum),
+            )
+        return setting, "read_buffer_memory setting"
+    if beside is None:
+        return full, "default: what every reading thread can use (no memory figures)"
+    share = int(beside * READ_SHARE)
+    if share >= full:
+        return full, "default: what every reading thread can use"
+    if share <= minimum:
+        return minimum, (
+            f"default: the smallest round's, above {READ_SHARE:.0%} of the room beside "
+            "the row cache"
+        )
+    return share, f"default: {READ_SHARE:.0%} of the room beside the row cache"
+
+
 # ----------------------------------------------------------------- channels
-def default_channel_budget(room: MemoryRoom, cache_pending: int = 0) -> int | None:
+def default_channel_budget(
+    room: MemoryRoom, cache_pending: int = 0, request: RequestMemory | None = None
+) -> int | None:
     """``CHANNEL_SHARE`` of the room, less the row cache bytes not yet
     committed (``cache_pending``: the cache fills its budget in the
-    background), in whole MiB; None when nothing is known."""
+    background) and the request path's bound (``request``), with the
+    channels' id copies inside the share; in whole MiB; None when nothing is
+    known."""
     if room.room is None:
         return None
-    return int(max(0, room.room - cache_pending) * CHANNEL_SHARE) >> 20 << 20
+    fixed, ids_share = (request.fixed, request.ids_share) if request else (0, 0.0)
+    beside = max(0, room.room - cache_pending - fixed)
+    return int(beside * CHANNEL_SHARE / (1 + ids_share)) >> 20 << 20
 
 
 class ChannelBudget:
@@ -137,3 +222,27 @@ class ChannelBudget:
         it; ``take`` refuses new ones until they fit."""
         with self._lock:
             self.limit = limit
+
+
+def overcommitted(
+    room: MemoryRoom, cache_pending: int, request: RequestMemory | None, channels: int
+) -> str | None:
+    """Why the budgets may get the server OOM-killed: the row cache still to
+    come, the request path and ``channels`` bytes of channels with their id
+    copies past the room at start; None when they fit or the room is not
+    known. (The default channel budget fits by construction, unless the row
+    cache or the request path alone are more than the room.)"""
+    if room.room is None:
+        return None
+    fixed, ids_share = (request.fixed, request.ids_share) if request else (0, 0.0)
+    need = cache_pending + fixed + int(channels * (1 + ids_share))
+    if need <= room.room:
+        return None
+    return (
+        f"the memory budgets do not fit the room at start ({room.describe()}): the row "
+        f"cache's {format_bytes(cache_pending)} to come, the request path's "
+        f"{format_bytes(fixed)} and {format_bytes(channels)} of channels with their id "
+        f"copies need {format_bytes(need)}, so the server can be OOM-killed; lower "
+        "max_channel_memory, cache_size or read_buffer_memory, or raise the memory "
+        "limit (MemoryMax=)"
+    )

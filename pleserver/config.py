@@ -32,7 +32,7 @@ Values:
   ``true``/``false``/``yes``/``no``/``on``/``off``/``1``/``0`` as strings; on
   the command line ``--cache-mlock`` and ``--no-cache-mlock``;
 - optional settings (``max_channel_memory``, ``prewarm_budget``, ``cache_size``,
-  ``watchdog_s``, ``metrics_address``, ``health_socket``):
+  ``read_buffer_memory``, ``watchdog_s``, ``metrics_address``, ``health_socket``):
   leave the key out for none; ``"none"`` also means none (on the command line,
   to drop a value the file sets).
 
@@ -326,6 +326,16 @@ class ServerConfig:
     )
     read_threads: int = _setting(
         16, "int", "pread threads of the 'threads' miss engine.", minimum=1
+    )
+    read_buffer_memory: int | None = _setting(
+        None,
+        "size",
+        "Bytes the miss engine's read buffers may hold, every request together "
+        "(direct and buffered modes); a read past it waits for a buffer given back. "
+        "None: a quarter of the room beside the row cache at start, at most what the "
+        "gather threads can use (≈ 17.5 MiB each); counted before the channels' budget.",
+        minimum=4 << 20,
+        optional=True,
     )
     state_dir: str = _setting(
         "/var/lib/ple-server",

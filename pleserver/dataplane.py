@@ -11,6 +11,11 @@ Modes (``io``; ``pleserver.budget`` picks one for ``auto`` and says why):
   said once in the log and in stats;
 - ``buffered``: the same, with misses read through the page cache;
 - ``mmap``: the files mapped; for tables that fit in memory (``prewarm``).
+
+``limit_request_memory`` bounds what answering requests may hold beside the
+channels and the row cache (``pleserver.budget.RequestMemory``), once, before
+the first request: the read buffers' bound is set in the native module, the
+other parts are bounded by construction and counted here.
 """
 
 from __future__ import annotations
@@ -20,11 +25,20 @@ import logging
 from dataclasses import dataclass
 
 from pleclient.checkpoint import TableSpec
-from pleserver.budget import Budget, plan
+from pleserver import hints
+from pleserver.budget import Budget, RequestMemory, plan, read_buffer_budget
 from pleserver.config import ServerConfig
+from pleserver.memory import MemoryRoom
 from pleserver.table import CheckpointFile, MappedFile, Table, nat
 
 log = logging.getLogger(__name__)
+
+FILL_THREADS = 2
+"""Threads that gather besides the gather workers and the native pool's: the
+hint reader and the hot-set refill (the serving loop, in mmap mode)."""
+HOTSET_KEY_COPIES = 2
+"""The hot set's keys at once, 8 bytes a cached row each: the refill's, read
+from the file, and a save's, taken from the cache."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,7 @@ class DataPlane:
         cache: nat.RowCache | None,
         engine: nat.ReadEngine | None,
         queue_depth: int = 0,
+        gather_workers: int = 4,
     ) -> None:
         self.tables = tables
         self.files = files
@@ -70,6 +85,8 @@ class DataPlane:
         self.cache = cache
         self.engine = engine
         self.queue_depth = queue_depth if engine is not None else 0
+        self.gather_workers = max(1, gather_workers)
+        self.request: RequestMemory | None = None  # once limit_request_memory ran
 
     @classmethod
     def open(cls, specs: list[TableSpec], options: PlaneOptions | None = None) -> DataPlane:
@@ -128,7 +145,9 @@ class DataPlane:
             if engine is not None:
                 engine.close()
             raise
-        plane = cls(tables, files, mode, reason, budget, cache, engine, o.queue_depth)
+        plane = cls(
+            tables, files, mode, reason, budget, cache, engine, o.queue_depth, o.gather_workers
+        )
         plane.log_choice()
         return plane
 
@@ -156,6 +175,46 @@ class DataPlane:
         else:
             log.info("miss engine: %s, queue depth %d", self.engine.kind, self.queue_depth)
 
+    def limit_request_memory(
+        self,
+        room: MemoryRoom,
+        cache_pending: int,
+        read_buffer_memory: int | None,
+        hint_queue_rows: int,
+    ) -> RequestMemory:
+        """Bound what answering requests may hold (``RequestMemory``), set the
+        read buffers' bound in the native module, and return the figures.
+        ``cache_pending``: row cache bytes not in memory yet (they come).
+
+        The threads that gather at once: the gather workers, the native pool's
+        (which grows to one fewer than the workers, at least one: split
+        requests and their second round) and ``FILL_THREADS``. Each holds one
+        read buffer at a time and its scratch, gathering a piece at a time; in
+        mmap mode the workers and the serving loop also deduplicate a piece at
+        a time."""
+        workers = self.gather_workers
+        threads = workers + max(workers - 1, 1) + FILL_THREADS
+        scratch = threads * max(t.scratch_bytes for t in self.tables)
+        scratch += (workers + 1) * max(t.dedup_scratch_bytes for t in self.tables)
+        widest = max(t.row_bytes for t in self.tables)
+        cache_rows = self.cache.capacity_rows if self.cache is not None else 0
+        state = hints.memory_bytes(hint_queue_rows, cache_rows)
+        state += HOTSET_KEY_COPIES * 8 * cache_rows
+        if self.engine is None:
+            read, why = 0, "none in mmap mode"
+        else:
+            scratch += FILL_THREADS * max(t.fill_scratch_bytes for t in self.tables)
+            room_beside = None if room.room is None else max(0, room.room - cache_pending)
+            read, why = read_buffer_budget(
+                read_buffer_memory,
+                room_beside,
+                threads * nat.READ_ROUND_BYTES,
+                nat.READ_MEMORY_MIN,
+            )
+            nat.set_read_memory(read)
+        self.request = RequestMemory(read, why, scratch, state, 8 / (8 + widest))
+        return self.request
+
     def snapshot(self) -> dict:
         """The data plane's part of ``Server.snapshot()``."""
         out: dict = {"io": self.mode, "io_reason": self.mode_reason, "cache": None, "engine": None}
@@ -172,9 +231,23 @@ class DataPlane:
                 "fallback_reason": self.engine.fallback_reason,
                 "queue_depth": self.queue_depth,
             }
+            # (limit_bytes 0: no bound was set, as before limit_request_memory)
+            out["read_buffers"] = nat.read_memory()
+        if self.request is not None:
+            r = self.request
+            out["request_memory"] = {
+                "fixed_bytes": r.fixed,
+                "read_buffers_bytes": r.read_buffers,
+                "read_buffers_reason": r.read_reason,
+                "scratch_bytes": r.scratch,
+                "state_bytes": r.state,
+                "ids_share": r.ids_share,
+            }
         return out
 
     def close(self) -> None:
+        if self.request is not None and self.engine is not None:
+            nat.set_read_memory(0)  # (process-wide: the next plane sets its own)
         for table in self.tables:
             table.source.close()  # before the files: mmap-mode sources read the mappings
         self.tables = []

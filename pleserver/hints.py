@@ -25,10 +25,18 @@ and the loop counts ``refused`` (a bad count or id, a table that stopped being
 served; a bad table index is counted server-wide, ``bad_table``) and the
 reader ``read_error``.
 
-The reader (one thread) takes at most ``HINT_BATCH_ROWS`` rows at a time and
-reads only while no demand request is with a gather worker, so a lookup's
-reads wait in the miss engine behind at most one batch of hint reads, and a
-lookup never waits for the hint queue. Rows already cached are counted
+The queue is one ring of row keys (``table << 40 | row``, 8 bytes a row)
+allocated at start for ``hint_queue_rows`` rows: a hint is copied into it
+whole or dropped, so the queue's memory is that ring, whatever the hints'
+sizes (a queue of one array per hint cost ≈ 184 bytes a row for hints of one
+id: 11.5 MiB at the default bound, not 0.5). A reload may lower the bound; a
+higher one needs a restart (``pleserver.reload``), as the ring was sized,
+and counted in the server's memory budget, at start (``memory_bytes``).
+
+The reader (one thread) takes at most ``HINT_BATCH_ROWS`` rows of one table
+at a time and reads only while no demand request is with a gather worker, so
+a lookup's reads wait in the miss engine behind at most one batch of hint
+reads, and a lookup never waits for the hint queue. Rows already cached are counted
 (``hints_cached``) and not read again.
 
 Hits on hinted rows: the reader remembers the rows it hinted in a
@@ -44,7 +52,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -64,7 +71,26 @@ DROP_REASONS = ("no_cache", "disk_busy", "queue_full", "cache_full", "refused", 
 DEFAULT_QUEUE_ROWS = 65536
 HINTED_SLOTS_MAX = 1 << 20
 """Hinted rows remembered for ``hints_hits``, at most (8 MiB)."""
+DEMAND_PIECE_ROWS = 4096
+"""A lookup's ids are checked against the hinted rows this many at a time, so
+the check's temporaries (≈ 40 bytes an id) do not grow with the lookup."""
+_ROW_MASK = (1 << KEY_ROW_BITS) - 1
 _TABLE_STRIDE = 0x9E3779B1  # spreads tables over the slots (row r of each apart)
+
+
+def hinted_slots(cache_rows: int) -> int:
+    """Slots of the hinted rows' table for hints that may fill ``cache_rows``
+    rows of the row cache: a power of two, 2¹⁰ to ``HINTED_SLOTS_MAX``."""
+    return min(1 << max(10, (cache_rows - 1).bit_length()), HINTED_SLOTS_MAX)
+
+
+def memory_bytes(queue_rows: int, cache_rows: int) -> int:
+    """What the hints hold at most (``HintReader`` over a row cache of
+    ``cache_rows`` rows): the queue's ring and the hinted rows' table, 8 bytes
+    a row or slot. Nothing without a row cache (hints are dropped)."""
+    if cache_rows == 0:
+        return 0
+    return 8 * (queue_rows + hinted_slots(int(cache_rows * HINT_CACHE_SHARE)))
 
 
 class HintedRows:
@@ -143,8 +169,11 @@ class HintReader:
         self.bad_table = 0  # hints naming no table (no table's counters can hold them)
         self._demand = demand_in_flight
         self._busy_at = max(1, busy_at)
-        self._queue: deque[tuple[int, np.ndarray]] = deque()
-        self._queued = 0  # rows in _queue
+        # The queue: rows [_head, _head + _queued) of the ring, modulo its size
+        # (row keys); its pages are touched only as hints fill it.
+        self._ring = np.empty(queue_rows if self.cache_rows else 0, dtype=np.int64)
+        self._head = 0
+        self._queued = 0
         self._cond = threading.Condition()
         self._stop = False
         self._hinted: HintedRows | None = None  # at the first hint read
@@ -157,7 +186,7 @@ class HintReader:
             return "no_cache"
         if self._demand() >= self._busy_at:
             return "disk_busy"
-        if self._queued + n > self.queue_rows:
+        if self._queued + n > min(self.queue_rows, self._ring.size):
             return "queue_full"
         if self._queued + n > self.cache_rows:
             return "cache_full"
@@ -187,8 +216,7 @@ class HintReader:
         with self._cond:
             reason = self._no_room(n)
             if reason is None:
-                self._queue.append((key, ids))
-                self._queued += n
+                self._push(key, ids)
                 self._cond.notify()
         with counts.lock:
             counts.received += n
@@ -206,12 +234,26 @@ class HintReader:
             counts.received += n
             counts.dropped["refused"] += n
 
+    def _push(self, key: int, ids: np.ndarray) -> None:
+        """Under the lock: append the keys of ``ids`` (validated rows of table
+        ``key``, room checked) to the ring, in at most two slices."""
+        size, n = self._ring.size, ids.shape[0]
+        tail = (self._head + self._queued) % size
+        first = min(n, size - tail)
+        high = np.int64(key << KEY_ROW_BITS)
+        np.bitwise_or(ids[:first], high, out=self._ring[tail : tail + first])
+        if first < n:
+            np.bitwise_or(ids[first:], high, out=self._ring[: n - first])
+        self._queued += n
+
     def demand(self, key: int, ids: np.ndarray) -> None:
         """A lookup of ``ids`` was answered: count its hinted rows (once each)."""
         counts = self.counts[key]
         if not counts.tracked or self._hinted is None:  # never hinted: no cost
             return
-        found = self._hinted.take(key, ids)
+        found = 0
+        for at in range(0, ids.shape[0], DEMAND_PIECE_ROWS):  # (a row counted once: taken)
+            found += self._hinted.take(key, ids[at : at + DEMAND_PIECE_ROWS])
         if found:
             with counts.lock:
                 counts.hits += found
@@ -224,8 +266,7 @@ class HintReader:
         """Stop the reader; what is queued is forgotten (hints are advice)."""
         with self._cond:
             self._stop = True
-            self._queue.clear()
-            self._queued = 0
+            self._head = self._queued = 0
             self._cond.notify_all()
         if self.thread.is_alive():
             self.thread.join()
@@ -234,7 +275,9 @@ class HintReader:
         """A new bound on the queue (a reload). Taken under the queue's lock,
         as ``offer`` reads it; ``drop_early``'s lock-free look may use the old
         bound once more, which only decides whether a hint is copied before
-        ``offer`` looks again. Rows queued past a lower bound stay queued."""
+        ``offer`` looks again. Rows queued past a lower bound stay queued; a
+        bound above the ring's size (the bound at start) queues no more than
+        the ring holds (a reload refuses one: it needs a restart)."""
         with self._cond:
             self.queue_rows = rows
 
@@ -253,20 +296,22 @@ class HintReader:
             }
 
     def _take(self) -> tuple[int, np.ndarray] | None:
-        """The next batch (at most ``HINT_BATCH_ROWS`` rows of one table), once
-        there is one; None when stopping."""
+        """The next batch (at most ``HINT_BATCH_ROWS`` rows of one table, in
+        the order queued), once there is one; None when stopping."""
         with self._cond:
-            while not self._queue and not self._stop:
+            while not self._queued and not self._stop:
                 self._cond.wait()
             if self._stop:
                 return None
-            key, ids = self._queue[0]
-            batch, rest = ids[:HINT_BATCH_ROWS], ids[HINT_BATCH_ROWS:]
-            if rest.size:
-                self._queue[0] = (key, rest)
-            else:
-                self._queue.popleft()
-            self._queued -= batch.size
+            head = self._head
+            keys = self._ring[head : head + min(HINT_BATCH_ROWS, self._queued)]
+            tables = keys >> KEY_ROW_BITS
+            key = int(tables[0])
+            other = np.flatnonzero(tables != key)
+            taken = int(other[0]) if other.size else keys.size
+            batch = keys[:taken] & _ROW_MASK  # (a copy: the ring's slots are reused)
+            self._head = (head + taken) % self._ring.size
+            self._queued -= taken
             return key, batch
 
     def _run(self) -> None:
@@ -302,8 +347,7 @@ class HintReader:
                 counts.dropped["read_error"] += batch.size
             return
         if self._hinted is None:
-            size = 1 << max(10, (self.cache_rows - 1).bit_length())
-            self._hinted = HintedRows(min(size, HINTED_SLOTS_MAX))
+            self._hinted = HintedRows(hinted_slots(self.cache_rows))
         self._hinted.remember(key, unique)
         with counts.lock:
             counts.read += inserted

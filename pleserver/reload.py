@@ -65,7 +65,10 @@ RELOADABLE: dict[str, str] = {
     "idle_timeout_s": _DEADLINES,
     "frame_timeout_s": _DEADLINES,
     "chunk_rows": "applies from the serving loop's next turn",
-    "hint_queue_rows": ("applies to hints offered from now on; rows queued already stay queued"),
+    "hint_queue_rows": (
+        "applies to hints offered from now on; rows queued already stay queued "
+        "(a higher bound needs a restart)"
+    ),
     "parallel_min_rows": "applies to requests gathered from now on",
     "dedup_min_rows": "applies to requests gathered from now on",
     "spin_us": "applies from the serving loop's next pass",
@@ -103,6 +106,10 @@ RESTART_ONLY: dict[str, str] = {
     "queue_depth": "the miss engine's ring is sized at start",
     "read_engine": "the miss engine is chosen and built at start",
     "read_threads": "the miss engine's pread threads are started at start",
+    "read_buffer_memory": (
+        "the read buffers' bound is counted in the memory budget at start, before "
+        "the channels' share"
+    ),
     "state_dir": (
         "the hot set is refilled from the directory at start, and saved to the path given then"
     ),
@@ -124,6 +131,10 @@ RESTART_ONLY: dict[str, str] = {
 NO_DEFAULT_BUDGET = (
     "its default (3/4 of the memory room) is measured at start, before clients took "
     "memory; give a size to change the budget while serving"
+)
+LARGER_HINT_QUEUE = (
+    "the hint queue is a ring of that many rows, allocated and counted in the memory "
+    "budget at start; a lower bound applies at once"
 )
 
 
@@ -168,6 +179,8 @@ def classify(name: str, old: Any, new: Any) -> Change:
     """How a reload treats a change of ``name`` from ``old`` to ``new``."""
     if name == "max_channel_memory" and new is None:
         return Change(name, old, new, False, NO_DEFAULT_BUDGET)
+    if name == "hint_queue_rows" and new > old:
+        return Change(name, old, new, False, LARGER_HINT_QUEUE)
     if name == "metrics_address" and new is None:
         return Change(name, old, new, True, "the metrics endpoint closes")
     if name == "metrics_address" and old is None:

@@ -35,7 +35,7 @@ from pleclient import protocol as p
 from pleclient.checkpoint import discover_tables, local_model_dir
 from pleserver import __version__
 from pleserver.admission import DoorbellAdmission
-from pleserver.budget import ChannelBudget, default_channel_budget
+from pleserver.budget import ChannelBudget, default_channel_budget, overcommitted
 from pleserver.config import SETTINGS, ConfigError, ServerConfig, parse_host_port
 from pleserver.connections import listen_backlog
 from pleserver.dataplane import DataPlane, PlaneOptions
@@ -351,27 +351,47 @@ class Server:
             self.hotset.start()
 
     def _set_budget(self) -> None:
-        """The channels' memory budget: ``max_channel_memory``, else 3/4 of the
-        room at start beside the row cache still to come."""
+        """The memory budgets beside the row cache, from the room at start:
+        first the request path's (``DataPlane.limit_request_memory``: read
+        buffers, gather scratch, hints), then the channels':
+        ``max_channel_memory``, else 3/4 of the room beside the row cache still
+        to come and the request path (``pleserver.budget``)."""
         cfg = self.config
+        room = memory_room()
+        pending = 0
+        request = None
+        if self.plane is not None:
+            if self.plane.cache is not None:
+                committed = self.plane.cache.stats().get("populated_bytes", 0)
+                pending = max(0, self.plane.budget.cache_bytes - committed)
+            request = self.plane.limit_request_memory(
+                room, pending, cfg.read_buffer_memory, cfg.hint_queue_rows
+            )
+            log.info("request path: at most %s", request.describe())
         if cfg.max_channel_memory is not None:
             self.budget = ChannelBudget(cfg.max_channel_memory)
             log.info(
                 "channel memory budget: %.0f MiB (max_channel_memory)",
                 cfg.max_channel_memory / 2**20,
             )
+            excess = overcommitted(room, pending, request, cfg.max_channel_memory)
+            if excess is not None:
+                log.warning("%s", excess)
             return
-        room = memory_room()
-        pending = 0
-        if self.plane is not None and self.plane.cache is not None:
-            committed = self.plane.cache.stats().get("populated_bytes", 0)
-            pending = max(0, self.plane.budget.cache_bytes - committed)
-        limit = default_channel_budget(room, pending)
+        limit = default_channel_budget(room, pending, request)
         self.budget = ChannelBudget(limit)
+        excess = overcommitted(room, pending, request, limit or 0)
+        if excess is not None:
+            log.warning("%s", excess)
         if limit is None:
             log.warning("channel memory budget: none (%s); set max_channel_memory", room.describe())
         else:
             beside = f", less the row cache's {pending / 2**20:.0f} MiB to come" if pending else ""
+            if request is not None:
+                beside += (
+                    f", less the request path's {request.fixed / 2**20:.0f} MiB, with the "
+                    "channels' id copies"
+                )
             log.info(
                 "channel memory budget: %.0f MiB, 3/4 of the room at start (%s%s); "
                 "max_channel_memory overrides it",

@@ -114,6 +114,18 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_
 _libc.fallocate.restype = ctypes.c_int
 
 
+def _first_out_of_range(unsigned: np.ndarray, rows: int) -> int:
+    """Where the first id at or past ``rows`` is (ids seen unsigned, so a
+    negative one is too), looked for ``SMALL_REQUEST_ROWS × 64`` ids at a
+    time: the search's temporaries stay small whatever the request's size."""
+    step = SMALL_REQUEST_ROWS * 64
+    for at in range(0, unsigned.shape[0], step):
+        past = np.flatnonzero(unsigned[at : at + step] >= np.uint64(rows))
+        if past.size:
+            return at + int(past[0])
+    raise ValueError(f"no id at or past {rows}")  # (only called once one was seen)
+
+
 def _name_thread(name: bytes) -> None:
     """Name the calling thread for the kernel (at most 15 bytes are kept)."""
     _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
@@ -514,7 +526,7 @@ class ServingLoop:
             unsigned = ids.view(np.uint64)
             top = max(unsigned.tolist()) if count <= SMALL_REQUEST_ROWS else int(unsigned.max())
             if top >= table.rows:
-                bad = int(np.flatnonzero((ids < 0) | (ids >= table.rows))[0])
+                bad = _first_out_of_range(unsigned, table.rows)
                 self._refuse(
                     r,
                     hint,

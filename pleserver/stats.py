@@ -274,6 +274,13 @@ def format_human(stats: dict) -> str:
                 else ""
             )
         )
+    reads = plane.get("read_buffers") or {}
+    if reads.get("limit_bytes"):
+        lines.append(
+            f"read buffers {reads['charged_bytes'] / 2**20:.1f} / "
+            f"{reads['limit_bytes'] / 2**20:.1f} MiB (peak {reads['peak_bytes'] / 2**20:.1f}), "
+            f"{reads['waits']} rounds waited for room"
+        )
     hs = stats.get("hotset") or {}
     if hs:
         refill = (

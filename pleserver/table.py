@@ -43,6 +43,15 @@ log = logging.getLogger(__name__)
 
 KEY_ROW_BITS = 40
 """A row cache key is ``(table_key << 40) | row`` (the native module's layout)."""
+DEDUP_PIECE_ROWS = 16384
+"""mmap mode: a large request's ids are deduplicated this many at a time, so
+what it allocates (the distinct rows, the sort's index arrays) does not grow
+with the request: ``DEDUP_PIECE_ROWS × (row_bytes + DEDUP_BYTES_PER_ID)`` a
+gathering thread at most."""
+DEDUP_BYTES_PER_ID = 64
+"""What ``np.unique(…, return_inverse=True)`` holds per id besides the rows:
+the sort's permutation and sorted copy, the mask, the inverse (8 bytes each)
+and the unique ids, with room to spare."""
 
 
 _METADATA = {"st_mode": "mode", "st_uid": "owner", "st_gid": "group", "st_nlink": "link count"}
@@ -268,14 +277,37 @@ class Table:
     def _gather_dedup(self, ids: np.ndarray, out: np.ndarray, threads: int) -> None:
         """Cold mapped table, large request: read each distinct row once, in file
         order (sorted ids turn scattered page faults into ascending ones), then
-        expand."""
-        unique, inverse = np.unique(ids, return_inverse=True)
-        if unique.size > 0.9 * ids.size:  # hardly any repeats: not worth a second copy
-            self.source.gather(ids, out, threads)
-            return
-        rows = np.empty((unique.size, self.row_bytes), dtype=np.uint8)
-        self.source.gather(unique, rows, threads)
-        np.take(rows, inverse, axis=0, out=out, mode="clip")
+        expand; ``DEDUP_PIECE_ROWS`` ids at a time."""
+        for at in range(0, ids.shape[0], DEDUP_PIECE_ROWS):
+            piece, into = ids[at : at + DEDUP_PIECE_ROWS], out[at : at + DEDUP_PIECE_ROWS]
+            unique, inverse = np.unique(piece, return_inverse=True)
+            if unique.size > 0.9 * piece.size:  # hardly any repeats: not worth a second copy
+                self.source.gather(piece, into, threads)
+                continue
+            rows = np.empty((unique.size, self.row_bytes), dtype=np.uint8)
+            self.source.gather(unique, rows, threads)
+            np.take(rows, inverse, axis=0, out=into, mode="clip")
+
+    @property
+    def scratch_bytes(self) -> int:
+        """What one thread gathering from this table natively allocates at
+        most, the miss path's read buffers aside (those have a bound of their
+        own, ``nat.set_read_memory``)."""
+        return int(self.source.scratch_bytes)
+
+    @property
+    def dedup_scratch_bytes(self) -> int:
+        """What a Python thread's ``gather`` allocates at most besides (mmap
+        mode: a deduplicated piece's rows and index arrays; 0 otherwise)."""
+        if self.mode != "mmap":
+            return 0
+        return DEDUP_PIECE_ROWS * (self.row_bytes + DEDUP_BYTES_PER_ID)
+
+    @property
+    def fill_scratch_bytes(self) -> int:
+        """What a thread filling the row cache from this table allocates at most
+        besides ``scratch_bytes`` (``fill``: the hot-set refill, the hint reader)."""
+        return int(self.source.fill_scratch_bytes)
 
     def fill(self, ids: np.ndarray) -> int:
         """Read the rows of ``ids`` into the row cache (hot-set refill); the

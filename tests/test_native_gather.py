@@ -1,6 +1,7 @@
 """The native data plane's lookups (``pleserver._native``): rows bit-exact in
 every mode, straddling pages, duplicates, concurrent callers, eviction under a
-tiny budget, the pread fallback, large requests split over native threads.
+tiny budget, the pread fallback, large requests split over native threads, a
+bound on the read buffers.
 
 Expected rows are read from the checkpoint files with plain Python I/O."""
 
@@ -449,6 +450,63 @@ def test_a_split_request_whose_ranges_read_in_rounds_never_deadlocks(tmp_path):
         assert not worker.is_alive(), "a split gather with nested read rounds hung"
         assert not failures, failures
     finally:
+        src.close()
+        cache.close()
+        engine.close()
+
+
+def test_the_read_buffers_bound_holds_under_concurrent_split_cold_requests(tmp_path):
+    """With the read buffers bounded at the smallest bound allowed, rounds
+    shrink to fit it (512 blocks) and every round waits for the one buffer
+    the bound leaves: 4 callers, each a request split over 4 threads whose
+    ranges read in rounds, two at a time. No wait lasts for ever (a round
+    waits only while it holds no buffer), every row is exact, and what the
+    buffers held never passed the bound."""
+    rows, row_bytes = 150_000, 320
+    data = np.random.default_rng(10).integers(0, 256, rows * row_bytes, np.uint8)
+    path = tmp_path / "rows.bin"
+    data.tofile(path)
+    table = data.reshape(rows, row_bytes)
+    cache = nat.RowCache(2 << 20, row_bytes)  # every pass misses again
+    engine = nat.ReadEngine(queue_depth=32, kind="auto", threads=4)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        src = nat.TableSource(
+            0, row_bytes, rows, [(fd, 0, rows, str(path), 0)], cache, engine, False
+        )
+    finally:
+        os.close(fd)
+    with pytest.raises(ValueError, match="below the smallest round"):
+        nat.set_read_memory(nat.READ_MEMORY_MIN - 1)
+    nat.set_read_memory(nat.READ_ROUND_BYTES)
+    assert nat.read_memory()["round_blocks"] == 4096  # one whole round fits
+    nat.set_read_memory(nat.READ_MEMORY_MIN)
+    try:
+        assert nat.read_memory()["round_blocks"] == 512
+        failures: list[BaseException] = []
+
+        def passes(seed: int) -> None:
+            try:
+                rng = np.random.default_rng(seed)
+                for _ in range(3):
+                    ids = rng.integers(0, rows, 20_000).astype(np.int64)
+                    out = np.empty((ids.size, row_bytes), np.uint8)
+                    src.gather(ids, out, 4)
+                    np.testing.assert_array_equal(out, table[ids])
+            except BaseException as exc:  # reported below, from the test's thread
+                failures.append(exc)
+
+        callers = [threading.Thread(target=passes, args=(k,), daemon=True) for k in range(4)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(300)
+        assert not any(t.is_alive() for t in callers), "a gather waiting for a buffer hung"
+        assert not failures, failures
+        reads = nat.read_memory()
+        assert 0 < reads["peak_bytes"] <= reads["limit_bytes"] == nat.READ_MEMORY_MIN, reads
+    finally:
+        nat.set_read_memory(0)
         src.close()
         cache.close()
         engine.close()

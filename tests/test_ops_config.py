@@ -386,6 +386,7 @@ def test_config_check_prints_the_effective_config_with_sources(write):
         "max_channel_memory",
         "prewarm_budget",
         "cache_size",
+        "read_buffer_memory",
         "watchdog_s",
         "metrics_address",
         "health_socket",

@@ -118,6 +118,9 @@ def test_every_setting_is_either_reloadable_or_restart_only_with_its_reason():
     # The budget's default is measured at start: dropping a set value needs a restart.
     assert not classify("max_channel_memory", 1 << 30, None).reloadable
     assert classify("max_channel_memory", None, 1 << 30).reloadable
+    # The hint queue's ring is sized, and counted in the memory budget, at start.
+    assert classify("hint_queue_rows", 65536, 4).reloadable
+    assert not classify("hint_queue_rows", 65536, 65537).reloadable
     old, new = ServerConfig(model="/m"), ServerConfig(model="/m", max_clients=3, io="direct")
     assert [(c.name, c.reloadable) for c in diff(old, new)] == [
         ("max_clients", True),

@@ -16,7 +16,9 @@ import signal
 import socket
 import struct
 import subprocess
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +26,7 @@ import pytest
 from pleclient import PleClient, PleError, RequestError
 from pleclient import client as client_module
 from pleclient import protocol as p
+from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint
 from tests.harness import (
     Bystander,
     RawSession,
@@ -151,6 +154,117 @@ def _opens(server) -> bool:
         return True
     except RequestError:
         return False
+
+
+COLD = SyntheticTable(layer=7, rows=600_011, cols=160, dtype="BF16", parts=8)
+"""183 MiB of 320-byte rows: a 16 384-row lookup of rows not asked for since
+the 48 MiB row cache (139 776 rows) last turned over reads ≈ 15 000 distinct
+4 KiB blocks from disk."""
+
+
+@pytest.fixture(scope="module")
+def cold_checkpoint(tmp_path_factory) -> tuple[Path, np.ndarray]:
+    path = tmp_path_factory.mktemp("cold")
+    write_checkpoint(str(path), (COLD,), files=2)
+    return path, read_reference(str(path), COLD.name)
+
+
+@pytest.mark.parametrize("limit_mib, hints", [(200, True), (300, False)])
+def test_cold_lookups_in_every_slot_under_a_memory_limit_never_get_the_server_oom_killed(
+    start_server, cold_checkpoint, limit_mib, hints
+):
+    """The server in a memory cgroup (as under MemoryMax=) with a 48 MiB row
+    cache: every channel the default budget grants, each with a cold
+    16 384-row lookup in every slot at once, three rounds of rows never asked
+    for (and, with ``hints``, as many more hinted beside them). Before the
+    request path was counted, 2 such lookups under 200 MiB (4 under 300 MiB)
+    got the server OOM-killed: the channels took the room that the miss
+    path's read buffers (≈ 17.5 MiB a round, two rounds a thread, up to 9
+    threads) needed. Now its read buffers have a bound, and what is left
+    after it is what the channels are granted: every lookup is answered,
+    bit-exact, a channel past the budget is refused with NO_RESOURCES, and
+    the cgroup's oom_kill count stays 0."""
+    model, reference = cold_checkpoint
+    # Every row once, then again in the same order: by then the row cache has
+    # taken in four times its size since, and holds next to none of them.
+    order = np.random.default_rng(limit_mib).permutation(COLD.rows)
+    taken = 0
+    lock = threading.Lock()
+
+    def cold(n: int) -> np.ndarray:
+        nonlocal taken
+        with lock:
+            taken += n
+            return order[np.arange(taken - n, taken) % order.size]
+
+    with child_cgroup("memory") as cgroup:
+        cgroup_write(cgroup, "memory.max", "memory.limit_in_bytes", str(limit_mib << 20))
+        server = start_server(
+            model, "--cache-size", "48M", "--max-clients", "32", prefix=in_cgroup(cgroup)
+        )
+        clients, refusal = [], None
+        try:
+            for _ in range(32):
+                try:
+                    clients.append(server.client(capacity=16384, depth=4))
+                except RequestError as exc:
+                    refusal = exc
+                    break
+            assert refusal is not None and refusal.code == p.ErrorCode.NO_RESOURCES, refusal
+            assert clients, f"no channel granted under {limit_mib} MiB: {refusal}"
+            failures: list[str] = []
+
+            def round_of(index: int, client: PleClient) -> None:
+                try:
+                    if hints:
+                        client.hint(COLD.layer, cold(client.depth * client.capacity), wait=5.0)
+                    asked = [cold(client.capacity) for _ in range(client.depth)]
+                    tickets = [client.submit(COLD.layer, ids) for ids in asked]
+                    for ids, ticket in zip(asked, tickets, strict=True):
+                        try:
+                            if not np.array_equal(ticket.wait(), reference[ids]):
+                                failures.append(f"client {index}: rows differ from the checkpoint")
+                        finally:
+                            ticket.release()
+                except PleError as exc:
+                    failures.append(f"client {index}: {type(exc).__name__}: {exc}")
+
+            for _ in range(3):
+                threads = [
+                    threading.Thread(target=round_of, args=(i, c)) for i, c in enumerate(clients)
+                ]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                assert not failures, (failures, oom_kills(cgroup), server.log_tail())
+                assert server.proc.poll() is None, server.log_tail()
+            stats = clients[0].stats()
+            assert oom_kills(cgroup) == 0
+            peak = _cgroup_peak(cgroup)
+        finally:
+            for c in clients:
+                c.close()
+        reads = stats["dataplane"]["read_buffers"]
+        assert 0 < reads["peak_bytes"] <= reads["limit_bytes"], reads
+        assert stops_in_budget(server) == 0
+        print(
+            f"{limit_mib} MiB: {len(clients)} channels granted, then {refusal}; "
+            f"{3 * 4 * len(clients)} cold lookups of 16 384 rows, all exact; "
+            f"read buffers peak {reads['peak_bytes'] / 2**20:.1f} of "
+            f"{reads['limit_bytes'] / 2**20:.1f} MiB, {reads['waits']} rounds waited; "
+            f"the cgroup's peak {peak / 2**20:.0f} MiB"
+        )
+
+
+def _cgroup_peak(path: Path) -> int:
+    """The most memory the cgroup held (v2 ``memory.peak``, v1 ``max_usage``; 0: unknown)."""
+    for name in ("memory.peak", "memory.max_usage_in_bytes"):
+        try:
+            return int((path / name).read_text())
+        except (OSError, ValueError):
+            continue
+    return 0
 
 
 # ------------------------------------------- 3: a peer that never reads

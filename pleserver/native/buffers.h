@@ -1,5 +1,6 @@
 /* The miss path's large buffers (a read round's blocks and bookkeeping): a
- * small process-wide pool of anonymous mappings, reused most recent first.
+ * small process-wide pool of anonymous mappings, reused most recent first,
+ * and a bound on the bytes they may hold in memory.
  *
  * Not malloc: glibc's allocator, once a large block was freed, raises its
  * mmap threshold and keeps later large blocks in its per-thread arenas, so
@@ -15,23 +16,49 @@
  *     PLE_BUFFER_BIG_BYTES of pages (a large round's): another one returns
  *     its pages when given back.
  * So a stream of requests keeps reusing warm buffers, and what stays after
- * a load is a few small buffers and one large one. */
+ * a load is a few small buffers and one large one.
+ *
+ * The bound (ple_buffers_set_limit): every buffer, taken or free, carries a
+ * *charge*, the bytes from its start that may be in memory (what its taker
+ * may write, or what it kept of its pages). The charges together never pass
+ * the limit: a take that would pass it first returns the pages of free
+ * buffers, then waits until buffers are given back. Under a memory limit
+ * (a cgroup's) the read buffers are then one known number, whatever the
+ * number of requests and threads that read, instead of what those happen to
+ * hold at once (up to ≈ 17 MiB each). A taker waits only while it holds no
+ * buffer, and every holder finishes its round without taking another, so a
+ * wait always ends. */
 #ifndef PLE_BUFFERS_H
 #define PLE_BUFFERS_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #define PLE_BUFFERS_KEPT 8u
 #define PLE_BUFFERS_WARM 4u
 #define PLE_BUFFERS_BIG_WARM 1u
 #define PLE_BUFFER_BIG_BYTES (4u << 20)
 
+typedef struct ple_buffers_stats {
+    size_t limit;      /* 0: no bound */
+    size_t charged;    /* the charges now, buffers taken and free */
+    size_t peak;       /* the highest `charged` since the bound was set */
+    uint64_t waits;    /* takes that had to wait for a buffer given back */
+} ple_buffers_stats;
+
+/* The bound on the charges, in bytes (0: none). Free buffers return their
+ * pages until the charges fit it; buffers taken count until given back
+ * (takers wait meanwhile). The peak counts again from the charges then. */
+void ple_buffers_set_limit(size_t bytes);
+void ple_buffers_get_stats(ple_buffers_stats *st);
+
 /* A buffer of `size` bytes (page-aligned; zero where its pages were
- * returned), preferring one whose first `need` bytes are in memory already;
- * NULL when none can be mapped. */
-void *ple_buffer_take(size_t size, size_t need);
-/* Give back a buffer of `size` bytes whose first `touched` bytes may have
- * been written (a bound: the pool returns the pages of that range). */
-void ple_buffer_give(void *mem, size_t size, size_t touched);
+ * returned) whose first `need` bytes its taker may write, preferring one
+ * whose first `need` bytes are in memory already; NULL when none can be
+ * mapped. Waits while `need` more bytes would pass the bound. *charge is
+ * set to the buffer's charge (at least `need`): give it back with it. */
+void *ple_buffer_take(size_t size, size_t need, size_t *charge);
+/* Give back a buffer of `size` bytes taken with *charge == charge. */
+void ple_buffer_give(void *mem, size_t size, size_t charge);
 
 #endif

@@ -5,7 +5,8 @@
  *      without an engine a miss is copied from the file mapping, under the
  *      guard of mapped.h (an unreadable page fails the request, not us);
  *   2. the misses are sorted by (file, offset) and read in rounds of up to
- *      ROUND_BLOCKS distinct 4 KiB blocks (a row straddling two blocks
+ *      ROUND_BLOCKS distinct 4 KiB blocks (fewer when the read buffers'
+ *      bound, ple_set_read_memory, is smaller; a row straddling two blocks
  *      needs both). Each block is registered in the table's in-flight set:
  *      a block another request is reading already is waited for and copied
  *      from that request's buffer, never read twice; adjacent blocks of our
@@ -13,6 +14,12 @@
  *   3. every row is checked against the bytes its read returned (an error
  *      or a short read fails the request with file, offset and errno), then
  *      copied into `out` and into the cache.
+ *
+ * A range is gathered PIECE_ROWS ids at a time: what a thread allocates
+ * for its misses (their list, the rounds' bounds, NVFP4's private rows)
+ * then has a bound that does not grow with the request
+ * (ple_source_scratch_bytes), and the read buffers have theirs (buffers.h),
+ * so the memory a request can cause is known before it comes.
  *
  * The cache is filled only from memory no client can write: the read
  * buffers, a mapping of the file, or a scratch row of the server's own.
@@ -55,6 +62,8 @@
 #include "pool.h"
 
 #define ROUND_BLOCKS 4096u        /* distinct blocks per round: 16 MiB of buffer */
+#define ROUND_BLOCKS_MIN 512u     /* the fewest a bound on the read buffers may leave */
+#define PIECE_ROWS 16384u         /* ids one thread gathers at a time */
 #define ROUNDS_AT_ONCE 2u         /* rounds of one request in flight together */
 #define COALESCE_BLOCKS 32u       /* adjacent blocks read as one request: 128 KiB */
 #define INFLIGHT_BUCKETS 1024u
@@ -250,7 +259,7 @@ typedef struct round_mem {
     uint32_t first_block[ROUND_BLOCKS];  /* of each read */
     unsigned char *buf;                  /* ROUND_BLOCKS blocks, 4 KiB-aligned */
     unsigned char *scratch;              /* a row that straddles blocks, put together */
-    size_t touched;                      /* bytes of this buffer that may be in memory */
+    size_t charge;                       /* bytes of this buffer that may be in memory */
 } round_mem;
 
 /* A round's memory is one buffer of the pool (buffers.h): this struct, a
@@ -259,6 +268,16 @@ typedef struct round_mem {
 #define ROUND_SCRATCH_AT ALIGN_BLOCK(sizeof(round_mem))
 #define ROUND_BUF_AT (ROUND_SCRATCH_AT + ALIGN_BLOCK(PLE_ROW_BYTES_MAX))
 #define ROUND_MEM_BYTES (ROUND_BUF_AT + (size_t)ROUND_BLOCKS * PLE_BLOCK)
+
+/* Every row, of the widest, fits a round of the fewest blocks (a row of
+ * PLE_ROW_BYTES_MAX that straddles spans 257): planning always advances. */
+_Static_assert(ROUND_BLOCKS_MIN >= PLE_ROW_BYTES_MAX / PLE_BLOCK + 2, "a row must fit a round");
+_Static_assert(ROUND_BLOCKS_MIN <= ROUND_BLOCKS, "the fewest blocks of a round");
+
+/* Blocks a round may read at most: ROUND_BLOCKS, or what the read buffers'
+ * bound leaves (ple_set_read_memory). Relaxed: a number read once per
+ * request; a request planned with the old one stays within its buffer. */
+static _Atomic size_t round_cap = ROUND_BLOCKS;
 
 /* Whether `take` bytes at `in_block` of block `e` were read; 0, or -1 with
  * err set (file, offset, errno). */
@@ -317,10 +336,10 @@ static const unsigned char *read_row(ple_source *src, const round_mem *rm, const
     return copy_row(src, rm, m, rm->scratch, err) == 0 ? rm->scratch : NULL;
 }
 
-/* Plan a round from m[start..]: the distinct blocks in order and each miss's
- * first block; returns the end of the round's misses. */
+/* Plan a round from m[start..] of at most `cap` distinct blocks, in order,
+ * and each miss's first block; returns the end of the round's misses. */
 static size_t plan_round(const ple_source *src, miss *m, size_t start, size_t n,
-                         round_mem *rm, size_t *nblocks)
+                         round_mem *rm, size_t cap, size_t *nblocks)
 {
     size_t nb = 0, i = start;
     for (; i < n; i++) {
@@ -330,7 +349,7 @@ static size_t plan_round(const ple_source *src, miss *m, size_t start, size_t n,
         uint64_t have = nb ? rm->keys[nb - 1] : 0;
         size_t add = nb && have >= first ? (size_t)(last > have ? last - have : 0)
                                          : (size_t)(last - first + 1);
-        if (nb + add > ROUND_BLOCKS)
+        if (nb + add > cap)
             break;
         /* Sorted by offset: this row's blocks up to `have` are the last ones
          * appended, in order. */
@@ -451,27 +470,25 @@ static int read_round(ple_source *src, miss *m, size_t start, size_t end, size_t
 }
 
 /* Memory for rounds of up to `blocks` blocks (a warm buffer if the pool
- * has one); NULL when none can be had. */
+ * has one; waits while the read buffers' bound has no room for it); NULL
+ * when none can be mapped. Its charge covers everything a round of that
+ * many blocks writes: the bookkeeping, the scratch row and the blocks. */
 static round_mem *round_mem_new(size_t blocks)
 {
-    round_mem *rm = ple_buffer_take(ROUND_MEM_BYTES, ROUND_BUF_AT + blocks * PLE_BLOCK);
+    size_t charge;
+    round_mem *rm = ple_buffer_take(ROUND_MEM_BYTES, ROUND_BUF_AT + blocks * PLE_BLOCK, &charge);
     if (!rm)
         return NULL;
     rm->scratch = (unsigned char *)rm + ROUND_SCRATCH_AT;
     rm->buf = (unsigned char *)rm + ROUND_BUF_AT;
-    rm->touched = ROUND_BUF_AT;
+    rm->charge = charge;
     return rm;
-}
-
-static void round_mem_used(round_mem *rm, size_t blocks)
-{
-    if (ROUND_BUF_AT + blocks * PLE_BLOCK > rm->touched)
-        rm->touched = ROUND_BUF_AT + blocks * PLE_BLOCK;
 }
 
 static void round_mem_free(round_mem *rm)
 {
-    ple_buffer_give(rm, ROUND_MEM_BYTES, rm->touched);
+    size_t charge = rm->charge;  /* (read before the buffer is given away) */
+    ple_buffer_give(rm, ROUND_MEM_BYTES, charge);
 }
 
 /* The rounds of one request, ROUNDS_AT_ONCE at a time: one round's reads
@@ -502,8 +519,7 @@ static void rounds_task(void *ctx, size_t k)
         if (r >= rs->nrounds)
             break;
         size_t nb;
-        plan_round(rs->src, rs->m, rs->bounds[r], rs->bounds[r + 1], rm, &nb);
-        round_mem_used(rm, nb);
+        plan_round(rs->src, rs->m, rs->bounds[r], rs->bounds[r + 1], rm, rs->blocks, &nb);
         if (read_round(rs->src, rs->m, rs->bounds[r], rs->bounds[r + 1], nb, rm, rs->out,
                        rs->composed, &rs->tallies[k], &rs->errors[k]) != 0)
             rs->rcs[k] = -1;
@@ -518,9 +534,14 @@ static int read_misses(ple_source *src, miss *m, size_t n, unsigned char *out,
 {
     qsort(m, n, sizeof *m, cmp_miss);
     rounds rs = {.src = src, .m = m, .out = out, .composed = composed};
+    /* A round's blocks: no more than its misses can span (every miss, at
+     * most its row's blocks and one more when it straddles), and no more
+     * than the bound leaves; every round is planned with this one number,
+     * so none writes past the buffer's charge. */
+    size_t cap = atomic_load_explicit(&round_cap, memory_order_relaxed);
     rs.blocks = n * ((src->row_bytes + PLE_BLOCK - 1) / PLE_BLOCK + 1);
-    if (rs.blocks > ROUND_BLOCKS)
-        rs.blocks = ROUND_BLOCKS;
+    if (rs.blocks > cap)
+        rs.blocks = cap;
     size_t *bounds = malloc((n + 1) * sizeof *bounds);
     round_mem *plan = round_mem_new(0);
     if (!bounds || !plan) {
@@ -533,7 +554,7 @@ static int read_misses(ple_source *src, miss *m, size_t n, unsigned char *out,
     bounds[0] = 0;
     for (size_t start = 0; start < n; start = bounds[rs.nrounds]) {
         size_t nb;
-        bounds[++rs.nrounds] = plan_round(src, m, start, n, plan, &nb);
+        bounds[++rs.nrounds] = plan_round(src, m, start, n, plan, rs.blocks, &nb);
     }
     round_mem_free(plan);
     rs.bounds = bounds;
@@ -614,8 +635,8 @@ static int copy_mapped(const ple_source *src, const ple_copy *copies, const uint
     return -1;
 }
 
-/* One range of a request, in the calling thread. */
-static int gather_range(ple_source *src, const int64_t *ids, size_t n, unsigned char *out,
+/* At most PIECE_ROWS ids of a range, in the calling thread. */
+static int gather_piece(ple_source *src, const int64_t *ids, size_t n, unsigned char *out,
                         tally *t, ple_error *err)
 {
     uint32_t rb = src->row_bytes;
@@ -716,6 +737,18 @@ static int gather_range(ple_source *src, const int64_t *ids, size_t n, unsigned 
     free(private_row);
     free(m);
     return rc;
+}
+
+/* One range of a request, in the calling thread, a piece at a time. */
+static int gather_range(ple_source *src, const int64_t *ids, size_t n, unsigned char *out,
+                        tally *t, ple_error *err)
+{
+    for (size_t a = 0; a < n; a += PIECE_ROWS) {
+        size_t len = n - a < PIECE_ROWS ? n - a : PIECE_ROWS;
+        if (gather_piece(src, ids + a, len, out + a * src->row_bytes, t, err) != 0)
+            return -1;
+    }
+    return 0;
 }
 
 static void add_tally(ple_source *src, const tally *t, int flags)
@@ -1035,6 +1068,61 @@ ple_source *ple_source_open(uint32_t table_key, uint32_t row_bytes, uint64_t sha
 uint64_t ple_source_rows(const ple_source *src)
 {
     return src->rows;
+}
+
+size_t ple_source_scratch_bytes(const ple_source *src)
+{
+    /* gather_piece: its misses, NVFP4's private rows or a cache's private
+     * row; read_misses: the rounds' bounds; gather: a split's bookkeeping,
+     * for as many tasks as a call may ask threads (256). */
+    size_t misses = (size_t)PIECE_ROWS * src->nsegs, piece = 0;
+    if (src->engine)
+        piece = misses * sizeof(miss) + (misses + 1) * sizeof(size_t)
+              + (src->nsegs > 1 ? (size_t)PIECE_ROWS * src->row_bytes : 0);
+    else if (src->cache)
+        piece = src->row_bytes;
+    return piece + 256 * (sizeof(tally) + sizeof(ple_error) + sizeof(int));
+}
+
+size_t ple_source_fill_scratch_bytes(const ple_source *src)
+{
+    return (size_t)FILL_CHUNK_ROWS * src->row_bytes + 1;
+}
+
+size_t ple_read_round_bytes(void)
+{
+    return ROUND_MEM_BYTES;
+}
+
+size_t ple_read_memory_min(void)
+{
+    return ROUND_BUF_AT + (size_t)ROUND_BLOCKS_MIN * PLE_BLOCK;
+}
+
+int ple_set_read_memory(size_t bytes, ple_error *err)
+{
+    if (bytes && bytes < ple_read_memory_min()) {
+        ple_error_set(err, PLE_ERR_VALUE, 0, "a bound of %zu bytes on the read buffers is "
+                      "below the smallest round's %zu (its bookkeeping and %u blocks of "
+                      "%u bytes): give at least that, or 0 for no bound", bytes,
+                      ple_read_memory_min(), ROUND_BLOCKS_MIN, PLE_BLOCK);
+        return -1;
+    }
+    size_t blocks = bytes ? (bytes - ROUND_BUF_AT) / PLE_BLOCK : ROUND_BLOCKS;
+    atomic_store_explicit(&round_cap, blocks < ROUND_BLOCKS ? blocks : ROUND_BLOCKS,
+                          memory_order_relaxed);
+    ple_buffers_set_limit(bytes);
+    return 0;
+}
+
+void ple_get_read_memory(ple_read_memory *st)
+{
+    ple_buffers_stats b;
+    ple_buffers_get_stats(&b);
+    *st = (ple_read_memory){.limit = b.limit, .charged = b.charged, .peak = b.peak,
+                            .waits = b.waits,
+                            .round_blocks = atomic_load_explicit(&round_cap,
+                                                                 memory_order_relaxed)};
 }
 
 void ple_source_get_stats(ple_source *src, ple_source_stats *st)

@@ -66,7 +66,28 @@ int64_t ple_source_gather_hits(ple_source *src, const int64_t *ids, size_t n,
 /* Read the rows of ids into the cache: rows inserted, or -1 with err set. */
 int64_t ple_source_fill(ple_source *src, const int64_t *ids, size_t n, ple_error *err);
 void ple_source_get_stats(ple_source *src, ple_source_stats *st);
+/* Heap a thread holds at most while it gathers from this table (ids are
+ * gathered a piece at a time, so this does not grow with the request), and
+ * what fill adds to it. */
+size_t ple_source_scratch_bytes(const ple_source *src);
+size_t ple_source_fill_scratch_bytes(const ple_source *src);
 void ple_source_ref(ple_source *src);
 void ple_source_unref(ple_source *src);
+
+/* The read buffers of every table (buffers.h): one round's buffer at its
+ * largest, and the smallest bound that still leaves a round for any row. */
+size_t ple_read_round_bytes(void);
+size_t ple_read_memory_min(void);
+/* Bound the bytes the read buffers may hold in memory, all tables and
+ * threads together (0: no bound); rounds shrink to fit a bound below one
+ * round's buffer. 0, or -1 with err set for a bound below the minimum. */
+int ple_set_read_memory(size_t bytes, ple_error *err);
+
+typedef struct ple_read_memory {
+    size_t limit, charged, peak;  /* bytes; limit 0: no bound */
+    uint64_t waits;               /* rounds that waited for a buffer given back */
+    size_t round_blocks;          /* blocks a round may read at most */
+} ple_read_memory;
+void ple_get_read_memory(ple_read_memory *st);
 
 #endif

@@ -743,6 +743,16 @@ static PyObject *Source_get_row_bytes(SourceObject *self, void *closure)
     return PyLong_FromUnsignedLong(self->row_bytes);
 }
 
+static PyObject *Source_get_scratch(SourceObject *self, void *closure)
+{
+    ple_source *src = source_use(self);
+    if (!src)
+        return NULL;
+    size_t bytes = closure ? ple_source_fill_scratch_bytes(src) : ple_source_scratch_bytes(src);
+    ple_source_unref(src);
+    return PyLong_FromSize_t(bytes);
+}
+
 static PyMethodDef Source_methods[] = {
     {"gather", (PyCFunction)(void (*)(void))Source_gather, METH_VARARGS | METH_KEYWORDS,
      "gather(ids, out, threads=1): the rows of ids (int64) into out (uint8 [n, row_bytes]); "
@@ -760,6 +770,11 @@ static PyMethodDef Source_methods[] = {
 static PyGetSetDef Source_getset[] = {
     {"rows", (getter)Source_get_rows, NULL, "rows in the table", NULL},
     {"row_bytes", (getter)Source_get_row_bytes, NULL, "bytes per row", NULL},
+    {"scratch_bytes", (getter)Source_get_scratch, NULL,
+     "heap one thread holds at most while it gathers from this table (read buffers aside)",
+     NULL},
+    {"fill_scratch_bytes", (getter)Source_get_scratch, NULL,
+     "what a thread that fills the cache holds at most besides scratch_bytes", (void *)1},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -859,6 +874,39 @@ out:
     return result;
 }
 
+/* -------------------------------------------------------- read memory */
+
+static PyObject *set_read_memory(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    Py_ssize_t bytes = PyLong_AsSsize_t(arg);
+    if (bytes == -1 && PyErr_Occurred())
+        return NULL;
+    if (bytes < 0) {
+        PyErr_Format(PyExc_ValueError, "a bound on the read buffers is a number of bytes, "
+                     "0 or more, not %zd", bytes);
+        return NULL;
+    }
+    ple_error err = {0};
+    if (ple_set_read_memory((size_t)bytes, &err) != 0)
+        return raise_error(&err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *read_memory(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    ple_read_memory st;
+    Py_BEGIN_ALLOW_THREADS  /* (the pool's lock is taken by gathering threads) */
+    ple_get_read_memory(&st);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("{s:n,s:n,s:n,s:K,s:n}", "limit_bytes", (Py_ssize_t)st.limit,
+                         "charged_bytes", (Py_ssize_t)st.charged, "peak_bytes",
+                         (Py_ssize_t)st.peak, "waits", (unsigned long long)st.waits,
+                         "round_blocks", (Py_ssize_t)st.round_blocks);
+}
+
 /* -------------------------------------------------------------- module */
 
 static PyMethodDef module_methods[] = {
@@ -867,6 +915,16 @@ static PyMethodDef module_methods[] = {
      "probe_random_reads(paths, block=4096, queue_depth=128, seconds=2.0, direct=True, "
      "kind=\"auto\") -> dict: random aligned reads over the files at that queue depth; "
      "reads, seconds, reads_per_s, kind, queue_depth, block, direct."},
+    {"set_read_memory", set_read_memory, METH_O,
+     "set_read_memory(bytes): bound the bytes the miss path's read buffers may hold in "
+     "memory, every table and thread together (0: no bound); a round that would pass it "
+     "waits for buffers given back, and rounds shrink to fit a bound below READ_ROUND_BYTES. "
+     "ValueError below READ_MEMORY_MIN."},
+    {"read_memory", read_memory, METH_NOARGS,
+     "read_memory() -> dict: the read buffers' limit_bytes (0: none), charged_bytes (what "
+     "they may hold in memory now), peak_bytes (since the bound was set), waits (rounds "
+     "that waited for room) and "
+     "round_blocks (blocks a round may read)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -895,7 +953,9 @@ PyMODINIT_FUNC PyInit__native(void)
     if (!ReadError || PyModule_AddObjectRef(m, "ReadError", ReadError) < 0
         || PyModule_AddObjectRef(m, "ReadEngine", EngineType) < 0
         || PyModule_AddObjectRef(m, "RowCache", CacheType) < 0
-        || PyModule_AddObjectRef(m, "TableSource", SourceType) < 0) {
+        || PyModule_AddObjectRef(m, "TableSource", SourceType) < 0
+        || PyModule_AddIntConstant(m, "READ_ROUND_BYTES", (long)ple_read_round_bytes()) < 0
+        || PyModule_AddIntConstant(m, "READ_MEMORY_MIN", (long)ple_read_memory_min()) < 0) {
         Py_DECREF(m);
         return NULL;
     }
