@@ -7,6 +7,7 @@ against a real server's health socket."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -24,19 +25,30 @@ from pleserver.config import load_config, parse_size
 from tests.test_ops_cli import pleserver
 
 KUBE = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
-MANIFESTS = sorted(KUBE.glob("*.yaml"))
+# What `kubectl apply -k deploy/kubernetes/` applies, and the vLLM pod's parts.
+EXAMPLES = [KUBE / "vllm-pod.yaml"]
 # The oldest Kubernetes still commonly run, and the newest the package knows.
 VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 PROCESS_OVERHEAD = 512 << 20  # deploy/kubernetes/README.md, "Memory"
 ROW_BYTES = 320  # BF16 rows: the widest the formula's example assumes
 
 
+def kustomize(directory: Path = KUBE) -> list[dict]:
+    """The objects ``kubectl apply -k DIR`` applies (kubectl's own kustomize;
+    .ci/run installs kubectl where the machine lacks it)."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is not installed (.ci/run installs it: Debian's kubernetes-client)"
+    out = subprocess.run(
+        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@functools.cache
 def documents() -> list[tuple[str, dict]]:
-    return [
-        (path.name, doc)
-        for path in MANIFESTS
-        for doc in yaml.safe_load_all(path.read_text())
-        if doc
+    return [("kustomization", doc) for doc in kustomize()] + [
+        (path.name, doc) for path in EXAMPLES for doc in yaml.safe_load_all(path.read_text()) if doc
     ]
 
 
@@ -53,6 +65,7 @@ def pod_spec(doc: dict) -> dict:
 def server_config(tmp_path_factory):
     path = tmp_path_factory.mktemp("kube") / "config.toml"
     path.write_text(find("ConfigMap")["data"]["config.toml"])
+    assert path.read_text() == (KUBE / "config.toml").read_text()  # the file, as it is
     return load_config(str(path)).config
 
 
@@ -289,3 +302,36 @@ def test_checkov_passes_every_check_it_does_not_skip_with_a_reason():
     for check in skipped:
         reason = check["check_result"].get("suppress_comment") or ""
         assert len(reason) > 20, (check["check_id"], check["resource"], reason)
+
+
+def test_a_changed_config_is_a_new_config_map_that_rolls_the_pods(tmp_path):
+    copy_dir = tmp_path / "kubernetes"
+    shutil.copytree(KUBE, copy_dir)
+    before = {d["kind"]: d for d in kustomize(copy_dir)}
+    with open(copy_dir / "config.toml", "a") as f:
+        f.write("queue_depth = 64\n")
+    after = {d["kind"]: d for d in kustomize(copy_dir)}
+
+    def referenced(objects: dict) -> str:
+        volumes = pod_spec(objects["DaemonSet"])["volumes"]
+        return next(v["configMap"]["name"] for v in volumes if v["name"] == "config")
+
+    for objects in (before, after):  # the DaemonSet mounts the ConfigMap made with it
+        assert referenced(objects) == objects["ConfigMap"]["metadata"]["name"]
+        assert objects["ConfigMap"]["metadata"]["name"].startswith("ple-server-")
+    # a new name, so a new pod template: the DaemonSet's rolling update runs
+    assert referenced(before) != referenced(after)
+    assert "queue_depth = 64" in after["ConfigMap"]["data"]["config.toml"]
+
+
+def test_the_images_are_named_in_full():
+    """Registry, path and tag: an image named in full pulls from where it was
+    pushed, never from whatever registry a node defaults to."""
+    for _, doc in documents():
+        if doc["kind"] not in ("DaemonSet", "Pod"):
+            continue
+        spec = pod_spec(doc)
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            image = container["image"]
+            registry, _, rest = image.partition("/")
+            assert "." in registry and "/" in rest and ":" in rest, image
