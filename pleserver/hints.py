@@ -43,8 +43,11 @@ Hits on hinted rows: the reader remembers the rows it hinted in a
 direct-mapped table of row keys (``HintedRows``: one int64 a slot, as many
 slots as hints may fill the cache, at most ``HINTED_SLOTS_MAX``, allocated at
 the first hint read; a newer hinted row takes an older one's slot); a demand
-lookup of one counts ``hints_hits`` once and forgets it. The check is a few
-vectorized operations per answered lookup, and none for a table never hinted.
+lookup of one counts ``hints_hits`` once and forgets it, within
+``HINT_HIT_WINDOW_S`` of the table's last hint read. The check is a few
+vectorized operations per answered lookup, and none for a table with no
+hinted row waiting (the table counts its rows per table) or last hinted
+longer ago than that.
 """
 
 from __future__ import annotations
@@ -69,6 +72,11 @@ DEMAND_POLL_S = 0.0002
 """While lookups are with the gather workers, the reader looks again this often."""
 DROP_REASONS = ("no_cache", "disk_busy", "queue_full", "cache_full", "refused", "read_error")
 DEFAULT_QUEUE_ROWS = 65536
+HINT_HIT_WINDOW_S = 60.0
+"""A hinted row looked up this long after its table's last hint read counts
+as no hint's hit: a hint announces rows for the next seconds (a prompt's
+prefill), and a table hinted once is not checked for hits for the rest of the
+process (each answered lookup of it would pay the check)."""
 HINTED_SLOTS_MAX = 1 << 20
 """Hinted rows remembered for ``hints_hits``, at most (8 MiB)."""
 DEMAND_PIECE_ROWS = 4096
@@ -96,11 +104,14 @@ def memory_bytes(queue_rows: int, cache_rows: int) -> int:
 class HintedRows:
     """Hinted rows not yet looked up, by row key, in ``size`` (a power of two)
     direct-mapped slots: ``remember`` writes a table's rows in, ``take`` counts
-    and clears the ones a lookup asked for. Thread-safe."""
+    and clears the ones a lookup asked for, ``forget`` clears a table's.
+    ``live[key]``: how many of table ``key``'s rows the slots hold now (0: a
+    lookup of it has nothing to check). Thread-safe."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, tables: int) -> None:
         self.slots = np.full(size, -1, dtype=np.int64)
         self.mask = size - 1
+        self.live = np.zeros(tables, dtype=np.int64)
         self.lock = threading.Lock()
 
     def _where(self, key: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -109,8 +120,13 @@ class HintedRows:
 
     def remember(self, key: int, rows: np.ndarray) -> None:
         keys, at = self._where(key, rows)
+        places = np.unique(at)  # two rows of one call may share a slot: the last stays
         with self.lock:
+            old = self.slots[places]
+            old = old[old >= 0]
+            np.subtract.at(self.live, old >> KEY_ROW_BITS, 1)  # taken over: not theirs now
             self.slots[at] = keys
+            self.live[key] += places.size
 
     def take(self, key: int, rows: np.ndarray) -> int:
         """How many distinct hinted rows of ``rows`` were remembered (now forgotten)."""
@@ -121,7 +137,16 @@ class HintedRows:
                 return 0
             found = np.unique(at[hit])
             self.slots[found] = -1
+            self.live[key] -= found.size
         return int(found.size)
+
+    def forget(self, key: int) -> None:
+        """Clear table ``key``'s rows (one pass over the slots)."""
+        with self.lock:
+            if self.live[key]:
+                mine = (self.slots >= 0) & ((self.slots >> KEY_ROW_BITS) == key)
+                self.slots[mine] = -1
+                self.live[key] = 0
 
 
 class TableHints:
@@ -133,7 +158,7 @@ class TableHints:
         self.read = 0
         self.hits = 0
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
-        self.tracked = False  # rows of it were hinted (HintedRows holds some)
+        self.tracked_until = 0.0  # (monotonic) its hinted rows count as hits until then
         self.lock = threading.Lock()
 
     def snapshot(self) -> dict:
@@ -249,14 +274,28 @@ class HintReader:
     def demand(self, key: int, ids: np.ndarray) -> None:
         """A lookup of ``ids`` was answered: count its hinted rows (once each)."""
         counts = self.counts[key]
-        if not counts.tracked or self._hinted is None:  # never hinted: no cost
+        hinted = self._hinted
+        # Not hinted lately, or every hinted row already asked for: no cost.
+        if hinted is None or not hinted.live[key] or time.monotonic() > counts.tracked_until:
             return
         found = 0
         for at in range(0, ids.shape[0], DEMAND_PIECE_ROWS):  # (a row counted once: taken)
-            found += self._hinted.take(key, ids[at : at + DEMAND_PIECE_ROWS])
+            found += hinted.take(key, ids[at : at + DEMAND_PIECE_ROWS])
         if found:
             with counts.lock:
                 counts.hits += found
+
+    def table_snapshot(self, key: int) -> dict:
+        """Table ``key``'s hint counters, and ``hints_tracked_rows``: its
+        hinted rows still waiting for a lookup within the window (0: its
+        lookups check nothing)."""
+        hinted = self._hinted
+        tracked = (
+            int(hinted.live[key])
+            if hinted is not None and time.monotonic() <= self.counts[key].tracked_until
+            else 0
+        )
+        return {**self.counts[key].snapshot(), "hints_tracked_rows": tracked}
 
     # ------------------------------------------------------------ the reader
     def start(self) -> None:
@@ -347,9 +386,12 @@ class HintReader:
                 counts.dropped["read_error"] += batch.size
             return
         if self._hinted is None:
-            self._hinted = HintedRows(hinted_slots(self.cache_rows))
+            self._hinted = HintedRows(hinted_slots(self.cache_rows), len(self.tables))
+        now = time.monotonic()
+        if now > counts.tracked_until:  # its earlier hints' window ended: not theirs
+            self._hinted.forget(key)
         self._hinted.remember(key, unique)
         with counts.lock:
             counts.read += inserted
             counts.cached += batch.size - inserted
-            counts.tracked = True
+            counts.tracked_until = now + HINT_HIT_WINDOW_S

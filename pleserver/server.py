@@ -945,7 +945,7 @@ class Server:
                 io=io_snapshot(source, rate.rate(source.get("misses", 0), now)),
             )
             if self.loop is not None:  # prefetch hints, in rows (pleserver.hints)
-                snap.update(self.loop.hints.counts[t.key].snapshot())
+                snap.update(self.loop.hints.table_snapshot(t.key))
             tables.append(snap)
         return {
             "pid": os.getpid(),

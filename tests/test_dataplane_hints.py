@@ -158,6 +158,7 @@ def test_a_lookup_of_hinted_rows_is_a_hit_counted_as_a_hit_on_a_hinted_row(
         assert wait_until(lambda: table_stats(client, 1)["hints_read"] == ids.size)
         before = table_stats(client, 1)
         assert before["hints_hits"] == 0 and before["hints_cached"] == 0
+        assert before["hints_tracked_rows"] == ids.size  # each waits for its lookup
         assert np.array_equal(client.lookup(1, ids), refs[1][ids])
         after = table_stats(client, 1)
         assert after["io"]["misses"] == before["io"]["misses"]  # no read for them
@@ -165,6 +166,8 @@ def test_a_lookup_of_hinted_rows_is_a_hit_counted_as_a_hit_on_a_hinted_row(
         # (a lookup's hits on hinted rows are counted just after its answer,
         # before its request is)
         assert wait_until(lambda: table_stats(client, 1)["hints_hits"] == ids.size)
+        # every hinted row was asked for: the table's lookups check nothing now
+        assert table_stats(client, 1)["hints_tracked_rows"] == 0
         client.lookup(1, ids)  # counted once per hinted row
         assert wait_until(lambda: table_stats(client, 1)["requests"] == before["requests"] + 2)
         assert table_stats(client, 1)["hints_hits"] == ids.size
@@ -351,3 +354,29 @@ def test_hints_that_come_while_every_gather_worker_holds_a_lookup_are_dropped(
 
         # Every hinted row is accounted for once the reader is through.
         assert wait_until(lambda: accounted(table_stats(client, 3))), table_stats(client, 3)
+
+
+def test_hinted_rows_are_counted_per_table_taken_over_and_forgotten():
+    """The hinted-rows table's live count per table (what lets a table's
+    lookups skip the check): a row remembered, one taken by a lookup, a slot
+    another table's row takes over, a table forgotten whole."""
+    from pleserver.hints import HintedRows
+
+    hinted = HintedRows(1024, tables=2)
+    hinted.remember(0, np.arange(100))
+    hinted.remember(1, np.arange(50))
+    assert list(hinted.live) == [100, 50]
+    assert hinted.take(0, np.arange(10)) == 10 and list(hinted.live) == [90, 50]
+    assert hinted.take(0, np.arange(10)) == 0  # once each
+    # table 1's rows land on slots of their own until one takes table 0's place
+    clash = next(
+        r
+        for r in range(1024)
+        if hinted._where(1, np.array([r]))[1][0] == hinted._where(0, np.array([50]))[1][0]
+    )
+    hinted.remember(1, np.array([clash]))
+    assert hinted.live[0] == 89 and hinted.live[1] in (50, 51)
+    hinted.forget(0)
+    assert hinted.live[0] == 0 and hinted.take(0, np.arange(100)) == 0
+    assert hinted.live[1] > 0  # the other table's stay
+    assert int((hinted.slots >= 0).sum()) == hinted.live.sum()
