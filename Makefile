@@ -18,6 +18,8 @@
 #   make figures        the docs' SVG figures, from the recorded results in
 #               docs/figures/data/ (standard library only; tests/test_figures.py
 #               checks the committed ones)
+#   make man    man/pleserver.1 from the command line's parser (argparse-manpage;
+#               tests/test_ops_cli.py checks that the committed page is current)
 # The virtual environment lives outside the checkout, keyed by the checkout's
 # path and the dependency spec: a second run reuses it, a changed
 # pyproject.toml builds a new one, and two checkouts never share one (its
@@ -120,3 +122,10 @@ test-aarch64: $(VENV)/.core
 .PHONY: figures
 figures:
 	$(PYTHON) docs/figures/make.py
+
+# The man page the package installs (setup.py), from the parser: run it after
+# a change to any command, option or setting.
+.PHONY: man
+man: $(VENV)/.core
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) man/make.py

@@ -15,7 +15,10 @@ Environment:
 The package also carries the files an operator installs, copied from deploy/
 at build time (``BuildPy``): the systemd units, the sysusers.d and tmpfiles.d
 snippets and the default config, so that a wheel installs the service without
-the source tree (``pleserver files``, ``pleserver config default``).
+the source tree (``pleserver files``, ``pleserver config default``). The man
+page, man/pleserver.1 (committed, made by ``make man``), installs as
+``share/man/man1/pleserver.1`` under the environment's prefix, where ``man``
+finds it beside the environment's ``bin/`` on the PATH.
 """
 
 import os
@@ -106,5 +109,7 @@ setup(
         native("pleclient._sync", "pleclient/native"),
     ],
     cmdclass={"build_ext": BuildExt, "build_py": BuildPy},
+    # (MANIFEST.in puts the page in the sdist, which wheels may be built from.)
+    data_files=[("share/man/man1", ["man/pleserver.1"])],
     options={"bdist_wheel": {"py_limited_api": LIMITED_API_TAG}} if LIMITED_API else {},
 )

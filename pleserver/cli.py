@@ -1,9 +1,13 @@
+# PYTHON_ARGCOMPLETE_OK (argcomplete's global completion completes this command)
 """The ``pleserver`` command: serve, config (check, show, default), inspect,
 doctor, stats, health, demo, files, completion.
 
 The ``serve`` flags are generated from the settings' metadata
 (``pleserver.flags``); every other option is written out here, each with its
-help and its default."""
+help and its default. Shell completion is argcomplete's: ``pleserver
+completion SHELL`` prints its script, which runs this command to complete
+(``main`` answers before parsing when argcomplete asks); the man page
+(``man/pleserver.1``) is generated from ``build_parser``."""
 
 from __future__ import annotations
 
@@ -14,9 +18,10 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, ClassVar, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from pleclient import protocol as p
+from pleserver import logs
 
 if TYPE_CHECKING:
     from pleclient.checkpoint import CheckpointError
@@ -26,71 +31,40 @@ log = logging.getLogger("pleserver")
 
 
 EX_CONFIG = 78  # sysexits.h: configuration error (the unit does not restart on it)
+SHELLS = ("bash", "zsh", "fish")  # argcomplete's scripts for them (`pleserver completion`)
 EXIT_SIGINT = 130  # 128 + SIGINT: what a shell reports for a command ended by Ctrl-C
-
-
-class _JournalFormatter(logging.Formatter):
-    """No timestamp (journald adds its own) and a ``<N>`` syslog priority prefix
-    on every line, which journald turns into the entry's priority."""
-
-    PRIORITY: ClassVar[dict[int, int]] = {
-        logging.DEBUG: 7,
-        logging.INFO: 6,
-        logging.WARNING: 4,
-        logging.ERROR: 3,
-        logging.CRITICAL: 2,
-    }
-
-    def format(self, record: logging.LogRecord) -> str:
-        prio = self.PRIORITY.get(record.levelno, 6)
-        return "\n".join(f"<{prio}>{line}" for line in super().format(record).splitlines())
-
-
-def _stderr_is_journal() -> bool:
-    """True when stderr is the journal stream systemd connected us to
-    ($JOURNAL_STREAM names its device and inode)."""
-    dev, _, ino = os.environ.get("JOURNAL_STREAM", "").partition(":")
-    try:
-        st = os.fstat(sys.stderr.fileno())
-        return (st.st_dev, st.st_ino) == (int(dev), int(ino))
-    except (ValueError, OSError):
-        return False
-
-
-def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if _stderr_is_journal():
-        handler.setFormatter(_JournalFormatter("%(levelname)s %(name)s: %(message)s"))
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pleclient.checkpoint import CheckpointError
-    from pleserver.config import CONFIG_ENV, SETTINGS, ConfigError
+    from pleserver.config import CONFIG_ENV, SETTINGS, ConfigError, env_settings, unknown_env
     from pleserver.flags import deprecations, given_settings
     from pleserver.reload import ConfigSource
     from pleserver.server import Server
 
     flags = given_settings(args)
-    # Kept for reloads (SIGHUP): they read the same file under the same flags.
-    source = ConfigSource(args.config or os.environ.get(CONFIG_ENV) or None, flags)
+    env = env_settings(os.environ)
+    # Kept for reloads (SIGHUP): they read the same file under the same
+    # environment and flags.
+    source = ConfigSource(args.config or os.environ.get(CONFIG_ENV) or None, flags, env)
     try:
         loaded = source.load()
     except ConfigError as exc:
-        setup_logging("INFO")
+        # In the format asked for, when that much of the configuration parsed:
+        # a shipper expecting JSON gets the error as JSON too.
+        logs.setup("INFO", exc.values.get("log_format", "text"))
         log.error("%s", exc)
         return EX_CONFIG
-    setup_logging(loaded.config.log_level)
-    for note in deprecations(args):
+    logs.setup(loaded.config.log_level, loaded.config.log_format)
+    for note in deprecations(args) + unknown_env(os.environ):
         log.warning("%s", note)
     # A watchdog kill is a SIGABRT: dump every thread's stack first (to stderr,
     # the journal), so a wedged server says where it was stuck.
     faulthandler.enable(all_threads=True)
     log.info(
-        "configuration: %s%s",
+        "configuration: %s%s%s",
         loaded.file or "defaults (no config file)",
+        "; environment: " + " ".join(SETTINGS[n].env for n in env) if env else "",
         "; flags: " + " ".join(SETTINGS[n].flag for n in flags) if flags else "",
     )
     log.debug("effective configuration:\n%s", loaded.to_toml())
@@ -114,7 +88,15 @@ def print_problems(as_json: bool, subject: dict, exc: ConfigError | CheckpointEr
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
-    from pleserver.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, SETTINGS, ConfigError, load_config
+    from pleserver.config import (
+        CONFIG_ENV,
+        DEFAULT_CONFIG_PATH,
+        SETTINGS,
+        ConfigError,
+        env_settings,
+        load_config,
+        unknown_env,
+    )
     from pleserver.reload import diff, format_changes
 
     if args.socket is not None and not args.against_running:
@@ -123,30 +105,34 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     against: dict | None = None  # what the file is compared with, for the report
     old = None
     flags: dict = {}
+    env = env_settings(os.environ)  # this shell's; the running server's with --against-running
+    env_notes = unknown_env(os.environ)
     optional_file = False  # the running server's default file, read only if it exists
     if args.against_running:
         running = _running_config(args.socket)
         if isinstance(running, int):
             return running
-        against, old, flags = running
+        against, old, flags, env = running
+        env_notes = []
         if args.file is None:  # the file a reload of that server reads
             file, optional_file = against["running"]["file"], not against["running"]["file_named"]
     elif args.against is not None:
-        try:
-            old = load_config(args.against).config
+        try:  # both files under this environment: only the files' differences show
+            old = load_config(args.against, env=env).config
         except ConfigError as exc:
             return print_problems(args.json, {"file": file, "against": args.against}, exc)
         against = {"file": args.against}
     try:
         loaded = (
-            load_config(None, flags, default_path=file)
+            load_config(None, flags, env=env, default_path=file)
             if optional_file
-            else load_config(file, flags)
+            else load_config(file, flags, env=env)
         )
     except ConfigError as exc:
         subject = {"file": file, **({"against": against} if against else {})}
         return print_problems(args.json, subject, exc)
     problems, warnings = setting_effects(loaded.config)
+    warnings += env_notes
     report: dict = {
         "file": loaded.file,
         "ok": not problems,
@@ -185,6 +171,8 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         )
         if server["file"] != file:
             print(f"note: that server reads {server['file']}: a reload reads that file, not {file}")
+        if env:
+            print(f"with its environment's {', '.join(SETTINGS[n].env for n in env)} over it")
         if flags:
             print(f"with its command line's {', '.join(SETTINGS[n].flag for n in flags)} over it")
     else:
@@ -232,10 +220,10 @@ def setting_effects(cfg: ServerConfig) -> tuple[list[str], list[str]]:
     return problems, warnings
 
 
-def _running_config(socket_path: str | None) -> tuple[dict, ServerConfig, dict] | int:
+def _running_config(socket_path: str | None) -> tuple[dict, ServerConfig, dict, dict] | int:
     """(what to call it, its configuration in effect, its command line's
-    settings) of the server on ``socket_path``, from its stats; else the exit
-    status, the error printed."""
+    settings, its environment's) of the server on ``socket_path``, from its
+    stats; else the exit status, the error printed."""
     from pleclient import PleClient, PleError
     from pleserver.config import SETTINGS
     from pleserver.reload import config_from_dict
@@ -258,6 +246,7 @@ def _running_config(socket_path: str | None) -> tuple[dict, ServerConfig, dict] 
     # A setting of another version's command line that this one lacks cannot
     # be compared: left out (its key in the file would be reported unknown).
     flags = {k: v for k, v in (report.get("flags") or {}).items() if k in SETTINGS}
+    env = {k: v for k, v in (report.get("env") or {}).items() if k in SETTINGS}
     against = {
         "running": {
             "pid": stats.get("pid"),
@@ -265,20 +254,21 @@ def _running_config(socket_path: str | None) -> tuple[dict, ServerConfig, dict] 
             "file": report.get("file") or "",
             "file_named": bool(report.get("file_named", True)),
             "flags": flags,
+            "env": {SETTINGS[k].env: v for k, v in env.items()},
         }
     }
-    return against, config_from_dict(report["settings"]), flags
+    return against, config_from_dict(report["settings"]), flags, env
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    from pleserver.config import CONFIG_ENV, ConfigError, load_config
+    from pleserver.config import CONFIG_ENV, ConfigError, env_settings, load_config, unknown_env
     from pleserver.flags import deprecations, given_settings
 
-    for note in deprecations(args):
+    for note in deprecations(args) + unknown_env(os.environ):
         print(f"warning: {note}", file=sys.stderr)
     path = args.config or os.environ.get(CONFIG_ENV) or None
     try:
-        loaded = load_config(path, given_settings(args))
+        loaded = load_config(path, given_settings(args), env=env_settings(os.environ))
     except ConfigError as exc:
         return print_problems(args.json, {"file": path}, exc)
     if args.json:
@@ -318,9 +308,11 @@ def cmd_files(args: argparse.Namespace) -> int:
 
 
 def cmd_completion(args: argparse.Namespace) -> int:
-    from pleserver.completion import script
+    import argcomplete
 
-    print(script(build_parser(), args.shell), end="")
+    # The script runs `pleserver` to complete (main answers it), so it stays
+    # current through upgrades; "pleserver" as the command a user types.
+    print(argcomplete.shellcode(["pleserver"], shell=args.shell).lstrip("\n"), end="")
     return 0
 
 
@@ -397,13 +389,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         DEFAULT_CONFIG_PATH,
         ConfigError,
         ServerConfig,
+        env_settings,
         load_config,
     )
 
-    # The host's config, when there is one: the advice starts from its settings.
+    # The host's config, when there is one: the advice starts from its settings
+    # (the file's, under this environment's, as `serve` would read them).
     path = args.config or os.environ.get(CONFIG_ENV) or None
     try:
-        config = load_config(path, {"model": args.model} if args.model else {}).config
+        config = load_config(
+            path, {"model": args.model} if args.model else {}, env=env_settings(os.environ)
+        ).config
     except ConfigError as exc:
         if [p for p in exc.problems if not p.startswith("model: required")]:
             return print_problems(args.json, {"file": path or DEFAULT_CONFIG_PATH}, exc)
@@ -497,7 +493,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from pleserver.demo import headline, run_demo
     from pleserver.stats import format_human
 
-    setup_logging(args.log_level)
+    logs.setup(args.log_level)
     code, report = run_demo(
         cache_dir=args.cache_dir,
         seconds=args.seconds,
@@ -541,8 +537,11 @@ SETTINGS_USAGE = "%(prog)s [-h] [--config PATH] [--model DIR] [--SETTING VALUE |
 SETTINGS_EPILOG = """\
 Every setting is also a key of the config file, with "_" for "-" (--max-clients: \
 max_clients; --allow-uid and --allow-gid: allow_uids and allow_gids), in the same groups \
-as `pleserver config default` prints. Flags override the file, the file the defaults; \
-"none" drops an optional value the file sets.
+as `pleserver config default` prints, and a variable of the environment, PLE_SERVER_ and \
+the key in capitals (PLE_SERVER_MAX_CLIENTS=8, PLE_SERVER_ALLOW_UIDS=alice,bob), written \
+as on the command line; an empty one counts as unset. Flags override the environment, \
+the environment the file, the file the defaults; "none" drops an optional value the \
+file sets.
 
 Values: sizes in bytes or with a binary unit (512M, 16G, 1.5T); durations as a number in \
 the unit the name says (--spin-us 2000, --hello-timeout-s 5) or with a unit (500ms, 2s, \
@@ -551,7 +550,6 @@ the unit the name says (--spin-us 2000, --hello-timeout-s 5) or with a unit (500
 
 def build_parser() -> argparse.ArgumentParser:
     from pleserver import __version__
-    from pleserver.completion import SHELLS
     from pleserver.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, LOG_LEVELS
     from pleserver.flags import HelpFormatter, add_setting_flags, complete, duration_type
 
@@ -591,8 +589,9 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         "run the ple-server daemon in the foreground",
         "Run the daemon. Settings come from the defaults, then the config file, then "
-        "these flags.\nA command-line error exits with status 78, as a bad config file "
-        "does (systemd does not restart the unit for it).",
+        "the environment (PLE_SERVER_<KEY>), then these flags.\nA command-line error exits "
+        "with status 78, as a bad config file does (systemd does not restart the unit for "
+        "it).",
         usage=SETTINGS_USAGE,
         epilog=SETTINGS_EPILOG,
     )
@@ -838,10 +837,11 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "completion",
         "print a shell completion script",
-        "Print the completion script for SHELL.\n"
+        "Print the completion script for SHELL (argcomplete's: it asks pleserver "
+        "itself, so it stays current through upgrades).\n"
         "  bash: pleserver completion bash > /etc/bash_completion.d/pleserver\n"
         '  zsh:  pleserver completion zsh > "${fpath[1]}/_pleserver"\n'
-        "Install it again after an upgrade.",
+        "  fish: pleserver completion fish > ~/.config/fish/completions/pleserver.fish",
     )
     completion.add_argument("shell", choices=SHELLS, help="the shell")
     completion.set_defaults(func=cmd_completion)
@@ -850,6 +850,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    if argv is None and "_ARGCOMPLETE" in os.environ:
+        # A shell asks for completions (`pleserver completion`'s script):
+        # argcomplete answers and exits. Imported only then, as each command
+        # imports what it needs.
+        import argcomplete
+
+        argcomplete.autocomplete(
+            parser,
+            always_complete_options=False,  # options once a "-" is typed, as git's
+            # Nothing for a value that does not say what it is (a number, a
+            # duration): files and folders are offered where complete() says so.
+            default_completer=argcomplete.completers.ChoicesCompleter({}),
+        )
     args, extra = parser.parse_known_args(argv)
     if extra:  # the subcommand's own parser reports it, with its exit status
         args.parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -1,16 +1,24 @@
 """ple-server settings: the ``ServerConfig`` dataclass, and loading it.
 
-Three layers, each overriding the one before it:
+Four layers, each overriding the one before it:
 
 1. the defaults below;
 2. the TOML file: ``--config PATH``, else ``$PLE_SERVER_CONFIG``, else
    ``/etc/ple-server/config.toml``. A missing default file is fine (defaults
    and flags only); a missing file named by the flag or the variable is an
    error;
-3. the ``pleserver serve`` flags.
+3. the environment: ``PLE_SERVER_<KEY>`` (``PLE_SERVER_CACHE_SIZE=4G``), one
+   variable per setting, written as on the command line (``env_settings``); an
+   empty variable counts as unset, as a shell's ``VAR=`` means;
+4. the ``pleserver serve`` flags.
 
 Every setting has the same name everywhere: a top-level key in the file, a
-field here, a flag with ``-`` for ``_`` (``max_clients`` → ``--max-clients``).
+field here, a flag with ``-`` for ``_`` (``max_clients`` → ``--max-clients``),
+a variable in capitals (``PLE_SERVER_MAX_CLIENTS``). Two variables of the prefix
+are not settings: ``PLE_SERVER_CONFIG`` names the file (``config`` can be no
+setting's name), and ``PLE_SERVER_SOCKET`` is where clients and ``pleserver
+stats`` look for the server, which is the ``socket`` setting's variable too: one
+path, read by both ends.
 The two lists are repeatable flags in the singular, ``--allow-uid`` and
 ``--allow-gid``; a list given on the command line replaces the file's list.
 Each field's metadata (``_setting``) holds all the command line needs: the
@@ -37,7 +45,7 @@ Values:
   to drop a value the file sets).
 
 A bad configuration raises ``ConfigError`` listing every problem, each naming
-the key and where its value came from (the file, or the flag).
+the key and where its value came from (the file, the variable, or the flag).
 """
 
 from __future__ import annotations
@@ -59,7 +67,9 @@ IDLE_WAITS = ("auto", "futex_waitv", "poll")
 
 DEFAULT_CONFIG_PATH = "/etc/ple-server/config.toml"
 CONFIG_ENV = "PLE_SERVER_CONFIG"  # names the file when --config does not
+ENV_PREFIX = "PLE_SERVER_"  # PLE_SERVER_<KEY> sets a setting (env_settings)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("text", "json")
 PREWARM_MODES = ("none", "full")
 IO_MODES = ("auto", "direct", "buffered", "mmap")
 READ_ENGINES = ("auto", "io_uring", "threads")
@@ -458,6 +468,15 @@ class ServerConfig:
     log_level: str = _setting(
         "INFO", "choice", "What the log shows: INFO and above by default.", choices=LOG_LEVELS
     )
+    log_format: str = _setting(
+        "text",
+        "choice",
+        "'text': one line per entry, as a person reads it; 'json': one JSON object per "
+        "line with the journal's field names (MESSAGE, PRIORITY, LOGGER, TIMESTAMP, …), "
+        "for log shippers. On the journal, text lines drop their timestamp, and either "
+        "format keeps its priority prefix.",
+        choices=LOG_FORMATS,
+    )
 
 
 @dataclass(frozen=True)
@@ -479,6 +498,11 @@ class Setting:
     @property
     def repeatable(self) -> bool:
         return self.kind in ("uids", "gids")
+
+    @property
+    def env(self) -> str:
+        """Its environment variable: ``PLE_SERVER_MAX_CLIENTS``."""
+        return ENV_PREFIX + self.name.upper()
 
     def format(self, value: Any) -> str:
         """A value as a person writes it: ``1G``, ``2ms``, ``0o666``, ``auto``."""
@@ -516,13 +540,21 @@ for _f in fields(ServerConfig):
         _group,
         _m["unit"],
     )
+    # $PLE_SERVER_CONFIG names the file: a setting by that name could never be
+    # set from the environment. ($PLE_SERVER_SOCKET is the socket setting's, on
+    # purpose: module docstring.)
+    if SETTINGS[_f.name].env == CONFIG_ENV:
+        raise ValueError(f"a setting cannot be named {_f.name!r}: {CONFIG_ENV} names the file")
 
 
 class ConfigError(ValueError):
-    """The configuration is invalid; ``problems`` holds one line per problem."""
+    """The configuration is invalid; ``problems`` holds one line per problem.
+    ``values``: the settings that did parse (name → value), so that ``serve``
+    can report the error in the log format asked for."""
 
-    def __init__(self, problems: list[str]) -> None:
+    def __init__(self, problems: list[str], values: Mapping[str, Any] | None = None) -> None:
         self.problems = problems
+        self.values = dict(values or {})
         super().__init__("invalid configuration:\n  " + "\n  ".join(problems))
 
 
@@ -531,7 +563,7 @@ class LoadedConfig:
     """The effective configuration and where each value came from."""
 
     config: ServerConfig
-    sources: dict[str, str]  # key → "default", the file's path, or the flag
+    sources: dict[str, str]  # key → "default", the file's path, "$VARIABLE" or the flag
     file: str | None  # the file that was read, None when none was
 
     def to_dict(self) -> dict[str, Any]:
@@ -543,6 +575,7 @@ class LoadedConfig:
             [
                 "defaults",
                 *([self.file] if self.file else []),
+                *(["environment"] if any(s.startswith("$") for s in self.sources.values()) else []),
                 *(
                     ["command line"]
                     if any(s.startswith("--") for s in self.sources.values())
@@ -561,15 +594,41 @@ class LoadedConfig:
 
 
 # -------------------------------------------------------------------- loading
+def env_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """The settings ``environ`` gives (setting name → raw value): each
+    ``PLE_SERVER_<KEY>`` that is set and not empty."""
+    return {name: environ[s.env] for name, s in SETTINGS.items() if environ.get(s.env, "").strip()}
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """A note for each ``PLE_SERVER_*`` variable that is no setting (a typo),
+    with the setting it most likely means. Not an error: the environment is
+    shared with other programs, and a variable of the prefix may be theirs."""
+    known = {s.env for s in SETTINGS.values()} | {CONFIG_ENV}
+    notes = []
+    for var in sorted(environ):
+        if var.startswith(ENV_PREFIX) and var not in known:
+            close = difflib.get_close_matches(var, sorted(known), n=1)
+            hint = (
+                f"did you mean {close[0]}?"
+                if close
+                else "`pleserver serve --help` lists each setting's variable"
+            )
+            notes.append(f"{var} is not a setting's variable and is ignored ({hint})")
+    return notes
+
+
 def load_config(
     path: str | None = None,
     flags: Mapping[str, Any] | None = None,
     *,
+    env: Mapping[str, Any] | None = None,
     default_path: str = DEFAULT_CONFIG_PATH,
 ) -> LoadedConfig:
     """Defaults, then the file (``path``, else ``default_path`` if it exists),
-    then ``flags`` (setting name → raw value as the command line gave it).
-    Raises ``ConfigError`` naming every bad key and its source."""
+    then ``env`` (setting name → raw value, as ``env_settings`` reads them from
+    the environment), then ``flags`` (setting name → raw value as the command
+    line gave it). Raises ``ConfigError`` naming every bad key and its source."""
     problems: list[str] = []
     raw: dict[str, tuple[Any, str]] = {}  # name → (raw value, source)
     file = path or default_path
@@ -606,10 +665,12 @@ def load_config(
                 raw[key] = (value, file)
             else:
                 problems.append(f"{file}: unknown key {key!r}{_suggest(key, value)}")
-    for name, value in (flags or {}).items():
-        if name not in SETTINGS:
-            raise ValueError(f"no setting named {name!r}")  # a caller's bug, not the user's
-        raw[name] = (value, SETTINGS[name].flag)
+    for layer, named in ((env, "env"), (flags, "flag")):
+        for name, value in (layer or {}).items():
+            if name not in SETTINGS:
+                raise ValueError(f"no setting named {name!r}")  # a caller's bug, not the user's
+            s = SETTINGS[name]
+            raw[name] = (value, "$" + s.env if named == "env" else s.flag)
 
     values: dict[str, Any] = {}
     sources = {name: "default" for name in SETTINGS}
@@ -622,7 +683,7 @@ def load_config(
     config = ServerConfig(**values)
     problems += _check_together(config, sources)
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(problems, values)
     return LoadedConfig(config, sources, file if data is not None else None)
 
 
@@ -734,7 +795,8 @@ class _Invalid(ValueError):
 
 
 def _where(source: str, name: str) -> str:
-    return source if source.startswith("--") else f"{source}: {name}"
+    """How a problem names its value: ``--flag``, ``$PLE_SERVER_KEY`` or ``file: key``."""
+    return source if source.startswith(("--", "$")) else f"{source}: {name}"
 
 
 def _suggest(key: str, value: Any) -> str:
@@ -922,7 +984,7 @@ def _check_together(cfg: ServerConfig, sources: dict[str, str]) -> list[str]:
     if not cfg.model:
         problems.append(
             'model: required; set `model = "/path/to/checkpoint"` in the '
-            "config file or pass --model DIR"
+            "config file, PLE_SERVER_MODEL in the environment, or pass --model DIR"
         )
     if cfg.max_depth > p.MAX_DEPTH:
         problems.append(

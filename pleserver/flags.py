@@ -13,14 +13,20 @@ namespace, so that they override the config file and nothing else does.
 Values are checked by ``config.load_config``, which names the flag in its
 errors, not here.
 
-Every action may carry a ``complete`` attribute saying what its value is, for
-``pleserver.completion``: ``("choices", [...])``, ``("dir",)``, ``("file",)``,
-``("user",)``, ``("group",)``; ``Switch`` takes no value.
+Each setting's help names its environment variable too (``PLE_SERVER_<KEY>``),
+as llama-server's does.
+
+``complete`` says what an action's value is, for shell completion
+(argcomplete reads the ``completer`` it sets): ``("choices", [...])``,
+``("dir",)``, ``("file",)``, ``("user",)``, ``("group",)``; nothing for a
+number, a size or a duration. ``Switch`` takes no value.
 """
 
 from __future__ import annotations
 
 import argparse
+import grp
+import pwd
 import textwrap
 from collections.abc import Sequence
 from typing import Any
@@ -116,9 +122,33 @@ class HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+class Completer:
+    """An argcomplete completer for one kind of value (``complete``).
+    argcomplete itself is imported only when a shell asks for completions,
+    never by a command that runs."""
+
+    def __init__(self, *what: Any) -> None:
+        self.what = what
+
+    def __call__(self, *, prefix: str, **kwargs: Any) -> list[str]:
+        kind = self.what[0] if self.what else None
+        if kind == "choices":
+            return [str(c) for c in self.what[1]]
+        if kind in ("dir", "file"):
+            from argcomplete.completers import DirectoriesCompleter, FilesCompleter
+
+            files = DirectoriesCompleter() if kind == "dir" else FilesCompleter()
+            return list(files(prefix=prefix, **kwargs))
+        if kind == "user":
+            return sorted({u.pw_name for u in pwd.getpwall()})
+        if kind == "group":
+            return sorted({g.gr_name for g in grp.getgrall()})
+        return []  # a number, a size, a duration: nothing to offer
+
+
 def complete(action: argparse.Action, *what: Any) -> argparse.Action:
     """Say what ``action``'s value is, for shell completion; returns it."""
-    action.complete = what  # type: ignore[attr-defined]
+    action.completer = Completer(*what)  # type: ignore[attr-defined]
     return action
 
 
@@ -153,7 +183,7 @@ def _metavar(s: Setting) -> str | None:
 def _help(s: Setting) -> str:
     notes = []
     if s.default == "":  # required (model): no default to show
-        return s.help
+        return f"{s.help} (env: {s.env})"
     if s.repeatable:
         notes.append("repeatable")
     if s.kind == "duration":
@@ -161,6 +191,7 @@ def _help(s: Setting) -> str:
         notes.append(f"default: {s.format(s.default)}; a bare number is in {unit}")
     else:
         notes.append(f"default: {s.format(s.default)}")
+    notes.append(f"env: {s.env}")
     return f"{s.help} ({'; '.join(notes)})"
 
 

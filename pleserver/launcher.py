@@ -25,7 +25,8 @@ removes the temporary directory: notify socket, control socket and the log
 
 Defaults that keep a launch reproducible: the host's service configuration is
 never read (``PLE_SERVER_CONFIG=/dev/null`` unless ``env`` names another file),
-the package this module comes from is first on the child's ``PYTHONPATH``, and
+nor are the settings of the caller's environment (``PLE_SERVER_<KEY>``: only
+those ``env`` gives), the package this module comes from is first on the child's ``PYTHONPATH``, and
 the child's stdin is ``/dev/null``.
 """
 
@@ -48,6 +49,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pleclient import PleClient
+from pleserver.config import SETTINGS
 
 log = logging.getLogger(__name__)
 
@@ -412,8 +414,10 @@ class ServerLauncher:
 
     def child_env(self) -> dict[str, str]:
         path = os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
-        # The host's /etc/ple-server/config.toml is for its service, not for us.
-        return {**os.environ, "PYTHONPATH": path, "PLE_SERVER_CONFIG": os.devnull, **self.env}
+        # The host's /etc/ple-server/config.toml is for its service, not for us;
+        # so are the settings a shell exported (a launch says its own).
+        ours = {k: v for k, v in os.environ.items() if k not in {s.env for s in SETTINGS.values()}}
+        return {**ours, "PYTHONPATH": path, "PLE_SERVER_CONFIG": os.devnull, **self.env}
 
     def start(self, wait: bool = True, timeout: float | None = None) -> LaunchedServer:
         """Start a server; with ``wait``, return once it sent ``READY=1``. A

@@ -2,7 +2,8 @@
 change while the server serves, what needs a restart, and why.
 
 A reload computes exactly the configuration a restart would run with — the
-same file, read again, under the same command-line flags (``ConfigSource``) —
+same file, read again, under the same environment and command-line flags
+(``ConfigSource``) —
 and compares it with the one in effect (``diff``). Each setting that differs
 is either applied at once (``RELOADABLE`` says how, and from when) or left as
 it is and reported as needing a restart (``RESTART_ONLY`` says why). One table
@@ -81,6 +82,7 @@ RELOADABLE: dict[str, str] = {
     "metrics_max_connections": "applies to connections accepted from now on",
     "metrics_timeout_s": "applies to connections accepted from now on",
     "log_level": "applies at once, from every thread's next log line",
+    "log_format": "applies at once, from every thread's next log line",
 }
 
 # Why a setting needs a restart: what is built from it at start.
@@ -211,12 +213,15 @@ def config_from_dict(values: dict[str, Any]) -> ServerConfig:
 class ConfigSource:
     """Where the server's configuration came from: the file argument as
     ``serve`` had it (``--config``, else ``$PLE_SERVER_CONFIG``, else None for
-    the default path) and the command line's settings (name → raw value, as
-    ``pleserver.flags.given_settings`` returns them). A reload loads these
-    again, so it reads what a restart would."""
+    the default path), the environment's settings (name → raw value, as
+    ``pleserver.config.env_settings`` reads them at start) and the command
+    line's (as ``pleserver.flags.given_settings`` returns them). A reload loads
+    these again, so it reads what a restart would: a process's environment is
+    fixed once it runs, as its command line is."""
 
     path: str | None = None
     flags: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, Any] = field(default_factory=dict)
 
     @property
     def file(self) -> str:
@@ -225,16 +230,21 @@ class ConfigSource:
 
     def load(self) -> LoadedConfig:
         """Load it again; raises ``ConfigError`` listing every problem."""
-        return load_config(self.path, self.flags)
+        return load_config(self.path, self.flags, env=self.env)
 
     def describe(self) -> str:
-        """``/etc/ple-server/config.toml; the command line's --socket overrides it``."""
+        """``/etc/ple-server/config.toml; the environment's PLE_SERVER_IO and the
+        command line's --socket override it``."""
         where = self.file if self.path or os.path.exists(self.file) else "defaults (no file)"
-        if not self.flags:
+        over = []
+        if self.env:
+            over.append("the environment's " + ", ".join(SETTINGS[n].env for n in self.env))
+        if self.flags:
+            over.append("the command line's " + ", ".join(SETTINGS[n].flag for n in self.flags))
+        if not over:
             return where
-        flags = ", ".join(SETTINGS[name].flag for name in self.flags)
-        verb = "overrides" if len(self.flags) == 1 else "override"
-        return f"{where}; the command line's {flags} {verb} it"
+        verb = "overrides" if len(self.env) + len(self.flags) == 1 else "override"
+        return f"{where}; {' and '.join(over)} {verb} it"
 
 
 @dataclass(frozen=True)
@@ -273,6 +283,7 @@ def config_report(source: ConfigSource, config: ServerConfig, state: ReloadState
         "file": source.file,
         "file_named": source.path is not None,  # else the default path, read if it exists
         "flags": dict(source.flags),
+        "env": dict(source.env),  # setting name → raw value, as for flags
         "settings": asdict(config),
         **state.to_json(),
     }

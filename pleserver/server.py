@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from pleclient import protocol as p
 from pleclient.checkpoint import discover_tables, local_model_dir
-from pleserver import __version__
+from pleserver import __version__, logs
 from pleserver.admission import DoorbellAdmission
 from pleserver.budget import ChannelBudget, default_channel_budget, overcommitted
 from pleserver.config import SETTINGS, ConfigError, ServerConfig, parse_host_port
@@ -878,6 +878,8 @@ class Server:
             self.metrics.set_limits(cfg.metrics_max_connections, cfg.metrics_timeout_s)
         if "log_level" in names:
             logging.getLogger().setLevel(cfg.log_level)
+        if "log_format" in names:
+            logs.set_format(cfg.log_format)
         loop.wake()  # a sleeping loop takes its new spin and poll times now
 
     def _reloaded(

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pleserver.config import SETTINGS
 from pleserver.launcher import LaunchedServer
 from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint
 from tests.harness import server_launcher, shm_entries
@@ -47,9 +48,12 @@ def pytest_report_header(config) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def no_host_config(monkeypatch):
-    """Nothing a test runs reads this host's /etc/ple-server/config.toml (the
-    launcher sees to that for servers; this for every other command)."""
+    """Nothing a test runs reads this host's /etc/ple-server/config.toml, nor
+    the settings its shell exported (PLE_SERVER_<KEY>): the launcher sees to
+    that for servers; this for every other command."""
     monkeypatch.setenv("PLE_SERVER_CONFIG", os.devnull)
+    for s in SETTINGS.values():
+        monkeypatch.delenv(s.env, raising=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

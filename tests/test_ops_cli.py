@@ -1,7 +1,8 @@
 """The command line an operator meets first: `serve --help` in groups with
 every default and choice, switches both ways (and the old spelling, noted as
 deprecated), durations with units, help on every option, a quiet Ctrl-C,
-shell completion (real bash and zsh), the packaged deploy files and
+shell completion (argcomplete's scripts in real bash, zsh and fish), the
+man page (current with the parser), the packaged deploy files and
 `pleserver config default|show`."""
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ def test_serve_help_lists_every_setting_in_its_group_with_its_default():
     assert "default: 10m" in option_help(sections["hot set and prewarm"], "--hotset-save-interval")
     assert "default: 1G" in option_help(sections["channels and limits"], "--max-channel-bytes")
     assert "default: 0o666" in option_help(sections["model and socket"], "--socket-mode")
-    assert "--cache-mlock, --no-cache-mlock" in io and "(default: false)" in option_help(
-        io, "--cache-mlock"
+    assert "--cache-mlock, --no-cache-mlock" in io and (
+        "(default: false; env: PLE_SERVER_CACHE_MLOCK)" in option_help(io, "--cache-mlock")
     )
     assert "--[no-]SWITCH" in result.stdout.splitlines()[0]
 
@@ -335,12 +336,24 @@ def test_ctrl_c_ends_the_demo_quietly_with_130_and_leaves_nothing_running(tmp_pa
 
 
 # --------------------------------------------------------------- completion
-def completion_script(shell: str, tmp_path: Path) -> Path:
+# argcomplete's scripts run `pleserver` itself to complete: on the PATH here
+# as a wrapper running this checkout's CLI with this interpreter.
+def completion_setup(shell: str, tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """The script `pleserver completion SHELL` prints, saved (as zsh's $fpath
+    wants it, ``_pleserver``), and the environment its shell runs in."""
     result = pleserver("completion", shell)
     assert result.returncode == 0, result.stderr
-    path = tmp_path / ("pleserver.bash" if shell == "bash" else "_pleserver")
-    path.write_text(result.stdout)
-    return path
+    name = {"bash": "pleserver.bash", "zsh": "_pleserver", "fish": "pleserver.fish"}[shell]
+    script = tmp_path / name
+    script.write_text(result.stdout)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    wrapper = bin_dir / "pleserver"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -m pleserver.cli "$@"\n')
+    wrapper.chmod(0o755)
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": path}
+    return script, env
 
 
 # (command line up to the cursor, the word at the cursor, what completes it)
@@ -360,31 +373,53 @@ COMPLETIONS = [
     ("pleserver config", "", {"check", "show", "default"}),
     ("pleserver config check", "--j", {"--json"}),
     ("pleserver stats", "--w", {"--watch"}),
-    ("pleserver completion", "", {"bash", "zsh"}),
+    ("pleserver completion", "", {"bash", "zsh", "fish"}),
     ("pleserver demo --log-level", "W", {"WARNING"}),
+    ("pleserver serve --log-format", "", {"text", "json"}),
 ]
+
+
+def path_completions(tmp_path: Path) -> list[tuple[str, str, set[str]]]:
+    """Directories where a directory is asked for, files too where a file is."""
+    (tmp_path / "models" / "qwen").mkdir(parents=True)
+    (tmp_path / "mod.toml").touch()
+    return [
+        ("pleserver serve --model", f"{tmp_path}/mo", {f"{tmp_path}/models/"}),
+        ("pleserver inspect", f"{tmp_path}/mo", {f"{tmp_path}/models/"}),
+        (
+            "pleserver serve --config",
+            f"{tmp_path}/mo",
+            {f"{tmp_path}/models/", f"{tmp_path}/mod.toml"},
+        ),
+    ]
 
 
 def test_bash_completion_completes_commands_options_and_values(tmp_path):
     bash = require_tool("bash")
-    script = completion_script("bash", tmp_path)
-    (tmp_path / "models" / "qwen").mkdir(parents=True)
-    cases = [*COMPLETIONS, ("pleserver serve --model", f"{tmp_path}/mo", {f"{tmp_path}/models"})]
-    cases.append(("pleserver inspect", f"{tmp_path}/mo", {f"{tmp_path}/models"}))
+    script, env = completion_setup("bash", tmp_path)
+    cases = [*COMPLETIONS, *path_completions(tmp_path)]
     lines = [f"source {script}"]
     for before, cur, _ in cases:
         words = " ".join(f"'{w}'" for w in [*before.split(), cur])
+        line = f"{before} {cur}"
+        # What bash sets before it calls a completion function.
         lines.append(
-            f"COMP_WORDS=({words}); COMP_CWORD=$(( ${{#COMP_WORDS[@]}} - 1 )); "
-            'COMPREPLY=(); _pleserver; printf "%s\\n" "${COMPREPLY[*]}"'
+            f"COMP_LINE='{line}'; COMP_POINT={len(line)}; COMP_WORDS=({words}); "
+            "COMP_CWORD=$(( ${#COMP_WORDS[@]} - 1 )); COMPREPLY=(); "
+            f"_python_argcomplete pleserver '{cur}' '{before.split()[-1]}'; "
+            'printf "%s\\n" "${COMPREPLY[*]}"'
         )
     lines.append("complete -p pleserver")
     result = subprocess.run(
-        [bash, "--norc", "-c", "\n".join(lines)], capture_output=True, text=True, timeout=60
+        [bash, "--norc", "-c", "\n".join(lines)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert result.returncode == 0, result.stderr
     *replies, registered = result.stdout.splitlines()
-    assert registered == "complete -F _pleserver pleserver"
+    assert registered.endswith("-F _python_argcomplete pleserver"), registered
     for (before, cur, expected), reply in zip(cases, replies, strict=True):
         assert set(reply.split()) == expected, (before, cur, reply)
 
@@ -413,7 +448,7 @@ zpty -d z
 
 def test_zsh_completion_completes_commands_options_and_values(tmp_path):
     zsh = require_tool("zsh")
-    script = completion_script("zsh", tmp_path)
+    script, env = completion_setup("zsh", tmp_path)
     check = subprocess.run([zsh, "-n", str(script)], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
     capture = tmp_path / "capture.zsh"
@@ -424,6 +459,7 @@ def test_zsh_completion_completes_commands_options_and_values(tmp_path):
             capture_output=True,
             text=True,
             timeout=60,
+            env=env,
         )
         assert set(result.stdout.split()) == expected, (before, cur, result.stdout, result.stderr)
     # Sourced instead of autoloaded, it registers itself.
@@ -437,8 +473,65 @@ def test_zsh_completion_completes_commands_options_and_values(tmp_path):
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
-    assert sourced.stdout.strip() == "_pleserver", sourced.stderr
+    assert sourced.stdout.strip() == "_python_argcomplete", sourced.stderr
+
+
+def test_fish_completion_completes_commands_options_and_values(tmp_path):
+    fish = require_tool("fish")
+    script, env = completion_setup("fish", tmp_path)
+    cases = [*COMPLETIONS, *path_completions(tmp_path)]
+    # `complete -C LINE` prints what fish offers at the end of LINE, one a
+    # line, each with its description after a tab.
+    lines = [f"source {script}"]
+    for before, cur, _ in cases:
+        lines += [f"complete -C '{before} {cur}'", "echo '=='"]
+    result = subprocess.run(
+        [fish, "--no-config", "-c", "\n".join(lines)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    replies = result.stdout.split("==\n")[: len(cases)]
+    for (before, cur, expected), reply in zip(cases, replies, strict=True):
+        offered = {line.split("\t")[0] for line in reply.splitlines()}
+        assert offered == expected, (before, cur, reply)
+
+
+# ---------------------------------------------------------------- man page
+def test_the_man_page_is_current_with_the_parser():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "man" / "make.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    page = (REPO / "man" / "pleserver.1").read_text()
+    for s in SETTINGS.values():
+        assert roff_escaped(s.flag) in page and roff_escaped(s.env) in page, s.name
+    for section in ("ENVIRONMENT", "FILES", "EXIT STATUS", "SEE ALSO"):
+        assert f".SH {section}" in page, section
+
+
+def roff_escaped(text: str) -> str:
+    return text.replace("-", "\\-")
+
+
+def test_the_man_page_renders_without_roff_warnings():
+    groff = require_tool("groff")
+    result = subprocess.run(
+        # -k: its UTF-8 (µ, ×, ≈) through preconv, as man(1) reads it
+        [groff, "-k", "-man", "-Tutf8", "-ww", "-z", str(REPO / "man" / "pleserver.1")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0 and not result.stderr, result.stderr
 
 
 # ------------------------------------------------------ packaged deploy files

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -21,6 +22,7 @@ import pleserver
 from pleserver import deployfiles, doctor
 
 REPO = Path(__file__).resolve().parent.parent
+MAN_PAGE = REPO / "man" / "pleserver.1"
 
 
 @pytest.mark.parametrize("module", ["pleserver", "pleserver.cli"])
@@ -156,6 +158,13 @@ def test_the_wheel_carries_the_units_snippets_and_default_config(wheel):
 
 
 @pytest.mark.wheels
+def test_the_wheel_installs_the_man_page(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        page = z.read(f"pleserver-{version('pleserver')}.data/data/share/man/man1/pleserver.1")
+    assert page == MAN_PAGE.read_bytes()
+
+
+@pytest.mark.wheels
 def test_the_wheel_carries_its_type_hints(wheel):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
@@ -212,3 +221,39 @@ def test_the_wheel_installs_into_a_fresh_venv_without_a_compiler(wheel, tmp_path
         timeout=60,
     )
     assert default.stdout == (REPO / "deploy" / "config.toml").read_text(), default.stderr
+    # Completion works from the wheel's dependencies alone (argcomplete), as
+    # the shells' scripts ask it: the line in the environment, the answer to
+    # a file.
+    answer = tmp_path / "completions"
+    asked = subprocess.run(
+        [str(venv / "bin" / "pleserver")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            **os.environ,
+            "_ARGCOMPLETE": "1",
+            "COMP_LINE": "pleserver se",
+            "COMP_POINT": "12",
+            "_ARGCOMPLETE_STDOUT_FILENAME": str(answer),
+        },
+    )
+    assert asked.returncode == 0 and answer.read_text().split() == ["serve"], asked.stderr
+    # The man page under the venv's prefix, where man(1) looks for the
+    # commands of a bin/ on the PATH.
+    page = venv / "share" / "man" / "man1" / "pleserver.1"
+    assert page.read_bytes() == MAN_PAGE.read_bytes()
+    if shutil.which("man"):
+        found = subprocess.run(
+            ["man", "-w", "pleserver"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={
+                **{k: v for k, v in os.environ.items() if k != "MANPATH"},
+                "PATH": f"{venv / 'bin'}:{os.environ['PATH']}",
+            },
+        )
+        assert found.stdout.strip() == str(page), found.stdout + found.stderr

@@ -87,6 +87,8 @@ def test_unit_is_notify_type_with_watchdog_restart_and_directories():
     # `systemctl reload`: SIGHUP, which reloads the config (Type=notify-reload
     # would need systemd 253; the units support 249).
     assert s["ExecReload"] == ['/bin/sh -c "kill -HUP $MAINPID"']
+    # `systemctl help ple-server`: the man page the package installs (man/).
+    assert s["Documentation"] == ["man:pleserver(1)"]
 
 
 def test_template_is_the_unit_with_per_instance_config_socket_and_state():
