@@ -23,6 +23,18 @@ repeated. Everything is removed at the end.
 
     python bench/fairness.py                          # 0, 1 and 4 submitters, 15 s each
     python bench/fairness.py --submitters 4 --seconds 30 --json out.json
+
+Large cold requests (``--attack large-cold``): the server reads from disk
+(``--io direct`` with a row cache of ``--cache-size``, 128 MiB by default,
+which holds the bystander's table: its lookups are cache hits, warmed first),
+and each submitter keeps ``--depth`` (12) slots of ``--request-rows`` (262 144,
+the default ``max_capacity``) random ids of the 2 M-row table submitted: cold
+reads, handed to the gather workers. ``--request-rows 16383`` and ``16384``
+sit either side of ``parallel_min_rows``. With ``--cold-bystander`` the
+bystander's table (1 M rows) is not warmed and does not fit the cache: its
+lookups are misses, handed to the gather workers beside the submitters'.
+
+    python bench/fairness.py --attack large-cold --submitters 0,1,3
 """
 
 from __future__ import annotations
@@ -60,11 +72,12 @@ import json, os, sys, time
 import numpy as np
 from pleclient import PleClient
 path, seconds = sys.argv[1], float(sys.argv[2])
-client = PleClient.connect(path, name="submitter", capacity=16383, depth=64)
+size, depth = int(sys.argv[3]), int(sys.argv[4])
+client = PleClient.connect(path, name="submitter", capacity=size, depth=depth)
 rows = client.tables[0].rows
 rng = np.random.default_rng(os.getpid())
-ids = [rng.integers(0, rows, 16383) for _ in range(8)]
-tickets = [client.submit(0, ids[i % 8]) for i in range(64)]
+ids = [rng.integers(0, rows, size) for _ in range(8)]
+tickets = [client.submit(0, ids[i % 8]) for i in range(depth)]
 print("ready", flush=True)
 stop, done, i = time.monotonic() + seconds, 0, 0
 while time.monotonic() < stop:
@@ -74,11 +87,10 @@ while time.monotonic() < stop:
     done += 1
     i += 1
     tickets.append(client.submit(0, ids[i % 8]))
-for ticket in tickets:
-    ticket.wait()
+for ticket in tickets:  # not waited for: a queue of large cold lookups takes minutes
     ticket.release()
 client.close()
-print(json.dumps({"requests": done, "rows": done * 16383}), flush=True)
+print(json.dumps({"requests": done, "rows": done * size}), flush=True)
 """
 
 
@@ -107,6 +119,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=[],
         help="extra `pleserver serve` argument (repeatable), e.g. --server-arg=--chunk-rows=8192",
     )
+    ap.add_argument(
+        "--attack",
+        choices=("mapped", "large-cold"),
+        default="mapped",
+        help="mapped: prewarmed tables, submitters of 16 383 rows at depth 64 (the default); "
+        "large-cold: io direct, submitters of --request-rows cold rows at --depth",
+    )
+    ap.add_argument("--request-rows", type=int, help="a submitter's request (large-cold: 262144)")
+    ap.add_argument("--depth", type=int, help="a submitter's slots (large-cold: 12)")
+    ap.add_argument("--cache-size", default="128M", help="large-cold: the row cache (default 128M)")
+    ap.add_argument(
+        "--cold-bystander",
+        action="store_true",
+        help="large-cold: the bystander's table (1 M rows) is not warmed and does not fit the "
+        "cache: its lookups are misses, handed to the gather workers beside the submitters'",
+    )
     ap.add_argument("--json", help="also write the results here")
     return ap.parse_args(argv)
 
@@ -115,7 +143,15 @@ def run_case(server: Server, n: int, args) -> dict:
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     children = [
         subprocess.Popen(
-            [sys.executable, "-c", SUBMITTER, server.socket, str(args.seconds + 2)],
+            [
+                sys.executable,
+                "-c",
+                SUBMITTER,
+                server.socket,
+                str(args.seconds + 2),
+                str(args.request_rows),
+                str(args.depth),
+            ],
             stdout=subprocess.PIPE,
             text=True,
             cwd=REPO,
@@ -171,12 +207,27 @@ def main(argv=None) -> int:
             model,
             [
                 SyntheticTable(layer=0, rows=args.rows, cols=args.cols, dtype="BF16", parts=16),
-                SyntheticTable(layer=1, rows=100_000, cols=args.cols, dtype="BF16", parts=2),
+                SyntheticTable(
+                    layer=1,
+                    rows=1_000_000 if args.cold_bystander else 100_000,
+                    cols=args.cols,
+                    dtype="BF16",
+                    parts=2,
+                ),
             ],
             files=1,
         )
-        server = Server("fairness", model, 0, 16383, args.server_arg)
+        large = args.attack == "large-cold"
+        args.request_rows = args.request_rows or (262_144 if large else 16_383)
+        args.depth = args.depth or (12 if large else 64)
+        extra = ["--io", "direct", "--cache-size", args.cache_size] if large else []
+        server = Server(
+            "fairness", model, 0, max(args.request_rows, 16), [*extra, *args.server_arg]
+        )
         server.wait_ready()
+        if large and not args.cold_bystander:  # its table in the row cache: hits
+            with PleClient.connect(server.socket, name="warm", capacity=16384) as client:
+                client.lookup(1, np.arange(100_000))
         result = {"machine": machine(), "source": source(), "args": vars(args), "cases": []}
         print(
             f"{'submitters':>10} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} "

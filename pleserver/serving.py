@@ -13,9 +13,11 @@ Threads, and why:
 - **gather workers** (``workers`` threads): the loop answers inline what needs
   no disk read (rows in the row cache, or mmap mode) and hands off the rest of
   a request with a cache miss, and any request of ``parallel_min_rows`` rows or
-  more; a worker gathers with the GIL released (disk reads, native threads for
-  large requests) and completes the slot, so one request's reads never hold up
-  other channels.
+  more; the workers take hand-offs in pieces of ``chunk_rows`` rows, from the
+  channels in turn (``pleserver.handoffs``), gather with the GIL released
+  (disk reads) and complete the slot after its last piece, so one request's
+  reads never hold up other channels, nor one channel's queue of large cold
+  requests another channel's hand-off.
 - **one hint reader** (``pleserver.hints``): prefetch hints, admitted by the
   loop like lookups (their ids copied and validated, their slots answered at
   once), are read into the row cache by it, only while no request is with a
@@ -36,7 +38,7 @@ busy goes to the front (the ``fresh`` list, as in FQ-CoDel), so a small request
 waits for at most the one chunk being gathered when it arrives, however much
 the other channels have queued. A hand-off costs the channel's turn
 ``REQUEST_COST_ROWS`` (the loop does not wait for the worker); the workers take
-hand-offs in order.
+hand-offs the same way, a piece at a time from the channels in turn.
 
 A client owns its segment and may write anything into it, so the loop bounds
 what one channel can cost it: per pass its admission reads each word once,
@@ -55,7 +57,6 @@ import ctypes
 import ctypes.util
 import logging
 import os
-import queue
 import threading
 import time
 from collections import Counter, deque
@@ -69,6 +70,7 @@ from pleclient import protocol as p
 from pleclient.channel import ChannelMap, SlotView
 from pleserver.admission import Admission, Arrival, HostileChannel
 from pleserver.config import IDLE_WAITS
+from pleserver.handoffs import HandOffs, Piece
 from pleserver.hints import DEFAULT_QUEUE_ROWS, HintReader
 from pleserver.stats import TableStats
 from pleserver.table import Table, nat
@@ -245,6 +247,8 @@ class ServingLoop:
         self.spin_s = spin_s
         self.heartbeat = heartbeat
         self.heartbeat_every_s = heartbeat_every_s
+        # Hand-offs to the gather workers, taken in pieces of chunk_rows rows.
+        self._handoffs: HandOffs[Request] = HandOffs(chunk_rows, max(1, workers))
         self.chunk_rows = chunk_rows
         self.on_drop = on_drop
         self.gpu_poll_s = gpu_poll_s
@@ -268,7 +272,6 @@ class ServingLoop:
         self._read_error_logged = -READ_ERROR_LOG_S
         # Started with the loop, all of them: a server's thread count does not
         # change with its load.
-        self._handed: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
         self.workers = [
             threading.Thread(target=self._worker, args=(i,), name=f"gather-{i}", daemon=True)
             for i in range(max(1, workers))
@@ -279,6 +282,16 @@ class ServingLoop:
         self.hints = HintReader(
             tables, hint_queue_rows, hint_cache_rows, lambda: self._inflight, len(self.workers)
         )
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows of one channel's turn in the loop, and of one worker's piece."""
+        return self._chunk_rows
+
+    @chunk_rows.setter
+    def chunk_rows(self, rows: int) -> None:  # (a reload sets it while serving)
+        self._chunk_rows = rows
+        self._handoffs.piece_rows = max(1, rows)
 
     # --------------------------------------------------------------- channels
     def add(self, channel: Channel) -> None:
@@ -324,9 +337,7 @@ class ServingLoop:
             self.thread.start()
         except RuntimeError:
             self.hints.stop()
-            for worker in self.workers:
-                if worker.is_alive():
-                    self._handed.put(None)
+            self._handoffs.stop()
             raise
 
     def stop(self, drain_s: float = 5.0) -> None:
@@ -341,9 +352,7 @@ class ServingLoop:
         if self.thread.is_alive():
             self.thread.join()
         self.hints.stop()
-        for worker in self.workers:
-            if worker.is_alive():
-                self._handed.put(None)
+        self._handoffs.stop()  # (the workers end once what is queued is taken)
         for worker in self.workers:
             if worker.is_alive():
                 worker.join()
@@ -611,44 +620,50 @@ class ServingLoop:
         return True
 
     def _hand_off(self, r: Request) -> None:
-        """Give the rest of ``r`` (from ``done_rows``) to a gather worker."""
+        """Give the rest of ``r`` (from ``done_rows``) to the gather workers."""
         with self._inflight_lock:
             self._inflight += 1
             r.channel.handed += 1
-        self._handed.put(r)
+        self._handoffs.put(r)
 
     def _worker(self, index: int) -> None:
         _name_thread(f"ple-gather-{index}".encode())
-        while True:
-            r = self._handed.get()
-            if r is None:
-                return
-            try:
-                if not r.channel.closing:
-                    self._answer(r)
-            finally:
-                # (the admission cleared the slot's mark before its answer:
-                # clearing it here could clear a request resubmitted there)
-                with self._inflight_lock:
-                    self._inflight -= 1
-                    r.channel.handed -= 1
-                if r.channel.closing:
-                    self.wake()  # the loop may now unmap the channel
-            # The request's views of its channel die here, not when the next
-            # request comes: a held view would keep a closed channel mapped.
-            del r
+        while (piece := self._handoffs.take()) is not None:
+            self._gather_piece(piece)
+            # The piece's views of its channel die here, not when the next
+            # piece comes: a held view would keep a closed channel mapped.
+            del piece
 
-    def _answer(self, r: Request) -> None:
-        """Gather the rest of ``r`` (may block on disk reads, GIL released) and
-        complete it, or fail it: never raises."""
-        a = r.done_rows
+    def _gather_piece(self, piece: Piece[Request]) -> None:
+        """Gather one piece of a handed-off request (may block on disk reads,
+        GIL released); after its request's last piece, answer it: its rows,
+        or the first piece's error. Never raises."""
+        r = piece.job.request
+        error: Exception | None = None
+        if not r.channel.closing:
+            try:
+                r.table.gather(r.ids[piece.start : piece.stop], r.out[piece.start : piece.stop])
+            except Exception as exc:
+                error = exc
+        job = self._handoffs.finish(piece, error)
+        if job is None:
+            return  # other pieces of it are still being gathered
         try:
-            r.table.gather(r.ids[a:], r.out[a:])
-        except Exception as exc:
-            self._gather_failed(r, exc)
-            return
-        r.done_rows = r.count
-        self._complete(r)
+            if r.channel.closing:
+                pass
+            elif job.error is not None:
+                self._gather_failed(r, job.error)
+            else:
+                r.done_rows = r.count
+                self._complete(r)
+        finally:
+            # (the admission cleared the slot's mark before its answer:
+            # clearing it here could clear a request resubmitted there)
+            with self._inflight_lock:
+                self._inflight -= 1
+                r.channel.handed -= 1
+            if r.channel.closing:
+                self.wake()  # the loop may now unmap the channel
 
     def _gather_failed(self, r: Request, exc: Exception) -> None:
         ch = r.channel

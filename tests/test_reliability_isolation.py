@@ -634,3 +634,40 @@ def test_channels_of_sessions_that_closed_at_once_are_not_made(
     assert 0 < skipped <= flood, (skipped, server.log_tail())
     assert server.running
     assert stops_in_budget(server) == 0
+
+
+def test_a_small_cold_lookup_takes_its_turn_beside_another_channels_large_cold_ones(
+    start_server, checkpoint, references, tmp_path
+):
+    """One gather worker; one channel keeps 8 cold lookups of 16 384 rows
+    queued for it (each 32 pieces of 512 rows: seconds of disk reads in all),
+    then another channel's 16-row cold lookup comes. Handed to the worker
+    first come, first served, it waited for all 8; taken in turns by pieces,
+    it is answered after at most the piece in progress and one more, while
+    most of the large ones still wait."""
+    server = start_server(
+        checkpoint,
+        "--io",
+        "direct",
+        "--cache-size",
+        "256K",
+        "--gather-workers",
+        "1",
+        "--chunk-rows",
+        "512",
+        "--state-dir",
+        str(tmp_path / "none"),
+    )
+    rng = np.random.default_rng(5)
+    with server.client(capacity=16384, depth=8) as big, server.client(capacity=16) as small:
+        tickets = [big.submit(1, rng.integers(0, 20_011, 16384)) for _ in range(8)]
+        # The loop hands all 8 off within its next passes (a request of
+        # parallel_min_rows rows goes to the workers whole, a few a turn).
+        time.sleep(0.02)
+        ids = rng.integers(0, 10_007, 16)
+        assert np.array_equal(small.lookup(3, ids), references[3][ids])
+        waiting = sum(t._slot.state == p.SlotState.SUBMITTED for t in tickets)
+        assert waiting >= 4, f"only {waiting} of the 8 large lookups were still waiting"
+        for ticket in tickets:  # and each is answered in full
+            ticket.wait(timeout=120)
+            ticket.release()

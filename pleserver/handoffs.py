@@ -1,0 +1,148 @@
+"""The gather workers' queue: what the serving loop hands off, taken in fair turns.
+
+The serving loop answers what needs no disk read itself and hands the rest of
+a request to a gather worker: a request with a cache miss, or one of
+``parallel_min_rows`` rows or more. Taken first come, first served, one
+client's slots full of large cold requests held every worker for seconds
+(262 144 rows at the disk's rate each), and another client's request waited
+behind all of them. So hand-offs queue per channel, and a worker takes one
+*piece* at a time: at most ``piece_rows`` rows of one request, from the
+channels with work in turn (round robin by pieces; a channel that had none
+takes the next turn). A request handed off waits
+for at most one piece per busy worker to end, however much the other channels
+have queued; several workers may gather pieces of one large request at once
+(their rows are disjoint), so a client alone still has every worker. The
+last worker to take a piece while the others are busy takes a short one
+(``LAST_PIECE_ROWS``): a hand-off that arrives while every worker gathers
+waits for that short piece, not for a whole one (a cold piece of 4 096 rows
+is about 0.1 s of a shared disk).
+
+A request is answered only when its last piece has ended: until then a worker
+may still be writing into its slot, and an answer (even an error) gives the
+slot back to the client. The first piece's error is the request's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+LAST_PIECE_ROWS = 256
+"""A piece taken by the only worker still free: short, so that the next
+hand-off finds a worker soon (256 cold rows: a few ms of disk)."""
+
+
+class Handed(Protocol):
+    """What the queue needs of a request: who it came from, its rows, and
+    where its gather stands (rows before ``done_rows`` are answered already)."""
+
+    @property
+    def channel(self) -> Hashable: ...
+
+    @property
+    def count(self) -> int: ...
+
+    @property
+    def done_rows(self) -> int: ...
+
+
+R = TypeVar("R", bound=Handed)
+
+
+class Job(Generic[R]):
+    """A handed-off request and its pieces: handed out up to ``issued``,
+    ``out`` of them not ended yet, the first ``error`` met."""
+
+    __slots__ = ("error", "issued", "out", "request")
+
+    def __init__(self, request: R) -> None:
+        self.request = request
+        self.issued = request.done_rows
+        self.out = 0
+        self.error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class Piece(Generic[R]):
+    """Rows ``[start, stop)`` of ``job``'s request, for one worker."""
+
+    job: Job[R]
+    start: int
+    stop: int
+
+
+class HandOffs(Generic[R]):
+    """Requests handed to the gather workers, per channel, taken in pieces."""
+
+    def __init__(self, piece_rows: int, workers: int) -> None:
+        self.piece_rows = max(1, piece_rows)  # set again on a reload of chunk_rows
+        self.workers = workers
+        self._busy = 0  # pieces taken and not finished: workers gathering
+        self._cond = threading.Condition()
+        self._queues: dict[Hashable, deque[Job[R]]] = {}  # channels with work
+        self._turns: deque[Hashable] = deque()  # those channels, in the order they take turns
+        self._stopping = False
+
+    def put(self, request: R) -> None:
+        """Queue the rest of ``request`` (from its ``done_rows``) for a worker."""
+        key = request.channel
+        with self._cond:
+            queue = self._queues.get(key)
+            if queue is None:
+                queue = self._queues[key] = deque()
+                # A channel that had no work goes first (as the loop's fresh
+                # channels do): a small hand-off waits for no other channel's
+                # turn, only for a worker; after its piece it goes last.
+                self._turns.appendleft(key)
+            queue.append(Job(request))
+            self._cond.notify()
+
+    def take(self) -> Piece[R] | None:
+        """The next piece, waiting for one; None once ``stop`` was called and
+        nothing is left to take."""
+        with self._cond:
+            while not self._turns:
+                if self._stopping:
+                    return None
+                self._cond.wait()
+            key = self._turns.popleft()
+            queue = self._queues[key]
+            job = queue[0]
+            start = job.issued
+            last_free = self._busy >= self.workers - 1
+            rows = min(self.piece_rows, LAST_PIECE_ROWS) if last_free else self.piece_rows
+            stop = min(job.request.count, start + rows)
+            self._busy += 1
+            job.issued = stop
+            job.out += 1
+            if stop == job.request.count:
+                queue.popleft()
+            if queue:
+                self._turns.append(key)  # its next piece after the other channels'
+            else:
+                del self._queues[key]
+            return Piece(job, start, stop)
+
+    def finish(self, piece: Piece[R], error: Exception | None = None) -> Job[R] | None:
+        """``piece`` has ended (with ``error``, if it failed): its job when that
+        was the request's last piece (answer it now), else None."""
+        job = piece.job
+        with self._cond:
+            self._busy -= 1
+            job.out -= 1
+            if error is not None and job.error is None:
+                job.error = error
+            last = job.out == 0 and job.issued == job.request.count
+        return job if last else None
+
+    def stop(self) -> None:
+        """Let every worker end once what is queued has been taken."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+
+__all__ = ["LAST_PIECE_ROWS", "HandOffs", "Handed", "Job", "Piece"]

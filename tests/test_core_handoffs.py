@@ -1,0 +1,80 @@
+"""``pleserver.handoffs``: the order in which the gather workers take the
+serving loop's hand-offs (the end-to-end check, against a real server, is
+``test_reliability_isolation.py::test_a_small_cold_lookup_takes_its_turn_beside_another_channels_large_cold_ones``)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from pleserver.handoffs import LAST_PIECE_ROWS, HandOffs
+
+
+@dataclass(eq=False)
+class Handed:
+    channel: str
+    count: int
+    done_rows: int = 0
+
+
+def test_pieces_come_from_the_channels_in_turn_a_new_channel_first():
+    queue: HandOffs[Handed] = HandOffs(piece_rows=100, workers=8)
+    big = [Handed("a", 1000) for _ in range(3)]
+    for r in big:
+        queue.put(r)
+    first = queue.take()
+    assert first is not None and (first.job.request, first.start, first.stop) == (big[0], 0, 100)
+    small = Handed("b", 16, done_rows=4)  # (rows before done_rows were answered inline)
+    queue.put(small)
+    second = queue.take()  # the channel that had no work goes first
+    assert second is not None and (second.job.request, second.start, second.stop) == (small, 4, 16)
+    third = queue.take()
+    assert third is not None and (third.job.request, third.start) == (big[0], 100)
+
+
+def test_a_request_is_answered_after_its_last_piece_with_the_first_error():
+    queue: HandOffs[Handed] = HandOffs(piece_rows=10, workers=8)
+    r = Handed("a", 25)
+    queue.put(r)
+    pieces = [queue.take() for _ in range(3)]
+    assert [(p.start, p.stop) for p in pieces if p] == [(0, 10), (10, 20), (20, 25)]
+    assert all(p is not None for p in pieces)
+    boom = OSError("the disk")
+    assert queue.finish(pieces[1], boom) is None  # others still out: not answered yet
+    assert queue.finish(pieces[2]) is None
+    job = queue.finish(pieces[0])
+    assert job is not None and job.request is r and job.error is boom
+
+
+def test_the_last_free_worker_takes_a_short_piece():
+    queue: HandOffs[Handed] = HandOffs(piece_rows=4096, workers=2)
+    queue.put(Handed("a", 100_000))
+    one, two = queue.take(), queue.take()
+    assert one is not None and one.stop - one.start == 4096
+    assert two is not None and two.stop - two.start == LAST_PIECE_ROWS
+    queue.finish(one)
+    again = queue.take()  # one worker is free again beside the short piece: a whole one
+    assert again is not None and again.stop - again.start == LAST_PIECE_ROWS  # (still last)
+    queue.finish(two)
+    queue.finish(again)
+    assert (p := queue.take()) is not None and p.stop - p.start == 4096
+
+
+def test_stop_ends_the_workers_once_the_queue_is_empty():
+    queue: HandOffs[Handed] = HandOffs(piece_rows=10, workers=2)
+    queue.put(Handed("a", 15))
+    taken = []
+
+    def worker() -> None:
+        while (piece := queue.take()) is not None:
+            taken.append((piece.start, piece.stop))
+            queue.finish(piece)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    queue.stop()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(taken) == [(0, 10), (10, 15)]  # what was queued was still taken
