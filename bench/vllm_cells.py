@@ -655,18 +655,10 @@ def add_deltas(deltas: list[dict]) -> dict | None:
 
 def bucket_quantile(buckets: list[int], q: float) -> float | None:
     """The upper bound (seconds) of the bucket holding quantile ``q`` of the
-    server's request-time histogram (``pleserver.stats.BUCKETS_S``)."""
-    from pleserver.stats import BUCKETS_S
+    server's request-time histogram (``pleserver.stats.bucket_quantile``)."""
+    from pleserver.stats import bucket_quantile as quantile
 
-    total = sum(buckets)
-    if not total:
-        return None
-    seen = 0
-    for i, c in enumerate(buckets):
-        seen += c
-        if c and seen >= q * total:
-            return BUCKETS_S[i] if i < len(BUCKETS_S) else math.inf
-    return math.inf
+    return quantile(buckets, q)
 
 
 def server_figures(delta: dict | None) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -363,8 +364,8 @@ def format_human(stats: dict) -> str:
 # ------------------------------------------------------------- a live view
 def bucket_quantile(buckets: list[int], q: float) -> float | None:
     """The ``q`` quantile of counts over ``BUCKETS_S`` (plus +Inf): the upper
-    bound of the bucket that holds it (None without a count; +Inf's bucket
-    reads as the last bound)."""
+    bound, in seconds, of the bucket that holds it (None without a count;
+    ``math.inf`` in the +Inf bucket)."""
     total = sum(buckets)
     if not total:
         return None
@@ -372,8 +373,8 @@ def bucket_quantile(buckets: list[int], q: float) -> float | None:
     for i, c in enumerate(buckets):
         seen += c
         if c and seen >= q * total:
-            return BUCKETS_S[min(i, len(BUCKETS_S) - 1)]
-    return BUCKETS_S[-1]
+            return BUCKETS_S[i] if i < len(BUCKETS_S) else math.inf
+    return math.inf
 
 
 def interval(before: dict, after: dict, seconds: float) -> dict:
