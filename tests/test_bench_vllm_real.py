@@ -714,35 +714,30 @@ def test_the_summary_judges_every_shm_cell_and_gives_each_figure_its_spread(tmp_
 
 def streams_cell(name: str, order: int, runs: dict[str, list[list[int]]]) -> dict:
     """A restart cell's JSON as ``vllm_real.restart_run`` writes it."""
-    cell = vc.parse_cell(name)
-    events = [
-        {"kind": kind, "at": at, "server_start_s": 0.4, "stall_s": 0.5}
-        for at, kind in vc.RESTART_EVENTS
-    ]
-    return {
-        "format": vc.CELL_FORMAT,
-        "run_id": "r1",
-        "order": order,
-        "name": name,
-        "cell": cell.to_json(),
-        "status": "done",
-        "restart": {
-            "runs": {
-                run: {
-                    "wall_s": 20.0,
-                    "failed": [],
-                    "gap_max_ms": 30.0,
-                    "outcome": {
-                        "prompts_digest": "p",
-                        "tokens": tokens,
-                        "logprobs": [[] for _ in tokens],
-                    },
-                }
-                for run, tokens in runs.items()
-            },
-            "events": events if cell.shm else [],
+    record = cell_json(name, order, [])
+    del record["exact"]
+    record["restart"] = {
+        "runs": {
+            run: {
+                "wall_s": 20.0,
+                "failed": [],
+                "gap_max_ms": 30.0,
+                "outcome": {
+                    "prompts_digest": "p",
+                    "tokens": tokens,
+                    "logprobs": [[] for _ in tokens],
+                },
+            }
+            for run, tokens in runs.items()
         },
+        "events": [
+            {"kind": kind, "at": at, "server_start_s": 0.4, "stall_s": 0.5}
+            for at, kind in vc.RESTART_EVENTS
+        ]
+        if vc.parse_cell(name).shm
+        else [],
     }
+    return record
 
 
 def test_the_summary_judges_restart_streams_against_stocks_own_streams():
