@@ -14,8 +14,9 @@ Environment:
 
 The package also carries the files an operator installs, copied from deploy/
 at build time (``BuildPy``): the systemd units, the sysusers.d and tmpfiles.d
-snippets and the default config, so that a wheel installs the service without
-the source tree (``pleserver files``, ``pleserver config default``). The man
+snippets, the default config and the configs of particular boxes
+(deploy/boxes/), so that a wheel installs the service without the source
+tree (``pleserver files``, ``pleserver config default``). The man
 page, man/pleserver.1 (committed, made by ``make man``), installs as
 ``share/man/man1/pleserver.1`` under the environment's prefix, where ``man``
 finds it beside the environment's ``bin/`` on the PATH.
@@ -31,7 +32,11 @@ from setuptools.command.build_py import build_py
 # deploy/'s files the package carries, as pleserver/deploy/<same path>
 # (pleserver/deployfiles.py says where each one installs). MANIFEST.in puts
 # them in the sdist, which wheels may be built from.
-DEPLOY_DATA = ["deploy/config.toml", *sorted(glob("deploy/systemd/*"))]
+DEPLOY_DATA = [
+    "deploy/config.toml",
+    *sorted(glob("deploy/boxes/*")),
+    *sorted(glob("deploy/systemd/*")),
+]
 
 WERROR = os.environ.get("PLESERVER_WERROR", "0") == "1"
 LIMITED_API = os.environ.get("PLESERVER_LIMITED_API", "1") != "0"

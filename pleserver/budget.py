@@ -7,11 +7,19 @@ allocates from the same RAM. So each default takes a share of the room at
 start (``pleserver.memory``: ``MemAvailable``, or the room under the cgroup's
 limit when that is smaller), not all of it.
 
-- **Row cache** (``plan``): ``CACHE_SHARE`` of the room less the
-  ``prewarm_reserve``, fixed at start and reserved up front. The tables are
-  served from the page cache (``mmap``) only when they fit in that budget: a
-  page cache that grows without limit starves the GPU allocator, a row cache
-  of fixed size does not.
+- **Row cache** (``plan``): the box's budget (``box_cache_budget``, from
+  ``pleserver.box``: what does not change between starts), at most
+  ``CACHE_SHARE`` of the room at start less the ``prewarm_reserve``, fixed
+  at start and reserved up front. The box's budget is ``CACHE_SHARE`` of its
+  memory less the ``prewarm_reserve``; on unified memory (the GPU allocates
+  from the same RAM) at most ``UNIFIED_CACHE_SHARE`` of what vLLM's default
+  share (``VLLM_GPU_MEMORY_UTILIZATION`` of the box) and the system
+  (``SYSTEM_RESERVE``) leave: vLLM starts after the server and refuses to
+  start when less than its share is free. ``io = auto`` serves the tables
+  from the page cache (``mmap``) only when they fit in the box's budget (or
+  in ``cache_size``), so a restart never changes the mode with the memory
+  free at that moment: a page cache that grows without limit starves the
+  GPU allocator, a row cache of fixed size does not.
 - **The request path** (``RequestMemory``): what answering requests may
   hold beside the channels and the cache, each part bounded when the server
   starts, so that no sequence of requests can take more: the miss path's read
@@ -47,11 +55,18 @@ import threading
 from dataclasses import dataclass
 
 from pleclient.checkpoint import TableSpec
+from pleserver.box import SYSTEM_RESERVE, VLLM_GPU_MEMORY_UTILIZATION, Box, this_box
 from pleserver.memory import MemoryRoom, memory_room
 from pleserver.stats import format_bytes
 
 CACHE_SHARE = 0.25
-"""Share of the room (less the reserve) the default row cache takes."""
+"""Share of the box's memory, and of the room at start (each less the
+reserve), the default row cache takes at most."""
+UNIFIED_CACHE_SHARE = 0.5
+"""Share of what vLLM's share and the system leave that the default row
+cache takes on unified memory; the rest is for the server's other memory
+(the hot set's keys alone are 10 % of a cache of FP8 rows) and a margin
+for vLLM's check of free memory at its start."""
 MIN_CACHE_BYTES = 64 << 20
 """A default cache never smaller than this (a machine short of memory still
 serves its hottest rows from the cache rather than none)."""
@@ -67,12 +82,14 @@ that reads can use at once)."""
 # ---------------------------------------------------------------- row cache
 @dataclass(frozen=True)
 class Budget:
-    """The row cache's size, the io mode, and why (both are logged and in stats)."""
+    """The row cache's size, the io mode, and why (both are logged and in
+    stats); the box they were decided for."""
 
     cache_bytes: int
     cache_reason: str
     io: str  # "direct" | "buffered" | "mmap"
     io_reason: str
+    box: Box | None = None
 
 
 def table_cache_bytes(specs: list[TableSpec]) -> int:
@@ -82,49 +99,103 @@ def table_cache_bytes(specs: list[TableSpec]) -> int:
     return sum(s.rows for s in specs) * slot
 
 
+def unified_room(
+    total: int, utilization: float = VLLM_GPU_MEMORY_UTILIZATION, system: int = SYSTEM_RESERVE
+) -> int:
+    """What a unified-memory box of ``total`` bytes leaves ple-server once
+    vLLM took its ``utilization`` share and the system ``system`` bytes."""
+    return max(0, total - int(utilization * total) - system)
+
+
+def box_cache_budget(box: Box, reserve: int) -> tuple[int | None, str]:
+    """The default row cache's budget from the box alone (bytes, or None when
+    its memory is not known; and why): ``CACHE_SHARE`` of its memory less
+    ``reserve``, on unified memory at most ``UNIFIED_CACHE_SHARE`` of what
+    vLLM's default share and the system leave."""
+    memory = box.memory
+    if memory is None:
+        return None, "the box's memory is not readable"
+    quarter = int(max(0, memory - reserve) * CACHE_SHARE)
+    quarter_why = (
+        f"{CACHE_SHARE:.0%} of the box's memory ({box.describe_memory()}) less the "
+        f"{format_bytes(reserve)} reserve (prewarm_reserve)"
+    )
+    if not box.unified or box.total is None:
+        return quarter, quarter_why
+    left = unified_room(box.total)
+    share = int(left * UNIFIED_CACHE_SHARE)
+    why = (
+        f"unified memory ({box.why}): {UNIFIED_CACHE_SHARE:.0%} of what vLLM's default "
+        f"share and the system leave, (1 − {VLLM_GPU_MEMORY_UTILIZATION}) × "
+        f"{format_bytes(box.total)} − {format_bytes(SYSTEM_RESERVE)} = {format_bytes(left)}"
+    )
+    if quarter < share:
+        return quarter, f"{quarter_why}, below {why}"
+    return share, why
+
+
 def plan(
     specs: list[TableSpec],
     io: str,
     cache_size: int | None,
     reserve: int,
+    box: Box | None = None,
     memory: MemoryRoom | None = None,
 ) -> Budget:
-    """The cache size (``cache_size``, else the default described above) and the
-    io mode (``io``, or for ``auto`` mmap when the tables fit in that size)."""
+    """The cache size (``cache_size``, else the default described above) and
+    the io mode (``io``; for ``auto`` mmap when the tables fit in
+    ``cache_size``, else in the box's budget) for ``box`` (default: this one,
+    detected)."""
+    box = box or this_box()
     tables_bytes = sum(s.nbytes for s in specs)
     needed = table_cache_bytes(specs)
+    fixed, fixed_reason = box_cache_budget(box, reserve)
     if cache_size is not None:
-        cache_bytes = cache_size
-        cache_reason = "cache_size setting"
+        cache_bytes = weighed = cache_size
+        cache_reason = weighed_reason = "cache_size setting"
     else:
         memory = memory or memory_room()
-        share = int(max(0, memory.available - reserve) * CACHE_SHARE)
-        cache_bytes = max(MIN_CACHE_BYTES, share)
-        cache_reason = (
-            f"default: {CACHE_SHARE:.0%} of the memory available at start "
-            f"({memory.describe()}) less the {format_bytes(reserve)} reserve "
-            "(prewarm_reserve)"
+        at_start = int(max(0, memory.available - reserve) * CACHE_SHARE)
+        start_reason = (
+            f"{CACHE_SHARE:.0%} of the memory available at start ({memory.describe()}) "
+            f"less the {format_bytes(reserve)} reserve (prewarm_reserve)"
         )
+        if fixed is None:  # nothing known of the box: the room at start, as it is
+            weighed, weighed_reason = at_start, start_reason
+            cache_bytes, cache_reason = at_start, start_reason
+        elif at_start < fixed:  # never reserve more than is free now
+            weighed, weighed_reason = fixed, fixed_reason
+            cache_bytes = at_start
+            cache_reason = f"{start_reason}, below the box's {format_bytes(fixed)}"
+        else:
+            weighed, weighed_reason = fixed, fixed_reason
+            cache_bytes, cache_reason = fixed, fixed_reason
+        cache_reason = "default: " + cache_reason
+        minimum = f", raised to the {format_bytes(MIN_CACHE_BYTES)} minimum"
+        if weighed < MIN_CACHE_BYTES:
+            weighed, weighed_reason = MIN_CACHE_BYTES, weighed_reason + minimum
+        if cache_bytes < MIN_CACHE_BYTES:
+            cache_bytes, cache_reason = MIN_CACHE_BYTES, cache_reason + minimum
         if cache_bytes > needed:
             cache_bytes = needed
             cache_reason += ", capped at what the tables need"
     if io != "auto":
         io_reason = "io setting"
         chosen = io
-    elif tables_bytes <= cache_bytes:
+    elif tables_bytes <= weighed:
         chosen = "mmap"
         io_reason = (
             f"auto: the tables ({format_bytes(tables_bytes)}) fit in the "
-            f"{format_bytes(cache_bytes)} budget, so the page cache serves them"
+            f"{format_bytes(weighed)} budget ({weighed_reason}), so the page cache serves them"
         )
     else:
         chosen = "direct"
         io_reason = (
             f"auto: the tables ({format_bytes(tables_bytes)}) exceed the "
-            f"{format_bytes(cache_bytes)} budget, so a row cache of that size "
-            "serves them and misses are read with O_DIRECT"
+            f"{format_bytes(weighed)} budget ({weighed_reason}), so a row cache serves "
+            "them and misses are read with O_DIRECT"
         )
-    return Budget(cache_bytes, cache_reason, chosen, io_reason)
+    return Budget(cache_bytes, cache_reason, chosen, io_reason, box)
 
 
 # ------------------------------------------------------------- request path

@@ -1,6 +1,6 @@
 # PYTHON_ARGCOMPLETE_OK (argcomplete's global completion completes this command)
 """The ``pleserver`` command: serve, config (check, show, default), inspect,
-doctor, stats, health, demo, files, completion.
+doctor, plan, stats, health, demo, files, completion.
 
 The ``serve`` flags are generated from the settings' metadata
 (``pleserver.flags``); every other option is written out here, each with its
@@ -187,6 +187,7 @@ def setting_effects(cfg: ServerConfig) -> tuple[list[str], list[str]]:
     that would have no effect, with the tables' sizes deciding ``io = auto``)."""
     from pleclient.checkpoint import CheckpointError, checkpoint_files, discover_tables
     from pleserver import budget
+    from pleserver.box import this_box
 
     problems: list[str] = []
     warnings: list[str] = []
@@ -201,7 +202,8 @@ def setting_effects(cfg: ServerConfig) -> tuple[list[str], list[str]]:
             except CheckpointError as exc:
                 problems += [f"model: {text}" for text in exc.problems]
             else:
-                chosen = budget.plan(tables, "auto", cfg.cache_size, cfg.prewarm_reserve)
+                box = this_box(cfg.gpu_memory)
+                chosen = budget.plan(tables, "auto", cfg.cache_size, cfg.prewarm_reserve, box)
                 io = chosen.io
                 auto = f"io = auto chooses {io} on this host ({chosen.io_reason})"
     if cfg.prewarm == "full" and io in ("direct", "buffered"):
@@ -412,6 +414,35 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pleclient.checkpoint import CheckpointError
+    from pleserver import sizing
+
+    try:
+        inputs = sizing.gather_inputs(
+            model=args.model,
+            tables=args.tables,
+            weights=args.weights,
+            memory=args.memory,
+            unified=args.unified,
+            row_bytes=args.row_bytes,
+            utilization=args.gpu_memory_utilization,
+            kv_cache=args.kv_cache,
+            system=args.system,
+            reserve=args.prewarm_reserve,
+            io=args.io,
+            clients=args.clients,
+            hot_set=args.hot_set,
+        )
+    except sizing.PlanError as exc:
+        args.parser.error(str(exc))
+    except CheckpointError as exc:
+        return print_problems(args.json, {"model": exc.model_dir}, exc)
+    plan = sizing.make_plan(inputs)
+    print(json.dumps(plan.to_json(), indent=1) if args.json else sizing.format_plan(plan))
+    return 0 if plan.fits else 1
+
+
 def stats_sockets(socket_path: str | None) -> list[str]:
     """The servers ``pleserver stats`` shows: the one named (``--socket``,
     else ``$PLE_SERVER_SOCKET``), or every socket in the directory named, else
@@ -550,8 +581,15 @@ the unit the name says (--spin-us 2000, --hello-timeout-s 5) or with a unit (500
 
 def build_parser() -> argparse.ArgumentParser:
     from pleserver import __version__
-    from pleserver.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, LOG_LEVELS
-    from pleserver.flags import HelpFormatter, add_setting_flags, complete, duration_type
+    from pleserver.box import SYSTEM_RESERVE, VLLM_GPU_MEMORY_UTILIZATION
+    from pleserver.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, LOG_LEVELS, SETTINGS, format_size
+    from pleserver.flags import (
+        HelpFormatter,
+        add_setting_flags,
+        complete,
+        duration_type,
+        size_type,
+    )
 
     def command(parent, name: str, help: str, description: str | None = None, **kwargs):
         sub = parent.add_parser(
@@ -727,6 +765,118 @@ def build_parser() -> argparse.ArgumentParser:
     )
     json_flag(doctor)
     doctor.set_defaults(func=cmd_doctor)
+
+    plan = command(
+        sub,
+        "plan",
+        "size ple-server for a box beside vLLM: io, cache_size, prewarm_budget",
+        "Size ple-server for a box beside vLLM, with the arithmetic, each term on its "
+        "line: what vLLM takes (on unified memory, --gpu-memory-utilization of the box: "
+        "weights, KV cache and activations), what the system holds, what that leaves; "
+        "then io, cache_size and prewarm_budget as the server would choose them there, "
+        "and what ple-server needs beside its row cache. Nothing is measured or started: "
+        "the box is this one (MemTotal, its GPU detected) unless --memory and --unified or "
+        "--discrete describe another.\nExit status 1 when the numbers do not fit (each "
+        "warning says what and the fix) or the checkpoint cannot be read.",
+    )
+    complete(
+        plan.add_argument(
+            "--model",
+            metavar="DIR",
+            help="the checkpoint: its PLE tables' size and rows, and its weights (the "
+            "safetensors that are not PLE tables)",
+        ),
+        "dir",
+    )
+    plan.add_argument(
+        "--tables", type=size_type, metavar="SIZE", help="the PLE tables' size, without --model"
+    )
+    plan.add_argument(
+        "--weights",
+        type=size_type,
+        metavar="SIZE",
+        help="the weights vLLM loads (default: from --model)",
+    )
+    plan.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=VLLM_GPU_MEMORY_UTILIZATION,
+        metavar="U",
+        help=f"vLLM's --gpu-memory-utilization (default: {VLLM_GPU_MEMORY_UTILIZATION}, "
+        "vLLM's own)",
+    )
+    plan.add_argument(
+        "--kv-cache",
+        type=size_type,
+        metavar="SIZE",
+        help="the KV cache vLLM needs, checked against its share (on unified memory the "
+        "share holds the weights and the KV cache both)",
+    )
+    plan.add_argument(
+        "--memory",
+        type=size_type,
+        metavar="SIZE",
+        help="the box's memory, for a box other than this one (with --unified or "
+        "--discrete; default: this box's MemTotal)",
+    )
+    gpu = plan.add_mutually_exclusive_group()
+    gpu.add_argument(
+        "--unified",
+        dest="unified",
+        action="store_const",
+        const=True,
+        help="the GPU allocates from the box's memory (DGX Spark, GX10, Jetson) (default: "
+        "detected on this box)",
+    )
+    gpu.add_argument(
+        "--discrete",
+        dest="unified",
+        action="store_const",
+        const=False,
+        help="the GPU has memory of its own (default: detected on this box)",
+    )
+    plan.add_argument(
+        "--system",
+        type=size_type,
+        default=SYSTEM_RESERVE,
+        metavar="SIZE",
+        help=f"what the OS and its services hold (default: {format_size(SYSTEM_RESERVE)})",
+    )
+    plan.add_argument(
+        "--prewarm-reserve",
+        type=size_type,
+        default=SETTINGS["prewarm_reserve"].default,
+        metavar="SIZE",
+        help="the config's prewarm_reserve (default: "
+        f"{format_size(SETTINGS['prewarm_reserve'].default)}, its default)",
+    )
+    plan.add_argument(
+        "--io",
+        choices=("auto", "direct", "buffered", "mmap"),
+        default="auto",
+        help="the config's io (default: auto: what the server would choose)",
+    )
+    plan.add_argument(
+        "--clients",
+        type=int,
+        default=1,
+        metavar="N",
+        help="vLLM workers on the box, one channel each (default: 1)",
+    )
+    plan.add_argument(
+        "--row-bytes",
+        type=int,
+        metavar="N",
+        help="the tables' widest row, without --model (default: 320, BF16)",
+    )
+    plan.add_argument(
+        "--hot-set",
+        type=size_type,
+        metavar="SIZE",
+        help="the rows lookups keep coming back to: a warning when the row cache is smaller",
+    )
+    json_flag(plan)
+    plan.set_defaults(func=cmd_plan)
 
     stats = command(sub, "stats", "show a running server's statistics")
     complete(

@@ -72,6 +72,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
 PREWARM_MODES = ("none", "full")
 IO_MODES = ("auto", "direct", "buffered", "mmap")
+GPU_MEMORY_MODES = ("auto", "unified", "discrete")
 READ_ENGINES = ("auto", "io_uring", "threads")
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes, NUL included
 
@@ -300,7 +301,8 @@ class ServerConfig:
         "How rows are read: 'direct' (row cache, misses read with "
         "O_DIRECT), 'buffered' (row cache, misses read through the page cache), 'mmap' "
         "(the files mapped; for tables that fit in memory), or 'auto': mmap when the "
-        "tables fit in cache_size, direct otherwise.",
+        "tables fit in cache_size, or without it in this box's default budget (from its "
+        "total memory, never from what is free at start), direct otherwise.",
         choices=IO_MODES,
         group="io",
     )
@@ -308,11 +310,21 @@ class ServerConfig:
         None,
         "size",
         "Bytes of the row cache (direct and buffered modes; auto compares "
-        "the tables against it). None: a quarter of the memory available at start "
-        "(MemAvailable, or the cgroup's room when smaller) less prewarm_reserve, at most "
-        "what the tables need.",
+        "the tables against it). None: a quarter of the box's memory (MemTotal, or the "
+        "cgroup's limit when smaller), at most a quarter of the memory available at start, "
+        "each less prewarm_reserve; on unified memory at most half of what vLLM's default "
+        "0.9 share and 6 GiB for the system leave; at most what the tables need.",
         minimum=64 << 10,
         optional=True,
+    )
+    gpu_memory: str = _setting(
+        "auto",
+        "choice",
+        "Whether the GPU allocates from this RAM: 'unified' (DGX Spark, GX10, Jetson), "
+        "'discrete' (a GPU with memory of its own, or none), or 'auto': detected, the log "
+        "says how. On unified memory the default cache_size leaves vLLM its default "
+        "share (`pleserver plan` sizes it for another).",
+        choices=GPU_MEMORY_MODES,
     )
     cache_hugepages: bool = _setting(
         True,
@@ -604,7 +616,9 @@ def unknown_env(environ: Mapping[str, str]) -> list[str]:
     """A note for each ``PLE_SERVER_*`` variable that is no setting (a typo),
     with the setting it most likely means. Not an error: the environment is
     shared with other programs, and a variable of the prefix may be theirs."""
-    known = {s.env for s in SETTINGS.values()} | {CONFIG_ENV}
+    from pleserver.memory import MEMINFO_ENV  # (states the memory figures: not a setting)
+
+    known = {s.env for s in SETTINGS.values()} | {CONFIG_ENV, MEMINFO_ENV}
     notes = []
     for var in sorted(environ):
         if var.startswith(ENV_PREFIX) and var not in known:

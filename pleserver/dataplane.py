@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from pleclient.checkpoint import TableSpec
 from pleserver import hints
+from pleserver.box import this_box
 from pleserver.budget import Budget, RequestMemory, plan, read_buffer_budget
 from pleserver.config import ServerConfig
 from pleserver.memory import MemoryRoom
@@ -48,6 +49,7 @@ class PlaneOptions:
     io: str = "mmap"
     cache_size: int | None = None
     prewarm_reserve: int = 4 << 30
+    gpu_memory: str = "auto"
     cache_hugepages: bool = True
     cache_mlock: bool = False
     queue_depth: int = 128
@@ -91,7 +93,7 @@ class DataPlane:
     @classmethod
     def open(cls, specs: list[TableSpec], options: PlaneOptions | None = None) -> DataPlane:
         o = options or PlaneOptions()
-        budget = plan(specs, o.io, o.cache_size, o.prewarm_reserve)
+        budget = plan(specs, o.io, o.cache_size, o.prewarm_reserve, this_box(o.gpu_memory))
         mode, reason = budget.io, budget.io_reason
         paths = list(dict.fromkeys(p for s in specs for p in s.files))
         files: dict[str, CheckpointFile] = {}
@@ -152,6 +154,9 @@ class DataPlane:
         return plane
 
     def log_choice(self) -> None:
+        box = self.budget.box
+        if box is not None:
+            (log.warning if box.guessed else log.info)("box: %s", box.describe())
         log.info("io = %s (%s)", self.mode, self.mode_reason)
         if self.cache is None or self.engine is None:  # both, or neither
             return
@@ -218,6 +223,8 @@ class DataPlane:
     def snapshot(self) -> dict:
         """The data plane's part of ``Server.snapshot()``."""
         out: dict = {"io": self.mode, "io_reason": self.mode_reason, "cache": None, "engine": None}
+        if self.budget.box is not None:
+            out["box"] = self.budget.box.to_json()
         if self.cache is not None and self.engine is not None:
             c = dict(self.cache.stats())
             c.update(

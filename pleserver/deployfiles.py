@@ -1,9 +1,10 @@
 """The files an operator installs, as the package carries them.
 
 A built package (a wheel, ``pip install .``) holds copies of deploy/'s
-systemd units, sysusers.d and tmpfiles.d snippets and default config under
-``pleserver/deploy/`` (setup.py copies them at build time), so the service
-installs from a wheel alone, with the files of the version installed:
+systemd units, sysusers.d and tmpfiles.d snippets, default config and the
+configs of particular boxes (``boxes/``) under ``pleserver/deploy/``
+(setup.py copies them at build time), so the service installs from a wheel
+alone, with the files of the version installed:
 ``pleserver files`` lists them and where each one goes, ``pleserver files
 --dir`` prints their folder for scripts (deploy/README.md), ``pleserver config
 default`` prints the config. An editable install of a checkout reads the
@@ -51,6 +52,11 @@ FILES: tuple[DeployFile, ...] = (
         "config.toml",
         "/etc/ple-server/config.toml",
         "the default config, every key documented: pleserver config default",
+    ),
+    DeployFile(
+        "boxes/dgx-spark.toml",
+        "/etc/ple-server/config.toml",
+        "the config for a DGX Spark or GX10 (unified memory, vLLM at 0.9), instead",
     ),
 )
 

@@ -11,7 +11,8 @@ behind it:
   (``cache_mlock`` needs room for the row cache);
 - ``thp``: transparent huge pages (the row cache asks for them);
 - ``memory``: available memory against the planned row cache, and the
-  unified-memory warning (GPU and CPU share the RAM);
+  unified-memory warning (GPU and CPU share the RAM: ``pleserver plan``
+  sizes the box for vLLM's share);
 - ``disk``: the random-read ceiling of the model's disk, measured by the native
   probe at queue depths 1, 64 and 128;
 - ``tables``: the checkpoint's tables (as ``pleserver inspect``).
@@ -33,6 +34,7 @@ from typing import Any
 
 from pleclient.checkpoint import CheckpointError, TableSpec, discover_tables
 from pleserver import __version__, budget
+from pleserver.box import Box, this_box
 from pleserver.config import ServerConfig
 from pleserver.memory import memory_room
 from pleserver.stats import format_bytes
@@ -121,12 +123,13 @@ def run(
     )
     findings["memlock"] = check_memlock(config)
     findings["thp"] = check_thp()
+    box = this_box(config.gpu_memory)
     plan = (
-        budget.plan(tables, config.io, config.cache_size, config.prewarm_reserve)
+        budget.plan(tables, config.io, config.cache_size, config.prewarm_reserve, box)
         if tables
         else None
     )
-    findings["memory"] = check_memory(config, plan, tables)
+    findings["memory"] = check_memory(config, plan, box)
     direct = findings["o_direct"].status == "ok"
     engine = "io_uring" if findings["io_uring"].status == "ok" else "threads"
     findings["disk"] = (
@@ -136,7 +139,9 @@ def run(
     )
     # The advice weighs the io modes afresh (auto), whatever the config sets.
     fresh = (
-        budget.plan(tables, "auto", config.cache_size, config.prewarm_reserve) if tables else None
+        budget.plan(tables, "auto", config.cache_size, config.prewarm_reserve, box)
+        if tables
+        else None
     )
     return Report(
         os.path.abspath(model) if model else None, findings, tables, advise(config, findings, fresh)
@@ -270,16 +275,14 @@ def check_thp() -> Finding:
     )
 
 
-def check_memory(
-    config: ServerConfig, plan: budget.Budget | None, tables: list[TableSpec]
-) -> Finding:
+def check_memory(config: ServerConfig, plan: budget.Budget | None, box: Box) -> Finding:
     view = memory_room()
-    unified = unified_memory()
     data: dict[str, Any] = {
         "available_bytes": view.available,
         "available_source": view.describe(),
         "reserve_bytes": config.prewarm_reserve,
-        "unified_memory": unified,
+        "unified_memory": box.unified,
+        "box": box.to_json(),
     }
     summary = f"available: {view.describe()}"
     status = "ok"
@@ -296,12 +299,13 @@ def check_memory(
                 f": more than is available less the reserve "
                 f"({format_bytes(config.prewarm_reserve)}); lower cache_size"
             )
-    if unified:
+    if box.unified:
         status = "warn"
         summary += (
-            f". Unified memory ({unified}): the GPU allocates from this RAM too. Size "
-            "cache_size and prewarm_budget for what vLLM leaves (deploy/README.md, "
-            "Sizing), not for what is free now"
+            f". Unified memory ({box.why}): the GPU allocates from this RAM too. Size "
+            "cache_size and prewarm_budget for what vLLM leaves, not for what is free "
+            "now: `pleserver plan --model DIR --gpu-memory-utilization U` does the "
+            "arithmetic (deploy/README.md, Sizing)"
         )
     return Finding(status, summary, data)
 
@@ -360,9 +364,7 @@ def advise(
         advice.append(Advice("io", io, reason))
         cache, cache_reason = plan.cache_bytes, plan.cache_reason
         if findings["memory"].data.get("unified_memory"):
-            cache_reason += (
-                "; on unified memory, set it from what vLLM leaves (deploy/README.md, Sizing)"
-            )
+            cache_reason += "; on unified memory, set it from what vLLM leaves (`pleserver plan`)"
         advice.append(Advice("cache_size", _size_text(cache), cache_reason))
     if findings["io_uring"].status == "ok":
         advice.append(Advice("read_engine", "auto", "io_uring is allowed here"))
@@ -432,20 +434,6 @@ def mount_of(path: str) -> dict[str, str]:
         if inside and len(point) >= len(best["mountpoint"]):
             best = {"mountpoint": point, "fstype": fields[sep + 1], "source": fields[sep + 2]}
     return best
-
-
-def unified_memory() -> str | None:
-    """The name of a machine whose GPU shares the CPU's RAM, or None."""
-    for path in glob.glob("/proc/driver/nvidia/gpus/*/information"):
-        for line in _read(path).splitlines():
-            if line.startswith("Model:") and any(m in line for m in ("GB10", "Orin", "Thor")):
-                return line.partition(":")[2].strip()
-    product = _read("/sys/class/dmi/id/product_name").strip()
-    if any(name in product for name in ("DGX Spark", "GX10")):
-        return product
-    if os.path.exists("/etc/nv_tegra_release"):
-        return "NVIDIA Jetson"
-    return None
 
 
 def _size_text(n: int) -> str:

@@ -31,7 +31,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from pleserver.config import GROUPS, SETTINGS, Setting, parse_duration
+from pleserver.config import GROUPS, SETTINGS, Setting, parse_duration, parse_size
 
 DEPRECATIONS = "deprecated_flags"  # namespace attribute: notes for the log
 
@@ -166,6 +166,20 @@ def duration_type(unit: str = "s", minimum: float = 0.0):
 
     parse.__name__ = "duration"
     return parse
+
+
+def size_type(text: str) -> int:
+    """An argparse ``type`` for a size in bytes or with a binary unit (``16G``)."""
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a size is not negative, got {text!r}")
+    return value
+
+
+size_type.__name__ = "size"
 
 
 def _metavar(s: Setting) -> str | None:

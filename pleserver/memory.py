@@ -7,7 +7,14 @@ and ``MemAvailable``, read at the moment asked.
   reclaimed (usage minus page cache);
 - ``MemAvailable`` of ``/proc/meminfo``.
 
-The budgets (``pleserver.budget``) are shares of the smaller of the two.
+The budgets (``pleserver.budget``) are shares of the smaller of the two, and
+of the box's own memory (``MemTotal``, ``pleserver.box``), which does not
+change between starts.
+
+``PLE_SERVER_MEMINFO`` names a file read instead of ``/proc/meminfo``: it
+states a box's memory (``MemTotal``, ``MemAvailable``) to the server and to
+``pleserver plan``, for tests and for trying one box's budgets on another. It
+is not a setting, and has no place in a production unit.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2⁶³ − 
 CGROUP_ROOT = "/sys/fs/cgroup"
 UNKNOWN = 1 << 62
 """What ``mem_available`` answers when /proc/meminfo cannot be read."""
+MEMINFO = "/proc/meminfo"
+MEMINFO_ENV = "PLE_SERVER_MEMINFO"
+"""Names a file read instead of ``MEMINFO`` (tests; see the module's docstring)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,12 @@ class MemoryRoom:
 def memory_room(proc_cgroup: str = "/proc/self/cgroup") -> MemoryRoom:
     limit, used = _cgroup_memory(proc_cgroup)
     return MemoryRoom(limit, used, _read_mem_available())
+
+
+def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """The tightest memory limit of this process's cgroup and its ancestors
+    (bytes; None: none)."""
+    return _cgroup_memory(proc_cgroup)[0]
 
 
 # ------------------------------------------------------------------ reading
@@ -132,15 +148,27 @@ def _walk(
     return limit, max(0, usage - cache)
 
 
-def _read_mem_available() -> int | None:
+def meminfo_path() -> str:
+    """The file the memory figures come from: ``MEMINFO``, unless
+    ``PLE_SERVER_MEMINFO`` names another."""
+    return os.environ.get(MEMINFO_ENV) or MEMINFO
+
+
+def read_meminfo(key: str) -> int | None:
+    """``key`` of /proc/meminfo (``MemTotal``, ``MemAvailable``) in bytes, or
+    None when it cannot be read."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo_path()) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def _read_mem_available() -> int | None:
+    return read_meminfo("MemAvailable")
 
 
 def mem_available() -> int:

@@ -103,6 +103,9 @@ RESTART_ONLY: dict[str, str] = {
         "at start; it cannot shrink or grow in place while gather workers copy rows out "
         "of it (with io = auto it also picks the io mode)"
     ),
+    "gpu_memory": (
+        "the row cache's default size and the io mode are decided once, at start, for the box"
+    ),
     "cache_hugepages": "the row cache's memory is mapped once, at start",
     "cache_mlock": "the row cache's memory is mapped (and locked) once, at start",
     "queue_depth": "the miss engine's ring is sized at start",

@@ -256,6 +256,13 @@ def format_human(stats: dict) -> str:
     lines += _reload_lines(stats.get("config") or {})
     plane = stats.get("dataplane") or {}
     if plane:
+        box = plane.get("box")
+        if box:
+            memory = box["memory_bytes"]
+            lines.append(
+                f"box {format_bytes(memory) if memory is not None else 'memory unknown'}, "
+                f"{box['gpu_memory']} GPU memory ({box['gpu_memory_reason']})"
+            )
         lines.append(f"io {plane['io']} ({plane['io_reason']})")
     cache, engine = plane.get("cache"), plane.get("engine")
     if cache:

@@ -1,14 +1,19 @@
-"""The memory budget: the default row cache size and the io mode auto picks;
-the request path's bound and what it leaves the channels."""
+"""The memory budget: the default row cache size and the io mode auto picks,
+from the box and from the room at start; the request path's bound and what
+it leaves the channels."""
 
 from __future__ import annotations
 
+import pytest
+
 from pleclient.checkpoint import TableSpec, discover_tables
+from pleserver.box import SYSTEM_RESERVE, Box
 from pleserver.budget import (
     CACHE_SHARE,
     CHANNEL_SHARE,
     MIN_CACHE_BYTES,
     READ_SHARE,
+    UNIFIED_CACHE_SHARE,
     RequestMemory,
     default_channel_budget,
     overcommitted,
@@ -16,28 +21,72 @@ from pleserver.budget import (
     read_buffer_budget,
     table_cache_bytes,
 )
-from pleserver.memory import MemoryRoom
+from pleserver.memory import MEMINFO_ENV, MemoryRoom, cgroup_limit
+from pleserver.synthetic import SyntheticTable, write_checkpoint
 
 GIB = 1 << 30
 MIB = 1 << 20
+# Qwen3.8-Flash-Next geometry: 44 GiB of FP8 rows.
+FP8_TABLE = TableSpec("t", 1, "F8_E4M3", 160, 320_000_000, 16, 20_000_000, [])
+DGX_SPARK = 127_600_748 << 10  # MemTotal of a DGX Spark: 121.69 GiB
+BIG_BOX = Box(256 * GIB, None, False, "stated")
 
 
 def test_the_default_cache_is_a_share_of_available_memory_less_the_reserve():
-    # Qwen3.8-Flash-Next geometry: 44 GiB of FP8 rows, on a machine with 24 GiB free.
-    table = TableSpec("t", 1, "F8_E4M3", 160, 320_000_000, 16, 20_000_000, [])
-    budget = plan([table], "auto", None, reserve=4 * GIB, memory=MemoryRoom(None, None, 24 * GIB))
+    # On a box of 64 GiB with 24 GiB free: the room at start, not the box, bounds it.
+    box = Box(64 * GIB, None, False, "stated")
+    budget = plan([FP8_TABLE], "auto", None, 4 * GIB, box, MemoryRoom(None, None, 24 * GIB))
     assert budget.cache_bytes == int(20 * GIB * CACHE_SHARE)
     assert budget.cache_reason == (
         "default: 25% of the memory available at start "
         "(MemAvailable 24.00 GiB) less the 4.00 GiB reserve "
-        "(prewarm_reserve)"
+        "(prewarm_reserve), below the box's 15.00 GiB"
     )
     assert budget.io == "direct" and "exceed" in budget.io_reason
 
 
+def test_a_cgroup_limit_is_the_boxs_memory():
+    """The service's limit is fixed for the deployment, as the box is."""
+    limited = Box(24 * GIB, 8 * GIB, False, "stated")
+    budget = plan([FP8_TABLE], "auto", None, 4 * GIB, limited, MemoryRoom(8 * GIB, 0, 23 * GIB))
+    assert budget.cache_bytes == GIB
+    assert budget.cache_reason == (
+        "default: 25% of the box's memory (cgroup limit 8.00 GiB, MemTotal 24.00 GiB) "
+        "less the 4.00 GiB reserve (prewarm_reserve)"
+    )
+
+
+def test_on_unified_memory_the_default_cache_leaves_vllm_its_share():
+    """A DGX Spark with 115 GiB free at start: not a quarter of that (28 GiB)
+    but half of what vLLM's 0.9 and the system's 6 GiB leave."""
+    box = Box(DGX_SPARK, None, True, "detected: NVIDIA GB10")
+    budget = plan([FP8_TABLE], "auto", None, 4 * GIB, box, MemoryRoom(None, None, 115 * GIB))
+    left = DGX_SPARK - int(0.9 * DGX_SPARK) - SYSTEM_RESERVE
+    assert budget.cache_bytes == int(left * UNIFIED_CACHE_SHARE)
+    assert 3 * GIB < budget.cache_bytes < 3.1 * GIB
+    assert budget.cache_reason == (
+        "default: unified memory (detected: NVIDIA GB10): 50% of what vLLM's default share "
+        "and the system leave, (1 − 0.9) × 121.69 GiB − 6.00 GiB = 6.17 GiB"
+    )
+    assert budget.io == "direct" and "3.08 GiB budget (unified memory" in budget.io_reason
+
+
+def test_auto_chooses_by_the_box_whatever_is_free_at_start():
+    # 44 GiB of tables, a 256 GiB box: the box's budget (63 GiB) holds them,
+    # whether 250 GiB or 20 GiB happen to be free.
+    chosen = {
+        free: plan([FP8_TABLE], "auto", None, 4 * GIB, BIG_BOX, MemoryRoom(None, None, free))
+        for free in (250 * GIB, 20 * GIB)
+    }
+    assert {b.io for b in chosen.values()} == {"mmap"}
+    assert chosen[250 * GIB].io_reason == chosen[20 * GIB].io_reason
+    assert "MemAvailable" not in chosen[20 * GIB].io_reason
+
+
 def test_the_default_cache_never_exceeds_what_the_tables_need(checkpoint):
     specs = discover_tables(str(checkpoint))
-    budget = plan(specs, "auto", None, reserve=4 * GIB, memory=MemoryRoom(None, None, 100 * GIB))
+    room = MemoryRoom(None, None, 100 * GIB)
+    budget = plan(specs, "auto", None, 4 * GIB, BIG_BOX, room)
     assert budget.cache_bytes == table_cache_bytes(specs)
     assert budget.cache_reason.endswith("capped at what the tables need")
     assert budget.io == "mmap" and budget.io_reason.startswith("auto: the tables")
@@ -45,16 +94,20 @@ def test_the_default_cache_never_exceeds_what_the_tables_need(checkpoint):
 
 def test_auto_reads_directly_what_does_not_fit_and_an_explicit_mode_wins(checkpoint):
     specs = discover_tables(str(checkpoint))
-    small = plan(specs, "auto", 1 << 20, reserve=0)
+    small = plan(specs, "auto", 1 << 20, 0, BIG_BOX)
     assert small.io == "direct" and "exceed" in small.io_reason
     assert small.cache_bytes == 1 << 20 and small.cache_reason == "cache_size setting"
-    forced = plan(specs, "buffered", None, reserve=0, memory=MemoryRoom(None, None, 100 * GIB))
+    room = MemoryRoom(None, None, 100 * GIB)
+    forced = plan(specs, "buffered", None, 0, BIG_BOX, room)
     assert forced.io == "buffered" and forced.io_reason == "io setting"
 
 
 def test_a_machine_short_of_memory_still_gets_a_minimum_cache(checkpoint):
     specs = discover_tables(str(checkpoint))
-    budget = plan(specs, "auto", None, reserve=4 * GIB, memory=MemoryRoom(None, None, GIB))
+    budget = plan(specs, "auto", None, 4 * GIB, BIG_BOX, MemoryRoom(None, None, GIB))
+    assert budget.cache_bytes == min(MIN_CACHE_BYTES, table_cache_bytes(specs))
+    tiny = Box(4 * GIB, None, True, "stated")  # vLLM's share leaves it nothing
+    budget = plan(specs, "direct", None, 0, tiny, MemoryRoom(None, None, 4 * GIB))
     assert budget.cache_bytes == min(MIN_CACHE_BYTES, table_cache_bytes(specs))
 
 
@@ -99,3 +152,89 @@ def test_budgets_past_the_room_are_named_with_their_numbers():
     assert "the request path's 143.00 MiB" in why and "need 191.00 MiB" in why
     assert "read_buffer_memory" in why and "MemoryMax=" in why
     assert overcommitted(MemoryRoom(None, None, None), 48 * MIB, request, 0) is None
+
+
+# ------------------------------------------------------- a real server's box
+BIG_TABLES = (SyntheticTable(layer=1, rows=1_000_003, cols=160, dtype="F8_E4M3", parts=4),)
+"""160 MB of rows: more than the 64 MiB a default row cache is at least, so
+that the box, not that minimum, decides."""
+
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("big-ckpt")
+    write_checkpoint(str(path), BIG_TABLES, files=1)
+    return path
+
+
+def stated_box(path, total: int, available: int) -> dict[str, str]:
+    """The environment that states a box of ``total`` bytes with ``available``
+    free to a server (``PLE_SERVER_MEMINFO``), in /proc/meminfo's format."""
+    path.write_text(
+        f"MemTotal:       {total >> 10} kB\n"
+        f"MemFree:        {available >> 10} kB\n"
+        f"MemAvailable:   {available >> 10} kB\n"
+    )
+    limit = cgroup_limit()
+    if limit is not None and limit < total:  # the limit would be the box
+        pytest.skip(f"this test's cgroup limit ({limit} bytes) is below the stated box's memory")
+    return {MEMINFO_ENV: str(path)}
+
+
+def test_a_server_on_unified_memory_takes_a_small_fixed_cache_and_says_why(
+    start_server, big_checkpoint, tmp_path
+):
+    """62 GiB of unified memory, 60 GiB of it free at start: vLLM's 0.9 and
+    the system's 6 GiB leave 205 MiB; the row cache takes half, not a
+    quarter of what is free (14 GiB)."""
+    total = 62 * GIB
+    env = stated_box(tmp_path / "meminfo", total, 60 * GIB)
+    server = start_server(
+        big_checkpoint, "--gpu-memory", "unified", "--state-dir", str(tmp_path), env=env
+    )
+    with server.client() as client:
+        plane = client.stats()["dataplane"]
+    expected = int((total - int(0.9 * total) - SYSTEM_RESERVE) * UNIFIED_CACHE_SHARE)
+    assert plane["cache"]["budget_bytes"] == expected
+    why = f"gpu_memory setting; memory figures from {tmp_path / 'meminfo'}"
+    assert plane["cache"]["budget_reason"] == (
+        f"default: unified memory ({why}): 50% of what vLLM's default share and the "
+        "system leave, (1 − 0.9) × 62.00 GiB − 6.00 GiB = 204.80 MiB"
+    )
+    assert plane["box"] == {
+        "memory_bytes": total,
+        "total_bytes": total,
+        "cgroup_limit_bytes": None,
+        "gpu_memory": "unified",
+        "gpu_memory_reason": why,
+    }
+    assert plane["io"] == "direct" and "exceed the 102.40 MiB budget" in plane["io_reason"]
+    log = server.log()
+    assert f"box: MemTotal 62.00 GiB; unified GPU memory ({why})" in log
+    assert "row cache: 102.4 MiB" in log and "(default: unified memory (" in log
+
+
+def test_io_auto_chooses_the_same_for_the_same_box_whatever_is_free(
+    start_server, big_checkpoint, tmp_path
+):
+    """A 16 GiB box: its budget (a quarter of 16 GiB less the 4 GiB reserve)
+    holds the 160 MB tables, with 15 GiB free at start or 300 MiB. (Decided
+    from what was free, the second start read them with O_DIRECT instead.)"""
+    chosen = []
+    for free in (15 * GIB, 300 * MIB):
+        env = stated_box(tmp_path / f"meminfo-{free}", 16 * GIB, free)
+        server = start_server(big_checkpoint, "--state-dir", str(tmp_path), env=env)
+        with server.client() as client:
+            plane = client.stats()["dataplane"]
+        assert server.stop() == 0, server.log_tail()
+        chosen.append((plane["io"], plane["io_reason"]))
+    assert (
+        chosen[0]
+        == chosen[1]
+        == (
+            "mmap",
+            "auto: the tables (152.59 MiB) fit in the 3.00 GiB budget (25% of the box's memory "
+            "(MemTotal 16.00 GiB) less the 4.00 GiB reserve (prewarm_reserve)), so the page "
+            "cache serves them",
+        )
+    )

@@ -122,6 +122,7 @@ def test_every_option_of_every_command_has_help():
         "pleserver inspect",
         "pleserver demo",
         "pleserver doctor",
+        "pleserver plan",
         "pleserver config check",
         "pleserver config show",
         "pleserver config default",
@@ -361,7 +362,18 @@ COMPLETIONS = [
     (
         "pleserver",
         "",
-        {"serve", "config", "inspect", "doctor", "stats", "health", "demo", "files", "completion"},
+        {
+            "serve",
+            "config",
+            "inspect",
+            "doctor",
+            "plan",
+            "stats",
+            "health",
+            "demo",
+            "files",
+            "completion",
+        },
     ),
     ("pleserver", "se", {"serve"}),
     ("pleserver serve", "--i", {"--io", "--idle-wait", "--idle-timeout-s"}),
@@ -536,8 +548,13 @@ def test_the_man_page_renders_without_roff_warnings():
 
 # ------------------------------------------------------ packaged deploy files
 def test_the_package_ships_every_unit_snippet_and_the_config_of_deploy():
-    # setup.py copies deploy/config.toml and deploy/systemd/*: FILES must be them.
-    shipped = {"config.toml", *(f"systemd/{p.name}" for p in (DEPLOY / "systemd").iterdir())}
+    # setup.py copies deploy/config.toml, deploy/boxes/* and deploy/systemd/*:
+    # FILES must be them.
+    shipped = {
+        "config.toml",
+        *(f"boxes/{p.name}" for p in (DEPLOY / "boxes").iterdir()),
+        *(f"systemd/{p.name}" for p in (DEPLOY / "systemd").iterdir()),
+    }
     assert {f.path for f in deployfiles.FILES} == shipped
     folder = deployfiles.directory()
     for f in deployfiles.FILES:

@@ -28,6 +28,7 @@ from pleserver.config import (
 )
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "config.toml"
+DGX_SPARK = EXAMPLE.parent / "boxes" / "dgx-spark.toml"
 EX_CONFIG = 78
 
 
@@ -471,6 +472,27 @@ def test_the_example_config_is_valid(tmp_path, checkpoint):
     result = pleserver("config", "check", str(here), "--json")
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads(result.stdout)["ok"] is True
+
+
+def test_the_dgx_spark_config_is_valid_and_warns_of_nothing(tmp_path, checkpoint):
+    # deploy/boxes/dgx-spark.toml: valid as it is but for its model, as config.toml.
+    result = pleserver("config", "check", str(DGX_SPARK), "--json")
+    report = json.loads(result.stdout)
+    assert result.returncode == 1 and report["problems"] == [
+        "model: /models/Qwen3.8-Flash-Next: not a directory; pass the model's local snapshot "
+        "directory (the one with config.json and *.safetensors)"
+    ], report
+    here = tmp_path / "dgx-spark.toml"
+    here.write_text(
+        DGX_SPARK.read_text().replace('"/models/Qwen3.8-Flash-Next"', f'"{checkpoint}"', 1)
+    )
+    result = pleserver("config", "check", str(here), "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is True and report["warnings"] == []
+    config, sources = report["config"], report["sources"]
+    assert config["gpu_memory"] == "unified" and config["io"] == "direct"
+    assert config["cache_size"] == 3 << 30 and sources["cache_size"] == str(here)
 
 
 def test_the_example_config_documents_every_key():
