@@ -17,7 +17,10 @@ and, on unified memory, the default row cache.
      (``/proc/driver/nvidia/gpus/*/information``): GB10 (DGX Spark, ASUS
      Ascent GX10 and the other GB10 machines), Jetson Orin and Thor share the
      RAM;
-  3. the machine's DMI product name (DGX Spark, GX10);
+  3. the machine's DMI product name (DGX Spark, GX10); a driver model of a
+     known discrete family (H100, H200, B200, L40, RTX, …) is discrete at
+     once, so a GPU server never waits for nvidia-smi at start (a restart
+     under running vLLM costs its workers the server's start);
   4. a Jetson's ``/etc/nv_tegra_release``;
   5. ``nvidia-smi``, only where an NVIDIA driver is loaded: a GPU that
      reports no memory of its own (``memory.total`` is ``[N/A]``, as GB10's
@@ -56,6 +59,13 @@ UNIFIED_MODELS = ("GB10", "Orin", "Thor")
 """NVIDIA GPU models (as the driver names them) that allocate from the CPU's RAM."""
 UNIFIED_PRODUCTS = ("DGX Spark", "GX10")
 """DMI product names of machines built around such a GPU."""
+DISCRETE_MODELS = (
+    "H100", "H200", "H20", "H800", "A100", "A800", "A10", "A30", "A40", "A16", "A2 ",
+    "L4", "L40", "L20", "B100", "B200", "B300", "GH200", "GB200", "GB300",
+    "RTX", "GeForce", "Quadro", "TITAN", "Tesla", "T4", "V100", "P100",
+)  # fmt: skip
+"""NVIDIA GPU model families (as the driver names them) with memory of their
+own: decided without asking nvidia-smi."""
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
 SMI_TIMEOUT_S = 10.0  # nvidia-smi answers in well under a second; a stuck driver does not
 
@@ -123,14 +133,16 @@ def detect_unified() -> tuple[bool, str, bool]:
     whether that is a guess): the order of the module's docstring, once per
     process."""
     models = _driver_models()
-    for model in models:
-        if any(name in model for name in UNIFIED_MODELS):
-            return True, f"detected: {model}, as the NVIDIA driver names it", False
+    said = models_say(models)
+    if said is not None and said[0]:
+        return (*said, False)
     product = _read("/sys/class/dmi/id/product_name").strip()
     if any(name in product for name in UNIFIED_PRODUCTS):
         return True, f"detected: {product}, the machine's product name", False
     if os.path.exists("/etc/nv_tegra_release"):
         return True, "detected: NVIDIA Jetson (/etc/nv_tegra_release)", False
+    if said is not None:
+        return (*said, False)
     if models:
         found = _smi_memory()
         if found is not None:
@@ -142,6 +154,17 @@ def detect_unified() -> tuple[bool, str, bool]:
             True,
         )
     return False, "not detected: no NVIDIA GPU sharing this RAM found", False
+
+
+def models_say(models: list[str]) -> tuple[bool, str] | None:
+    """What the driver's GPU models alone say: (unified, why) for a known
+    unified model, or when every one is of a known discrete family; else None."""
+    for model in models:
+        if any(name in model for name in UNIFIED_MODELS):
+            return True, f"detected: {model}, as the NVIDIA driver names it"
+    if models and all(any(name in m for name in DISCRETE_MODELS) for m in models):
+        return False, f"detected: {', '.join(models)}, with memory of its own"
+    return None
 
 
 def _driver_models() -> list[str]:

@@ -11,7 +11,9 @@ channels with work in turn (round robin by pieces; a channel that had none
 takes the next turn). A request handed off waits
 for at most one piece per busy worker to end, however much the other channels
 have queued; several workers may gather pieces of one large request at once
-(their rows are disjoint), so a client alone still has every worker. The
+(their rows are disjoint), so a client alone still has every worker. While
+only one channel has work and every worker is free, a worker takes the whole
+rest of its request (one call, the native pool's threads with it). The
 last worker to take a piece while the others are busy takes a short one
 (``LAST_PIECE_ROWS``): a hand-off that arrives while every worker gathers
 waits for that short piece, not for a whole one (a cold piece of 4 096 rows
@@ -112,8 +114,18 @@ class HandOffs(Generic[R]):
             queue = self._queues[key]
             job = queue[0]
             start = job.issued
-            last_free = self._busy >= self.workers - 1
-            rows = min(self.piece_rows, LAST_PIECE_ROWS) if last_free else self.piece_rows
+            # (One worker alone is every worker: whole pieces, never short ones.)
+            last_free = self.workers > 1 and self._busy >= self.workers - 1
+            if last_free:
+                rows = min(self.piece_rows, LAST_PIECE_ROWS)
+            elif len(self._queues) == 1 and self._busy == 0:
+                # One channel alone, every worker free: the whole rest in one
+                # piece, gathered in one call by the native pool's threads (as
+                # fast as a large request goes); the other workers, taking
+                # pieces, leave the last one free for a channel that comes.
+                rows = job.request.count - start
+            else:
+                rows = self.piece_rows
             stop = min(job.request.count, start + rows)
             self._busy += 1
             job.issued = stop

@@ -20,23 +20,44 @@ class Handed:
 def test_pieces_come_from_the_channels_in_turn_a_new_channel_first():
     queue: HandOffs[Handed] = HandOffs(piece_rows=100, workers=8)
     big = [Handed("a", 1000) for _ in range(3)]
-    for r in big:
+    other = Handed("c", 1000)
+    for r in [*big, other]:
         queue.put(r)
-    first = queue.take()
-    assert first is not None and (first.job.request, first.start, first.stop) == (big[0], 0, 100)
+    first = queue.take()  # ("c" came last, but had no work: its turn first)
+    assert first is not None and (first.job.request, first.start, first.stop) == (other, 0, 100)
+    second = queue.take()
+    assert second is not None and (second.job.request, second.start, second.stop) == (
+        big[0],
+        0,
+        100,
+    )
     small = Handed("b", 16, done_rows=4)  # (rows before done_rows were answered inline)
     queue.put(small)
-    second = queue.take()  # the channel that had no work goes first
-    assert second is not None and (second.job.request, second.start, second.stop) == (small, 4, 16)
-    third = queue.take()
-    assert third is not None and (third.job.request, third.start) == (big[0], 100)
+    third = queue.take()  # the channel that had no work goes first
+    assert third is not None and (third.job.request, third.start, third.stop) == (small, 4, 16)
+    fourth = queue.take()
+    assert fourth is not None and (fourth.job.request, fourth.start) == (other, 100)
+
+
+def test_a_channel_alone_gets_the_whole_rest_of_a_request_in_one_piece():
+    queue: HandOffs[Handed] = HandOffs(piece_rows=100, workers=8)
+    r = Handed("a", 100_000, done_rows=10)
+    queue.put(r)
+    piece = queue.take()
+    assert piece is not None and (piece.start, piece.stop) == (10, 100_000)
 
 
 def test_a_request_is_answered_after_its_last_piece_with_the_first_error():
     queue: HandOffs[Handed] = HandOffs(piece_rows=10, workers=8)
     r = Handed("a", 25)
     queue.put(r)
-    pieces = [queue.take() for _ in range(3)]
+    queue.put(Handed("b", 1000))  # another channel waits: pieces, not the whole
+    pieces = []
+    while len(pieces) < 3:  # (b's pieces come between them, each taken in turn)
+        piece = queue.take()
+        assert piece is not None
+        if piece.job.request is r:
+            pieces.append(piece)
     assert [(p.start, p.stop) for p in pieces if p] == [(0, 10), (10, 20), (20, 25)]
     assert all(p is not None for p in pieces)
     boom = OSError("the disk")
@@ -49,6 +70,7 @@ def test_a_request_is_answered_after_its_last_piece_with_the_first_error():
 def test_the_last_free_worker_takes_a_short_piece():
     queue: HandOffs[Handed] = HandOffs(piece_rows=4096, workers=2)
     queue.put(Handed("a", 100_000))
+    queue.put(Handed("b", 100_000))
     one, two = queue.take(), queue.take()
     assert one is not None and one.stop - one.start == 4096
     assert two is not None and two.stop - two.start == LAST_PIECE_ROWS
@@ -77,4 +99,4 @@ def test_stop_ends_the_workers_once_the_queue_is_empty():
     for t in threads:
         t.join(10)
     assert not any(t.is_alive() for t in threads)
-    assert sorted(taken) == [(0, 10), (10, 15)]  # what was queued was still taken
+    assert taken == [(0, 15)]  # what was queued was still taken (alone: whole)

@@ -238,3 +238,22 @@ def test_io_auto_chooses_the_same_for_the_same_box_whatever_is_free(
             "cache serves them",
         )
     )
+
+
+@pytest.mark.parametrize(
+    "models, unified",
+    [
+        (["NVIDIA GB10"], True),
+        (["NVIDIA H200"], False),  # no nvidia-smi at start on a GPU server
+        (["NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3"], False),
+        (["NVIDIA GH200 480GB"], False),  # its own HBM is what vLLM shares out
+        (["NVIDIA GeForce RTX 4090"], False),
+        (["NVIDIA Some Future GPU"], None),  # unknown: nvidia-smi is asked
+        ([], None),
+    ],
+)
+def test_the_drivers_gpu_model_decides_the_box_where_it_can(models, unified):
+    from pleserver.box import models_say
+
+    said = models_say(models)
+    assert (said[0] if said else None) == unified, said
