@@ -136,7 +136,7 @@ def detect_unified() -> tuple[bool, str, bool]:
     said = models_say(models)
     if said is not None and said[0]:
         return (*said, False)
-    product = _read("/sys/class/dmi/id/product_name").strip()
+    product = read_text("/sys/class/dmi/id/product_name").strip()
     if any(name in product for name in UNIFIED_PRODUCTS):
         return True, f"detected: {product}, the machine's product name", False
     if os.path.exists("/etc/nv_tegra_release"):
@@ -170,7 +170,7 @@ def models_say(models: list[str]) -> tuple[bool, str] | None:
 def _driver_models() -> list[str]:
     models = []
     for path in sorted(glob.glob(os.path.join(NVIDIA_GPUS, "*", "information"))):
-        for line in _read(path).splitlines():
+        for line in read_text(path).splitlines():
             if line.startswith("Model:"):
                 models.append(line.partition(":")[2].strip())
     return models
@@ -202,7 +202,8 @@ def _smi_memory() -> tuple[bool, str] | None:
     return True, f"detected: nvidia-smi reports no memory of {gpus[0][0].strip()}'s own"
 
 
-def _read(path: str) -> str:
+def read_text(path: str) -> str:
+    """A kernel or sysfs file's text; empty when it cannot be read."""
     try:
         with open(path) as f:
             return f.read()

@@ -34,7 +34,7 @@ from typing import Any
 
 from pleclient.checkpoint import CheckpointError, TableSpec, discover_tables
 from pleserver import __version__, budget
-from pleserver.box import Box, this_box
+from pleserver.box import Box, read_text, this_box
 from pleserver.config import ServerConfig
 from pleserver.memory import memory_room
 from pleserver.stats import format_bytes
@@ -152,7 +152,7 @@ def run(
 def check_io_uring() -> Finding:
     from pleserver import _native
 
-    switch = _read("/proc/sys/kernel/io_uring_disabled").strip()
+    switch = read_text("/proc/sys/kernel/io_uring_disabled").strip()
     data: dict[str, Any] = {"io_uring_disabled": int(switch) if switch.isdigit() else None}
     try:
         engine = _native.ReadEngine(queue_depth=8, kind="io_uring")
@@ -230,7 +230,7 @@ def check_memlock(config: ServerConfig) -> Finding:
     units = {}
     for pattern in UNIT_GLOBS:
         for unit in glob.glob(pattern):
-            for line in _read(unit).splitlines():
+            for line in read_text(unit).splitlines():
                 if line.strip().startswith("LimitMEMLOCK="):
                     units[unit] = line.strip().partition("=")[2]
     shown = "unlimited" if soft == resource.RLIM_INFINITY else format_bytes(soft)
@@ -254,8 +254,8 @@ def check_memlock(config: ServerConfig) -> Finding:
 
 
 def check_thp() -> Finding:
-    enabled = _bracketed(_read("/sys/kernel/mm/transparent_hugepage/enabled"))
-    defrag = _bracketed(_read("/sys/kernel/mm/transparent_hugepage/defrag"))
+    enabled = _bracketed(read_text("/sys/kernel/mm/transparent_hugepage/enabled"))
+    defrag = _bracketed(read_text("/sys/kernel/mm/transparent_hugepage/defrag"))
     data = {"enabled": enabled, "defrag": defrag}
     if enabled in ("always", "madvise"):
         return Finding(
@@ -426,7 +426,7 @@ def mount_of(path: str) -> dict[str, str]:
     """The mount holding ``path``: mount point, file system type, source."""
     real = os.path.realpath(path)
     best = {"mountpoint": "/", "fstype": "unknown", "source": "unknown"}
-    for line in _read("/proc/self/mountinfo").splitlines():
+    for line in read_text("/proc/self/mountinfo").splitlines():
         fields = line.split()
         sep = fields.index("-")
         point = fields[4].replace("\\040", " ")
@@ -447,11 +447,3 @@ def _size_text(n: int) -> str:
 def _bracketed(text: str) -> str | None:
     start, end = text.find("["), text.find("]")
     return text[start + 1 : end] if 0 <= start < end else None
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
