@@ -4,6 +4,11 @@
 #
 #   T0=$(date +%s); . .gpu-bundle/site.sh && T0=$T0 CELLS=exact-1 bash bench/device_vllm.sh
 #
+# Send the bundle's first part alone: a call that starts no machine still costs
+# device time, and so does every later call refused while none is to be had. Once
+# the first part has a machine, send the other 25 and this script's call in one
+# message, so that the host never idles (it resets after 30 s).
+#
 # It writes the checkpoints the cells need (bench/qwen4_checkpoint.py on the GPU,
 # kept under $WORK and reused by later calls while the host lives), then runs
 # bench/vllm_real.py's coordinator: each cell (one engine: LLM.generate or
