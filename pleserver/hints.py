@@ -39,15 +39,17 @@ a lookup's reads wait in the miss engine behind at most one batch of hint
 reads, and a lookup never waits for the hint queue. Rows already cached are counted
 (``hints_cached``) and not read again.
 
-Hits on hinted rows: the reader remembers the rows it hinted in a
-direct-mapped table of row keys (``HintedRows``: one int64 a slot, as many
-slots as hints may fill the cache, at most ``HINTED_SLOTS_MAX``, allocated at
-the first hint read; a newer hinted row takes an older one's slot); a demand
-lookup of one counts ``hints_hits`` once and forgets it, within
-``HINT_HIT_WINDOW_S`` of the table's last hint read. The check is a few
-vectorized operations per answered lookup, and none for a table with no
-hinted row waiting (the table counts its rows per table) or last hinted
-longer ago than that.
+Hits on hinted rows, the hits hints brought: the reader remembers the rows
+its hints put in the cache (not those cached already) in a direct-mapped
+table of row keys (``HintedRows``: one int64 a slot, as many slots as hints
+may fill the cache, at most ``HINTED_SLOTS_MAX``, allocated at the first hint
+read; a newer hinted row takes an older one's slot). A demand lookup, before
+its gather, takes the hinted rows it asks for and counts in ``hints_hits``
+those still in the cache (a hinted row evicted before it was asked for is a
+miss, not a hit), within ``HINT_HIT_WINDOW_S`` of the table's last hint read.
+The check is a few vectorized operations and a look at the cache per lookup,
+and none for a table with no hinted row waiting (the table counts its rows
+per table) or last hinted longer ago than that.
 """
 
 from __future__ import annotations
@@ -128,17 +130,18 @@ class HintedRows:
             self.slots[at] = keys
             self.live[key] += places.size
 
-    def take(self, key: int, rows: np.ndarray) -> int:
-        """How many distinct hinted rows of ``rows`` were remembered (now forgotten)."""
+    def take(self, key: int, rows: np.ndarray) -> np.ndarray:
+        """The distinct hinted rows of ``rows`` that were remembered (now forgotten)."""
         keys, at = self._where(key, rows)
         with self.lock:
             hit = self.slots[at] == keys
             if not hit.any():
-                return 0
+                return rows[:0]
             found = np.unique(at[hit])
+            taken = self.slots[found] & _ROW_MASK
             self.slots[found] = -1
             self.live[key] -= found.size
-        return int(found.size)
+        return taken
 
     def forget(self, key: int) -> None:
         """Clear table ``key``'s rows (one pass over the slots)."""
@@ -272,7 +275,9 @@ class HintReader:
         self._queued += n
 
     def demand(self, key: int, ids: np.ndarray) -> None:
-        """A lookup of ``ids`` was answered: count its hinted rows (once each)."""
+        """A lookup of ``ids`` is about to be gathered: count its hinted rows
+        that are in the cache now (once each: the hits the hints brought; a
+        hinted row evicted before this lookup is a miss, not the hint's hit)."""
         counts = self.counts[key]
         hinted = self._hinted
         # Not hinted lately, or every hinted row already asked for: no cost.
@@ -280,7 +285,9 @@ class HintReader:
             return
         found = 0
         for at in range(0, ids.shape[0], DEMAND_PIECE_ROWS):  # (a row counted once: taken)
-            found += hinted.take(key, ids[at : at + DEMAND_PIECE_ROWS])
+            taken = hinted.take(key, ids[at : at + DEMAND_PIECE_ROWS])
+            if taken.size:
+                found += self.tables[key].cached(taken)
         if found:
             with counts.lock:
                 counts.hits += found
@@ -374,7 +381,9 @@ class HintReader:
             return
         unique = np.unique(batch)
         try:
-            inserted = self.tables[key].fill(unique)
+            # Rows cached already are counted, not read, and are no hint's hits.
+            fresh = unique[~self.tables[key].cached_mask(unique)]
+            inserted = self.tables[key].fill(fresh) if fresh.size else 0
         except nat.ReadError as exc:
             log.debug("a hint's read failed (the lookups of its rows will read them): %s", exc)
             with counts.lock:
@@ -390,7 +399,8 @@ class HintReader:
         now = time.monotonic()
         if now > counts.tracked_until:  # its earlier hints' window ended: not theirs
             self._hinted.forget(key)
-        self._hinted.remember(key, unique)
+        if fresh.size:
+            self._hinted.remember(key, fresh)
         with counts.lock:
             counts.read += inserted
             counts.cached += batch.size - inserted

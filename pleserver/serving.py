@@ -582,6 +582,8 @@ class ServingLoop:
             ch.deficit += self.chunk_rows
             while ch.queued and ch.deficit > 0 and not ch.closing:
                 request = ch.queued[0]
+                if request.done_rows == 0:  # before its first gather: what hints brought
+                    self.hints.demand(request.table.key, request.ids)
                 cost = REQUEST_COST_ROWS if request.done_rows == 0 else 0
                 if request.count >= request.table.parallel_min_rows:
                     ch.deficit -= cost
@@ -680,7 +682,6 @@ class ServingLoop:
     def _complete(self, r: Request) -> None:
         done = time.monotonic_ns()
         r.channel.admission.complete(r.slot, done - r.started_ns)
-        self.hints.demand(r.table.key, r.ids)  # hits on hinted rows (free without hints)
         # A submit time from before the channel opened, or after the request was
         # admitted, is not a time this client could have had: not recorded.
         believable = r.channel.opened_ns <= r.submitted_ns <= r.started_ns

@@ -309,6 +309,19 @@ class Table:
         besides ``scratch_bytes`` (``fill``: the hot-set refill, the hint reader)."""
         return int(self.source.fill_scratch_bytes)
 
+    def cached_mask(self, ids: np.ndarray) -> np.ndarray:
+        """Whether each row of ``ids`` (int64, validated) is in the row cache
+        (all False without one): no I/O, no counters, no use in the eviction
+        policy."""
+        mask = np.zeros(ids.shape[0], dtype=np.uint8)
+        if self.mode != "mmap" and ids.shape[0]:
+            self.source.cached(ids, mask)
+        return mask.view(np.bool_)
+
+    def cached(self, ids: np.ndarray) -> int:
+        """How many rows of ``ids`` are in the row cache (``cached_mask``)."""
+        return int(np.count_nonzero(self.cached_mask(ids)))
+
     def fill(self, ids: np.ndarray) -> int:
         """Read the rows of ``ids`` into the row cache (hot-set refill); the
         number inserted."""

@@ -127,6 +127,12 @@ def test_out_of_the_wrong_shape_or_kind_raises(fp8):
         fp8.source.gather_hits(ids, bytes(640))
     with pytest.raises(ValueError, match="threads"):
         fp8.source.gather(ids, np.empty((4, 160), np.uint8), 0)
+    with pytest.raises(ValueError, match="need"):
+        fp8.source.cached(ids, np.empty(3, np.uint8))
+    with pytest.raises(ValueError, match="read-only"):
+        fp8.source.cached(ids, bytes(4))
+    with pytest.raises(TypeError):
+        fp8.source.cached(ids.astype(np.int32), np.empty(4, np.uint8))
 
 
 @pytest.mark.parametrize("bad", [-1, 20_011, 2**62, -(2**63)])
@@ -137,6 +143,7 @@ def test_ids_out_of_range_raise_value_error(fp8, bad):
         lambda: fp8.source.gather(ids, out),
         lambda: fp8.source.gather_hits(ids, out),
         lambda: fp8.source.fill(ids),
+        lambda: fp8.source.cached(ids, np.empty(3, np.uint8)),
         lambda: fp8.source.gather(ids, out, 4),
     ):
         with pytest.raises(ValueError, match="not in the table"):

@@ -329,6 +329,24 @@ def test_gather_hits_answers_only_from_the_cache(specs, opened):
     np.testing.assert_array_equal(out, file_rows(spec)[ids])
 
 
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "NVFP4"])
+def test_cached_says_which_rows_are_in_the_cache_and_changes_nothing(specs, opened, dtype):
+    spec = specs[dtype]
+    o = opened(spec, "direct")
+    ids = np.array([10, 20, 30, 20, 40], dtype=np.int64)
+    mask = np.full(ids.size, 7, np.uint8)
+    assert o.source.cached(ids, mask) == 0 and list(mask) == [0] * 5
+    o.gather(ids[:2])
+    before = o.source.stats()
+    assert o.source.cached(ids, mask) == 3 and list(mask) == [1, 1, 0, 1, 0]
+    after = o.source.stats()
+    assert (after["hits"], after["misses"], after["reads"]) == (
+        before["hits"],
+        before["misses"],
+        before["reads"],
+    )  # no I/O, no counters
+
+
 def test_fill_reads_rows_into_the_cache_only(specs, opened):
     spec = specs["BF16"]
     o = opened(spec, "buffered")

@@ -882,6 +882,27 @@ int64_t ple_source_gather_hits(ple_source *src, const int64_t *ids, size_t n,
     return 0;
 }
 
+int64_t ple_source_cached(ple_source *src, const int64_t *ids, size_t n,
+                          unsigned char *cached, ple_error *err)
+{
+    if (!src->cache) {
+        memset(cached, 0, n);
+        return 0;
+    }
+    located loc[LOOKUP_BATCH];
+    int64_t found = 0;
+    for (size_t base = 0; base < n; base += LOOKUP_BATCH) {
+        size_t count = n - base < LOOKUP_BATCH ? n - base : LOOKUP_BATCH;
+        if (locate_batch(src, ids + base, count, loc, err) != 0)
+            return -1;
+        for (size_t k = 0; k < count; k++) {
+            cached[base + k] = (unsigned char)ple_cache_contains(src->cache, &loc[k].probe);
+            found += cached[base + k];
+        }
+    }
+    return found;
+}
+
 int64_t ple_source_fill(ple_source *src, const int64_t *ids, size_t n, ple_error *err)
 {
     if (!src->cache) {

@@ -63,6 +63,10 @@ int ple_source_gather(ple_source *src, const int64_t *ids, size_t n, unsigned ch
 /* Cache hits only: the number of ids not served, or -1 with err set. */
 int64_t ple_source_gather_hits(ple_source *src, const int64_t *ids, size_t n,
                                unsigned char *out, ple_error *err);
+/* Which rows of ids are cached: cached[i] = 1 or 0, no I/O, no counters, no
+ * use in the eviction policy; the number cached, or -1 with err set. */
+int64_t ple_source_cached(ple_source *src, const int64_t *ids, size_t n,
+                          unsigned char *cached, ple_error *err);
 /* Read the rows of ids into the cache: rows inserted, or -1 with err set. */
 int64_t ple_source_fill(ple_source *src, const int64_t *ids, size_t n, ple_error *err);
 void ple_source_get_stats(ple_source *src, ple_source_stats *st);

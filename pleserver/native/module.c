@@ -634,9 +634,10 @@ static PyObject *Source_close(SourceObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-enum { OP_GATHER, OP_GATHER_HITS, OP_FILL };
+enum { OP_GATHER, OP_GATHER_HITS, OP_FILL, OP_CACHED };
 
-/* The three lookups share their door: ids (and out) checked, GIL released. */
+/* The lookups share their door: ids (and out: rows, or OP_CACHED's one byte an
+ * id) checked, GIL released. */
 static PyObject *source_lookup(SourceObject *self, int op, PyObject *ids_obj,
                                PyObject *out_obj, int threads)
 {
@@ -648,7 +649,7 @@ static PyObject *source_lookup(SourceObject *self, int op, PyObject *ids_obj,
     if (get_ids(ids_obj, &ids) != 0)
         return NULL;
     Py_ssize_t n = ids.shape[0];
-    if (out_obj && get_out(out_obj, &out, n, self->row_bytes) != 0) {
+    if (out_obj && get_out(out_obj, &out, n, op == OP_CACHED ? 1 : self->row_bytes) != 0) {
         PyBuffer_Release(&ids);
         return NULL;
     }
@@ -666,6 +667,8 @@ static PyObject *source_lookup(SourceObject *self, int op, PyObject *ids_obj,
         result = ple_source_gather(src, ids.buf, (size_t)n, out.buf, (unsigned)threads, &err);
     else if (op == OP_GATHER_HITS)
         result = ple_source_gather_hits(src, ids.buf, (size_t)n, out.buf, &err);
+    else if (op == OP_CACHED)
+        result = ple_source_cached(src, ids.buf, (size_t)n, out.buf, &err);
     else
         result = ple_source_fill(src, ids.buf, (size_t)n, &err);
     ple_source_unref(src);
@@ -696,6 +699,14 @@ static PyObject *Source_gather_hits(SourceObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OO", &ids, &out))
         return NULL;
     return source_lookup(self, OP_GATHER_HITS, ids, out, 1);
+}
+
+static PyObject *Source_cached(SourceObject *self, PyObject *args)
+{
+    PyObject *ids, *out;
+    if (!PyArg_ParseTuple(args, "OO", &ids, &out))
+        return NULL;
+    return source_lookup(self, OP_CACHED, ids, out, 1);
 }
 
 static PyObject *Source_fill(SourceObject *self, PyObject *ids)
@@ -760,6 +771,9 @@ static PyMethodDef Source_methods[] = {
     {"gather_hits", (PyCFunction)Source_gather_hits, METH_VARARGS,
      "gather_hits(ids, out) -> int: cache hits only, no I/O; the number of ids not served "
      "(0: every row is in out)."},
+    {"cached", (PyCFunction)Source_cached, METH_VARARGS,
+     "cached(ids, out) -> int: out[i] = 1 where row ids[i] is in the row cache, else 0 "
+     "(out: uint8 [n]); no I/O, no counters; the number cached."},
     {"fill", (PyCFunction)Source_fill, METH_O,
      "fill(ids) -> int: read the rows into the cache only; the number inserted."},
     {"stats", (PyCFunction)Source_stats, METH_NOARGS, "This table's counters, as a dict."},

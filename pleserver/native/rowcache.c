@@ -322,6 +322,16 @@ int ple_cache_get_prepared(ple_cache *c, const ple_cache_probe *p, void *dst, si
     return found;
 }
 
+int ple_cache_contains(ple_cache *c, const ple_cache_probe *p)
+{
+    shard *s = shard_of(c, p->hash);
+    int found;
+    pthread_mutex_lock(&s->lock);
+    (void)index_find(s, p->key, p->hash, &found);
+    pthread_mutex_unlock(&s->lock);
+    return found;
+}
+
 int ple_cache_put(ple_cache *c, uint64_t key, const void *src, size_t len)
 {
     uint64_t h = mix(key);

@@ -42,6 +42,9 @@ void ple_cache_prepare(ple_cache *cache, uint64_t key, ple_cache_probe *probe);
 void ple_cache_prefetch_row(ple_cache *cache, const ple_cache_probe *probe);
 int ple_cache_get_prepared(ple_cache *cache, const ple_cache_probe *probe, void *dst,
                            size_t len);
+/* After prepare: whether the row is cached, without reading it or counting a
+ * use in the eviction policy (the hint counters ask; a lookup would get). */
+int ple_cache_contains(ple_cache *cache, const ple_cache_probe *probe);
 /* Store the row of `key`, evicting if the shard is full. Returns whether the
  * key was cached already (its slot is rewritten), new, or new in the slot of
  * an evicted row. */
