@@ -46,8 +46,9 @@ Every mode:
   ``ple_hints_read_total`` (read into the row cache), ``ple_hints_cached_total``
   (cached already, not read), ``ple_hints_hits_total`` (hinted rows a
   lookup found in the cache: the hits hints brought, each row once),
-  ``ple_hints_dropped_total{reason}`` (``no_cache``: io = mmap; ``disk_busy``; ``queue_full``; ``cache_full``;
-  ``refused``: bad count or ids; ``read_error``); and ``ple_hints_queued_rows``,
+  ``ple_hints_dropped_total{reason}`` (``no_cache``: io = mmap;
+  ``disk_busy``; ``queue_full``; ``cache_full``; ``refused``: bad count or
+  ids; ``read_error``); and ``ple_hints_queued_rows``,
   ``ple_hints_bad_table_total`` (a table index the server does not have);
 - ``ple_metrics_connections_rejected_total{reason}`` (``connection_cap``,
   ``evicted``: closed while sending its request head to make room for a new
