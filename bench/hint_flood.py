@@ -23,6 +23,11 @@ table's first ``--hot-rows`` rows (default 4 096), cached before the first
 case: its lookups are cache hits, whose time is the serving loop's own, which
 a flood of tiny hints competes for in the admission pass.
 
+``--flood cached`` is the large flood's client hinting only those
+``--hot-rows`` cached rows (8 × 16 384 ids at a time, as fast as it can),
+beside the same bystander: hints that read nothing, whose cost is the hint
+reader's own beside the serving loop.
+
 For each case it reports the bystander's p50 / p99 / p99.9 / max (the whole
 ``lookup`` call), the server's misses per lookup, and, for the flood, the
 hints received, read, cached and dropped by reason; then the ratio of the
@@ -64,9 +69,9 @@ FLOODER = """
 import json, os, sys
 import numpy as np
 from pleclient import PleClient
-path, stop = sys.argv[1], sys.argv[2]
+path, stop, hot = sys.argv[1], sys.argv[2], int(sys.argv[3])
 client = PleClient.connect(path, name="flooder", capacity=16384, depth=8)
-rows = client.tables[0].rows
+rows = hot or client.tables[0].rows  # hot: the cached rows only
 rng = np.random.default_rng(os.getpid())
 print("ready", flush=True)
 while not os.path.exists(stop):
@@ -120,9 +125,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--flood",
-        choices=("large", "tiny"),
+        choices=("large", "tiny", "cached"),
         default="large",
-        help="large: one client hinting 8 × 16 384 cold ids at a time (default); tiny: "
+        help="large: one client hinting 8 × 16 384 cold ids at a time (default); cached: "
+        "the same, of the bystander's cached rows; tiny: "
         "--sessions sessions × 64 slots of 1-id hints, against cached bystander rows",
     )
     ap.add_argument("--sessions", type=int, default=30, help="tiny flood: sessions (30)")
@@ -133,7 +139,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the flooder's nice value (default 0: the server's; 10 tells what the server "
         "itself costs the bystander from what sharing 2 cores with the flooder does)",
     )
-    ap.add_argument("--hot-rows", type=int, default=4096, help="tiny flood: bystander rows")
+    ap.add_argument(
+        "--hot-rows", type=int, default=4096, help="tiny and cached floods: bystander rows"
+    )
     ap.add_argument("--json", help="also write the results here")
     return ap.parse_args(argv)
 
@@ -180,6 +188,11 @@ def measure_bystander(
     }
 
 
+def hot_rows(args: argparse.Namespace) -> int:
+    """The bystander's cached rows (0: random rows of the whole table)."""
+    return args.hot_rows if args.flood in ("tiny", "cached") else 0
+
+
 def warm_hot_rows(socket: str, rows: int) -> None:
     """The bystander's rows, read into the cache before the first case."""
     with PleClient.connect(socket, name="warm", capacity=4096, depth=2) as client:
@@ -187,13 +200,13 @@ def warm_hot_rows(socket: str, rows: int) -> None:
 
 
 def flood_case(server, args, workdir: str) -> dict:
-    hot = args.hot_rows if args.flood == "tiny" else 0
+    hot = hot_rows(args)
     stop = os.path.join(workdir, "stop")
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     flooder = (
         [TINY_FLOODER, server.socket, stop, str(args.sessions)]
         if args.flood == "tiny"
-        else [FLOODER, server.socket, stop]
+        else [FLOODER, server.socket, stop, str(hot)]
     )
     child = subprocess.Popen(
         [sys.executable, "-c", *flooder],
@@ -243,7 +256,7 @@ def main(argv=None) -> int:
         with launcher.start() as server:
             result: dict = {"machine": machine(), "source": source(), "args": vars(args)}
             pids = [server.pid]
-            hot = args.hot_rows if args.flood == "tiny" else 0
+            hot = hot_rows(args)
             if hot:
                 warm_hot_rows(server.socket, hot)
             result["alone"] = measure_bystander(

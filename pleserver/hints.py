@@ -33,11 +33,14 @@ id: 11.5 MiB at the default bound, not 0.5). A reload may lower the bound; a
 higher one needs a restart (``pleserver.reload``), as the ring was sized,
 and counted in the server's memory budget, at start (``memory_bytes``).
 
-The reader (one thread) takes at most ``HINT_BATCH_ROWS`` rows of one table
-at a time and reads only while no demand request is with a gather worker, so
-a lookup's reads wait in the miss engine behind at most one batch of hint
-reads, and a lookup never waits for the hint queue. Rows already cached are counted
-(``hints_cached``) and not read again.
+The reader (one thread) takes at most ``HINT_SCAN_ROWS`` rows of one table
+at a time and looks them up in the cache at once: rows already cached are
+counted (``hints_cached``) and not read again, in one native call however
+many (a flood of hints of cached rows costs no Python per row batch). It
+reads the others ``HINT_BATCH_ROWS`` at a time, and only while no demand
+request is with a gather worker, so a lookup's reads wait in the miss engine
+behind at most one batch of hint reads, and a lookup never waits for the
+hint queue.
 
 Hits on hinted rows, the hits hints brought: the reader remembers the rows
 its hints put in the cache (not those cached already) in a direct-mapped
@@ -68,6 +71,10 @@ log = logging.getLogger(__name__)
 HINT_BATCH_ROWS = 32
 """Rows the reader reads at a time: what a lookup arriving meanwhile may find
 ahead of its own reads in the miss engine (a small part of its queue depth)."""
+HINT_SCAN_ROWS = 4096
+"""Rows the reader takes from the queue at a time and looks up in the cache
+at once: those cached are counted and dropped there, the rest read in
+``HINT_BATCH_ROWS`` batches."""
 HINT_CACHE_SHARE = 0.5
 """The part of the row cache the rows queued by hints may fill at most."""
 DEMAND_POLL_S = 0.0002
@@ -342,66 +349,88 @@ class HintReader:
             }
 
     def _take(self) -> tuple[int, np.ndarray] | None:
-        """The next batch (at most ``HINT_BATCH_ROWS`` rows of one table, in
-        the order queued), once there is one; None when stopping."""
+        """The next rows (at most ``HINT_SCAN_ROWS`` rows of one table, in the
+        order queued), once there are some; None when stopping."""
         with self._cond:
             while not self._queued and not self._stop:
                 self._cond.wait()
             if self._stop:
                 return None
             head = self._head
-            keys = self._ring[head : head + min(HINT_BATCH_ROWS, self._queued)]
+            keys = self._ring[head : head + min(HINT_SCAN_ROWS, self._queued)]
             tables = keys >> KEY_ROW_BITS
             key = int(tables[0])
             other = np.flatnonzero(tables != key)
             taken = int(other[0]) if other.size else keys.size
-            batch = keys[:taken] & _ROW_MASK  # (a copy: the ring's slots are reused)
+            rows = keys[:taken] & _ROW_MASK  # (a copy: the ring's slots are reused)
             self._head = (head + taken) % self._ring.size
             self._queued -= taken
-            return key, batch
+            return key, rows
 
     def _run(self) -> None:
         from pleserver.serving import _name_thread  # (serving imports this module)
 
         _name_thread(b"ple-hints")  # beside ple-serving and ple-gather-N in top -H
         while (taken := self._take()) is not None:
-            key, batch = taken
-            # Below every demand read: not one hint read while a lookup's are due.
-            while self._demand() and not self._stop:
-                time.sleep(DEMAND_POLL_S)
-            if self._stop:
-                return
-            self._read(key, batch)
+            key, rows = taken
+            fresh = self._not_cached(key, rows)
+            for at in range(0, fresh.size, HINT_BATCH_ROWS):
+                # Below every demand read: not one hint read while a lookup's are due.
+                while self._demand() and not self._stop:
+                    time.sleep(DEMAND_POLL_S)
+                if self._stop:
+                    return
+                self._read(key, fresh[at : at + HINT_BATCH_ROWS])
 
-    def _read(self, key: int, batch: np.ndarray) -> None:
+    def _not_cached(self, key: int, rows: np.ndarray) -> np.ndarray:
+        """The distinct rows of ``rows`` to read, those not in the cache; the
+        others counted (``hints_cached``; ``refused`` for a table whose file
+        changed). One look at the cache for the lot, so a flood of hints of
+        cached rows costs no batch of Python each 32 rows."""
         counts = self.counts[key]
         if self.tables[key].problem:  # its file changed on disk: not read again
             with counts.lock:
-                counts.dropped["refused"] += batch.size
-            return
-        unique = np.unique(batch)
+                counts.dropped["refused"] += rows.size
+            return rows[:0]
+        unique = np.unique(rows)
         try:
-            # Rows cached already are counted, not read, and are no hint's hits.
             fresh = unique[~self.tables[key].cached_mask(unique)]
-            inserted = self.tables[key].fill(fresh) if fresh.size else 0
+        except Exception:  # a hint never stops the reader
+            log.exception("looking hinted rows up in the cache failed")
+            with counts.lock:
+                counts.dropped["read_error"] += rows.size
+            return rows[:0]
+        with counts.lock:  # (a row hinted twice in the lot counts once as read)
+            counts.cached += rows.size - fresh.size
+        return fresh
+
+    def _read(self, key: int, fresh: np.ndarray) -> None:
+        """Read ``fresh`` (distinct rows, not cached when looked at) into the
+        cache, and remember them for ``hints_hits``."""
+        counts = self.counts[key]
+        if self.tables[key].problem:  # its file changed on disk: not read again
+            with counts.lock:
+                counts.dropped["refused"] += fresh.size
+            return
+        try:
+            inserted = self.tables[key].fill(fresh)
         except nat.ReadError as exc:
             log.debug("a hint's read failed (the lookups of its rows will read them): %s", exc)
             with counts.lock:
-                counts.dropped["read_error"] += batch.size
+                counts.dropped["read_error"] += fresh.size
             return
         except Exception:  # a hint never stops the reader
             log.exception("reading a hint failed")
             with counts.lock:
-                counts.dropped["read_error"] += batch.size
+                counts.dropped["read_error"] += fresh.size
             return
         if self._hinted is None:
             self._hinted = HintedRows(hinted_slots(self.cache_rows), len(self.tables))
         now = time.monotonic()
         if now > counts.tracked_until:  # its earlier hints' window ended: not theirs
             self._hinted.forget(key)
-        if fresh.size:
-            self._hinted.remember(key, fresh)
+        self._hinted.remember(key, fresh)
         with counts.lock:
             counts.read += inserted
-            counts.cached += batch.size - inserted
+            counts.cached += fresh.size - inserted  # (a lookup read it meanwhile)
             counts.tracked_until = now + HINT_HIT_WINDOW_S
