@@ -323,9 +323,18 @@ class ChannelMap:
     def rung_slots(self) -> list[SlotView]:
         """The slots whose doorbell is RUNG, each read once with acquire (D1,
         pairs with the stream's G1: their ids are visible), in one native call."""
-        first = self.layout.slot_offset(0) + p.SL_DOORBELL * WORD
-        mask = self.sync.scan(first, self.layout.slot_stride, self.layout.depth, p.Doorbell.RUNG)
-        return [slot for slot in self.slots if mask >> slot.index & 1]
+        return self._slots_where(p.SL_DOORBELL, p.Doorbell.RUNG)
+
+    def submitted_slots(self) -> list[SlotView]:
+        """The slots whose state is SUBMITTED, each read once with acquire (E2,
+        as ``SlotView.state``), in one native call."""
+        return self._slots_where(p.SL_STATE, p.SlotState.SUBMITTED)
+
+    def _slots_where(self, word: int, value: int) -> list[SlotView]:
+        first = self.layout.slot_offset(0) + word * WORD
+        mask = self.sync.scan(first, self.layout.slot_stride, self.layout.depth, value)
+        slots = self.slots
+        return [slots[i] for i in range(len(slots)) if mask >> i & 1]
 
     def offer_for_adoption(self) -> None:
         """Before a GPU-driven channel's segment goes to a new server: the

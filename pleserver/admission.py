@@ -16,9 +16,12 @@ The serving loop (``pleserver.serving``) sees only this interface, as Redis's
 scheduling policy, with no idea which kind of client it serves::
 
     pending()               one load, every pass: may a request be waiting?
-    admit()  → [Arrival]    the slots holding new requests, each now the
-                            server's (busy) until answered; HostileChannel if
-                            the words break what any client could write
+    admit(limit) → [Arrival]
+                            the slots holding new requests, at most ``limit``
+                            (the rest wait for the next pass: ``pending``
+                            stays true), each now the server's (busy) until
+                            answered; HostileChannel if the words break what
+                            any client could write
     complete(slot, ns)      the rows are in place: publish the answer
     fail(slot, code, text)  publish an error instead
     futex_word()            (words, offset, value last seen) for the idle
@@ -82,7 +85,7 @@ class Admission(Protocol):
 
     def pending(self) -> bool: ...
 
-    def admit(self) -> list[Arrival]: ...
+    def admit(self, limit: int) -> list[Arrival]: ...
 
     def complete(self, slot: SlotView, server_ns: int) -> None: ...
 
@@ -110,20 +113,21 @@ class CounterAdmission:
         self.depth = mapping.layout.depth
         self.seen = 0  # the submit counter as last read (a new channel's is 0)
         self.busy: set[int] = set()  # slots admitted and not yet answered
+        self.more = False  # submitted slots left for the next pass (admit's limit)
         self._load = mapping.sync.load
 
     def pending(self) -> bool:
         # E2: acquire, pairs with the client's publish of the counter (E1)
-        return self._load(COUNTER_AT) != self.seen
+        return self.more or self._load(COUNTER_AT) != self.seen
 
-    def admit(self) -> list[Arrival]:
-        """Read the submit counter, then each slot once: the slots submitted
-        since the last look."""
+    def admit(self, limit: int) -> list[Arrival]:
+        """Read the submit counter, then the slots' states in one call: the
+        slots submitted since the last look, at most ``limit``."""
         # E2: acquire, pairs with the client's E1: every slot submitted before
         # the counter reached this value is visible from here on.
         counter = self.map.submit_counter
         pending = (counter - self.seen) & U32
-        if pending == 0:
+        if pending == 0 and not self.more:
             return []
         if pending > self.depth:
             raise HostileChannel(
@@ -131,13 +135,17 @@ class CounterAdmission:
                 f"{self.depth} slots: the channel's words were overwritten"
             )
         self.seen = counter
-        arrivals = []
-        for slot in self.map.slots:
-            if slot.state != p.SlotState.SUBMITTED or slot.index in self.busy:
+        self.more = False
+        arrivals: list[Arrival] = []
+        for slot in self.map.submitted_slots():
+            if slot.index in self.busy:
                 continue
             # Only slots submitted before the counter we read: their ids are visible.
             if ((counter - slot.words[p.SL_SEQUENCE] - 1) & U32) >= 0x80000000:
                 continue
+            if len(arrivals) == limit:
+                self.more = True  # still SUBMITTED: the next pass takes it
+                break
             self.busy.add(slot.index)
             arrivals.append(Arrival(slot, slot.words64[p.SL_SUBMIT_NS // 2], slot.words[p.SL_KIND]))
         return arrivals
@@ -171,22 +179,29 @@ class DoorbellAdmission:
     def __init__(self, mapping: ChannelMap) -> None:
         self.map = mapping
         self.busy: set[int] = set()  # slots admitted and not yet answered
+        self.more = False  # rung slots left for the next pass (admit's limit)
         self._load = mapping.sync.load
 
     def pending(self) -> bool:
         # A peek (E2); the exchange in admit (X1) is what orders the doorbells.
-        return self._load(RUNG_AT) != IDLE
+        return self.more or self._load(RUNG_AT) != IDLE
 
-    def admit(self) -> list[Arrival]:
+    def admit(self, limit: int) -> list[Arrival]:
         """Take the rung word, then read the doorbells in one call: the slots
-        rung since, each claimed."""
-        if not self.map.take_rung():  # X1: the doorbells rung before it (G2)
+        rung since, at most ``limit``, each claimed."""
+        # X1: the doorbells rung before it (G2). Slots left by the last pass's
+        # limit were seen RUNG then (D1) and still are: no rung word needed.
+        if not self.map.take_rung() and not self.more:
             return []
-        arrivals = []
+        self.more = False
+        arrivals: list[Arrival] = []
         # D1: the ids, table and count the stream wrote before each doorbell (G1).
         for slot in self.map.rung_slots():
             if slot.index in self.busy:  # rung again while admitted: a scribble
                 continue
+            if len(arrivals) == limit:
+                self.more = True  # still RUNG: the next pass claims it
+                break
             slot.claim()
             self.busy.add(slot.index)
             # (a GPU has no clock of ours)
