@@ -28,6 +28,11 @@ a flood of tiny hints competes for in the admission pass.
 beside the same bystander: hints that read nothing, whose cost is the hint
 reader's own beside the serving loop.
 
+``--flood rings`` rings GPU-driven channels instead (``GpuLookups`` over the
+CPU stand-in of a CUDA stream): ``--sessions`` channels (8 is what one uid
+may hold at the default ``max_gpu_slots_per_uid``) of 64 hint slots, every
+doorbell rung again and again with 1 id, beside the cached bystander.
+
 For each case it reports the bystander's p50 / p99 / p99.9 / max (the whole
 ``lookup`` call), the server's misses per lookup, and, for the flood, the
 hints received, read, cached and dropped by reason; then the ratio of the
@@ -125,13 +130,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--flood",
-        choices=("large", "tiny", "cached"),
+        choices=("large", "tiny", "cached", "rings"),
         default="large",
         help="large: one client hinting 8 × 16 384 cold ids at a time (default); cached: "
         "the same, of the bystander's cached rows; tiny: "
         "--sessions sessions × 64 slots of 1-id hints, against cached bystander rows",
     )
-    ap.add_argument("--sessions", type=int, default=30, help="tiny flood: sessions (30)")
+    ap.add_argument(
+        "--sessions", type=int, default=30, help="tiny flood: sessions (30); rings: channels"
+    )
     ap.add_argument(
         "--flooder-nice",
         type=int,
@@ -188,9 +195,34 @@ def measure_bystander(
     }
 
 
+RINGS_FLOODER = """
+import json, os, sys
+import numpy as np
+from pleclient.gpu import GpuLookups
+path, stop, channels = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rings = [
+    GpuLookups.open(path, device="cpu", name=f"ring-flooder-{i}", capacity=1, depth=64)
+    for i in range(channels)
+]
+rows = rings[0].tables[0].rows
+ids = np.random.default_rng(os.getpid()).integers(0, rows, 4096)
+print("ready", flush=True)
+k = 0
+while not os.path.exists(stop):
+    for lookups in rings:  # every slot's doorbell, 1 id each, again and again
+        for slot in range(64):
+            lookups.hint(slot, 0, ids[k % 4096 : k % 4096 + 1])
+            k += 1
+sent = sum(lookups.client.hints_sent for lookups in rings)
+for lookups in rings:
+    lookups.close()
+print(json.dumps({"sent": sent, "skipped": 0}), flush=True)
+"""
+
+
 def hot_rows(args: argparse.Namespace) -> int:
     """The bystander's cached rows (0: random rows of the whole table)."""
-    return args.hot_rows if args.flood in ("tiny", "cached") else 0
+    return args.hot_rows if args.flood in ("tiny", "cached", "rings") else 0
 
 
 def warm_hot_rows(socket: str, rows: int) -> None:
@@ -203,11 +235,10 @@ def flood_case(server, args, workdir: str) -> dict:
     hot = hot_rows(args)
     stop = os.path.join(workdir, "stop")
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    flooder = (
-        [TINY_FLOODER, server.socket, stop, str(args.sessions)]
-        if args.flood == "tiny"
-        else [FLOODER, server.socket, stop, str(hot)]
-    )
+    flooder = {
+        "tiny": [TINY_FLOODER, server.socket, stop, str(args.sessions)],
+        "rings": [RINGS_FLOODER, server.socket, stop, str(args.sessions)],
+    }.get(args.flood, [FLOODER, server.socket, stop, str(hot)])
     child = subprocess.Popen(
         [sys.executable, "-c", *flooder],
         stdout=subprocess.PIPE,

@@ -333,8 +333,12 @@ class ChannelMap:
     def _slots_where(self, word: int, value: int) -> list[SlotView]:
         first = self.layout.slot_offset(0) + word * WORD
         mask = self.sync.scan(first, self.layout.slot_stride, self.layout.depth, value)
-        slots = self.slots
-        return [slots[i] for i in range(len(slots)) if mask >> i & 1]
+        found = []
+        while mask:  # (set bits only: most passes find a few)
+            low = mask & -mask
+            found.append(self.slots[low.bit_length() - 1])
+            mask ^= low
+        return found
 
     def offer_for_adoption(self) -> None:
         """Before a GPU-driven channel's segment goes to a new server: the

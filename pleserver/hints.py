@@ -75,6 +75,10 @@ HINT_SCAN_ROWS = 4096
 """Rows the reader takes from the queue at a time and looks up in the cache
 at once: those cached are counted and dropped there, the rest read in
 ``HINT_BATCH_ROWS`` batches."""
+HINT_GATHER_S = 0.002
+"""How long the reader lets hints gather when fewer than ``HINT_SCAN_ROWS``
+rows wait: what a hint's read may wait more, against a reader that takes the
+GIL for every tiny hint of a flood."""
 HINT_CACHE_SHARE = 0.5
 """The part of the row cache the rows queued by hints may fill at most."""
 DEMAND_POLL_S = 0.0002
@@ -251,8 +255,12 @@ class HintReader:
         with self._cond:
             reason = self._no_room(n)
             if reason is None:
+                was = self._queued
                 self._push(key, ids)
-                self._cond.notify()
+                # The reader sleeps on an empty queue, or lets a few rows
+                # gather: woken when the first come and when a lot is full.
+                if was == 0 or (was < HINT_SCAN_ROWS <= self._queued):
+                    self._cond.notify()
         with counts.lock:
             counts.received += n
             if reason is not None:
@@ -354,6 +362,12 @@ class HintReader:
         with self._cond:
             while not self._queued and not self._stop:
                 self._cond.wait()
+            if self._queued < HINT_SCAN_ROWS and not self._stop:
+                # A lot of a few rows costs the reader's Python as much as one
+                # of thousands, on the GIL the serving loop needs: let a flood
+                # of tiny hints gather for a moment (``offer`` wakes it once
+                # a lot is full).
+                self._cond.wait(HINT_GATHER_S)
             if self._stop:
                 return None
             head = self._head
