@@ -30,7 +30,7 @@ from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 # deploy/'s files the package carries, as pleserver/deploy/<same path>
-# (pleserver/deployfiles.py says where each one installs). MANIFEST.in puts
+# (pleserver/ops/deployfiles.py says where each one installs). MANIFEST.in puts
 # them in the sdist, which wheels may be built from.
 DEPLOY_DATA = [
     "deploy/config.toml",
@@ -76,7 +76,7 @@ class BuildExt(build_ext):
 
 class BuildPy(build_py):
     """Copies ``DEPLOY_DATA`` into the built package. An editable install
-    builds nothing: ``pleserver.deployfiles`` reads the checkout's deploy/."""
+    builds nothing: ``pleserver.ops.deployfiles`` reads the checkout's deploy/."""
 
     def run(self) -> None:
         super().run()

@@ -7,7 +7,7 @@ One run, in this order:
    ``--hold-gib`` GiB of anonymous memory, as the model and its KV cache do);
 2. a **table** about ``--table-factor`` (2) × the memory left after that
    (``--table-gib`` sets it), FP8, 160-byte rows, 128 shards over 16 files,
-   written by ``pleserver.synthetic`` into a temporary directory (``--dir``);
+   written by ``pleserver.devkit.synthetic`` into a temporary directory (``--dir``);
 3. the **disk ceiling** on those files: ``pleserver._native.probe_random_reads``
    (4 KiB ``O_DIRECT`` random reads) at queue depths 1 / 64 / 128 / 256;
 4. the **contenders**, each twice (decode, then prefill), each time from cold:
@@ -66,8 +66,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lookup import OthersMeter, cpu_busy, loadavg, machine, source  # noqa: E402
 from pleclient import PleClient  # noqa: E402
 from pleclient.checkpoint import discover_tables  # noqa: E402
-from pleserver.launcher import ServerLauncher, die_with_parent  # noqa: E402
-from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+from pleserver.devkit.launcher import ServerLauncher, die_with_parent  # noqa: E402
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
 from seed_gather import SeedTable  # noqa: E402
 from text_trace import HEADS, load_trace  # noqa: E402
 

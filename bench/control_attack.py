@@ -59,8 +59,8 @@ from lookup import (  # noqa: E402
     source,
 )
 from pleclient import PleClient  # noqa: E402
-from pleserver.launcher import ServerLauncher  # noqa: E402
-from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
 
 CASES = ("none", "stats", "prehello", "stats-flood", "connect")
 NOBODY = 65534

@@ -65,7 +65,7 @@ from lookup import (  # noqa: E402
     source,
 )
 from pleclient import PleClient  # noqa: E402
-from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
 
 SUBMITTER = """
 import json, os, sys, time

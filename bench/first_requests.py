@@ -43,8 +43,8 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lookup import OthersMeter, loadavg, source  # noqa: E402
-from pleserver.launcher import ServerLauncher  # noqa: E402
-from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
 
 CASES = ("none", "full", "full-done")
 RANGES = ((0, 10), (10, 50), (50, 200), (200, None))

@@ -41,8 +41,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from pleclient.gpu import GpuLookups, stream_memops_supported  # noqa: E402
-from pleserver.launcher import ServerLauncher  # noqa: E402
-from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint  # noqa: E402
+from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
+from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint  # noqa: E402
 
 TABLES = [
     SyntheticTable(layer=1, rows=200_000, cols=160, dtype="F8_E4M3", parts=8),

@@ -43,8 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lookup import OthersMeter, bystander, latency_ms, loadavg, machine, source  # noqa: E402
 from pleclient import PleClient  # noqa: E402
 from pleclient.gpu import HostStream  # noqa: E402
-from pleserver.launcher import LaunchedServer, ServerLauncher  # noqa: E402
-from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint  # noqa: E402
+from pleserver.devkit.launcher import LaunchedServer, ServerLauncher  # noqa: E402
+from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint  # noqa: E402
 
 HZ = os.sysconf("SC_CLK_TCK")
 

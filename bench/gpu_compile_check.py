@@ -108,7 +108,7 @@ from gpu_step_start_check import (  # noqa: E402
 )
 from pleclient.vllm_plugin import step  # noqa: E402
 from pleclient.vllm_plugin.lookups import LayerLookups  # noqa: E402
-from pleserver.synthetic import SyntheticTable  # noqa: E402
+from pleserver.devkit.synthetic import SyntheticTable  # noqa: E402
 
 NAMESPACE = "ple_compile_check"
 START_OP = f"{NAMESPACE}::start"

@@ -82,7 +82,7 @@ from gpu_lookup import _p90, make_checkpoint, make_plugin, make_uva_kernel, read
 from lookup import OthersMeter, machine, source  # noqa: E402
 from pleclient import protocol  # noqa: E402
 from pleclient.checkpoint import TableSpec, discover_tables  # noqa: E402
-from pleserver.launcher import ServerLauncher  # noqa: E402
+from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
 
 LABELS = {
     "compute": "compute only",

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pleclient import PleClient
 from pleclient.checkpoint import TableSpec, discover_tables
 from pleclient.torch import PinnedSegment, copy_rows
-from pleserver.launcher import ServerLauncher
+from pleserver.devkit.launcher import ServerLauncher
 
 SIZES = (16, 4096, 131072)
 
@@ -60,7 +60,7 @@ class Result:
 
 # ----------------------------------------------------------------------- setup
 def make_checkpoint(workdir: str, rows: int, cols: int, dtype: str, parts: int) -> str:
-    from pleserver.synthetic import SyntheticTable, write_checkpoint
+    from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 
     path = os.path.join(workdir, "ckpt")
     write_checkpoint(

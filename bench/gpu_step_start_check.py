@@ -61,8 +61,8 @@ from pleclient.vllm_plugin.lookups import LayerLookups, StoredRows  # noqa: E402
 from pleclient.vllm_plugin.routes import Routes  # noqa: E402
 from pleclient.vllm_plugin.rows import RowService  # noqa: E402
 from pleclient.vllm_plugin.settings import ShmSettings  # noqa: E402
-from pleserver.launcher import ServerLauncher  # noqa: E402
-from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint  # noqa: E402
+from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
+from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint  # noqa: E402
 
 LAYERS = 6
 PLE_LAYERS = (1, 3, 4)

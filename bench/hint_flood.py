@@ -67,8 +67,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lookup import OthersMeter, bystander, latency_ms, loadavg, machine, source  # noqa: E402
 from pleclient import PleClient  # noqa: E402
-from pleserver.launcher import ServerLauncher  # noqa: E402
-from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
 
 FLOODER = """
 import json, os, sys

@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pleclient import PleClient
 from pleserver.config import parse_size
-from pleserver.launcher import LaunchedServer, ServerLauncher
-from pleserver.synthetic import SyntheticTable, write_checkpoint
+from pleserver.devkit.launcher import LaunchedServer, ServerLauncher
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 
 STEP_IDS = 32 * 16
 

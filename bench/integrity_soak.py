@@ -124,7 +124,7 @@ def honest(socket_path: str, model: str, positions_path: str, seed: int) -> int:
     import numpy as np
 
     from pleclient import PleClient, PleError
-    from pleserver.synthetic import read_reference
+    from pleserver.devkit.synthetic import read_reference
 
     rng = np.random.default_rng(seed)
     client = PleClient.connect(socket_path, capacity=CAPACITY, depth=4, name=f"honest{seed}")
@@ -226,7 +226,7 @@ class Child:
 def run_mode(mode: str, args: argparse.Namespace, model: str, workdir: str) -> dict:
     from lookup import OthersMeter
     from pleclient import PleClient
-    from pleserver.launcher import ServerLauncher
+    from pleserver.devkit.launcher import ServerLauncher
 
     io, _, engine = mode.partition(":")
     state = os.path.join(workdir, f"state-{io}-{engine or 'none'}")
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rows", type=int, default=200_003, help="rows of the FP8 table (BF16: half, NVFP4: 3/4)"
     )
     parser.add_argument("--cache-size", default="8M", help="the row cache (direct, buffered)")
-    parser.add_argument("--model", help="a checkpoint written by pleserver.synthetic")
+    parser.add_argument("--model", help="a checkpoint written by pleserver.devkit.synthetic")
     parser.add_argument("--json", metavar="PATH", help="also write the report here")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
 
     from lookup import loadavg, machine, source
-    from pleserver.synthetic import SyntheticTable, write_checkpoint
+    from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 
     workdir = tempfile.mkdtemp(prefix="ple-integrity-")
     try:

@@ -57,9 +57,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pleclient import PleClient  # noqa: E402
 from pleclient import protocol as p  # noqa: E402
 from pleclient.checkpoint import discover_tables  # noqa: E402
-from pleserver.launcher import ServerLauncher  # noqa: E402
-from pleserver.stats import BUCKETS_S  # noqa: E402
-from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+from pleserver.observe.stats import BUCKETS_S  # noqa: E402
 from seed_gather import SeedTable  # noqa: E402
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
@@ -322,7 +322,7 @@ class Floor:
 
 # -------------------------------------------------------------------- server
 class Server:
-    """A ``pleserver serve --prewarm full`` process (``pleserver.launcher``),
+    """A ``pleserver serve --prewarm full`` process (``pleserver.devkit.launcher``),
     started at once and waited for by ``wait_ready``, so that several servers
     prewarm while the floor warms its mapping."""
 

@@ -73,7 +73,7 @@ from lookup import (  # noqa: E402
     source,
 )
 from pleclient import PleClient  # noqa: E402
-from pleserver.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
 
 CASES = (
     "none",
@@ -209,7 +209,7 @@ class Prober:
             ("scrape", 1.0, lambda: self._http("/metrics", 5.0)),
         ]
         if health_socket is not None:
-            from pleserver.health import ask  # (a server from before it has none)
+            from pleserver.observe.health import ask  # (a server from before it has none)
 
             kinds.append(("socket", 0.25, lambda: ask(health_socket, timeout=1.0)[0]))
         self._threads = [

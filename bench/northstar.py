@@ -177,8 +177,8 @@ from pleclient import PleClient  # noqa: E402
 from pleclient.checkpoint import INDEX_FILE, TableSpec, discover_tables  # noqa: E402
 from pleclient.vllm_plugin.prompt_ahead import SLOT_WAIT_S, unique_in_order  # noqa: E402
 from pleserver.config import parse_size  # noqa: E402
-from pleserver.launcher import ServerLauncher  # noqa: E402
-from pleserver.synthetic import SyntheticTable, write_safetensors  # noqa: E402
+from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
+from pleserver.devkit.synthetic import SyntheticTable, write_safetensors  # noqa: E402
 from text_trace import HEADS, load_trace  # noqa: E402
 
 PATHS = ("a", "b", "prompt-ahead-arrival", "prompt-ahead", "e", "d")
@@ -296,7 +296,7 @@ def table_content(rows: int, row_bytes: int, seed: int, threads: int) -> np.ndar
 
 
 def write_table(model_dir: str, spec: SyntheticTable, data: np.ndarray, files: int) -> None:
-    """The checkpoint of ``pleserver.synthetic.write_checkpoint`` (its layout:
+    """The checkpoint of ``pleserver.devkit.synthetic.write_checkpoint`` (its layout:
     a small non-PLE tensor first, shards spread over the files, the global
     scale last, an index and config.json) with ``data`` as the rows; one
     thread per file, 64 MiB writes, each file fsync'ed and dropped from the

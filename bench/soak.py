@@ -3,7 +3,7 @@
 random faults; every row is checked and the server's footprint must stay flat.
 
 Starts ``pleserver serve`` on a synthetic checkpoint (written to a temporary
-directory, or ``--model DIR`` written by ``pleserver.synthetic``) and keeps
+directory, or ``--model DIR`` written by ``pleserver.devkit.synthetic``) and keeps
 ``--clients`` worker processes busy for ``--seconds``. A worker, in a loop,
 connects with a random capacity and depth, makes a random number of requests —
 1 row to 2.5 × its capacity, both tables, pipelined tickets — checks every row
@@ -57,7 +57,7 @@ def worker(socket_path: str, model: str, seed: int, until: float) -> int:
     import numpy as np
 
     from pleclient import PleClient, RequestError
-    from pleserver.synthetic import read_reference
+    from pleserver.devkit.synthetic import read_reference
 
     rng = np.random.default_rng(seed)
     refs: dict[int, np.ndarray] = {}
@@ -185,11 +185,11 @@ class Soak:
         self.samples: list[dict] = []
         self.workers: list[subprocess.Popen] = []
         self.readers: list[threading.Thread] = []  # one per worker: its stdout, to its end
-        self.server = None  # a pleserver.launcher.LaunchedServer once started
+        self.server = None  # a pleserver.devkit.launcher.LaunchedServer once started
 
     def start_server(self) -> None:
         from pleclient import PleClient
-        from pleserver.launcher import ServerLauncher
+        from pleserver.devkit.launcher import ServerLauncher
 
         # The log is the report's (in the work directory, kept with --keep).
         self.server = ServerLauncher(
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rows", type=int, default=200_003, help="rows of the FP8 table (the BF16 one has half)"
     )
-    parser.add_argument("--model", help="a checkpoint written by pleserver.synthetic")
+    parser.add_argument("--model", help="a checkpoint written by pleserver.devkit.synthetic")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--server-arg",
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     args = parser.parse_args(argv)
 
-    from pleserver.synthetic import SyntheticTable, write_checkpoint
+    from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 
     workdir = tempfile.mkdtemp(prefix="ple-soak-")
     try:

@@ -655,8 +655,8 @@ def add_deltas(deltas: list[dict]) -> dict | None:
 
 def bucket_quantile(buckets: list[int], q: float) -> float | None:
     """The upper bound (seconds) of the bucket holding quantile ``q`` of the
-    server's request-time histogram (``pleserver.stats.bucket_quantile``)."""
-    from pleserver.stats import bucket_quantile as quantile
+    server's request-time histogram (``pleserver.observe.stats.bucket_quantile``)."""
+    from pleserver.observe.stats import bucket_quantile as quantile
 
     return quantile(buckets, q)
 

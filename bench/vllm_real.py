@@ -14,7 +14,7 @@ are in ``bench/vllm_cells.py``, the exactness rule in ``bench/vllm_exact.py``.
 2. starts ``vllm_real.py cell NAME`` in a process group of its own (``setsid``):
    the cell starts its ple-server (``python -m pleserver.cli serve --model …
    --socket … --io mmap|direct [--cache-size 1G]``, through
-   ``pleserver.launcher``, with a state directory that does not exist, so every
+   ``pleserver.devkit.launcher``, with a state directory that does not exist, so every
    server starts cold and saves no hot set), then the engine, and writes its
    JSON after every measurement;
 3. ends the whole group when the cell returns or its time is up (SIGTERM, then
@@ -186,7 +186,7 @@ def probe_disk(model_dir: Path, seconds: float = 2.0) -> dict:
     at queue depth 1 and 128, O_DIRECT where the file system takes it; the mean
     latency is queue depth / rate (Little's law)."""
     from pleclient.checkpoint import discover_tables
-    from pleserver import doctor
+    from pleserver.ops import doctor
 
     files = sorted({p for t in discover_tables(str(model_dir), fingerprint=False) for p in t.files})
     direct = doctor.check_o_direct(files).status == "ok"
@@ -530,7 +530,7 @@ class Served:
     """The cell's ple-server, and what the figures need of it."""
 
     def __init__(self, model_dir: Path, cell: Cell, log_path: Path) -> None:
-        from pleserver.launcher import ServerLauncher
+        from pleserver.devkit.launcher import ServerLauncher
 
         self._state = tempfile.mkdtemp(prefix="vllm-real-state-")
         # A state directory that does not exist: no hot set is loaded or saved,

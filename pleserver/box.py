@@ -3,13 +3,13 @@ whether its GPU allocates from that same memory (unified memory) or has its
 own.
 
 Neither changes between two starts of one deployment, unlike the memory free
-at the moment (``pleserver.memory``), so what should not change with a
-restart is decided from them (``pleserver.budget``): ``io = auto``'s choice
+at the moment (``pleserver.host``), so what should not change with a
+restart is decided from them (``pleserver.data.budget``): ``io = auto``'s choice
 and, on unified memory, the default row cache.
 
 - **Memory**: ``MemTotal`` of /proc/meminfo, or the memory cgroup's limit
   when that is smaller (a container's limit, systemd's ``MemoryMax=``).
-  ``PLE_SERVER_MEMINFO`` names another file to read (``pleserver.memory``).
+  ``PLE_SERVER_MEMINFO`` names another file to read (``pleserver.host``).
 - **Unified memory**, decided by the first of:
 
   1. the ``gpu_memory`` setting, when it says ``unified`` or ``discrete``;
@@ -46,8 +46,8 @@ import subprocess
 from dataclasses import dataclass
 
 from pleserver.config import GPU_MEMORY_MODES
-from pleserver.memory import MEMINFO, cgroup_limit, meminfo_path, read_meminfo
-from pleserver.stats import format_bytes
+from pleserver.host import MEMINFO, cgroup_limit, meminfo_path, read_meminfo
+from pleserver.observe.stats import format_bytes
 
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 """vLLM's default ``--gpu-memory-utilization``: on unified memory, the share

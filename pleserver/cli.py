@@ -3,7 +3,7 @@
 doctor, plan, stats, health, demo, files, completion.
 
 The ``serve`` flags are generated from the settings' metadata
-(``pleserver.flags``); every other option is written out here, each with its
+(``pleserver.ops.flags``); every other option is written out here, each with its
 help and its default. Shell completion is argcomplete's: ``pleserver
 completion SHELL`` prints its script, which runs this command to complete
 (``main`` answers before parsing when argcomplete asks); the man page
@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, NoReturn
 
 from pleclient import protocol as p
-from pleserver import logs
+from pleserver.observe import logs
 
 if TYPE_CHECKING:
     from pleclient.checkpoint import CheckpointError
@@ -38,8 +38,8 @@ EXIT_SIGINT = 130  # 128 + SIGINT: what a shell reports for a command ended by C
 def cmd_serve(args: argparse.Namespace) -> int:
     from pleclient.checkpoint import CheckpointError
     from pleserver.config import CONFIG_ENV, SETTINGS, ConfigError, env_settings, unknown_env
-    from pleserver.flags import deprecations, given_settings
-    from pleserver.reload import ConfigSource
+    from pleserver.control.reload import ConfigSource
+    from pleserver.ops.flags import deprecations, given_settings
     from pleserver.server import Server
 
     flags = given_settings(args)
@@ -97,7 +97,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         load_config,
         unknown_env,
     )
-    from pleserver.reload import diff, format_changes
+    from pleserver.control.reload import diff, format_changes
 
     if args.socket is not None and not args.against_running:
         args.parser.error("--socket names the running server: it goes with --against-running")
@@ -186,8 +186,8 @@ def setting_effects(cfg: ServerConfig) -> tuple[list[str], list[str]]:
     model cannot be read: the server would not start) and warnings (settings
     that would have no effect, with the tables' sizes deciding ``io = auto``)."""
     from pleclient.checkpoint import CheckpointError, checkpoint_files, discover_tables
-    from pleserver import budget
     from pleserver.box import this_box
+    from pleserver.data import budget
 
     problems: list[str] = []
     warnings: list[str] = []
@@ -228,7 +228,7 @@ def _running_config(socket_path: str | None) -> tuple[dict, ServerConfig, dict, 
     stats; else the exit status, the error printed."""
     from pleclient import PleClient, PleError
     from pleserver.config import SETTINGS
-    from pleserver.reload import config_from_dict
+    from pleserver.control.reload import config_from_dict
 
     try:
         stats = PleClient.query_stats(socket_path)
@@ -264,7 +264,7 @@ def _running_config(socket_path: str | None) -> tuple[dict, ServerConfig, dict, 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     from pleserver.config import CONFIG_ENV, ConfigError, env_settings, load_config, unknown_env
-    from pleserver.flags import deprecations, given_settings
+    from pleserver.ops.flags import deprecations, given_settings
 
     for note in deprecations(args) + unknown_env(os.environ):
         print(f"warning: {note}", file=sys.stderr)
@@ -282,14 +282,14 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_config_default(args: argparse.Namespace) -> int:
-    from pleserver import deployfiles
+    from pleserver.ops import deployfiles
 
     print(deployfiles.read("config.toml"), end="")
     return 0
 
 
 def cmd_files(args: argparse.Namespace) -> int:
-    from pleserver import deployfiles
+    from pleserver.ops import deployfiles
 
     folder = deployfiles.directory()
     if args.dir:
@@ -385,7 +385,6 @@ def tables_text(tables) -> str:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from pleserver import doctor
     from pleserver.config import (
         CONFIG_ENV,
         DEFAULT_CONFIG_PATH,
@@ -394,6 +393,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         env_settings,
         load_config,
     )
+    from pleserver.ops import doctor
 
     # The host's config, when there is one: the advice starts from its settings
     # (the file's, under this environment's, as `serve` would read them).
@@ -416,7 +416,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from pleclient.checkpoint import CheckpointError
-    from pleserver import sizing
+    from pleserver.ops import sizing
 
     try:
         inputs = sizing.gather_inputs(
@@ -463,7 +463,7 @@ def stats_sockets(socket_path: str | None) -> list[str]:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from pleclient import PleClient, PleError
-    from pleserver.stats import format_human, format_interval, interval
+    from pleserver.observe.stats import format_human, format_interval, interval
 
     sockets = stats_sockets(args.socket)
     redraw = bool(args.watch) and not args.json and sys.stdout.isatty()
@@ -510,7 +510,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from pleserver.health import ask
+    from pleserver.observe.health import ask
 
     healthy, said = ask(args.path, ready=args.ready, timeout=args.timeout)
     if healthy:
@@ -521,8 +521,8 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pleserver.demo import headline, run_demo
-    from pleserver.stats import format_human
+    from pleserver.devkit.demo import headline, run_demo
+    from pleserver.observe.stats import format_human
 
     logs.setup(args.log_level)
     code, report = run_demo(
@@ -583,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pleserver import __version__
     from pleserver.box import SYSTEM_RESERVE, VLLM_GPU_MEMORY_UTILIZATION
     from pleserver.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, LOG_LEVELS, SETTINGS, format_size
-    from pleserver.flags import (
+    from pleserver.ops.flags import (
         HelpFormatter,
         add_setting_flags,
         complete,

@@ -616,7 +616,7 @@ def unknown_env(environ: Mapping[str, str]) -> list[str]:
     """A note for each ``PLE_SERVER_*`` variable that is no setting (a typo),
     with the setting it most likely means. Not an error: the environment is
     shared with other programs, and a variable of the prefix may be theirs."""
-    from pleserver.memory import MEMINFO_ENV  # (states the memory figures: not a setting)
+    from pleserver.host import MEMINFO_ENV  # (states the memory figures: not a setting)
 
     known = {s.env for s in SETTINGS.values()} | {CONFIG_ENV, MEMINFO_ENV}
     notes = []

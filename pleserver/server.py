@@ -6,15 +6,15 @@ socket — a stale one of a dead server replaced —, readiness, then prewarm or
 the hot set's refill), one ``handle_<signal>`` method per signal, the control
 loop (a selector over the listening socket, the sessions and a wake-up pipe
 for signals and for the serving and reserver threads), configuration reloads
-(SIGHUP: ``reload``; ``pleserver.reload`` decides what a reload may change),
+(SIGHUP: ``reload``; ``pleserver.control.reload`` decides what a reload may change),
 and stop. What the control loop hears from clients goes to
-``pleserver.sessions`` (the sessions
-and the control protocol); the data plane lives in ``pleserver.serving``; its
-parts (files, row cache, miss engine, tables) in ``pleserver.dataplane``; the
-hot set in ``pleserver.hotset``; prewarm in ``pleserver.prewarm``; channel
-segments in ``pleserver.segments``.
+``pleserver.control.sessions`` (the sessions
+and the control protocol); the data plane lives in ``pleserver.data.serving``; its
+parts (files, row cache, miss engine, tables) in ``pleserver.data.plane``; the
+hot set in ``pleserver.data.hotset``; prewarm in ``pleserver.data.prewarm``; channel
+segments in ``pleserver.control.segments``.
 
-The control loop never waits on one peer (``pleserver.sessions`` says how)
+The control loop never waits on one peer (``pleserver.control.sessions`` says how)
 and wakes at least every ``HOUSEKEEPING_S`` to close sessions past their
 deadlines.
 """
@@ -33,17 +33,10 @@ from typing import TYPE_CHECKING
 
 from pleclient import protocol as p
 from pleclient.checkpoint import discover_tables, local_model_dir
-from pleserver import __version__, logs
-from pleserver.admission import DoorbellAdmission
-from pleserver.budget import ChannelBudget, default_channel_budget, overcommitted
+from pleserver import __version__
 from pleserver.config import SETTINGS, ConfigError, ServerConfig, parse_host_port
-from pleserver.connections import listen_backlog
-from pleserver.dataplane import DataPlane, PlaneOptions
-from pleserver.health import HealthSocket, HealthSocketError
-from pleserver.hotset import HotSet, StateDirError
-from pleserver.memory import memory_room
-from pleserver.prewarm import Prewarm, resident_bytes
-from pleserver.reload import (
+from pleserver.control.connections import listen_backlog
+from pleserver.control.reload import (
     Change,
     ConfigSource,
     ReloadError,
@@ -52,15 +45,29 @@ from pleserver.reload import (
     count,
     diff,
 )
-from pleserver.segments import Reserver
-from pleserver.serving import POLL_S, Channel, ServingLoop
-from pleserver.sessions import Sessions
-from pleserver.stats import RateMeter, TableStats, format_bytes, format_progress, io_snapshot
-from pleserver.systemd import Notifier, watchdog_interval
-from pleserver.table import Table
+from pleserver.control.segments import Reserver
+from pleserver.control.sessions import Sessions
+from pleserver.data.admission import DoorbellAdmission
+from pleserver.data.budget import ChannelBudget, default_channel_budget, overcommitted
+from pleserver.data.hotset import HotSet, StateDirError
+from pleserver.data.plane import DataPlane, PlaneOptions
+from pleserver.data.prewarm import Prewarm, resident_bytes
+from pleserver.data.serving import POLL_S, Channel, ServingLoop
+from pleserver.data.tables import Table
+from pleserver.host import memory_room
+from pleserver.observe import logs
+from pleserver.observe.health import HealthSocket, HealthSocketError
+from pleserver.observe.stats import (
+    RateMeter,
+    TableStats,
+    format_bytes,
+    format_progress,
+    io_snapshot,
+)
+from pleserver.ops.systemd import Notifier, watchdog_interval
 
 if TYPE_CHECKING:
-    from pleserver.metrics import MetricsEndpoint
+    from pleserver.observe.metrics import MetricsEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +196,7 @@ class Server:
         cfg = self.config
         if not cfg.metrics_address:
             return
-        from pleserver.metrics import MetricsEndpoint, MetricsError
+        from pleserver.observe.metrics import MetricsEndpoint, MetricsError
 
         try:
             self.metrics = MetricsEndpoint(
@@ -355,7 +362,7 @@ class Server:
         first the request path's (``DataPlane.limit_request_memory``: read
         buffers, gather scratch, hints), then the channels':
         ``max_channel_memory``, else 3/4 of the room beside the row cache still
-        to come and the request path (``pleserver.budget``)."""
+        to come and the request path (``pleserver.data.budget``)."""
         cfg = self.config
         room = memory_room()
         pending = 0
@@ -777,7 +784,7 @@ class Server:
         old one's port, the old one closes first; if the new one then cannot
         bind, it is opened again where it was. Raises ReloadError when the
         new address cannot be served (the endpoint in effect is kept)."""
-        from pleserver.metrics import MetricsEndpoint, MetricsError
+        from pleserver.observe.metrics import MetricsEndpoint, MetricsError
 
         old = self.metrics
 
@@ -946,7 +953,7 @@ class Server:
                 io_mode=t.mode,
                 io=io_snapshot(source, rate.rate(source.get("misses", 0), now)),
             )
-            if self.loop is not None:  # prefetch hints, in rows (pleserver.hints)
+            if self.loop is not None:  # prefetch hints, in rows (pleserver.data.hints)
                 snap.update(self.loop.hints.table_snapshot(t.key))
             tables.append(snap)
         return {
@@ -966,7 +973,7 @@ class Server:
             "channel_memory": {"used_bytes": self.budget.used, "budget_bytes": self.budget.limit},
             "control_errors": self.sessions.errors_sent() if self.sessions is not None else {},
             # Channel opens skipped, their session closed before the reserver
-            # came to them (``pleserver.segments``).
+            # came to them (``pleserver.control.segments``).
             "abandoned_channel_opens": (
                 self.sessions.abandoned_opens if self.sessions is not None else 0
             ),

@@ -1,5 +1,5 @@
 """Every fixture of the tests: generated checkpoints, real ple-server processes
-(``pleserver.launcher``), leak checks. Tools that are not fixtures are in
+(``pleserver.devkit.launcher``), leak checks. Tools that are not fixtures are in
 ``tests/harness.py``."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from pleserver.config import SETTINGS
-from pleserver.launcher import LaunchedServer
-from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint
+from pleserver.devkit.launcher import LaunchedServer
+from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
 from tests.harness import server_launcher, shm_entries
 
 SMALL_TABLES = (

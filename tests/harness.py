@@ -10,7 +10,7 @@
   ``setpriv --reuid --regid --init-groups``, which also works when the
   interpreter lives where the other uid may not read);
 - ``server_launcher``: how the tests start ``pleserver serve``
-  (``pleserver.launcher``): as another uid, under a command prefix
+  (``pleserver.devkit.launcher``): as another uid, under a command prefix
   (``prlimit``, ``unshare``) or on a chosen socket path; ``shm_env``: a vLLM
   worker's environment for a server;
 - ``wait_until``: poll a condition the tests cannot be told about;
@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 
 from pleclient import protocol as p
-from pleserver.launcher import LaunchedServer, ServerLauncher
+from pleserver.devkit.launcher import LaunchedServer, ServerLauncher
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -285,7 +285,7 @@ import ctypes, json, os, signal, socket, sys, time
 import numpy as np, numpy.random
 from pleclient import PleClient, PleError, ServerGone, protocol as p
 from pleclient.channel import ChannelMap
-from pleserver.synthetic import read_reference  # imported before a privilege drop
+from pleserver.devkit.synthetic import read_reference  # imported before a privilege drop
 
 def _become(spec):
     uid, gid, groups = json.loads(spec)
@@ -303,8 +303,10 @@ if os.environ.get("PLE_TEST_AS"):
 
 SERVER_MAIN = (
     """\
-from pleserver import cli, config, server, serving, table, stats, systemd
-from pleserver import metrics, metrics_http
+from pleserver import cli, config, server
+from pleserver.data import serving, tables
+from pleserver.observe import metrics, metrics_http, stats
+from pleserver.ops import systemd
 import encodings.idna  # the metrics address is resolved after the drop
 from pleclient import checkpoint
 """

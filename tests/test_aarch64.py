@@ -332,16 +332,16 @@ def test_each_images_build_context_installs_and_imports_the_package_on_aarch64(a
     print(f"aarch64 image {name}: installed in {report['prefix']}")
 
 
-# One server, two client processes (pleserver.demo's, which check every row
+# One server, two client processes (pleserver.devkit.demo's, which check every row
 # against the checkpoint files read without the server's code), all from the
 # installed wheel. Direct I/O: misses go through the row cache and the miss
 # engine (under qemu the pread pool: qemu-user has no io_uring).
 EXCHANGE = """
 import json, multiprocessing, sys, tempfile
 from pleclient import PleClient
-from pleserver.demo import drive
-from pleserver.launcher import ServerLauncher
-from pleserver.synthetic import SyntheticTable, write_checkpoint
+from pleserver.devkit.demo import drive
+from pleserver.devkit.launcher import ServerLauncher
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 
 TABLES = (
     SyntheticTable(layer=1, rows=20_011, cols=160, dtype="F8_E4M3", parts=4, scale=0.0125),

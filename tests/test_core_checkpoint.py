@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pleclient.checkpoint import CheckpointError, discover_tables
-from pleserver.synthetic import SyntheticTable, write_checkpoint, write_safetensors
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint, write_safetensors
 
 FP8 = SyntheticTable(layer=2, rows=1001, cols=16, dtype="F8_E4M3", parts=4, scale=0.5)
 BF16 = SyntheticTable(layer=5, rows=999, cols=16, dtype="BF16", parts=3)

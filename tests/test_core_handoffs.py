@@ -1,4 +1,4 @@
-"""``pleserver.handoffs``: the order in which the gather workers take the
+"""``pleserver.data.handoffs``: the order in which the gather workers take the
 serving loop's hand-offs (the end-to-end check, against a real server, is
 ``test_reliability_isolation.py::test_a_small_cold_lookup_takes_its_turn_beside_another_channels_large_cold_ones``)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from pleserver.handoffs import LAST_PIECE_ROWS, HandOffs
+from pleserver.data.handoffs import LAST_PIECE_ROWS, HandOffs
 
 
 @dataclass(eq=False)

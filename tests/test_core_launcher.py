@@ -1,4 +1,4 @@
-"""pleserver.launcher: ready on the server's READY=1, a failed start reported at
+"""pleserver.devkit.launcher: ready on the server's READY=1, a failed start reported at
 once, and nothing left behind — process, sockets, log — whatever happened."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pleserver.launcher import ServerLauncher, ServerStartError
+from pleserver.devkit.launcher import ServerLauncher, ServerStartError
 
 
 def gone(pid: int) -> bool:

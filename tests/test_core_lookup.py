@@ -13,7 +13,7 @@ from pleclient import PleClient, PleError, RequestError, ServerUnavailable
 from pleclient import protocol as p
 from pleclient.client import server_socket
 from pleclient.slots import SlotOwner
-from pleserver.synthetic import read_reference, write_checkpoint
+from pleserver.devkit.synthetic import read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
 from tests.host import require_futex_waitv
 

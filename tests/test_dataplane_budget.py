@@ -8,7 +8,7 @@ import pytest
 
 from pleclient.checkpoint import TableSpec, discover_tables
 from pleserver.box import SYSTEM_RESERVE, Box
-from pleserver.budget import (
+from pleserver.data.budget import (
     CACHE_SHARE,
     CHANNEL_SHARE,
     MIN_CACHE_BYTES,
@@ -21,8 +21,8 @@ from pleserver.budget import (
     read_buffer_budget,
     table_cache_bytes,
 )
-from pleserver.memory import MEMINFO_ENV, MemoryRoom, cgroup_limit
-from pleserver.synthetic import SyntheticTable, write_checkpoint
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
+from pleserver.host import MEMINFO_ENV, MemoryRoom, cgroup_limit
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -17,7 +17,7 @@ import pytest
 
 from pleclient import RequestError
 from pleclient.checkpoint import INDEX_FILE
-from pleserver.synthetic import (
+from pleserver.devkit.synthetic import (
     SyntheticTable,
     read_reference,
     shard_bytes,

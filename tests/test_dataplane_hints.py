@@ -1,4 +1,4 @@
-"""Prefetch hints (``PleClient.hint``, ``pleserver.hints``) against a real
+"""Prefetch hints (``PleClient.hint``, ``pleserver.data.hints``) against a real
 direct-mode server: hinted misses are read below every lookup, dropped and
 counted when the queue or the cache budget cannot take them, refused without
 harm when bad, turn later lookups into hits, and cannot starve a bystander;
@@ -15,7 +15,7 @@ import pytest
 
 from pleclient import PleClient
 from pleclient import protocol as p
-from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint
+from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
 from tests.harness import Bystander, child_report, python_child, wait_until
 
 TABLES = (
@@ -311,7 +311,7 @@ def test_stats_show_the_hints(start_server, model, tmp_path):
     with server.client() as client:
         client.hint(1, np.arange(64))
         assert wait_until(lambda: table_stats(client, 1)["hints_read"] == 64)
-    from pleserver.stats import format_human
+    from pleserver.observe.stats import format_human
 
     with server.client() as client:
         text = format_human(client.stats())
@@ -387,7 +387,7 @@ def test_hinted_rows_are_counted_per_table_taken_over_and_forgotten():
     """The hinted-rows table's live count per table (what lets a table's
     lookups skip the check): a row remembered, one taken by a lookup, a slot
     another table's row takes over, a table forgotten whole."""
-    from pleserver.hints import HintedRows
+    from pleserver.data.hints import HintedRows
 
     hinted = HintedRows(1024, tables=2)
     hinted.remember(0, np.arange(100))

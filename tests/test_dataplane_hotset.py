@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pleserver import hotset
-from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint
+from pleserver.data import hotset
+from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
 from tests.harness import wait_until
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pleclient.checkpoint import discover_tables
-from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint
+from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
 from tests.harness import child_report, python_child
 from tests.host import require_o_direct

@@ -22,7 +22,7 @@ from pleclient import protocol as p
 from pleclient.channel import RUNG_AT
 from pleclient.gpu import GpuLookupError, GpuLookups, HostStream
 from pleclient.slots import SlotOwner
-from pleserver.stats import format_human
+from pleserver.observe.stats import format_human
 from tests.harness import (
     Bystander,
     RawSession,

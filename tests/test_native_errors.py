@@ -14,7 +14,7 @@ import pytest
 
 from pleclient.checkpoint import discover_tables
 from pleserver import _native as nat
-from pleserver.synthetic import SyntheticTable, write_checkpoint
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 from tests.host import require_o_direct
 from tests.test_native_gather import Opened, file_rows, opened, specs  # noqa: F401 (fixtures)
 

@@ -16,7 +16,7 @@ import pytest
 
 from pleclient.checkpoint import TableSpec, discover_tables
 from pleserver import _native as nat
-from pleserver.synthetic import SyntheticTable, write_checkpoint
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 from tests.host import require_o_direct
 
 # FP8 rows of 160 bytes, BF16 rows of 320 bytes and NVFP4 rows of 90 (80

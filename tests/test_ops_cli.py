@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pleserver import deployfiles
 from pleserver.cli import EX_CONFIG, build_parser
 from pleserver.config import GROUPS, SETTINGS
+from pleserver.ops import deployfiles
 from tests.harness import RawSession, wait_until
 
 REPO = Path(__file__).resolve().parent.parent

@@ -43,7 +43,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
-from pleserver import deployfiles
+from pleserver.ops import deployfiles
 from tests.test_ops_install import WHEEL_CHECK, check_installed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -515,7 +515,7 @@ def test_compose_builds_the_vllm_image_from_the_source_tree():
 IMAGE_CHECK = """
 import hashlib, json, platform, sys
 from importlib import metadata
-from pleserver import deployfiles
+from pleserver.ops import deployfiles
 dist = metadata.distribution("pleserver")
 print(REPORT + json.dumps({
     "prefix": sys.prefix,

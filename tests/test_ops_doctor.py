@@ -14,7 +14,7 @@ import pytest
 
 from pleclient import _sync
 from pleserver import _native
-from pleserver.launcher import ServerLauncher
+from pleserver.devkit.launcher import ServerLauncher
 from tests.host import require_o_direct
 
 CHECKS = ("io_uring", "futex_waitv", "tables", "o_direct", "memlock", "thp", "memory", "disk")

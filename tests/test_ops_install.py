@@ -19,7 +19,7 @@ import pytest
 from packaging.requirements import Requirement
 
 import pleserver
-from pleserver import deployfiles, doctor
+from pleserver.ops import deployfiles, doctor
 
 REPO = Path(__file__).resolve().parent.parent
 MAN_PAGE = REPO / "man" / "pleserver.1"

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from pleclient import PleClient
-from pleserver import logs
-from pleserver.launcher import ServerLauncher
+from pleserver.devkit.launcher import ServerLauncher
+from pleserver.observe import logs
 from tests.harness import wait_until
 
 TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")

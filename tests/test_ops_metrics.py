@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pleclient import PleClient, RequestError
 from pleclient import protocol as p
-from pleserver.metrics import SnapshotCollector
-from pleserver.stats import BUCKETS_S
+from pleserver.observe.metrics import SnapshotCollector
+from pleserver.observe.stats import BUCKETS_S
 from tests.harness import OtherUser, RawSession, child_report, run_child, wait_until
 
 README = Path(__file__).resolve().parent.parent / "deploy" / "README.md"

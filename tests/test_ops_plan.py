@@ -12,8 +12,8 @@ import tomllib
 from pathlib import Path
 
 from pleserver.box import SYSTEM_RESERVE
-from pleserver.budget import UNIFIED_CACHE_SHARE
 from pleserver.config import parse_size
+from pleserver.data.budget import UNIFIED_CACHE_SHARE
 
 REPO = Path(__file__).resolve().parent.parent
 DGX_CONFIG = REPO / "deploy" / "boxes" / "dgx-spark.toml"

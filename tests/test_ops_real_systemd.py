@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from pleserver.synthetic import SyntheticTable, write_checkpoint
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 from tests.debian_root import debian_root, fail, wheelhouse
 
 
@@ -319,7 +319,7 @@ CLIENT = """
 import sys
 import numpy as np
 from pleclient import PleClient
-from pleserver.synthetic import read_reference
+from pleserver.devkit.synthetic import read_reference
 with PleClient.connect(sys.argv[1] if len(sys.argv) > 1 else "{socket}") as client:
     for table in client.tables:
         ids = [0, 1, table.rows - 1, table.rows // 2]
@@ -429,7 +429,7 @@ from pleclient import PleClient, PleError, ServerGone, ServerUnavailable
 from pleclient.checkpoint import discover_tables
 from pleclient.fallback import CheckpointReader
 from pleclient.gpu import GpuLookups
-from pleserver.synthetic import read_reference
+from pleserver.devkit.synthetic import read_reference
 SOCKET, MODEL = "/run/ple-server/ple.sock", "/models/Qwen3.8-Flash-Next"
 refs = {t.name: read_reference(MODEL, t.name) for t in discover_tables(MODEL)}
 result = {"cpu": 0, "gpu": 0, "wrong": 0, "failed": [], "reconnects": 0}

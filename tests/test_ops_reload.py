@@ -28,8 +28,8 @@ import pytest
 from pleclient import AccessDenied, PleClient, RequestError
 from pleclient import protocol as p
 from pleserver.config import SETTINGS, ServerConfig
-from pleserver.launcher import LaunchedServer, ServerLauncher
-from pleserver.reload import RELOADABLE, RESTART_ONLY, classify, diff
+from pleserver.control.reload import RELOADABLE, RESTART_ONLY, classify, diff
+from pleserver.devkit.launcher import LaunchedServer, ServerLauncher
 from tests.harness import (
     REPO,
     Bystander,

@@ -180,7 +180,7 @@ def test_tmpfiles_snippet_creates_the_socket_directory(tmp_path):
 
 
 # ----------------------------------------------------------- notify protocol
-# pleserver.launcher listens where systemd would ($NOTIFY_SOCKET): its
+# pleserver.devkit.launcher listens where systemd would ($NOTIFY_SOCKET): its
 # ``notify`` holds what the server sent.
 def test_ready_is_sent_once_lookups_are_answered(start_server, checkpoint):
     server = start_server(checkpoint)  # returns as READY=1 arrives

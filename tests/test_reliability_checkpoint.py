@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pleclient import PleClient, RequestError
-from pleserver.synthetic import read_reference, write_checkpoint
+from pleserver.devkit.synthetic import read_reference, write_checkpoint
 from tests.conftest import SMALL_TABLES
 from tests.harness import wait_until
 

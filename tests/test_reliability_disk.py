@@ -30,7 +30,7 @@ import pytest
 
 from pleclient import RequestError
 from pleclient.checkpoint import discover_tables
-from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint
+from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
 
 TABLES = (
     SyntheticTable(layer=1, rows=40_009, cols=160, dtype="F8_E4M3", parts=4, scale=0.0125),

@@ -27,7 +27,7 @@ import time
 import numpy as np
 import pytest
 
-from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint
+from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
 from tests.harness import python_child
 
 TABLES = (

@@ -26,7 +26,7 @@ import pytest
 from pleclient import PleClient, PleError, RequestError
 from pleclient import client as client_module
 from pleclient import protocol as p
-from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint
+from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
 from tests.harness import (
     Bystander,
     RawSession,

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pleserver.health import ask
+from pleserver.observe.health import ask
 from tests.harness import (
     OtherUser,
     child_report,

@@ -24,7 +24,7 @@ from pleclient.channel import ChannelMap
 from pleclient.checkpoint import discover_tables
 from pleclient.fallback import CheckpointReader
 from pleclient.gpu import GpuLookups
-from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint
+from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
 from tests.harness import RawSession, stop_process, wait_until
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from pleclient import PleClient, ProtocolMismatch, ServerGone
 from pleclient import protocol as p
-from pleserver.segments import create_segment
+from pleserver.control.segments import create_segment
 from tests.harness import python_child, shm_entries, wait_until
 
 TIMEOUT = 10.0  # the clients' timeout
@@ -27,7 +27,7 @@ TIMEOUT = 10.0  # the clients' timeout
 
 LOOPER = """
 path, model, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
-from pleserver.synthetic import read_reference
+from pleserver.devkit.synthetic import read_reference
 client = PleClient.connect(path, timeout=10.0, name=f"looper{seed}")
 refs = {t.layer: read_reference(model, t.name) for t in client.tables}
 rng = np.random.default_rng(seed)
@@ -103,7 +103,7 @@ def test_server_killed_with_requests_in_flight_gives_every_client_server_gone(
 
 RECONNECTING = """
 path, model = sys.argv[1], sys.argv[2]
-from pleserver.synthetic import read_reference
+from pleserver.devkit.synthetic import read_reference
 refs = None
 rng = np.random.default_rng(7)
 gone = verified = 0

@@ -18,10 +18,10 @@ import pytest
 from pleclient import protocol as p
 from pleclient.channel import ChannelMap
 from pleclient.checkpoint import discover_tables
-from pleserver.admission import CounterAdmission
-from pleserver.dataplane import DataPlane
-from pleserver.serving import Channel, ServingLoop
-from pleserver.stats import TableStats
+from pleserver.data.admission import CounterAdmission
+from pleserver.data.plane import DataPlane
+from pleserver.data.serving import Channel, ServingLoop
+from pleserver.observe.stats import TableStats
 
 CHUNKED = 16383  # under parallel_min_rows: gathered by the loop, four chunk_rows turns
 HANDED = 16384  # parallel_min_rows: handed off whole to a gather worker

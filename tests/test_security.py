@@ -24,7 +24,7 @@ import pytest
 
 from pleclient import PleClient
 from pleclient.protocol import ErrorCode
-from pleserver.synthetic import write_checkpoint
+from pleserver.devkit.synthetic import write_checkpoint
 from tests.conftest import SMALL_TABLES
 from tests.harness import (
     PRELUDE,
@@ -78,7 +78,7 @@ def socket_dir(public, users, request):
 
 LOOKUP = """
 path, model = sys.argv[1], sys.argv[2]
-from pleserver.synthetic import read_reference
+from pleserver.devkit.synthetic import read_reference
 try:
     client = PleClient.connect(path, name="as-" + str(os.getuid()))
 except PleError as exc:
@@ -401,9 +401,9 @@ def test_another_uid_cannot_reach_a_sessions_segment(start_server, users, public
 # The CLI's modules are imported before the privilege drop (PRELUDE): the
 # interpreter's own files may not be readable by the other user.
 CLI_AS_USER = (
-    "from pleserver import cli, doctor, budget, config\n"
-    + PRELUDE
-    + "sys.exit(cli.main(sys.argv[1:]))\n"
+    "from pleserver import cli, config\n"
+    "from pleserver.data import budget\n"
+    "from pleserver.ops import doctor\n" + PRELUDE + "sys.exit(cli.main(sys.argv[1:]))\n"
 )
 
 

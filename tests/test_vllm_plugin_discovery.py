@@ -17,7 +17,7 @@ from pleclient.vllm_plugin.identity import Expected  # noqa: E402
 from pleclient.vllm_plugin.lookups import LayerLookups, StoredRows  # noqa: E402
 from pleclient.vllm_plugin.routes import Routes  # noqa: E402
 from pleclient.vllm_plugin.rows import RowService  # noqa: E402
-from pleserver.synthetic import SyntheticTable, read_reference, write_checkpoint  # noqa: E402
+from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint  # noqa: E402
 from tests.conftest import SMALL_TABLES  # noqa: E402
 
 OTHER_TABLE = SyntheticTable(layer=2, rows=5_003, cols=128, dtype="BF16", parts=2)

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from pleserver.launcher import LaunchedServer
+from pleserver.devkit.launcher import LaunchedServer
 from tests.harness import server_launcher, shm_env
 from tests.vllm_helpers import run_scenario
 

@@ -25,7 +25,7 @@ from pleclient.vllm_plugin.identity import Expected  # noqa: E402
 from pleclient.vllm_plugin.lookups import LayerLookups, StoredRows  # noqa: E402
 from pleclient.vllm_plugin.routes import Routes  # noqa: E402
 from pleclient.vllm_plugin.rows import RowService  # noqa: E402
-from pleserver.synthetic import read_reference  # noqa: E402
+from pleserver.devkit.synthetic import read_reference  # noqa: E402
 from tests.conftest import SMALL_TABLES  # noqa: E402
 
 FP8, BF16 = SMALL_TABLES

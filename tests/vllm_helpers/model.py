@@ -64,7 +64,7 @@ SCALES = {"F8_E4M3": FP8_SCALE, "NVFP4": NVFP4_GLOBAL_SCALE}
 
 
 def synthetic_tables(layers=LAYERS, parts: int = PARTS) -> list:
-    from pleserver.synthetic import SyntheticTable
+    from pleserver.devkit.synthetic import SyntheticTable
 
     return [
         SyntheticTable(
@@ -85,7 +85,7 @@ def write_test_checkpoint(path: str, *, seed: int = 0, files: int = 3, layers=LA
     config.json also holds the hashing keys of the tiny config (``hash_config``)."""
     import json
 
-    from pleserver.synthetic import write_checkpoint
+    from pleserver.devkit.synthetic import write_checkpoint
 
     write_checkpoint(path, synthetic_tables(layers), files=files, seed=seed)
     config_path = os.path.join(path, "config.json")

@@ -194,7 +194,7 @@ def nvfp4_bit_identical(args: dict) -> dict:
         dequantize_to_dtype,
     )
 
-    from pleserver.synthetic import read_reference
+    from pleserver.devkit.synthetic import read_reference
 
     layers = (m.NVFP4_LAYER,)
     with m.vllm_context():
@@ -253,7 +253,7 @@ def nvfp4_bit_identical(args: dict) -> dict:
 
 
 def _reference_rows(model_dir: str, module, batch: m.Batch) -> torch.Tensor:
-    from pleserver.synthetic import read_reference
+    from pleserver.devkit.synthetic import read_reference
 
     table = read_reference(model_dir, f"{m.FP8_LAYER.prefix}.ngram_embedding")
     ids = module.compute_ngram_ids(batch.input_ids, batch.query_start_loc, batch.ngram_context)
@@ -559,7 +559,7 @@ class Server:
     """A `pleserver serve` process on a fixed socket, killed and started again."""
 
     def __init__(self, model: str, socket_path: str, log_path: str) -> None:
-        from pleserver.launcher import ServerLauncher
+        from pleserver.devkit.launcher import ServerLauncher
 
         # One log over every start; no PR_SET_PDEATHSIG: restarts come from timer threads.
         self.launcher = ServerLauncher(model, socket_path=socket_path, log_path=log_path)

@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGED = Path(__file__).resolve().parent / "deploy"
-CHECKOUT = Path(__file__).resolve().parent.parent / "deploy"
+PACKAGE = Path(__file__).resolve().parent.parent  # pleserver/ (this module is in pleserver/ops/)
+PACKAGED = PACKAGE / "deploy"
+CHECKOUT = PACKAGE.parent / "deploy"
 
 
 @dataclass(frozen=True)

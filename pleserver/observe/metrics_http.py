@@ -64,9 +64,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pleserver.lograte import RateLimitedLog
+from pleserver.observe.lograte import RateLimitedLog
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pleserver.metrics_http")
 
 HEAD_LIMIT = 8192
 """Bytes of request line and headers at most, the blank line that ends them

@@ -1,7 +1,7 @@
 """The data plane's parts, opened for one io mode: files, row cache, miss
 engine and tables, and the numbers they report.
 
-Modes (``io``; ``pleserver.budget`` picks one for ``auto`` and says why):
+Modes (``io``; ``pleserver.data.budget`` picks one for ``auto`` and says why):
 
 - ``direct``: one ``RowCache`` (the budget, anonymous memory reserved up front)
   and one ``ReadEngine`` (io_uring, else a pool of pread threads) shared by all
@@ -13,7 +13,7 @@ Modes (``io``; ``pleserver.budget`` picks one for ``auto`` and says why):
 - ``mmap``: the files mapped; for tables that fit in memory (``prewarm``).
 
 ``limit_request_memory`` bounds what answering requests may hold beside the
-channels and the row cache (``pleserver.budget.RequestMemory``), once, before
+channels and the row cache (``pleserver.data.budget.RequestMemory``), once, before
 the first request: the read buffers' bound is set in the native module, the
 other parts are bounded by construction and counted here.
 """
@@ -25,14 +25,14 @@ import logging
 from dataclasses import dataclass
 
 from pleclient.checkpoint import TableSpec
-from pleserver import hints
 from pleserver.box import this_box
-from pleserver.budget import Budget, RequestMemory, plan, read_buffer_budget
 from pleserver.config import ServerConfig
-from pleserver.memory import MemoryRoom
-from pleserver.table import CheckpointFile, MappedFile, Table, nat
+from pleserver.data import hints
+from pleserver.data.budget import Budget, RequestMemory, plan, read_buffer_budget
+from pleserver.data.tables import CheckpointFile, MappedFile, Table, nat
+from pleserver.host import MemoryRoom
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pleserver.dataplane")
 
 FILL_THREADS = 2
 """Threads that gather besides the gather workers and the native pool's: the

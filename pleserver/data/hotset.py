@@ -59,9 +59,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pleserver.table import KEY_ROW_BITS, Table
+from pleserver.data.tables import KEY_ROW_BITS, Table
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pleserver.hotset")
 
 MAGIC = b"PLEHOTS\0"
 VERSION = 1

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pleclient import protocol as p
 from pleclient.channel import ChannelMap
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pleserver.segments")
 
 SMALL_BYTES = 64 << 20
 

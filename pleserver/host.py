@@ -7,7 +7,7 @@ and ``MemAvailable``, read at the moment asked.
   reclaimed (usage minus page cache);
 - ``MemAvailable`` of ``/proc/meminfo``.
 
-The budgets (``pleserver.budget``) are shares of the smaller of the two, and
+The budgets (``pleserver.data.budget``) are shares of the smaller of the two, and
 of the box's own memory (``MemTotal``, ``pleserver.box``), which does not
 change between starts.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pleserver.stats import format_bytes
+from pleserver.observe.stats import format_bytes
 
 UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2⁶³ − 1
 CGROUP_ROOT = "/sys/fs/cgroup"

@@ -1,7 +1,7 @@
 """A PLE table served from its safetensors files: open (or map) them, gather rows.
 
 A table gathers through one native ``TableSource`` (``pleserver._native``),
-whatever the io mode (``pleserver.dataplane`` chooses it):
+whatever the io mode (``pleserver.data.plane`` chooses it):
 
 - **direct / buffered**: rows come from the shared row cache; misses are read
   by the shared miss engine from the checkpoint files, opened with
@@ -17,7 +17,7 @@ A checkpoint file changed under the server is caught by ``check_files``: its
 tables then answer errors (``problem``): a truncated file's rows are gone and a
 rewritten file would give other rows (in direct mode mixed with old rows still
 in the cache). What of a mapped
-table is in the page cache (prewarm, residency) is ``pleserver.prewarm``'s.
+table is in the page cache (prewarm, residency) is ``pleserver.data.prewarm``'s.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ except ImportError as _exc:  # a source tree whose extension was never built
         "`python setup.py build_ext --inplace`"
     ) from _exc
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pleserver.table")
 
 KEY_ROW_BITS = 40
 """A row cache key is ``(table_key << 40) | row`` (the native module's layout)."""

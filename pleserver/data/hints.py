@@ -30,7 +30,7 @@ allocated at start for ``hint_queue_rows`` rows: a hint is copied into it
 whole or dropped, so the queue's memory is that ring, whatever the hints'
 sizes (a queue of one array per hint cost ≈ 184 bytes a row for hints of one
 id: 11.5 MiB at the default bound, not 0.5). A reload may lower the bound; a
-higher one needs a restart (``pleserver.reload``), as the ring was sized,
+higher one needs a restart (``pleserver.control.reload``), as the ring was sized,
 and counted in the server's memory budget, at start (``memory_bytes``).
 
 The reader (one thread) takes at most ``HINT_SCAN_ROWS`` rows of one table
@@ -64,9 +64,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pleserver.table import KEY_ROW_BITS, Table, nat
+from pleserver.data.tables import KEY_ROW_BITS, Table, nat
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pleserver.hints")
 
 HINT_BATCH_ROWS = 32
 """Rows the reader reads at a time: what a lookup arriving meanwhile may find
@@ -382,7 +382,7 @@ class HintReader:
             return key, rows
 
     def _run(self) -> None:
-        from pleserver.serving import _name_thread  # (serving imports this module)
+        from pleserver.data.serving import _name_thread  # (serving imports this module)
 
         _name_thread(b"ple-hints")  # beside ple-serving and ple-gather-N in top -H
         while (taken := self._take()) is not None:

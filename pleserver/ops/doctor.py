@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pleclient.checkpoint import CheckpointError, TableSpec, discover_tables
-from pleserver import __version__, budget
+from pleserver import __version__
 from pleserver.box import Box, read_text, this_box
 from pleserver.config import ServerConfig
-from pleserver.memory import memory_room
-from pleserver.stats import format_bytes
+from pleserver.data import budget
+from pleserver.host import memory_room
+from pleserver.observe.stats import format_bytes
 
 QUEUE_DEPTHS = (1, 64, 128)
 PROBE_BLOCK = 4096

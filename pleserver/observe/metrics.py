@@ -3,7 +3,7 @@
 ``SnapshotCollector`` turns one ``Server.snapshot()`` (the numbers of
 ``pleserver stats``) into metric families; ``MetricsEndpoint`` serves them,
 with ``/healthz`` and ``/readyz``, through the bounded HTTP server of
-``pleserver.metrics_http``, which renders them off the data plane at most
+``pleserver.observe.metrics_http``, which renders them off the data plane at most
 every ``RENDER_INTERVAL_S`` and never per request.
 
 Names follow Prometheus' naming guide: base units (seconds, bytes) in the
@@ -38,7 +38,7 @@ Every mode:
   ``large`` from ``LARGE_REQUEST_ROWS`` rows, a prefill chunk's, else
   ``small``) and
   ``ple_queue_time_seconds`` (the client's submit to the server taking it) —
-  every third bucket of ``pleserver.stats`` (4 per decade, 1 µs to 100 s), so
+  every third bucket of ``pleserver.observe.stats`` (4 per decade, 1 µs to 100 s), so
   the cumulative counts are exact —, ``ple_table_info{dtype,rows,cols,
   row_bytes,fingerprint}`` (1), ``ple_table_size_bytes``,
   ``ple_table_io_mode{io}``;
@@ -105,12 +105,12 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from pleserver.config import parse_host_port
-from pleserver.metrics_http import Check, MetricsError, MetricsHTTPServer
-from pleserver.stats import BUCKETS_S, ERROR_KINDS, LARGE_REQUEST_ROWS, READ_BUCKETS_S
+from pleserver.observe.metrics_http import Check, MetricsError, MetricsHTTPServer
+from pleserver.observe.stats import BUCKETS_S, ERROR_KINDS, LARGE_REQUEST_ROWS, READ_BUCKETS_S
 
 __all__ = ["MetricsEndpoint", "MetricsError", "SnapshotCollector"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pleserver.metrics")
 
 TABLE_LABELS = ["layer", "table"]
 PREWARM_STATES = ("none", "pending", "running", "done", "budget", "memory", "stopped", "failed")
@@ -194,7 +194,7 @@ def _control(snap: dict) -> Iterator[Metric]:
             value=memory["budget_bytes"],
         )
     errors = snap.get("control_errors") or {}
-    # Refusals at accept are counted by pleserver.connections, by its own reasons
+    # Refusals at accept are counted by pleserver.control.connections, by its own reasons
     # (a rate-limited uid and a full server share one ERROR code); the rest by
     # the ERROR code the control plane sent.
     counted = {**errors, **(snap.get("refused") or {})}
@@ -397,7 +397,7 @@ def _table_io(tables: list[dict]) -> Iterator[Metric]:
 
 
 def _hints(snap: dict) -> Iterator[Metric]:
-    """Prefetch hints, in rows, per table (``pleserver.hints``): received,
+    """Prefetch hints, in rows, per table (``pleserver.data.hints``): received,
     read into the row cache, found cached already, dropped by reason, and the
     lookups' hits on hinted rows; the queue's rows and the hints naming no
     table, server-wide. Absent from a snapshot without them."""

@@ -4,7 +4,7 @@ ple-server starts before the model (the vLLM unit comes ``After=`` it), so the
 memory free at start is not free for long: the model's weights and its KV
 cache arrive next, and on unified-memory machines (DGX Spark, GX10) the GPU
 allocates from the same RAM. So each default takes a share of the room at
-start (``pleserver.memory``: ``MemAvailable``, or the room under the cgroup's
+start (``pleserver.host``: ``MemAvailable``, or the room under the cgroup's
 limit when that is smaller), not all of it.
 
 - **Row cache** (``plan``): the box's budget (``box_cache_budget``, from
@@ -56,8 +56,8 @@ from dataclasses import dataclass
 
 from pleclient.checkpoint import TableSpec
 from pleserver.box import SYSTEM_RESERVE, VLLM_GPU_MEMORY_UTILIZATION, Box, this_box
-from pleserver.memory import MemoryRoom, memory_room
-from pleserver.stats import format_bytes
+from pleserver.host import MemoryRoom, memory_room
+from pleserver.observe.stats import format_bytes
 
 CACHE_SHARE = 0.25
 """Share of the box's memory, and of the room at start (each less the

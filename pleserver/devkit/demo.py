@@ -5,7 +5,7 @@ NVFP4 table with its block scales and global scale, partial last shards) in
 the cache directory, starts a real ple-server process, drives it from several
 client processes that check every row against the files, prints the server's
 statistics and stops it with SIGTERM. The server is started by
-``pleserver.launcher``: ready when it says so, always reaped.
+``pleserver.devkit.launcher``: ready when it says so, always reaped.
 
 By default it runs the headline path: ``io = direct`` with a row cache of a
 fifth of the tables, so the lookups show hits, misses and the disk reads the
@@ -26,10 +26,10 @@ import numpy as np
 
 from pleclient import PleClient, PleError
 from pleclient.checkpoint import CheckpointError, discover_tables
-from pleserver.launcher import ServerLauncher
-from pleserver.synthetic import DEMO_TABLES, read_reference, write_checkpoint
+from pleserver.devkit.launcher import ServerLauncher
+from pleserver.devkit.synthetic import DEMO_TABLES, read_reference, write_checkpoint
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pleserver.demo")
 
 DEMO_VERSION = 2  # bump when DEMO_TABLES change, so a stale cache is regenerated
 REQUEST_SIZES = (1, 16, 256, 4096, 20000)

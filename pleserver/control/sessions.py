@@ -3,7 +3,7 @@
 One ``Session`` per connection on the control socket; ``Sessions`` holds them
 and speaks the control protocol (``pleclient.protocol``): HELLO is answered
 with WELCOME and the tables, OPEN_CHANNEL with a channel segment's fd (the
-segment reserved off the control thread, by ``pleserver.segments``), STATS with
+segment reserved off the control thread, by ``pleserver.control.segments``), STATS with
 the server's snapshot; BYE ends the session, and SHUTDOWN tells each client
 the server stops. ``pleserver.server`` runs the control loop and calls in here
 for every event.
@@ -18,7 +18,7 @@ Access model (see docs/SECURITY.md):
 - who may connect, and how often: the peer's uid and groups as the kernel
   recorded them at connect (SO_PEERCRED, SO_PEERGROUPS) against
   ``allow_uids`` / ``allow_gids`` (the server's own uid and root always may),
-  decided at accept by ``pleserver.connections``, before a session exists;
+  decided at accept by ``pleserver.control.connections``, before a session exists;
 - how many: ``max_clients`` (the last ones kept for root and the server's
   own uid), at most ``max_clients_per_uid`` sessions of any other uid;
 - a session's segment is a memfd: it never has a name another process could
@@ -42,14 +42,14 @@ from dataclasses import dataclass, field
 
 from pleclient import protocol as p
 from pleserver import __version__
-from pleserver.admission import open_admission
-from pleserver.budget import ChannelBudget
 from pleserver.config import ServerConfig
-from pleserver.connections import ConnectionGate
-from pleserver.lograte import RateLimitedLog
-from pleserver.segments import Reservation, Reserver
-from pleserver.serving import Channel, ServingLoop
-from pleserver.table import Table
+from pleserver.control.connections import ConnectionGate
+from pleserver.control.segments import Reservation, Reserver
+from pleserver.data.admission import open_admission
+from pleserver.data.budget import ChannelBudget
+from pleserver.data.serving import Channel, ServingLoop
+from pleserver.data.tables import Table
+from pleserver.observe.lograte import RateLimitedLog
 
 # The server's logger: these lines read as they did when sessions lived in
 # pleserver.server, and operators filter the journal on that name.
@@ -225,7 +225,7 @@ class Sessions:
     # ------------------------------------------------------------- admission
     def accept(self, listener: socket.socket) -> None:
         """Take the connections waiting (``ACCEPT_BATCH`` at most): open a
-        session for each, or refuse it (``pleserver.connections``) before any
+        session for each, or refuse it (``pleserver.control.connections``) before any
         session exists: a frame encoded beforehand, then close."""
         for _ in range(ACCEPT_BATCH):
             try:

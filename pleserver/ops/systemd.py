@@ -13,7 +13,7 @@ import os
 import socket
 import time
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pleserver.systemd")
 
 
 class Notifier:

@@ -6,7 +6,7 @@ cache competes with the GPU's memory; it also stops when MemAvailable falls
 under a reserve. After each block, ``MADV_POPULATE_READ`` maps the pages into
 the server's page tables, so the first lookup of a row does not pay a minor
 fault either. (In direct and buffered modes the row cache is refilled from the
-saved hot set instead: ``pleserver.hotset``.)
+saved hot set instead: ``pleserver.data.hotset``.)
 
 Residency (``resident_bytes``) is ``mincore`` over a table's shard ranges in
 its mappings: what ``pleserver stats`` and the metrics show as resident.
@@ -25,11 +25,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pleserver.memory import mem_available
-from pleserver.stats import format_bytes, format_progress
-from pleserver.table import MappedFile, Table
+from pleserver.data.tables import MappedFile, Table
+from pleserver.host import mem_available
+from pleserver.observe.stats import format_bytes, format_progress
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pleserver.prewarm")
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux ≥ 5.14
 PREWARM_BLOCK = 8 << 20

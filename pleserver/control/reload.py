@@ -218,7 +218,7 @@ class ConfigSource:
     ``serve`` had it (``--config``, else ``$PLE_SERVER_CONFIG``, else None for
     the default path), the environment's settings (name → raw value, as
     ``pleserver.config.env_settings`` reads them at start) and the command
-    line's (as ``pleserver.flags.given_settings`` returns them). A reload loads
+    line's (as ``pleserver.ops.flags.given_settings`` returns them). A reload loads
     these again, so it reads what a restart would: a process's environment is
     fixed once it runs, as its command line is."""
 

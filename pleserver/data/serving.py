@@ -1,7 +1,7 @@
 """The data plane: one loop polls every channel, gathers rows into slots.
 
 Threads, and why:
-- **one serving loop** asks every channel's admission (``pleserver.admission``:
+- **one serving loop** asks every channel's admission (``pleserver.data.admission``:
   a submit counter, or a GPU-driven channel's rung word and doorbells) whether
   a request may be waiting, one load each, so many clients never mean many
   spinning Python threads fighting for the GIL. After ``spin`` seconds
@@ -14,11 +14,11 @@ Threads, and why:
   no disk read (rows in the row cache, or mmap mode) and hands off the rest of
   a request with a cache miss, and any request of ``parallel_min_rows`` rows or
   more; the workers take hand-offs in pieces of ``chunk_rows`` rows, from the
-  channels in turn (``pleserver.handoffs``), gather with the GIL released
+  channels in turn (``pleserver.data.handoffs``), gather with the GIL released
   (disk reads) and complete the slot after its last piece, so one request's
   reads never hold up other channels, nor one channel's queue of large cold
   requests another channel's hand-off.
-- **one hint reader** (``pleserver.hints``): prefetch hints, admitted by the
+- **one hint reader** (``pleserver.data.hints``): prefetch hints, admitted by the
   loop like lookups (their ids copied and validated, their slots answered at
   once), are read into the row cache by it, only while no request is with a
   gather worker: below every demand read.
@@ -70,14 +70,14 @@ import numpy as np
 from pleclient import _sync
 from pleclient import protocol as p
 from pleclient.channel import ChannelMap, SlotView
-from pleserver.admission import Admission, Arrival, HostileChannel
 from pleserver.config import IDLE_WAITS
-from pleserver.handoffs import HandOffs, Piece
-from pleserver.hints import DEFAULT_QUEUE_ROWS, HintReader
-from pleserver.stats import TableStats
-from pleserver.table import Table, nat
+from pleserver.data.admission import Admission, Arrival, HostileChannel
+from pleserver.data.handoffs import HandOffs, Piece
+from pleserver.data.hints import DEFAULT_QUEUE_ROWS, HintReader
+from pleserver.data.tables import Table, nat
+from pleserver.observe.stats import TableStats
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pleserver.serving")
 
 POLL_S = 0.0005
 """Without ``futex_waitv``, an idle loop looks at the submit counters this
@@ -142,7 +142,7 @@ def _name_thread(name: bytes) -> None:
 
 class Channel:
     """The server's side of one session's channel: its segment, the admission
-    chosen when it opened (``pleserver.admission``), and its place in the
+    chosen when it opened (``pleserver.data.admission``), and its place in the
     loop's schedule.
 
     ``fd`` (the segment's memfd, owned here once given) lets ``destroy`` free

@@ -33,10 +33,10 @@ import struct
 import threading
 import time
 
-from pleserver.lograte import RateLimitedLog
-from pleserver.metrics_http import Check, response
+from pleserver.observe.lograte import RateLimitedLog
+from pleserver.observe.metrics_http import Check, response
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pleserver.health")
 
 TIMEOUT_S = 1.0
 """A request must arrive whole within this long of its connection (an exec

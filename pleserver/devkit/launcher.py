@@ -10,7 +10,7 @@
 Readiness is the server's own word, as systemd hears it (``Type=notify``): each
 launch binds a private datagram socket in a temporary directory and hands it
 to the child as ``NOTIFY_SOCKET``; the server sends ``READY=1`` once its tables
-are open and its socket listens (``pleserver.systemd``). Waiting is a
+are open and its socket listens (``pleserver.ops.systemd``). Waiting is a
 ``select`` on that socket and on a pidfd of the child, so a server that exits
 first fails the start at once, with its exit code and the tail of its log:
 nothing polls the control socket. Like ``NotifyAccess=main``, only datagrams
@@ -51,9 +51,9 @@ from pathlib import Path
 from pleclient import PleClient
 from pleserver.config import SETTINGS
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pleserver.launcher")
 
-PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)  # holds pleserver/ and pleclient/
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # holds pleserver/ and pleclient/
 PREWARM_ENDED = re.compile(r"; prewarm (done|budget|memory|stopped|failed):")
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _PR_SET_PDEATHSIG = 1

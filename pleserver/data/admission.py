@@ -11,7 +11,7 @@ different words (``pleclient.protocol``):
   channel's rung word; it cannot wake a sleeper, so the loop polls the rung
   word; the answer is the slot's done word, which the stream waits on.
 
-The serving loop (``pleserver.serving``) sees only this interface, as Redis's
+The serving loop (``pleserver.data.serving``) sees only this interface, as Redis's
 ``aeProcessEvents`` sees only ``aeApi*`` whichever backend was compiled in: one
 scheduling policy, with no idea which kind of client it serves::
 
@@ -41,7 +41,7 @@ read — is an ``Arrival`` like any other: the admission that finds it says so
 in the arrival (``kind``, the slot's kind word), the loop copies and
 validates its ids as a lookup's, answers it through the admission's
 ``complete`` at once (no rows: the slot is the client's again), and hands the
-copy to the server's hint queue (``pleserver.hints``), which reads it into the
+copy to the server's hint queue (``pleserver.data.hints``), which reads it into the
 cache only, behind demand. No branch per kind of client in the loop.
 """
 

@@ -8,7 +8,7 @@ part (``--system``); ple-server gets what is left. On a box with a discrete
 GPU, vLLM's share is of the GPU's own memory, and ple-server's room is the
 RAM less the system's part.
 
-From there, as the server itself decides (``pleserver.budget``):
+From there, as the server itself decides (``pleserver.data.budget``):
 
 - ``cache_size``: on unified memory ``UNIFIED_CACHE_SHARE`` of what is left
   (the server's own default when the utilization is vLLM's 0.9), on a
@@ -44,11 +44,11 @@ from pleclient.checkpoint import (
     read_header,
 )
 from pleclient.protocol import ChannelLayout
-from pleserver import hints
 from pleserver.box import SYSTEM_RESERVE, VLLM_GPU_MEMORY_UTILIZATION, Box
-from pleserver.budget import CACHE_SHARE, MIN_CACHE_BYTES, UNIFIED_CACHE_SHARE, unified_room
 from pleserver.config import ServerConfig
-from pleserver.stats import format_bytes
+from pleserver.data import hints
+from pleserver.data.budget import CACHE_SHARE, MIN_CACHE_BYTES, UNIFIED_CACHE_SHARE, unified_room
+from pleserver.observe.stats import format_bytes
 
 START_BYTES = 25 << 20
 """What a server holds once started, before its row cache and requests
@@ -143,7 +143,7 @@ def gather_inputs(
     ``PlanError`` for a plan that cannot be made, ``CheckpointError`` for a
     checkpoint that cannot be read."""
     from pleserver.box import detect_unified
-    from pleserver.memory import meminfo_path, read_meminfo
+    from pleserver.host import meminfo_path, read_meminfo
 
     if not 0 < utilization <= 1:
         raise PlanError(
@@ -500,8 +500,8 @@ def _beside_the_cache(i: Inputs, io: str, cache: int, terms: list[Term]) -> int:
     """What ple-server holds beside its row cache (or page cache), each part a
     line of ``terms``: as ``DataPlane.limit_request_memory`` and the channels'
     budget count them, with the default settings."""
-    from pleserver.dataplane import FILL_THREADS, HOTSET_KEY_COPIES
-    from pleserver.table import nat
+    from pleserver.data.plane import FILL_THREADS, HOTSET_KEY_COPIES
+    from pleserver.data.tables import nat
 
     parts = [Term("at start", START_BYTES, "the process, its tables' metadata", "+")]
     if io != "mmap":

@@ -1,0 +1,1 @@
+"""The data plane: tables, row cache, miss engine, serving loop, hints, hot set, prewarm."""

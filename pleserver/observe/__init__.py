@@ -1,0 +1,1 @@
+"""Observability: statistics, the metrics port, the health socket, logs."""
