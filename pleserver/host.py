@@ -1,4 +1,7 @@
-"""What memory this process may still use: the room under its cgroup's limit
+"""This host as the process sees it at the moment: what memory it may still
+use, and the C library's calls that Python's ``os`` lacks.
+
+What memory this process may still use: the room under its cgroup's limit
 and ``MemAvailable``, read at the moment asked.
 
 - cgroup: the tightest limit of the process's memory cgroup and its ancestors
@@ -19,6 +22,8 @@ is not a setting, and has no place in a production unit.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from dataclasses import dataclass
 
@@ -175,3 +180,15 @@ def mem_available() -> int:
     """MemAvailable in bytes (``UNKNOWN`` when it cannot be read)."""
     value = _read_mem_available()
     return UNKNOWN if value is None else value
+
+
+# ------------------------------------------------------------------- libc
+_PR_SET_NAME = 15
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+libc.fallocate.restype = ctypes.c_int
+
+
+def name_thread(name: bytes) -> None:
+    """Name the calling thread for the kernel (at most 15 bytes are kept)."""
+    libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)

@@ -65,6 +65,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pleserver.data.tables import KEY_ROW_BITS, Table, nat
+from pleserver.host import name_thread
 
 log = logging.getLogger("pleserver.hints")
 
@@ -382,9 +383,7 @@ class HintReader:
             return key, rows
 
     def _run(self) -> None:
-        from pleserver.data.serving import _name_thread  # (serving imports this module)
-
-        _name_thread(b"ple-hints")  # beside ple-serving and ple-gather-N in top -H
+        name_thread(b"ple-hints")  # beside ple-serving and ple-gather-N in top -H
         while (taken := self._take()) is not None:
             key, rows = taken
             fresh = self._not_cached(key, rows)

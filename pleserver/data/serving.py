@@ -56,7 +56,6 @@ words it shares with the server (its ``server sleeping`` word, its slots'
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import threading
@@ -75,6 +74,7 @@ from pleserver.data.admission import Admission, Arrival, HostileChannel
 from pleserver.data.handoffs import HandOffs, Piece
 from pleserver.data.hints import DEFAULT_QUEUE_ROWS, HintReader
 from pleserver.data.tables import Table, nat
+from pleserver.host import libc, name_thread
 from pleserver.observe.stats import TableStats
 
 log = logging.getLogger("pleserver.serving")
@@ -95,7 +95,6 @@ TIMER_SLACK_NS = 1000
 """The serving thread's timer slack (Linux's default is 50 µs, which would
 stretch every short poll of a GPU-driven channel to ≈ 100 µs)."""
 _PR_SET_TIMERSLACK = 29
-_PR_SET_NAME = 15
 SERVING_THREAD_NAME = b"ple-serving"
 """The serving loop's thread name in the kernel (``top -H``, ``/proc/PID/task/TID/comm``);
 the gather workers are ``ple-gather-N``, the hint reader ``ple-hints``."""
@@ -118,9 +117,6 @@ READ_ERROR_LOG_S = 10.0
 that meets one gets its own error text, and stats count them all)."""
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-_libc.fallocate.restype = ctypes.c_int
 
 
 def _first_out_of_range(unsigned: np.ndarray, rows: int) -> int:
@@ -133,11 +129,6 @@ def _first_out_of_range(unsigned: np.ndarray, rows: int) -> int:
         if past.size:
             return at + int(past[0])
     raise ValueError(f"no id at or past {rows}")  # (only called once one was seen)
-
-
-def _name_thread(name: bytes) -> None:
-    """Name the calling thread for the kernel (at most 15 bytes are kept)."""
-    _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
 
 
 class Channel:
@@ -183,7 +174,7 @@ class Channel:
         if self.fd is not None:
             if (
                 self.free_pages
-                and _libc.fallocate(
+                and libc.fallocate(
                     self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, self.size
                 )
                 != 0
@@ -372,8 +363,8 @@ class ServingLoop:
 
     # ------------------------------------------------------------------- loop
     def _run(self) -> None:
-        _name_thread(SERVING_THREAD_NAME)
-        if _libc.prctl(_PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0) != 0:
+        name_thread(SERVING_THREAD_NAME)
+        if libc.prctl(_PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0) != 0:
             log.debug("serving: cannot set the timer slack: %s", os.strerror(ctypes.get_errno()))
         idle_since = time.monotonic()
         next_beat = 0.0
@@ -638,7 +629,7 @@ class ServingLoop:
         self._handoffs.put(r)
 
     def _worker(self, index: int) -> None:
-        _name_thread(f"ple-gather-{index}".encode())
+        name_thread(f"ple-gather-{index}".encode())
         while (piece := self._handoffs.take()) is not None:
             self._gather_piece(piece)
             # The piece's views of its channel die here, not when the next
