@@ -117,7 +117,7 @@ def memory_bytes(queue_rows: int, cache_rows: int) -> int:
 
 class HintedRows:
     """Hinted rows not yet looked up, by row key, in ``size`` (a power of two)
-    direct-mapped slots: ``remember`` writes a table's rows in, ``take`` counts
+    direct-mapped slots: ``remember`` writes a table's rows in, ``take`` returns
     and clears the ones a lookup asked for, ``forget`` clears a table's.
     ``live[key]``: how many of table ``key``'s rows the slots hold now (0: a
     lookup of it has nothing to check). Thread-safe."""
@@ -175,6 +175,11 @@ class TableHints:
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
         self.tracked_until = 0.0  # (monotonic) its hinted rows count as hits until then
         self.lock = threading.Lock()
+
+    def drop(self, reason: str, n: int) -> None:
+        """``n`` rows the reader took and did not read, for ``reason``."""
+        with self.lock:
+            self.dropped[reason] += n
 
     def snapshot(self) -> dict:
         with self.lock:
@@ -303,7 +308,7 @@ class HintReader:
         for at in range(0, ids.shape[0], DEMAND_PIECE_ROWS):  # (a row counted once: taken)
             taken = hinted.take(key, ids[at : at + DEMAND_PIECE_ROWS])
             if taken.size:
-                found += self.tables[key].cached(taken)
+                found += int(np.count_nonzero(self.tables[key].cached_mask(taken)))
         if found:
             with counts.lock:
                 counts.hits += found
@@ -402,18 +407,16 @@ class HintReader:
         cached rows costs no batch of Python each 32 rows."""
         counts = self.counts[key]
         if self.tables[key].problem:  # its file changed on disk: not read again
-            with counts.lock:
-                counts.dropped["refused"] += rows.size
+            counts.drop("refused", rows.size)
             return rows[:0]
         unique = np.unique(rows)
         try:
             fresh = unique[~self.tables[key].cached_mask(unique)]
         except Exception:  # a hint never stops the reader
             log.exception("looking hinted rows up in the cache failed")
-            with counts.lock:
-                counts.dropped["read_error"] += rows.size
+            counts.drop("read_error", rows.size)
             return rows[:0]
-        with counts.lock:  # (a row hinted twice in the lot counts once as read)
+        with counts.lock:  # (a row hinted twice in the lot: once read, then cached)
             counts.cached += rows.size - fresh.size
         return fresh
 
@@ -421,21 +424,18 @@ class HintReader:
         """Read ``fresh`` (distinct rows, not cached when looked at) into the
         cache, and remember them for ``hints_hits``."""
         counts = self.counts[key]
-        if self.tables[key].problem:  # its file changed on disk: not read again
-            with counts.lock:
-                counts.dropped["refused"] += fresh.size
+        if self.tables[key].problem:  # (again: its file may change while a lot is read)
+            counts.drop("refused", fresh.size)
             return
         try:
             inserted = self.tables[key].fill(fresh)
         except nat.ReadError as exc:
             log.debug("a hint's read failed (the lookups of its rows will read them): %s", exc)
-            with counts.lock:
-                counts.dropped["read_error"] += fresh.size
+            counts.drop("read_error", fresh.size)
             return
         except Exception:  # a hint never stops the reader
             log.exception("reading a hint failed")
-            with counts.lock:
-                counts.dropped["read_error"] += fresh.size
+            counts.drop("read_error", fresh.size)
             return
         if self._hinted is None:
             self._hinted = HintedRows(hinted_slots(self.cache_rows), len(self.tables))

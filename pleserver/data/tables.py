@@ -318,10 +318,6 @@ class Table:
             self.source.cached(ids, mask)
         return mask.view(np.bool_)
 
-    def cached(self, ids: np.ndarray) -> int:
-        """How many rows of ``ids`` are in the row cache (``cached_mask``)."""
-        return int(np.count_nonzero(self.cached_mask(ids)))
-
     def fill(self, ids: np.ndarray) -> int:
         """Read the rows of ``ids`` into the row cache (hot-set refill); the
         number inserted."""
