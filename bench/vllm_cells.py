@@ -83,6 +83,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import vllm_steps
+
 CELL_FORMAT = "vllm-real-cell/1"
 RUN_FORMAT = "vllm-real-run/1"
 CONCURRENCY = (1, 8, 32)
@@ -982,6 +984,7 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
                     f"{_ms(srv.get('lookup_p50_s')) + '/' + _ms(srv.get('lookup_p99_s')):>17} "
                     f"{_num(srv.get('cpu_us_per_miss'), '.1f'):>11}"
                 )
+        lines += vllm_steps.summary_lines(tp, _stock_tpot_ms(tp))
     return "\n".join(lines)
 
 
@@ -1037,6 +1040,19 @@ def streams_lines(cells: list[dict]) -> list[str]:
             f"stock streams of {key}: {len(runs)} runs, {distinct_outcomes(runs)} distinct"
         )
     return lines
+
+
+def _stock_tpot_ms(cells: list[dict]) -> dict[tuple[str, int], float]:
+    """Stock's TPOT p50 (ms) per (reference key, concurrency), over every
+    request of every stock engine of that key."""
+    pooled: dict[tuple[str, int], list[float]] = {}
+    for c in cells:
+        if c["cell"]["backend"] != "stock":
+            continue
+        for r in c["throughput"]["reps"]:
+            key = (c["cell"]["reference_key"], r["concurrency"])
+            pooled.setdefault(key, []).extend(x for x in r.get("tpot_s") or [] if x is not None)
+    return {k: 1e3 * percentile(v, 0.5) for k, v in pooled.items() if v}
 
 
 def _stock_medians(cells: list[dict]) -> dict[tuple[str, int], float]:

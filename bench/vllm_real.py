@@ -62,6 +62,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import vllm_steps
 from vllm_cells import (
     CELL_FORMAT,
     CONCURRENCY,
@@ -536,7 +537,15 @@ class Served:
         # A state directory that does not exist: no hot set is loaded or saved,
         # so the server starts cold.
         missing = os.path.join(self._state, "none")
-        self.args = [*cell.server_args(), "--state-dir", missing]
+        # Written when the server stops (a restart cell's killed servers write none).
+        self.trace_path = os.path.join(self._state, "lookups.npy")
+        self.args = [
+            *cell.server_args(),
+            "--state-dir",
+            missing,
+            "--lookup-trace",
+            self.trace_path,
+        ]
         # One socket for every start: a restart is a new server where the old one was.
         self.launcher = ServerLauncher(
             model_dir,
@@ -597,6 +606,14 @@ class Served:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def stop_for_trace(self):
+        """Stop the server (SIGTERM: it writes its trace), and its lookup trace,
+        or None where it wrote none."""
+        from pleserver.observe.trace import load
+
+        self.server.stop()
+        return load(self.trace_path) if os.path.exists(self.trace_path) else None
+
     def close(self) -> None:
         try:
             self.server.close()
@@ -611,7 +628,9 @@ def measured(served: Served | None, fn: Callable[[], dict]) -> dict:
     before = served.counters() if served else None
     cpu0 = served.cpu_seconds() if served else 0.0
     t = time.perf_counter()
+    t0_ns = time.monotonic_ns()
     result = fn()
+    result["window_ns"] = [t0_ns, time.monotonic_ns()]  # (the lookup trace's clock)
     wall = time.perf_counter() - t
     if served and before is not None:
         after = served.settled_counters()
@@ -972,6 +991,8 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
                     served.cpu_seconds() - ready_cpu,
                     time.perf_counter() - ready_t,
                 )
+            if served and served.server.running and not cell.restart:
+                add_step_timelines(data, served.stop_for_trace())
         data["status"] = "done"
         status = 0
     except BaseException as exc:
@@ -991,6 +1012,16 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
         sys.stderr.flush()
     # An engine's teardown can hang; the coordinator ends the process group.
     os._exit(status)
+
+
+def add_step_timelines(data: dict, records) -> None:
+    """Each throughput repetition's steps as the server's trace saw them
+    (``vllm_steps.timeline``), beside its figures."""
+    if records is None:
+        return
+    for rep in (data.get("throughput") or {}).get("reps", []):
+        if rep.get("window_ns"):
+            rep["steps"] = vllm_steps.timeline(records, tuple(rep["window_ns"]))
 
 
 def measure(

@@ -40,7 +40,8 @@ Values:
   ``true``/``false``/``yes``/``no``/``on``/``off``/``1``/``0`` as strings; on
   the command line ``--cache-mlock`` and ``--no-cache-mlock``;
 - optional settings (``max_channel_memory``, ``prewarm_budget``, ``cache_size``,
-  ``read_buffer_memory``, ``watchdog_s``, ``metrics_address``, ``health_socket``):
+  ``read_buffer_memory``, ``watchdog_s``, ``metrics_address``, ``health_socket``,
+  ``lookup_trace``):
   leave the key out for none; ``"none"`` also means none (on the command line,
   to drop a value the file sets).
 
@@ -476,6 +477,16 @@ class ServerConfig:
         "None: no health socket (the metrics port still answers both).",
         optional=True,
         metavar="PATH",
+    )
+    lookup_trace: str | None = _setting(
+        None,
+        "path",
+        "Keep when each answered request was admitted, gathered, handed to a worker "
+        "and answered, and write these records (NumPy .npy, at most 4 M of 48 bytes) "
+        "to this file when the server stops: for finding where a client's step waits "
+        "(bench/vllm_real.py reads it). None: no trace.",
+        optional=True,
+        metavar="FILE",
     )
     log_level: str = _setting(
         "INFO", "choice", "What the log shows: INFO and above by default.", choices=LOG_LEVELS

@@ -64,6 +64,7 @@ from pleserver.observe.stats import (
     format_progress,
     io_snapshot,
 )
+from pleserver.observe.trace import LookupTrace
 from pleserver.ops.systemd import Notifier, watchdog_interval
 
 if TYPE_CHECKING:
@@ -251,6 +252,7 @@ class Server:
                     if self.plane is not None and self.plane.cache is not None
                     else 0
                 ),
+                trace=LookupTrace(cfg.lookup_trace) if cfg.lookup_trace else None,
             )
         except ValueError as exc:  # idle_wait = futex_waitv on a kernel without it
             raise StartupError(str(exc)) from None
@@ -559,6 +561,8 @@ class Server:
     def close_resources(self) -> None:
         if self.loop is not None and self.loop.thread.is_alive():  # a start that failed
             self.loop.stop()
+        if self.loop is not None and self.loop.trace is not None:
+            self.loop.trace.save()  # (every answer is in: the loop has stopped)
         for job in self.reserver.stop():
             job.discard()
         if self.prewarm is not None:

@@ -471,6 +471,56 @@ def test_server_figures_come_from_a_real_ple_server(tiny):
     assert total["rows"] == 2 * len(ids) and 0 < total["hit_rate"] < 1
 
 
+def test_the_step_timeline_comes_from_the_servers_own_trace(tiny):
+    """A client stepping as the GPU-driven route does (every table's lookup
+    at once, then the next step a few ms later): the server's trace cuts into
+    those steps, the first one read from disk (a cold direct server), the
+    others from its row cache; the summary shows them beside stock's TPOT."""
+    import vllm_real
+    import vllm_steps
+
+    cell = vc.parse_cell("shm-default-direct")
+    served = vllm_real.Served(tiny / "bf16", cell, tiny / "server-steps.log")
+    steps, pause_s = 12, 0.004
+    try:
+        with served.server.client() as client:
+            tables = list(client.tables)
+            ids = [np.arange(0, t.rows, 11) for t in tables]
+
+            def stepping() -> dict:
+                for _ in range(steps):
+                    tickets = [client.submit(t.layer, i) for t, i in zip(tables, ids, strict=True)]
+                    for ticket in tickets:
+                        ticket.wait()
+                        ticket.release()
+                    time.sleep(pause_s)
+                return {}
+
+            window = vllm_real.measured(served, stepping)["window_ns"]
+        records = served.stop_for_trace()
+    finally:
+        served.close()
+    assert records is not None and len(records) >= steps * len(tables)
+    t = vllm_steps.timeline(records, tuple(window))
+    assert t["steps"] == steps and t["requests"] == steps * len(tables), t
+    assert t["period"]["n"] == steps - 1 and t["period"]["p50_us"] >= pause_s * 1e6
+    assert set(t["ready"]) == {str(i) for i in range(len(tables))}
+    assert t["ready"]["0"]["n"] == steps and t["step_ready"]["max_us"] > 0
+    # Cold: the first step's rows came from disk, through a gather worker.
+    assert t["worker"]["n"] >= 1 and t["from_disk_share"] < 1
+    assert 0 < t["slowest_from_disk_share"] < 1
+    rep = {"rep": 0, "concurrency": 1, "steps": t}
+    cells = [
+        {
+            "name": "shm-default-direct",
+            "cell": {"reference_key": "k"},
+            "throughput": {"reps": [rep]},
+        }
+    ]
+    lines = vllm_steps.summary_lines(cells, {("k", 1): 5.0})
+    assert lines[-1].split()[:5] == ["shm-default-direct", "0", "1", str(steps), "5.00"]
+
+
 # ------------------------------------------------------- the coordinator
 MARK = "vllm-real-test-standin"
 STANDIN_CELL = r"""

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 
+from pleserver.observe.trace import load as load_trace
 from tests.harness import REPO, child_env
 from tests.host import require_o_direct
 from tests.test_ops_metrics import Scrape, metrics_url
@@ -89,3 +91,39 @@ def test_data_plane_numbers_agree_in_stats_cli_and_metrics(start_server, checkpo
     assert f"miss engine {engine['kind']}, queue depth 128" in text
     assert "row cache " in text and "hit rate" in text and "read p99 µs" in text
     assert "hot set none: no saved file" in text
+
+
+def test_the_lookup_trace_has_each_answered_request_with_its_stages(
+    start_server, checkpoint, tmp_path
+):
+    """``--lookup-trace``: one record per answered lookup, in the host's
+    CLOCK_MONOTONIC, written when the server stops; misses were handed to a
+    gather worker, hits answered by the loop itself."""
+    require_o_direct(checkpoint)
+    trace_path = tmp_path / "lookups.npy"
+    server = start_server(checkpoint, "--io", "direct", "--lookup-trace", str(trace_path))
+    ids = np.arange(0, 3000, 3)
+    t0 = time.monotonic_ns()
+    with server.client() as client:
+        tables = list(client.tables)
+        for t in tables:
+            client.lookup(t.layer, ids)  # misses: read from disk
+            client.lookup(t.layer, ids)  # hits
+    t1 = time.monotonic_ns()
+    assert not trace_path.exists()  # written at stop, not before
+    assert server.stop() == 0, server.log_tail()
+    records = load_trace(str(trace_path))
+
+    assert len(records) == 2 * len(tables)
+    assert set(records["rows"]) == {len(ids)}
+    assert len(set(records["session"])) == 1
+    assert sorted(records["table"]) == sorted(2 * list(range(len(tables))))
+    for r in records:
+        assert t0 <= r["started_ns"] <= r["turn_ns"] <= r["done_ns"] <= t1, r
+        assert r["handed_ns"] == 0 or r["turn_ns"] <= r["handed_ns"] <= r["done_ns"], r
+    ordered = records[np.argsort(records["started_ns"])]
+    for table in range(len(tables)):
+        first, again = ordered[ordered["table"] == table]
+        assert first["handed_ns"] > 0, first  # its rows came from disk
+        assert again["handed_ns"] == 0, again  # from the row cache, in the loop
+    assert f"lookup trace: {len(records)} requests written to {trace_path}" in server.log()

@@ -391,6 +391,7 @@ def test_config_check_prints_the_effective_config_with_sources(write):
         "watchdog_s",
         "metrics_address",
         "health_socket",
+        "lookup_trace",
     } >= set(SETTINGS)
     assert re.fullmatch(rf"max_clients = 3 +# {re.escape(str(path))}", lines["max_clients"])
     assert re.fullmatch(r"prewarm_budget = 1073741824 +# .*", lines["prewarm_budget"])

@@ -131,6 +131,7 @@ RESTART_ONLY: dict[str, str] = {
         "the health socket is bound at start, and the probes' command names its path: "
         "change both together, with a restart"
     ),
+    "lookup_trace": "the trace belongs to one server's life: it is written when that server stops",
 }
 
 NO_DEFAULT_BUDGET = (

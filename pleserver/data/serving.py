@@ -76,6 +76,7 @@ from pleserver.data.hints import DEFAULT_QUEUE_ROWS, HintReader
 from pleserver.data.tables import Table, nat
 from pleserver.host import libc, name_thread
 from pleserver.observe.stats import TableStats
+from pleserver.observe.trace import LookupTrace
 
 log = logging.getLogger("pleserver.serving")
 
@@ -210,6 +211,9 @@ class Request:
     ids: np.ndarray = field(default_factory=lambda: _NO_IDS)
     out: np.ndarray = field(default_factory=lambda: _NO_IDS)  # view of the slot's rows area
     done_rows: int = 0
+    table_index: int = 0  # (the trace's)
+    turn_ns: int = 0  # the loop began gathering it (the trace's stages)
+    handed_ns: int = 0  # handed to a gather worker (0: never)
 
     @property
     def count(self) -> int:
@@ -231,6 +235,7 @@ class ServingLoop:
         gpu_poll_s: float = DEFAULT_GPU_POLL_S,
         hint_queue_rows: int = DEFAULT_QUEUE_ROWS,
         hint_cache_rows: int = 0,
+        trace: LookupTrace | None = None,
     ) -> None:
         if idle_wait not in IDLE_WAITS:
             raise ValueError(f"idle_wait must be one of {', '.join(IDLE_WAITS)}, not {idle_wait!r}")
@@ -250,6 +255,7 @@ class ServingLoop:
         self.chunk_rows = chunk_rows
         self.on_drop = on_drop
         self.gpu_poll_s = gpu_poll_s
+        self.trace = trace  # (``lookup_trace``) each answered request's stage times
         self.channels: list[Channel] = []  # replaced, never mutated: the loop reads it lock-free
         self._change = threading.Lock()
         self._retired: list[Channel] = []
@@ -511,7 +517,9 @@ class ServingLoop:
         table = self.tables[table_index]
         # Without the client's submit time, the queue time is not known.
         submitted = started if arrival.submitted_ns is None else arrival.submitted_ns
-        r = Request(ch, slot, table, self.stats[table_index], started, submitted)
+        r = Request(
+            ch, slot, table, self.stats[table_index], started, submitted, table_index=table_index
+        )
         if table.problem:  # its file changed on disk: reading it could SIGBUS us
             self._refuse(r, hint, count, p.ErrorCode.INTERNAL, "internal", table.problem)
             return None
@@ -583,6 +591,7 @@ class ServingLoop:
             while ch.queued and ch.deficit > 0 and not ch.closing:
                 request = ch.queued[0]
                 if request.done_rows == 0:  # before its first gather: what hints brought
+                    request.turn_ns = time.monotonic_ns()
                     self.hints.demand(request.table.key, request.ids)
                 cost = REQUEST_COST_ROWS if request.done_rows == 0 else 0
                 if request.count >= request.table.parallel_min_rows:
@@ -623,6 +632,7 @@ class ServingLoop:
 
     def _hand_off(self, r: Request) -> None:
         """Give the rest of ``r`` (from ``done_rows``) to the gather workers."""
+        r.handed_ns = time.monotonic_ns()
         with self._inflight_lock:
             self._inflight += 1
             r.channel.handed += 1
@@ -691,6 +701,18 @@ class ServingLoop:
             (done - r.started_ns) * 1e-9,
             (r.started_ns - r.submitted_ns) * 1e-9 if believable else -1,
         )
+        if self.trace is not None:
+            self.trace.record(
+                r.channel.session_id,
+                r.slot.index,
+                r.table_index,
+                r.count,
+                r.submitted_ns if believable and r.submitted_ns != r.started_ns else 0,
+                r.started_ns,
+                r.turn_ns,
+                r.handed_ns,
+                done,
+            )
 
     def _fail(self, r: Request, code: p.ErrorCode, kind: str, text: str) -> None:
         """Answer ``r`` with an error, counted as ``kind`` in its table's stats."""
