@@ -1245,15 +1245,17 @@ def prompt_ahead(args: dict) -> dict:
             return {t["name"]: {**{k: t.get(k) or 0 for k in HINT_KEYS}, **t["io"]} for t in tables}
 
         def settle() -> dict:
-            """Once the thread is idle and every hinted row received is read,
-            cached already or dropped: the server's counts."""
+            """Once the thread is idle, the server has received every hinted
+            row it sent (a hint still in its channel is counted by nobody yet),
+            and each is read, cached already or dropped: the server's counts."""
             ahead = pa.for_scheduler(scheduler)
             if ahead is not None and not ahead.idle(60):
                 raise TimeoutError("prompt-ahead did not finish its prompts in 60 s")
+            sent = ahead.stats.ids_sent if ahead is not None else 0
             deadline = time.monotonic() + 60
             while True:
                 counts = hint_counts()
-                if all(
+                if sum(c["hints_received"] for c in counts.values()) >= sent and all(
                     c["hints_read"] + c["hints_cached"] + c["hints_dropped"] == c["hints_received"]
                     for c in counts.values()
                 ):
