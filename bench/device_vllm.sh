@@ -64,7 +64,7 @@ export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown
 export TOKENIZERS_PARALLELISM=false
 
 mkdir -p "$OUT" "$WORK/ckpt" "$WORK/logs"
-if ! (cd / && "$PYTHON" -c 'import importlib.util as u, pleclient, pleserver._native
+if ! (cd / && "$PYTHON" -c 'import importlib.util as u, pleclient._sync, pleserver._native
 assert u.find_spec("vllm") and u.find_spec("openai")') >/dev/null 2>&1; then
     echo "device_vllm.sh: vLLM or pleserver is not importable: source .gpu-bundle/site.sh first" >&2
     exit 2

@@ -308,9 +308,9 @@ def cell_argv(cell: Cell, work: Path, out: Path, run_id: str, order: int, end_at
         "cell",
         cell.name,
         "--work",
-        str(work),
+        str(work.resolve()),
         "--out",
-        str(out),
+        str(out.resolve()),
         "--run-id",
         run_id,
         "--order",
@@ -464,6 +464,10 @@ def run_one(
     with open(log_path, "ab") as logf:
         proc = subprocess.Popen(
             argv_of(cell, work, out, run_id, order, end_at),
+            # Not the checkout: vLLM inspects the model in a `python -m`
+            # subprocess, which would import the checkout's unbuilt pleclient
+            # ahead of the installed one.
+            cwd=tempfile.gettempdir(),
             stdin=subprocess.DEVNULL,
             stdout=logf,
             stderr=subprocess.STDOUT,

@@ -6,7 +6,8 @@ the step starts (``pleclient.vllm_plugin.step``), so the server sees a step as
 a burst of requests, one per PLE layer (more for a prefill larger than a
 slot), admitted within microseconds of each other; the next step's burst comes
 a step later. ``timeline`` cuts the trace of a measurement window into steps
-at gaps of more than ``STEP_GAP_NS`` between admissions, and gives, per step:
+at gaps of more than ``STEP_GAP_NS`` between admissions (once a step has
+every table's lookup), and gives, per step:
 
 * ``period``: from this step's first admission to the next step's: the step's
   own length as the server saw it (stock's length is its TPOT);
@@ -47,12 +48,19 @@ def _quantiles(values_ns: np.ndarray) -> dict | None:
 
 
 def steps_of(records: np.ndarray, gap_ns: int = STEP_GAP_NS) -> list[np.ndarray]:
-    """``records`` (one window's) in admission order, cut into steps."""
+    """``records`` (one window's) in admission order, cut into steps: at a gap
+    of more than ``gap_ns``, once the step so far has a request of every table
+    (a loop busy with one layer's rows can admit the next layer's late, and
+    that is still the same step)."""
     if len(records) == 0:
         return []
     ordered = records[np.argsort(records["started_ns"], kind="stable")]
-    starts = ordered["started_ns"]
-    cuts = np.flatnonzero(np.diff(starts) > gap_ns) + 1
+    every_table = len(np.unique(ordered["table"]))
+    cuts, begin = [], 0
+    for at in np.flatnonzero(np.diff(ordered["started_ns"]) > gap_ns) + 1:
+        if len(np.unique(ordered["table"][begin:at])) == every_table:
+            cuts.append(int(at))
+            begin = int(at)
     return np.split(ordered, cuts)
 
 

@@ -521,6 +521,22 @@ def test_the_step_timeline_comes_from_the_servers_own_trace(tiny):
     assert lines[-1].split()[:5] == ["shm-default-direct", "0", "1", str(steps), "5.00"]
 
 
+def test_a_layer_admitted_late_stays_in_its_step():
+    """A loop busy with one layer's rows admits the next layer's request after
+    the gap that cuts steps: it is still that step. Once a step has every
+    layer, a gap starts the next."""
+    import vllm_steps
+    from pleserver.observe.trace import RECORD
+
+    ms = 1_000_000
+    starts = [(0, 0), (1, 0.5 * ms), (0, 5 * ms), (1, 5.01 * ms), (0, 10 * ms), (1, 10.9 * ms)]
+    records = np.zeros(len(starts), dtype=RECORD)
+    records["table"] = [t for t, _ in starts]
+    records["started_ns"] = [int(ns) for _, ns in starts]
+    steps = vllm_steps.steps_of(records)
+    assert [list(s["table"]) for s in steps] == [[0, 1], [0, 1], [0, 1]]
+
+
 # ------------------------------------------------------- the coordinator
 MARK = "vllm-real-test-standin"
 STANDIN_CELL = r"""
@@ -536,7 +552,7 @@ subprocess.Popen([sys.executable, "-c",
 stem = name.replace("#", "_")
 record = {"format": "vllm-real-cell/1", "run_id": run_id, "order": int(order), "name": name,
           "cell": {"backend": "stock", "reference_key": "k", "api": "generate"},
-          "status": "running", "times": {"engine_start_s": 1.5}}
+          "status": "running", "times": {"engine_start_s": 1.5}, "cwd": os.getcwd()}
 path = os.path.join(out, "cells", stem + ".json")
 def save():
     with open(path + ".tmp", "w") as f:
@@ -639,6 +655,10 @@ def test_the_coordinator_ends_each_cells_whole_process_group(tmp_path, no_standi
     history = json.loads((tmp_path / "work" / "history.json").read_text())
     starts = history["starts"]
     assert [s["cold"] for s in starts] == [True, False] and starts[1]["seconds"] < 1.5
+    # Cells start outside the checkout, whose unbuilt pleclient a `python -m`
+    # subprocess of vLLM would import ahead of the installed one.
+    cwd = Path(json.loads((out / "cells" / "stock-eager.json").read_text())["cwd"]).resolve()
+    assert cwd != REPO.resolve() and REPO.resolve() not in cwd.parents
 
 
 def test_the_coordinator_skips_what_does_not_fit_and_kills_what_overruns(
