@@ -22,6 +22,8 @@ says what it is, words joined by ``-`` in any order:
   direct                    shm: ``--io direct`` with a 1 GiB row cache (else
                             ``--io mmap``)
   nopa                      shm: ``VLLM_PLE_SHM_PROMPT_AHEAD=off``
+  unordered                 shm: ple-server's ``--no-gather-in-order`` (a step's
+                            layers read side by side, not one after another)
   fp8 | large | deep | deepsmall
                             the checkpoint (else ``small-bf16``): ``CHECKPOINTS``
   mp0                       ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core
@@ -170,6 +172,7 @@ class Cell:
     io: str = "mmap"  # shm: mmap | direct
     cache_size: str | None = None  # shm direct: the row cache
     prompt_ahead: bool = True
+    gather_in_order: bool = True  # shm: ple-server's gather_in_order
     multiproc: bool = True
     exact_runs: int = 3
     throughput_reps: int = 0
@@ -215,6 +218,8 @@ class Cell:
         args = ["--io", self.io, "--prewarm", "none", "--hotset-save-interval", "0"]
         if self.io == "direct":
             args += ["--cache-size", self.cache_size or DIRECT_CACHE]
+        if not self.gather_in_order:
+            args.append("--no-gather-in-order")
         return args
 
     def to_json(self) -> dict:
@@ -252,6 +257,8 @@ def parse_cell(name: str) -> Cell:
             fields["cache_size"] = DIRECT_CACHE
         elif word == "nopa":
             fields["prompt_ahead"] = False
+        elif word == "unordered":
+            fields["gather_in_order"] = False
         elif word in CHECKPOINT_WORDS:
             fields["checkpoint"] = CHECKPOINT_WORDS[word]
         elif word == "mp0":
@@ -269,8 +276,8 @@ def parse_cell(name: str) -> Cell:
         else:
             raise CellError(
                 f"{name}: unknown word {word!r}; a cell name joins {BACKENDS}, {MODES}, "
-                "serve, host, direct, nopa, fp8/large/deep/deepsmall, mp0, x<N>, tp[<N>], "
-                "noexact, restart, verify (bench/vllm_cells.py)"
+                "serve, host, direct, nopa, unordered, fp8/large/deep/deepsmall, mp0, x<N>, "
+                "tp[<N>], noexact, restart, verify (bench/vllm_cells.py)"
             )
     if not seen_backend:
         raise CellError(f"{name}: no backend; name one of {BACKENDS}")
@@ -283,8 +290,13 @@ def parse_cell(name: str) -> Cell:
 
 def cell_problem(cell: Cell) -> str | None:
     """Why a cell cannot run as named, or None."""
-    if not cell.shm and (cell.route != "gpu" or cell.io != "mmap" or not cell.prompt_ahead):
-        return "host, direct and nopa are ple-server settings: they need the shm backend"
+    if not cell.shm and (
+        cell.route != "gpu"
+        or cell.io != "mmap"
+        or not cell.prompt_ahead
+        or not cell.gather_in_order
+    ):
+        return "host, direct, nopa and unordered are ple-server settings: they need the shm backend"
     if cell.shm and cell.route == "host" and cell.mode == "default":
         return (
             "the host route under vLLM's default full CUDA graphs is refused by the plugin "

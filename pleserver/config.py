@@ -392,6 +392,14 @@ class ServerConfig:
         "chunked, see chunk_rows) and split over gather_workers native threads.",
         minimum=1,
     )
+    gather_in_order: bool = _setting(
+        True,
+        "bool",
+        "GPU-driven channels: begin reading a request's cache misses only once the "
+        "channel's earlier requests have their rows. A step rings its PLE layers in "
+        "layer order; read one after another, the first layer's rows come after its own "
+        "reads alone, not after every layer's.",
+    )
     dedup_min_rows: int = _setting(
         4096,
         "int",

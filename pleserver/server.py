@@ -244,6 +244,7 @@ class Server:
                 chunk_rows=cfg.chunk_rows,
                 on_drop=self._on_channel_dropped,
                 workers=cfg.gather_workers,
+                gather_in_order=cfg.gather_in_order,
                 idle_wait=cfg.idle_wait,
                 gpu_poll_s=cfg.gpu_poll_us * 1e-6,
                 hint_queue_rows=cfg.hint_queue_rows,
@@ -870,6 +871,8 @@ class Server:
         loop = self.loop
         if "chunk_rows" in names:
             loop.chunk_rows = cfg.chunk_rows
+        if "gather_in_order" in names:
+            loop.gather_in_order = cfg.gather_in_order
         if "spin_us" in names:
             loop.spin_s = cfg.spin_us * 1e-6
         if "gpu_poll_us" in names:

@@ -245,6 +245,9 @@ def test_cell_names_say_what_runs():
         "VLLM_PLE_SHM_PROMPT_AHEAD": "off",
     }
     assert c.server_args()[:2] == ["--io", "direct"] and "--cache-size" in c.server_args()
+    assert "--no-gather-in-order" not in c.server_args()
+    unordered = vc.parse_cell("shm-default-direct-deep-unordered-tp")
+    assert unordered.server_args()[-1] == "--no-gather-in-order"
     stock = vc.parse_cell("stock-default-mp0-x10")
     assert stock.env() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} and stock.exact_runs == 10
     # an FP8 twin is judged against the BF16 stock runs: the same numbers

@@ -100,3 +100,41 @@ def test_stop_ends_the_workers_once_the_queue_is_empty():
         t.join(10)
     assert not any(t.is_alive() for t in threads)
     assert taken == [(0, 15)]  # what was queued was still taken (alone: whole)
+
+
+def test_an_in_order_channel_begins_its_next_request_once_the_earlier_has_ended():
+    """A GPU-driven channel's step: its layers' requests are read one after
+    another; another channel is taken beside them as before."""
+    queue: HandOffs[Handed] = HandOffs(piece_rows=100, workers=8)
+    layers = [Handed("gpu", 150) for _ in range(3)]
+    for r in layers:
+        queue.put(r, in_order=True)
+    first = queue.take()  # alone, every worker free: the whole request
+    assert first is not None and (first.job.request, first.start, first.stop) == (layers[0], 0, 150)
+    queue.put(Handed("cpu", 50))
+    beside = queue.take()  # the next layer waits; another channel does not
+    assert beside is not None and beside.job.request.channel == "cpu"
+    queue.finish(beside)
+    previous = first
+    for layer in layers[1:]:
+        taken: list = []
+        waiter = threading.Thread(target=lambda taken=taken: taken.append(queue.take()))
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive() and not taken  # waits for the earlier layer's rows
+        assert queue.finish(previous) is not None  # answered: the next layer begins
+        waiter.join(10)
+        assert taken and taken[0] is not None and taken[0].job.request is layer
+        previous = taken[0]
+    assert queue.finish(previous) is not None
+
+
+def test_in_order_requests_are_not_held_once_their_channel_is_idle():
+    queue: HandOffs[Handed] = HandOffs(piece_rows=100, workers=2)
+    a, b = Handed("gpu", 10), Handed("gpu", 10)
+    queue.put(a, in_order=True)
+    first = queue.take()
+    assert first is not None and queue.finish(first) is not None
+    queue.put(b, in_order=True)  # a new step: nothing of the channel is out
+    second = queue.take()
+    assert second is not None and second.job.request is b

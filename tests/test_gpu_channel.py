@@ -492,3 +492,47 @@ def test_a_client_that_scribbles_on_every_word_of_its_gpu_channel_harms_only_its
     started = time.monotonic()
     assert server.stop() == 0, server.log_tail()
     assert time.monotonic() - started < 10, "SIGTERM took longer than its budget"
+
+
+def test_a_gpu_driven_steps_layers_are_read_from_disk_one_after_another(
+    start_server, checkpoint, references, tmp_path
+):
+    """``gather_in_order``: a step rings its layers' lookups at once, and the
+    GPU waits for them in slot order; their cache misses are read a request
+    at a time in that order, so each answer comes before the next one's
+    (the server's own trace says when each was answered)."""
+    from pleserver.observe.trace import load as load_trace
+    from tests.host import require_o_direct
+
+    require_o_direct(checkpoint)
+    trace_path = tmp_path / "lookups.npy"
+    server = start_server(
+        checkpoint, "--io", "direct", "--gather-workers", "4", "--lookup-trace", str(trace_path)
+    )
+    layers, steps, per = (1, 3, 1, 3), 6, 400
+    fresh = {
+        layer: np.random.default_rng(layer).permutation(references[layer].shape[0])
+        for layer in (1, 3)
+    }
+    used = {1: 0, 3: 0}
+    with GpuLookups.open(server.socket, device="cpu", capacity=per, depth=4, timeout=10.0) as gl:
+        for _ in range(steps):
+            pending = []
+            for slot, layer in enumerate(layers):  # cold rows, never asked before
+                ids = fresh[layer][used[layer] : used[layer] + per]
+                used[layer] += per
+                gl.ring(slot, layer, ids)
+                pending.append((slot, layer, ids))
+            for slot, layer, ids in pending:
+                out = np.empty((per, references[layer].shape[1]), dtype=np.uint8)
+                gl.collect(slot, out)
+                assert np.array_equal(out, references[layer][ids])
+    assert server.stop() == 0, server.log_tail()
+    records = load_trace(str(trace_path))
+    assert len(records) == steps * len(layers) and (records["handed_ns"] > 0).all()
+    records = records[np.argsort(records["started_ns"], kind="stable")]
+    for step in range(steps):  # (a step's four were answered before the next was rung)
+        these = records[step * len(layers) : (step + 1) * len(layers)]
+        these = these[np.argsort(these["slot"])]
+        assert list(these["slot"]) == list(range(len(layers)))
+        assert (np.diff(these["done_ns"]) > 0).all(), these

@@ -72,6 +72,7 @@ RELOADABLE: dict[str, str] = {
     ),
     "parallel_min_rows": "applies to requests gathered from now on",
     "dedup_min_rows": "applies to requests gathered from now on",
+    "gather_in_order": "applies to requests handed off from now on",
     "spin_us": "applies from the serving loop's next pass",
     "gpu_poll_us": "applies from the serving loop's next pass",
     "watchdog_s": "applies from the serving loop's next heartbeat (at most 1 s)",

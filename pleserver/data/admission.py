@@ -83,6 +83,11 @@ class Admission(Protocol):
     kind: str
     """What drives the channel, for stats and logs: "counter" or "doorbell"."""
 
+    in_order: bool
+    """Whether the client waits for its requests in the order it made them, so
+    that their disk reads go best one request after another (``gather_in_order``,
+    ``pleserver.data.handoffs``)."""
+
     def pending(self) -> bool: ...
 
     def admit(self, limit: int) -> list[Arrival]: ...
@@ -107,6 +112,7 @@ class CounterAdmission:
     """A channel driven by a CPU thread: the submit counter and the slot states."""
 
     kind = "counter"
+    in_order = False  # a CPU client's slots may be independent lookups, waited on in any order
 
     def __init__(self, mapping: ChannelMap) -> None:
         self.map = mapping
@@ -175,6 +181,7 @@ class DoorbellAdmission:
     """A channel driven by a CUDA stream: the rung word and the doorbells."""
 
     kind = "doorbell"
+    in_order = True  # a step's PLE layers, rung in the order the GPU waits for them
 
     def __init__(self, mapping: ChannelMap) -> None:
         self.map = mapping

@@ -22,6 +22,17 @@ is about 0.1 s of a shared disk).
 A request is answered only when its last piece has ended: until then a worker
 may still be writing into its slot, and an answer (even an error) gives the
 slot back to the client. The first piece's error is the request's.
+
+A channel's requests may be put ``in_order``: then its next request is not
+begun while an earlier one still has pieces out. A GPU-driven channel rings
+a step's PLE layers at the step's start, in layer order, and the GPU waits for
+them in that order. Gathered side by side, the layers' misses share the disk
+and every layer's rows come at the end of the step's reads (one disk serves
+them all at its one rate), so the first PLE layer waits for the last one's
+reads. Gathered in turn, the first layer's rows come after its own reads alone
+and the later layers' reads run while the GPU computes the layers between
+(one ring at ``queue_depth`` keeps the disk busy on its own). A request
+still splits into pieces for several workers as before.
 """
 
 from __future__ import annotations
@@ -58,10 +69,11 @@ class Job(Generic[R]):
     """A handed-off request and its pieces: handed out up to ``issued``,
     ``out`` of them not ended yet, the first ``error`` met."""
 
-    __slots__ = ("error", "issued", "out", "request")
+    __slots__ = ("error", "in_order", "issued", "out", "request")
 
-    def __init__(self, request: R) -> None:
+    def __init__(self, request: R, in_order: bool) -> None:
         self.request = request
+        self.in_order = in_order
         self.issued = request.done_rows
         self.out = 0
         self.error: Exception | None = None
@@ -86,10 +98,15 @@ class HandOffs(Generic[R]):
         self._cond = threading.Condition()
         self._queues: dict[Hashable, deque[Job[R]]] = {}  # channels with work
         self._turns: deque[Hashable] = deque()  # those channels, in the order they take turns
+        # In-order channels: the job being gathered (until its last piece
+        # ends), and those whose next job waits for it (out of the turns).
+        self._gathering: dict[Hashable, Job[R]] = {}
+        self._parked: set[Hashable] = set()
         self._stopping = False
 
-    def put(self, request: R) -> None:
-        """Queue the rest of ``request`` (from its ``done_rows``) for a worker."""
+    def put(self, request: R, in_order: bool = False) -> None:
+        """Queue the rest of ``request`` (from its ``done_rows``) for a worker;
+        ``in_order``: begin it only once the channel's earlier ones have ended."""
         key = request.channel
         with self._cond:
             queue = self._queues.get(key)
@@ -99,20 +116,27 @@ class HandOffs(Generic[R]):
                 # channels do): a small hand-off waits for no other channel's
                 # turn, only for a worker; after its piece it goes last.
                 self._turns.appendleft(key)
-            queue.append(Job(request))
+            queue.append(Job(request, in_order))
             self._cond.notify()
 
     def take(self) -> Piece[R] | None:
         """The next piece, waiting for one; None once ``stop`` was called and
         nothing is left to take."""
         with self._cond:
-            while not self._turns:
-                if self._stopping:
-                    return None
-                self._cond.wait()
-            key = self._turns.popleft()
+            while True:
+                while not self._turns:
+                    if self._stopping:
+                        return None
+                    self._cond.wait()
+                key = self._turns.popleft()
+                job = self._queues[key][0]
+                gathering = self._gathering.get(key)
+                if gathering is None or gathering is job:
+                    break
+                self._parked.add(key)  # back in the turns when ``gathering`` ends
             queue = self._queues[key]
-            job = queue[0]
+            if job.in_order:
+                self._gathering[key] = job
             start = job.issued
             # (One worker alone is every worker: whole pieces, never short ones.)
             last_free = self.workers > 1 and self._busy >= self.workers - 1
@@ -148,6 +172,13 @@ class HandOffs(Generic[R]):
             if error is not None and job.error is None:
                 job.error = error
             last = job.out == 0 and job.issued == job.request.count
+            key = job.request.channel
+            if last and self._gathering.get(key) is job:
+                del self._gathering[key]
+                if key in self._parked:
+                    self._parked.discard(key)
+                    self._turns.appendleft(key)  # its next request is the step's next layer
+                    self._cond.notify()
         return job if last else None
 
     def stop(self) -> None:

@@ -231,6 +231,7 @@ class ServingLoop:
         chunk_rows: int = DEFAULT_CHUNK_ROWS,
         on_drop: Callable[[Channel, str], None] | None = None,
         workers: int = 4,
+        gather_in_order: bool = True,
         idle_wait: str = "auto",
         gpu_poll_s: float = DEFAULT_GPU_POLL_S,
         hint_queue_rows: int = DEFAULT_QUEUE_ROWS,
@@ -255,6 +256,7 @@ class ServingLoop:
         self.chunk_rows = chunk_rows
         self.on_drop = on_drop
         self.gpu_poll_s = gpu_poll_s
+        self.gather_in_order = gather_in_order  # read by the loop; set by a reload
         self.trace = trace  # (``lookup_trace``) each answered request's stage times
         self.channels: list[Channel] = []  # replaced, never mutated: the loop reads it lock-free
         self._change = threading.Lock()
@@ -636,7 +638,7 @@ class ServingLoop:
         with self._inflight_lock:
             self._inflight += 1
             r.channel.handed += 1
-        self._handoffs.put(r)
+        self._handoffs.put(r, in_order=self.gather_in_order and r.channel.admission.in_order)
 
     def _worker(self, index: int) -> None:
         name_thread(f"ple-gather-{index}".encode())
