@@ -646,13 +646,17 @@ def server_counters(snapshot: dict) -> dict:
     return out
 
 
-def server_delta(before: dict, after: dict, cpu_s: float, wall_s: float) -> dict:
+def server_delta(
+    before: dict, after: dict, cpu_s: float, wall_s: float, gather_cpu_s: float = 0.0
+) -> dict:
     """What the server did between two ``server_counters``: the raw counts, kept
-    so that measurements can be summed before figures are taken."""
+    so that measurements can be summed before figures are taken. ``cpu_s``: the
+    whole process's CPU; ``gather_cpu_s``: its gather workers' alone."""
     delta = {k: after[k] - before[k] for k in SERVER_COUNTERS}
     delta["buckets"] = [a - b for a, b in zip(after["buckets"], before["buckets"], strict=True)]
     delta["io_known"] = after["io_known"]
     delta["cpu_s"] = cpu_s
+    delta["gather_cpu_s"] = gather_cpu_s
     delta["wall_s"] = wall_s
     return delta
 
@@ -662,6 +666,8 @@ def add_deltas(deltas: list[dict]) -> dict | None:
     if not deltas:
         return None
     total = {k: sum(d[k] for d in deltas) for k in (*SERVER_COUNTERS, "cpu_s", "wall_s")}
+    if all("gather_cpu_s" in d for d in deltas):  # (not in runs before it was measured)
+        total["gather_cpu_s"] = sum(d["gather_cpu_s"] for d in deltas)
     total["buckets"] = [sum(col) for col in zip(*(d["buckets"] for d in deltas), strict=True)]
     total["io_known"] = any(d["io_known"] for d in deltas)
     return total
@@ -692,6 +698,13 @@ def server_figures(delta: dict | None) -> dict:
         "cpu_us_per_miss": (
             1e6 * delta["cpu_s"] / delta["misses"]
             if delta["io_known"] and delta["misses"]
+            else None
+        ),
+        # The miss path's own CPU (the gather workers: probe, reads, copies),
+        # beside the process's, whose serving loop spins between requests.
+        "gather_cpu_us_per_miss": (
+            1e6 * delta["gather_cpu_s"] / delta["misses"]
+            if delta["io_known"] and delta["misses"] and "gather_cpu_s" in delta
             else None
         ),
         "cpu_us_per_row": 1e6 * delta["cpu_s"] / delta["rows"] if delta["rows"] else None,
@@ -949,7 +962,8 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
             "== ple-server over each shm cell (from the engine's readiness to its end; "
             "vLLM's start-up profiling looked up 'start rows')",
             f"{'cell':<40} {'io':<7} {'start rows':>10} {'rows':>10} {'hit %':>6} "
-            f"{'lookup p50/p99 ms':>17} {'cpu s':>7} {'cpu µs/miss':>11} {'hints read':>10}",
+            f"{'lookup p50/p99 ms':>17} {'cpu s':>7} {'cpu µs/miss':>11} "
+            f"{'gather µs/miss':>14} {'hints read':>10}",
         ]
         for c in served:
             srv = c["server"]
@@ -960,7 +974,7 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
                 f"{_pct(f.get('hit_rate')):>6} "
                 f"{_ms(f.get('lookup_p50_s')) + '/' + _ms(f.get('lookup_p99_s')):>17} "
                 f"{f['cpu_s']:>7.2f} {_num(f.get('cpu_us_per_miss'), '.1f'):>11} "
-                f"{f['hints_read']:>10}"
+                f"{_num(f.get('gather_cpu_us_per_miss'), '.1f'):>14} {f['hints_read']:>10}"
             )
     tp = [c for c in cells if (c.get("throughput") or {}).get("reps")]
     if tp:

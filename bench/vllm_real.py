@@ -610,6 +610,22 @@ class Served:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def gather_cpu_seconds(self) -> float:
+        """User + system CPU of the gather workers (``ple-gather-N``): the
+        miss path's probe, reads and copies, without the serving loop's spin
+        (``spin_us``), which at hundreds of steps a second never ends."""
+        total = 0
+        for tid in os.listdir(f"/proc/{self.pid}/task"):
+            try:
+                with open(f"/proc/{self.pid}/task/{tid}/stat") as f:
+                    comm, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+            except (OSError, IndexError, ValueError):
+                continue  # (a thread that ended meanwhile)
+            if comm.startswith("ple-gather-"):
+                fields = rest.split()
+                total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
+
     def stop_for_trace(self):
         """Stop the server (SIGTERM: it writes its trace), and its lookup trace,
         or None where it wrote none."""
@@ -631,6 +647,7 @@ def measured(served: Served | None, fn: Callable[[], dict]) -> dict:
     """``fn()``'s result with the server's delta over it (where there is a server)."""
     before = served.counters() if served else None
     cpu0 = served.cpu_seconds() if served else 0.0
+    gather0 = served.gather_cpu_seconds() if served else 0.0
     t = time.perf_counter()
     t0_ns = time.monotonic_ns()
     result = fn()
@@ -638,7 +655,13 @@ def measured(served: Served | None, fn: Callable[[], dict]) -> dict:
     wall = time.perf_counter() - t
     if served and before is not None:
         after = served.settled_counters()
-        result["server"] = server_delta(before, after, served.cpu_seconds() - cpu0, wall)
+        result["server"] = server_delta(
+            before,
+            after,
+            served.cpu_seconds() - cpu0,
+            wall,
+            gather_cpu_s=served.gather_cpu_seconds() - gather0,
+        )
     return result
 
 
@@ -982,6 +1005,7 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
             ready = server_counters(snap)  # vLLM's start-up profiling looked rows up
             data["server"]["at_ready"] = ready
             ready_cpu, ready_t = served.cpu_seconds(), time.perf_counter()
+            ready_gather = served.gather_cpu_seconds()
         rec.save()
         try:
             measure(cell, engine, served, text, data, rec, end_at)
@@ -994,6 +1018,7 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
                     served.counters(),
                     served.cpu_seconds() - ready_cpu,
                     time.perf_counter() - ready_t,
+                    gather_cpu_s=served.gather_cpu_seconds() - ready_gather,
                 )
             if served and served.server.running and not cell.restart:
                 add_step_timelines(data, served.stop_for_trace())

@@ -461,6 +461,12 @@ def test_server_figures_come_from_a_real_ple_server(tiny):
 
             cold = vllm_real.measured(served, lookups)["server"]
             warm = vllm_real.measured(served, lookups)["server"]
+            # The gather workers' CPU is found by their thread names.
+            names = [
+                Path(f"/proc/{served.pid}/task/{tid}/comm").read_text().strip()
+                for tid in os.listdir(f"/proc/{served.pid}/task")
+            ]
+            assert any(n.startswith("ple-gather-") for n in names), names
     finally:
         served.close()
     assert not Path(served._state).exists()
@@ -470,6 +476,8 @@ def test_server_figures_come_from_a_real_ple_server(tiny):
     assert warm["misses"] == 0 and fw["hit_rate"] == 1.0
     assert fc["lookup_p50_s"] > 0 and fc["lookup_p99_s"] >= fc["lookup_p50_s"]
     assert cold["cpu_s"] >= 0 and fc["cpu_us_per_row"] is not None
+    assert 0 <= cold["gather_cpu_s"] <= cold["cpu_s"] + 0.05  # (clock ticks apart)
+    assert fc["gather_cpu_us_per_miss"] is not None and fw["gather_cpu_us_per_miss"] is None
     total = vc.server_figures(vc.add_deltas([cold, warm]))
     assert total["rows"] == 2 * len(ids) and 0 < total["hit_rate"] < 1
 
