@@ -477,26 +477,38 @@ class PleClient:
         info = table if isinstance(table, TableInfo) else self.table(table)
         return self._index[info.name]
 
-    def submit(self, table: str | int | TableInfo, ids) -> Ticket:
-        """Queue a lookup of ``ids`` (≤ capacity) and return its ticket."""
+    def _request_of(
+        self, table: str | int | TableInfo, ids, verb: str
+    ) -> tuple[TableInfo, np.ndarray, ChannelMap]:
+        """What ``submit`` and ``hint`` check first: the table, the ids as one
+        flat array, and a CPU-driven channel to a server that is not gone."""
         info = table if isinstance(table, TableInfo) else self.table(table)
-        ids = np.asarray(ids)
-        if ids.ndim != 1:
-            ids = ids.reshape(-1)
-        n = ids.shape[0]
+        flat = np.asarray(ids).reshape(-1)
         channel = self._require_channel()
         if self.gpu_driven:
             raise PleError(
                 "this client's channel is GPU-driven: its slots are rung by a CUDA "
-                "stream (pleclient.gpu.GpuLookups), not by submit()"
+                f"stream (pleclient.gpu.GpuLookups), not by {verb}()"
             )
+        if self._gone:
+            raise ServerGone(self._gone)
+        return info, flat, channel
+
+    def _fill(self, slot: SlotView, info: TableInfo, ids: np.ndarray, kind: int) -> None:
+        """Write a request into ``slot`` with the next sequence number (under
+        ``_lock``; the caller publishes the submit counter)."""
+        slot.submit(self._index[info.name], ids, self._sequence, time.monotonic_ns(), kind)
+        self._sequence = (self._sequence + 1) & 0xFFFFFFFF
+
+    def submit(self, table: str | int | TableInfo, ids) -> Ticket:
+        """Queue a lookup of ``ids`` (≤ capacity) and return its ticket."""
+        info, ids, channel = self._request_of(table, ids, "submit")
+        n = ids.shape[0]
         if n > channel.layout.capacity:
             raise ValueError(
                 f"{n} ids exceed the channel capacity of "
                 f"{channel.layout.capacity}; use lookup(), which splits"
             )
-        if self._gone:
-            raise ServerGone(self._gone)
         with self._lock:
             slot = self.slots.take(self.timeout)
             if slot is None:
@@ -504,8 +516,7 @@ class PleClient:
                     f"ple-server at {self.socket_path} did not answer the released "
                     f"requests holding this channel's slots within {self.timeout:.3g} s"
                 )
-            slot.submit(self._index[info.name], ids, self._sequence, time.monotonic_ns())
-            self._sequence = (self._sequence + 1) & 0xFFFFFFFF
+            self._fill(slot, info, ids, p.RequestKind.LOOKUP)
             channel.publish_submit(self._sequence)
         return Ticket(self, slot, info, n)
 
@@ -528,17 +539,8 @@ class PleClient:
         the server read them, dropped them (disk saturated, queue or cache
         budget full) or refused them (bad ids) is in its stats, per table
         (``hints_*``)."""
-        info = table if isinstance(table, TableInfo) else self.table(table)
-        ids = np.asarray(ids).reshape(-1)
+        info, ids, channel = self._request_of(table, ids, "hint")
         n = ids.shape[0]
-        channel = self._require_channel()
-        if self.gpu_driven:
-            raise PleError(
-                "this client's channel is GPU-driven: its slots are rung by a CUDA "
-                "stream (pleclient.gpu.GpuLookups), not by hint()"
-            )
-        if self._gone:
-            raise ServerGone(self._gone)
         if not self.hints_supported:
             self.skip_hints(n)
             return
@@ -553,14 +555,7 @@ class PleClient:
                     if slot is None:
                         break
                     piece = ids[sent : sent + cap]
-                    slot.submit(
-                        self._index[info.name],
-                        piece,
-                        self._sequence,
-                        time.monotonic_ns(),
-                        p.RequestKind.HINT,
-                    )
-                    self._sequence = (self._sequence + 1) & 0xFFFFFFFF
+                    self._fill(slot, info, piece, p.RequestKind.HINT)
                     sent += piece.shape[0]
                 if sent > published:
                     channel.publish_submit(self._sequence)  # E1: every hint slot before it

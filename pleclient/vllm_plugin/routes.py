@@ -26,11 +26,10 @@ The routes:
 the GPU-driven route once chosen, the zero route. ``Routes.for_layer`` is the
 one place that decides which route a layer's lookups take.
 
-A prefetch hint ("these ids will be looked up soon": it returns nothing, never
-blocks, and leaves the rows in the server's cache) would be a fourth verb,
-``hint(binding, ids)``, beside ``start``: enqueued on the stream by the
-GPU-driven route, a non-blocking message on the host route, nothing on the
-zero route.
+Prefetch hints ("these ids will be looked up soon") take none of these
+routes: the worker looks rows up only when its step needs them, and the
+prompts' rows are hinted earlier, by the engine core when a request arrives
+(``prompt_ahead``), through a session of its own.
 """
 
 from __future__ import annotations
