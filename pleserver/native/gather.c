@@ -69,7 +69,7 @@
 #define INFLIGHT_BUCKETS 1024u
 #define SPLIT_MIN_ROWS 1024u      /* the fewest rows worth a thread of their own */
 #define FILL_CHUNK_ROWS 4096u
-#define HIST_BUCKETS PLE_READ_HIST_BUCKETS  /* latency: see gather.h */
+#define HIST_BUCKETS PLE_READ_HIST_BUCKETS  /* latency.h */
 #define BLOCK_BITS 40             /* key of a block: fd << 40 | block number */
 #define FD_MAX ((1 << 23) - 1)
 #define OFFSET_MAX (1ULL << 52)   /* block numbers < 2^40 */
@@ -144,35 +144,6 @@ static int locate(const ple_source *src, int64_t id, uint32_t *shard, uint64_t *
     return -1;
 }
 
-static unsigned histogram_bucket(uint64_t ns)
-{
-    if (ns < 4)
-        return (unsigned)ns;
-    unsigned e = 63u - (unsigned)__builtin_clzll(ns);
-    unsigned b = e * 4 + (unsigned)((ns >> (e - 2)) & 3);
-    return b < HIST_BUCKETS ? b : HIST_BUCKETS - 1;
-}
-
-static uint64_t histogram_value(unsigned b)  /* upper edge of bucket b */
-{
-    if (b < 4)
-        return b;
-    unsigned e = b / 4;
-    return ((4ULL + b % 4 + 1) << (e - 2)) - 1;
-}
-
-static uint64_t histogram_quantile(const uint64_t *h, uint64_t total, double q)
-{
-    if (total == 0)
-        return 0;
-    uint64_t want = (uint64_t)(q * (double)total), seen = 0;
-    for (unsigned b = 0; b < HIST_BUCKETS; b++) {
-        seen += h[b];
-        if (seen > want)
-            return histogram_value(b);
-    }
-    return histogram_value(HIST_BUCKETS - 1);
-}
 
 static int cmp_miss(const void *a, const void *b)
 {
@@ -365,7 +336,7 @@ static void record_read(ple_source *src, const ple_read *rd)
 {
     ple_count(&src->reads, 1);
     ple_count(&src->read_bytes, rd->res > 0 ? (uint64_t)rd->res : 0);
-    ple_count(&src->read_ns[histogram_bucket(rd->ns)], 1);
+    ple_count(&src->read_ns[ple_latency_bucket(rd->ns)], 1);
     ple_count(&src->read_ns_sum, rd->ns);
 }
 
@@ -1158,8 +1129,8 @@ void ple_source_get_stats(ple_source *src, ple_source_stats *st)
     st->read_bytes = ple_counted(&src->read_bytes);
     st->read_errors = ple_counted(&src->read_errors);
     st->evictions = ple_counted(&src->evictions);
-    st->read_ns_p50 = histogram_quantile(h, total, 0.50);
-    st->read_ns_p99 = histogram_quantile(h, total, 0.99);
+    st->read_ns_p50 = ple_latency_quantile(h, total, 0.50);
+    st->read_ns_p99 = ple_latency_quantile(h, total, 0.99);
 }
 
 void ple_source_ref(ple_source *src)

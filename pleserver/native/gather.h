@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "common.h"
+#include "latency.h"
 #include "reads.h"
 #include "rowcache.h"
 
@@ -30,12 +31,6 @@ typedef struct ple_shard_spec {
     const char *path;           /* for error messages */
     const unsigned char *map;   /* the file's mapping (file offset 0), or NULL */
 } ple_shard_spec;
-
-/* Read latency: 4 buckets per power of two of nanoseconds. Bucket b >= 4
- * (exponent e = b / 4) holds [(4 + b % 4) << (e - 2), (5 + b % 4) << (e - 2)),
- * buckets 0..3 the values 0..3; so buckets 0 .. 4k-1 hold every read under
- * 2^k ns (what the metrics endpoint exports as a histogram). */
-#define PLE_READ_HIST_BUCKETS 256u
 
 typedef struct ple_source_stats {
     uint64_t hits, misses, reads, read_bytes, read_errors, evictions;
