@@ -647,16 +647,18 @@ def server_counters(snapshot: dict) -> dict:
 
 
 def server_delta(
-    before: dict, after: dict, cpu_s: float, wall_s: float, gather_cpu_s: float = 0.0
+    before: dict, after: dict, cpu_s: float, wall_s: float, gather_cpu_s: float | None = None
 ) -> dict:
     """What the server did between two ``server_counters``: the raw counts, kept
     so that measurements can be summed before figures are taken. ``cpu_s``: the
-    whole process's CPU; ``gather_cpu_s``: its gather workers' alone."""
+    whole process's CPU; ``gather_cpu_s``: its gather workers' alone (None:
+    not measured, and no figure is made of it)."""
     delta = {k: after[k] - before[k] for k in SERVER_COUNTERS}
     delta["buckets"] = [a - b for a, b in zip(after["buckets"], before["buckets"], strict=True)]
     delta["io_known"] = after["io_known"]
     delta["cpu_s"] = cpu_s
-    delta["gather_cpu_s"] = gather_cpu_s
+    if gather_cpu_s is not None:
+        delta["gather_cpu_s"] = gather_cpu_s
     delta["wall_s"] = wall_s
     return delta
 

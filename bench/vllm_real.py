@@ -531,6 +531,14 @@ class CellRecord:
         _write_json(self.path, self.data)
 
 
+def _stat_cpu(stat: str) -> tuple[str, float]:
+    """A ``/proc/…/stat`` line's name and user + system CPU seconds (the name
+    may hold spaces and parentheses: the fields follow its last ``)``)."""
+    head, rest = stat.rsplit(")", 1)
+    fields = rest.split()
+    return head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Served:
     """The cell's ple-server, and what the figures need of it."""
 
@@ -607,24 +615,22 @@ class Served:
     def cpu_seconds(self) -> float:
         """User + system CPU of the server process, all its threads."""
         with open(f"/proc/{self.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            return _stat_cpu(f.read())[1]
 
     def gather_cpu_seconds(self) -> float:
         """User + system CPU of the gather workers (``ple-gather-N``): the
         miss path's probe, reads and copies, without the serving loop's spin
         (``spin_us``), which at hundreds of steps a second never ends."""
-        total = 0
+        total = 0.0
         for tid in os.listdir(f"/proc/{self.pid}/task"):
             try:
                 with open(f"/proc/{self.pid}/task/{tid}/stat") as f:
-                    comm, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
-            except (OSError, IndexError, ValueError):
+                    comm, cpu = _stat_cpu(f.read())
+            except OSError:
                 continue  # (a thread that ended meanwhile)
             if comm.startswith("ple-gather-"):
-                fields = rest.split()
-                total += int(fields[11]) + int(fields[12])
-        return total / os.sysconf("SC_CLK_TCK")
+                total += cpu
+        return total
 
     def stop_for_trace(self):
         """Stop the server (SIGTERM: it writes its trace), and its lookup trace,
