@@ -47,7 +47,10 @@ Every BF16 row is an FP8 E4M3 value times a power-of-two scale
 (``tests/vllm_helpers/qwen4_model.py``'s rule), so the FP8 checkpoint
 (``--dtype fp8``, or ``--twin-of`` an existing BF16 one) holds the same numbers:
 vLLM's dequantization of it gives back the BF16 rows bit for bit, and a BF16
-stock run is a reference for an FP8 one. The PLE layers' norms and short conv,
+stock run is a reference for an FP8 one. ``--dtype nvfp4 --twin-of`` writes
+the NVFP4 copy (packed E2M1 values, E4M3 block scales, a ``weight_scale_2``
+a table): rounded, so it is its own family, judged against its own stock
+runs. The PLE layers' norms and short conv,
 which transformers initializes to zero, get random weights so that every part
 of a PLE layer counts in its output.
 
@@ -59,6 +62,7 @@ reuses it (``--reuse``).
 
     python bench/qwen4_checkpoint.py --out ckpt/small-bf16 --device cuda
     python bench/qwen4_checkpoint.py --out ckpt/small-fp8 --twin-of ckpt/small-bf16
+    python bench/qwen4_checkpoint.py --out ckpt/small-nvfp4 --twin-of ckpt/small-bf16 --dtype nvfp4
     python bench/qwen4_checkpoint.py --out ckpt/large-bf16 --ngram-vocab-base 1100000
     python bench/qwen4_checkpoint.py --out ckpt/tiny --tiny --device cpu
 """
@@ -375,6 +379,83 @@ def fp8_twin(bf16_dir: Path, fp8_dir: Path) -> None:
     _edit_index(fp8_dir, lambda wm: {**wm, **scales})
 
 
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between 0, .5, 1, 1.5, 2, 3, 4, 6
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+NVFP4_BLOCK = 16
+
+
+def nvfp4_rows(rows, global_scale: float) -> tuple[Any, Any]:
+    """BF16 rows ``[n, cols]`` as vLLM's NVFP4 layout: packed E2M1 values ``[n,
+    cols/2]`` (U8, the even column in the low nibble) and E4M3 block scales
+    ``[n, cols/16]``, so that a value is ``e2m1 × block scale × global_scale``
+    (``weight_scale_2``). Each value is rounded to the nearest E2M1 step of
+    its block's scale: lossy, so an NVFP4 checkpoint is its own reference."""
+    import torch
+
+    n, cols = rows.shape
+    x = rows.float().reshape(n, cols // NVFP4_BLOCK, NVFP4_BLOCK)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    block = (amax / (E2M1_MAX * global_scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    step = block.float() * global_scale
+    scaled = torch.where(step > 0, x / torch.where(step > 0, step, 1.0), 0.0)
+    mids = torch.tensor(E2M1_MIDPOINTS, device=x.device)
+    codes = torch.bucketize(scaled.abs(), mids).to(torch.uint8)
+    codes |= (scaled < 0).to(torch.uint8) << 3
+    codes = codes.reshape(n, cols)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.contiguous(), block.reshape(n, cols // NVFP4_BLOCK).contiguous()
+
+
+def nvfp4_twin(bf16_dir: Path, out_dir: Path, device: str) -> None:
+    """The NVFP4 copy of a BF16 checkpoint of this script: every PLE shard as
+    ``shard_<i>.weight`` (packed values) and ``shard_<i>.weight_scale`` (block
+    scales), a ``weight_scale_2`` a table, ``ple_embedding_dtype = "nvfp4"``.
+    The global scale puts the table's largest block at E4M3's largest scale."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pleclient.checkpoint import SHARD_RE
+
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    shutil.copytree(bf16_dir, out_dir)
+    (out_dir / MARKER).unlink(missing_ok=True)
+    files = _safetensors_files(out_dir)
+    amax: dict[str, float] = {}
+    for path in files:  # first pass: each table's largest value, over its files
+        for key, rows in load_file(str(path)).items():
+            if m := SHARD_RE.match(key):
+                amax[m["table"]] = max(amax.get(m["table"], 0.0), rows.float().abs().max().item())
+    global_scale = {t: (a or 1.0) / (E2M1_MAX * E4M3_MAX) for t, a in amax.items()}
+    names: dict[str, str] = {}
+    for path in files:
+        tensors = load_file(str(path))
+        tables = set()
+        for key in list(tensors):
+            if not (m := SHARD_RE.match(key)):
+                continue
+            rows, table = tensors[key], m["table"]
+            packed, blocks = [], []
+            for start in range(0, rows.shape[0], ROWS_CHUNK):
+                p, b = nvfp4_rows(rows[start : start + ROWS_CHUNK].to(device), global_scale[table])
+                packed.append(p.cpu())
+                blocks.append(b.cpu())
+            tensors[key] = torch.cat(packed)
+            scale_key = key[: -len("weight")] + "weight_scale"
+            tensors[scale_key] = torch.cat(blocks)
+            names[scale_key] = path.name
+            tables.add(table)
+        for table in tables:
+            tensors[f"{table}.weight_scale_2"] = torch.tensor(
+                global_scale[table], dtype=torch.float32
+            )
+            names[f"{table}.weight_scale_2"] = path.name
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    _edit_index(out_dir, lambda wm: {**wm, **names})
+    _edit_config(out_dir, lambda c: {**c, "ple_embedding_dtype": "nvfp4"})
+
+
 def table_bytes(model_dir: Path) -> dict[str, int]:
     """Bytes of each PLE table, as ple-server sees them."""
     from pleclient.checkpoint import discover_tables
@@ -422,7 +503,9 @@ def write_checkpoint(args: argparse.Namespace) -> dict:
         log.info("%s already holds this checkpoint (%s): reused", out, MARKER)
         return json.loads((out / MARKER).read_text())
     t0 = time.monotonic()
-    if source is not None:
+    if source is not None and args.dtype == "nvfp4":
+        nvfp4_twin(source, out, args.device)
+    elif source is not None:
         fp8_twin(source, out)
     else:
         config = text_config(args.layers, args.ngram_vocab_base, tiny=args.tiny)
@@ -463,11 +546,17 @@ def main(argv: list[str] | None = None) -> int:
         help="each n-gram head's vocabulary: ≈ 16 × this many rows a table "
         "(100 000: 0.5 GB a BF16 table; 1 100 000: 5.6 GB)",
     )
-    parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument(
+        "--dtype",
+        choices=("bf16", "fp8", "nvfp4"),
+        help="the PLE tables' dtype (default: bf16; with --twin-of, fp8); nvfp4 only "
+        "with --twin-of",
+    )
     parser.add_argument(
         "--twin-of",
         type=Path,
-        help="write the FP8 twin of this BF16 checkpoint (same numbers) instead of a new model",
+        help="write the FP8 twin (same numbers) or the NVFP4 copy (rounded to NVFP4) of "
+        "this BF16 checkpoint instead of a new model",
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--seed", type=int, default=0)
@@ -480,8 +569,11 @@ def main(argv: list[str] | None = None) -> int:
         help="keep --out when it holds a complete checkpoint of the same arguments",
     )
     args = parser.parse_args(argv)
-    if args.twin_of:
-        args.dtype = "fp8"
+    args.dtype = args.dtype or ("fp8" if args.twin_of else "bf16")
+    if args.twin_of and args.dtype == "bf16":
+        parser.error("--twin-of writes an fp8 or nvfp4 copy: --dtype bf16 is the source's")
+    if args.dtype == "nvfp4" and not args.twin_of:
+        parser.error("--dtype nvfp4 needs --twin-of: the NVFP4 copy of a BF16 checkpoint")
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     try:
         marker = write_checkpoint(args)

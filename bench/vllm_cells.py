@@ -24,7 +24,7 @@ says what it is, words joined by ``-`` in any order:
   nopa                      shm: ``VLLM_PLE_SHM_PROMPT_AHEAD=off``
   unordered                 shm: ple-server's ``--no-gather-in-order`` (a step's
                             layers read side by side, not one after another)
-  fp8 | large | deep | deepsmall
+  fp8 | nvfp4 | large | deep | deepsmall
                             the checkpoint (else ``small-bf16``): ``CHECKPOINTS``
   mp0                       ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core
                             in the same process, every prompt queued before the
@@ -116,18 +116,20 @@ class Checkpoint:
     layers: int
     ngram_vocab_base: int
     dtype: str = "bf16"
-    twin_of: str | None = None  # FP8: the twin of this BF16 checkpoint (same numbers)
+    twin_of: str | None = None  # FP8, NVFP4: the copy of this BF16 checkpoint
 
     @property
     def family(self) -> str:
         """Checkpoints of one family hold the same numbers (an FP8 twin included),
-        so a stock run of one is a reference for the others."""
-        return f"{self.layers}L-{self.ngram_vocab_base}"
+        so a stock run of one is a reference for the others. NVFP4 rounds the
+        rows: its copy is a family of its own."""
+        rounded = "-nvfp4" if self.dtype == "nvfp4" else ""
+        return f"{self.layers}L-{self.ngram_vocab_base}{rounded}"
 
     def args(self, work: Path) -> list[str]:
         """``bench/qwen4_checkpoint.py``'s arguments, but ``--out`` and ``--device``."""
         if self.twin_of:
-            return ["--twin-of", str(work / "ckpt" / self.twin_of)]
+            return ["--twin-of", str(work / "ckpt" / self.twin_of), "--dtype", self.dtype]
         return [
             "--layers",
             str(self.layers),
@@ -143,6 +145,7 @@ CHECKPOINTS = {
     for c in (
         Checkpoint("small-bf16", 4, 100_000),  # two tables of 0.51 GB: mmap
         Checkpoint("small-fp8", 4, 100_000, "fp8", twin_of="small-bf16"),
+        Checkpoint("small-nvfp4", 4, 100_000, "nvfp4", twin_of="small-bf16"),  # rounded
         Checkpoint("large-bf16", 4, 1_100_000),  # two of 5.6 GB: 10.5 GiB, --io direct
         Checkpoint("deep-bf16", 16, 550_000),  # four of 2.8 GB: 10.5 GiB
         Checkpoint("deepsmall-bf16", 16, 100_000),  # the deep trunk on mmap
@@ -150,6 +153,7 @@ CHECKPOINTS = {
 }
 CHECKPOINT_WORDS = {
     "fp8": "small-fp8",
+    "nvfp4": "small-nvfp4",
     "large": "large-bf16",
     "deep": "deep-bf16",
     "deepsmall": "deepsmall-bf16",
@@ -343,6 +347,17 @@ PLANS: dict[str, list[str]] = {
         "shm-default-nopa",
         "stock-default#2",
     ],
+    # the same under mp0, where stock is reproducible: each shm cell exact or not
+    "exact-3-mp0": [
+        "stock-default-mp0",
+        "shm-default-mp0",
+        "shm-default-fp8-mp0",
+        "shm-default-nopa-mp0",
+        "stock-piecewise-mp0",
+        "shm-piecewise-host-mp0",
+    ],
+    # NVFP4 tables (vLLM's Triton decode resident; the plugin's decode from rows)
+    "nvfp4": ["stock-default-nvfp4-mp0", "shm-default-nvfp4-mp0"],
     # vllm serve, driven by the openai client
     "serve": ["serve-stock-default", "serve-shm-default", "serve-stock-default#2"],
     # ple-server killed, reloaded and restarted under vllm serve's 32 streams

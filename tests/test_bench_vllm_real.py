@@ -112,11 +112,21 @@ def test_outcomes_survive_their_json():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     """The script's tiny checkpoint, written by its command line on the CPU, and
-    its FP8 twin beside it."""
+    its FP8 twin and NVFP4 copy beside it."""
     root = tmp_path_factory.mktemp("qwen4-bench")
     for args in (
         ["--out", str(root / "bf16"), "--tiny", "--device", "cpu", "--ngram-vocab-base", "300"],
         ["--out", str(root / "fp8"), "--twin-of", str(root / "bf16")],
+        [
+            "--out",
+            str(root / "nvfp4"),
+            "--twin-of",
+            str(root / "bf16"),
+            "--dtype",
+            "nvfp4",
+            "--device",
+            "cpu",
+        ],
     ):
         r = subprocess.run(
             [sys.executable, str(BENCH / "qwen4_checkpoint.py"), *args],
@@ -138,7 +148,15 @@ def vllm_facts(tiny):
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env.update(VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=str(REPO))
     proc = subprocess.Popen(
-        [sys.executable, "-c", VLLM_CHECKS, str(tiny / "bf16"), str(BENCH), TOKENIZER_TEXT],
+        [
+            sys.executable,
+            "-c",
+            VLLM_CHECKS,
+            str(tiny / "bf16"),
+            str(BENCH),
+            TOKENIZER_TEXT,
+            str(tiny / "nvfp4"),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -193,7 +211,7 @@ def cpu_cell(tiny, tmp_path_factory):
 
 
 def test_the_checkpoint_is_one_pleserver_inspect_accepts(tiny, vllm_facts, cpu_cell):
-    for dtype, expected in (("bf16", "BF16"), ("fp8", "F8_E4M3")):
+    for dtype, expected in (("bf16", "BF16"), ("fp8", "F8_E4M3"), ("nvfp4", "NVFP4")):
         r = subprocess.run(
             [sys.executable, "-m", "pleserver.cli", "inspect", "--json", str(tiny / dtype)],
             capture_output=True,
@@ -208,6 +226,21 @@ def test_the_checkpoint_is_one_pleserver_inspect_accepts(tiny, vllm_facts, cpu_c
         assert {t["cols"] for t in tables} == {16}  # the tiny dims: 64 / 4 n-gram heads
     marker = json.loads((tiny / "fp8" / "bench-checkpoint.json").read_text())
     assert marker["dtype"] == "fp8" and marker["twin_of"] == str(tiny / "bf16")
+    config = json.loads((tiny / "nvfp4" / "config.json").read_text())
+    assert config["ple_embedding_dtype"] == "nvfp4"
+
+
+def test_vllm_decodes_the_nvfp4_copy_close_to_the_bf16_rows(vllm_facts):
+    """vLLM's own NVFP4 method loads the copy (every parameter) and decodes each
+    row within NVFP4's rounding of the BF16 one: a real model, its own family."""
+    nvfp4 = vllm_facts()["nvfp4"]
+    assert nvfp4["unloaded"] == []
+    assert [layer["method"] for layer in nvfp4["layers"]] == ["Qwen4ExpPLENvFp4EmbeddingMethod"] * 2
+    for layer in nvfp4["layers"]:
+        # E2M1's widest step (4 to 6) is a sixth of a block's largest value;
+        # the block scale's E4M3 rounding adds a little
+        assert 0 < layer["max_error_of_amax"] <= 0.2
+        assert layer["correlation"] > 0.99
 
 
 def test_fp8_twin_holds_the_bf16_numbers(tiny):
@@ -255,6 +288,10 @@ def test_cell_names_say_what_runs():
         vc.parse_cell("shm-default-fp8").reference_key()
         == vc.parse_cell("stock-default").reference_key()
     )
+    # an NVFP4 copy is rounded: only NVFP4 stock runs are its references
+    nvfp4 = vc.parse_cell("shm-default-nvfp4-mp0").reference_key()
+    assert nvfp4 == vc.parse_cell("stock-default-nvfp4-mp0").reference_key()
+    assert nvfp4 != vc.parse_cell("stock-default-mp0").reference_key()
     assert vc.parse_cell("stock-default#2").instance == 2
 
 
@@ -283,6 +320,9 @@ def test_plans_expand_to_cells_and_their_checkpoints():
         assert vc.expand(plan)
     needed = [c.name for c in vc.checkpoints_needed(vc.expand("shm-default-fp8,stock-eager"))]
     assert needed == ["small-bf16", "small-fp8"]  # the twin after its source
+    nvfp4 = vc.checkpoints_needed(vc.expand("stock-default-nvfp4"))
+    assert [c.name for c in nvfp4] == ["small-bf16", "small-nvfp4"]
+    assert nvfp4[1].args(Path("/w"))[-2:] == ["--dtype", "nvfp4"]
     with pytest.raises(vc.CellError, match="named twice"):
         vc.expand("stock-eager,stock-eager")
 
@@ -961,6 +1001,22 @@ init_distributed_environment(1, 0, f"file://{tempfile.mkdtemp()}/init", 0, backe
 from tests.vllm_helpers.qwen4_model import load_vllm_model
 loaded = load_vllm_model(model)
 layers = loaded.model.model.layers
+rounded = load_vllm_model(sys.argv[4])
+nvfp4 = {"unloaded": rounded.unloaded_parameters, "layers": []}
+for i, layer in enumerate(layers):
+    if getattr(layer, "ple", None) is None:
+        continue
+    a = layer.ple.ple_embedding.ngram_embedding
+    b = rounded.model.model.layers[i].ple.ple_embedding.ngram_embedding
+    every_row = torch.arange(a.weight.shape[0])
+    exact = a.dequantize(a(every_row), torch.float32)
+    decoded = b.dequantize(b(every_row), torch.float32)
+    nvfp4["layers"].append({
+        "method": type(b.quant_method).__name__,
+        "max_error_of_amax": ((decoded - exact).abs().max() / exact.abs().max()).item(),
+        "correlation": torch.corrcoef(torch.stack([exact.flatten(), decoded.flatten()]))[0, 1]
+                       .item(),
+    })
 print("RESULT " + json.dumps({
     "config": {
         "layer_types": config.layer_types,
@@ -976,6 +1032,7 @@ print("RESULT " + json.dumps({
     "attention": type(layers[3].self_attn).__name__,
     "ple_layers": [i for i, layer in enumerate(layers) if getattr(layer, "ple", None) is not None],
     "unloaded": loaded.unloaded_parameters,
+    "nvfp4": nvfp4,
 }))
 """
 
