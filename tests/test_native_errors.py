@@ -266,6 +266,49 @@ def test_shards_emptied_while_they_are_read_stay_valid(specs, tmp_path):
         engine.close()
 
 
+def test_a_cache_and_an_engine_closed_while_a_source_opens_stay_its_own(specs):
+    """The source holds the cache and the engine from the moment it takes them:
+    closed before, they are refused; closed while its shards are read (Python
+    code runs there), the source still opens on them, serves, and releases
+    them when it goes."""
+    spec = specs["F8_E4M3"]
+    expected = file_rows(spec)
+    fds = {path: os.open(path, os.O_RDONLY) for path in spec.files}
+    try:
+        for closed in ("cache", "engine"):
+            cache, engine = nat.RowCache(1 << 20, 160), nat.ReadEngine(queue_depth=4)
+            (cache if closed == "cache" else engine).close()
+            good = [(fds[s.path], s.offset, s.rows, s.path, 0) for s in spec.shards]
+            name = "RowCache" if closed == "cache" else "ReadEngine"
+            with pytest.raises(ValueError, match=f"{name} is closed"):
+                nat.TableSource(1, 160, spec.shard_size, good, cache, engine, False)
+            cache.close()
+            engine.close()
+        cache, engine = nat.RowCache(1 << 20, 160), nat.ReadEngine(queue_depth=4)
+
+        class ClosesBoth:
+            def __init__(self, fd: int) -> None:
+                self.fd = fd
+
+            def __index__(self) -> int:
+                cache.close()
+                engine.close()
+                return self.fd
+
+        shards = [(ClosesBoth(fds[s.path]), s.offset, s.rows, s.path, 0) for s in spec.shards]
+        source = nat.TableSource(1, 160, spec.shard_size, shards, cache, engine, False)
+        ids = np.array([0, spec.shard_size + 7, spec.rows - 1], dtype=np.int64)
+        for _ in range(2):  # misses read by the engine, then hits from the cache
+            out = np.empty((ids.size, 160), np.uint8)
+            source.gather(ids, out)
+            np.testing.assert_array_equal(out, expected[ids])
+        assert source.stats()["hits"] == ids.size
+        source.close()  # the last references: the engine's threads are joined
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
 def test_probe_reports_the_disk_rate(specs):
     paths = specs["F8_E4M3"].files
     require_o_direct(os.path.dirname(paths[0]))

@@ -290,6 +290,18 @@ static PyType_Spec Engine_spec = {
 /* Made from Engine_spec at import. */
 static PyObject *EngineType;
 
+/* The engine of an open ReadEngine, with a reference for the caller (who
+ * unrefs it); NULL with ValueError once closed. */
+static ple_engine *engine_use(EngineObject *self)
+{
+    if (!self->eng) {
+        PyErr_SetString(PyExc_ValueError, "ReadEngine is closed");
+        return NULL;
+    }
+    ple_engine_ref(self->eng);
+    return self->eng;
+}
+
 /* ------------------------------------------------------------ RowCache */
 
 typedef struct {
@@ -569,49 +581,55 @@ static int Source_init(SourceObject *self, PyObject *args, PyObject *kw)
         nsegs = (unsigned)ns;
         Py_DECREF(items);
     }
-    ple_cache *cache = NULL;
-    ple_engine *engine = NULL;
-    if (cache_obj != Py_None) {
-        if (!PyObject_TypeCheck(cache_obj, (PyTypeObject *)CacheType)) {
-            PyErr_SetString(PyExc_TypeError, "cache must be a RowCache or None");
-            return -1;
-        }
-        if (!(cache = ((CacheObject *)cache_obj)->cache)) {
-            PyErr_SetString(PyExc_ValueError, "RowCache is closed");
-            return -1;
-        }
+    if (cache_obj != Py_None && !PyObject_TypeCheck(cache_obj, (PyTypeObject *)CacheType)) {
+        PyErr_SetString(PyExc_TypeError, "cache must be a RowCache or None");
+        return -1;
     }
-    if (engine_obj != Py_None) {
-        if (!PyObject_TypeCheck(engine_obj, (PyTypeObject *)EngineType)) {
-            PyErr_SetString(PyExc_TypeError, "engine must be a ReadEngine or None");
-            return -1;
-        }
-        if (!(engine = ((EngineObject *)engine_obj)->eng)) {
-            PyErr_SetString(PyExc_ValueError, "ReadEngine is closed");
-            return -1;
-        }
+    if (engine_obj != Py_None && !PyObject_TypeCheck(engine_obj, (PyTypeObject *)EngineType)) {
+        PyErr_SetString(PyExc_TypeError, "engine must be a ReadEngine or None");
+        return -1;
     }
     if (self->src) {
         PyErr_SetString(PyExc_RuntimeError, "TableSource is initialized already");
         return -1;
     }
-    ple_shard_spec *specs;
-    Py_ssize_t n;
-    if (parse_shards(shards_obj, &specs, &n) != 0)
-        return -1;
+    /* Each held until the source took its own reference (or failed to open). */
+    ple_cache *cache = NULL;
+    ple_engine *engine = NULL;
+    ple_shard_spec *specs = NULL;
+    Py_ssize_t n = 0;
+    ple_source *src;
     ple_error err = {0};
-    ple_source *src = ple_source_open(table_key, row_bytes, shard_size, specs, (unsigned)n,
-                                      nsegs ? seg_bytes : NULL, nsegs, cache, engine, direct,
-                                      &err);
+    int rc = -1;
+    if (cache_obj != Py_None && !(cache = cache_use((CacheObject *)cache_obj)))
+        goto out;
+    if (engine_obj != Py_None && !(engine = engine_use((EngineObject *)engine_obj)))
+        goto out;
+    if (parse_shards(shards_obj, &specs, &n) != 0)
+        goto out;
+    src = ple_source_open(table_key, row_bytes, shard_size, specs, (unsigned)n,
+                          nsegs ? seg_bytes : NULL, nsegs, cache, engine, direct, &err);
     free_shards(specs, n);
     if (!src) {
         raise_error(&err);
-        return -1;
+        goto out;
     }
     self->src = src;
     self->row_bytes = row_bytes;
     self->rows = ple_source_rows(src);
-    return 0;
+    rc = 0;
+out:
+    /* Without the GIL: parse_shards ran Python code, so a close elsewhere may
+     * have left this the last reference (an engine's joins its threads). */
+    if (cache || engine) {
+        Py_BEGIN_ALLOW_THREADS
+        if (cache)
+            ple_cache_unref(cache);
+        if (engine)
+            ple_engine_unref(engine);
+        Py_END_ALLOW_THREADS
+    }
+    return rc;
 }
 
 static void Source_dealloc(SourceObject *self)
