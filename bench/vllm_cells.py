@@ -24,6 +24,9 @@ says what it is, words joined by ``-`` in any order:
   nopa                      shm: ``VLLM_PLE_SHM_PROMPT_AHEAD=off``
   unordered                 shm: ple-server's ``--no-gather-in-order`` (a step's
                             layers read side by side, not one after another)
+  nospin                    shm: ple-server's ``--spin-us 0`` (its serving loop
+                            sleeps at once after a request: no core spun beside
+                            vLLM's own)
   fp8 | nvfp4 | large | deep | deepsmall
                             the checkpoint (else ``small-bf16``): ``CHECKPOINTS``
   mp0                       ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core
@@ -177,6 +180,7 @@ class Cell:
     cache_size: str | None = None  # shm direct: the row cache
     prompt_ahead: bool = True
     gather_in_order: bool = True  # shm: ple-server's gather_in_order
+    spin: bool = True  # shm: ple-server's spin_us as configured (False: 0)
     multiproc: bool = True
     exact_runs: int = 3
     throughput_reps: int = 0
@@ -224,6 +228,8 @@ class Cell:
             args += ["--cache-size", self.cache_size or DIRECT_CACHE]
         if not self.gather_in_order:
             args.append("--no-gather-in-order")
+        if not self.spin:
+            args += ["--spin-us", "0"]
         return args
 
     def to_json(self) -> dict:
@@ -263,6 +269,8 @@ def parse_cell(name: str) -> Cell:
             fields["prompt_ahead"] = False
         elif word == "unordered":
             fields["gather_in_order"] = False
+        elif word == "nospin":
+            fields["spin"] = False
         elif word in CHECKPOINT_WORDS:
             fields["checkpoint"] = CHECKPOINT_WORDS[word]
         elif word == "mp0":
@@ -280,8 +288,8 @@ def parse_cell(name: str) -> Cell:
         else:
             raise CellError(
                 f"{name}: unknown word {word!r}; a cell name joins {BACKENDS}, {MODES}, "
-                "serve, host, direct, nopa, unordered, fp8/large/deep/deepsmall, mp0, x<N>, "
-                "tp[<N>], noexact, restart, verify (bench/vllm_cells.py)"
+                "serve, host, direct, nopa, unordered, nospin, fp8/nvfp4/large/deep/deepsmall, "
+                "mp0, x<N>, tp[<N>], noexact, restart, verify (bench/vllm_cells.py)"
             )
     if not seen_backend:
         raise CellError(f"{name}: no backend; name one of {BACKENDS}")
@@ -299,8 +307,12 @@ def cell_problem(cell: Cell) -> str | None:
         or cell.io != "mmap"
         or not cell.prompt_ahead
         or not cell.gather_in_order
+        or not cell.spin
     ):
-        return "host, direct, nopa and unordered are ple-server settings: they need the shm backend"
+        return (
+            "host, direct, nopa, unordered and nospin are ple-server settings: they need the "
+            "shm backend"
+        )
     if cell.shm and cell.route == "host" and cell.mode == "default":
         return (
             "the host route under vLLM's default full CUDA graphs is refused by the plugin "
@@ -376,6 +388,9 @@ PLANS: dict[str, list[str]] = {
         "shm-default-direct-large-tp",
         "offload-default-large-tp",
     ],
+    # where concurrency 1 loses its time on mmap (the H200's 0.67): the loop's
+    # spin against none, and the same tables through the row cache
+    "c1": ["stock-default-tp", "shm-default-tp", "shm-default-nospin-tp", "shm-default-direct-tp"],
     # small tables on mmap, and a second engine from disk
     "bench-2": ["stock-default-tp", "shm-default-tp", "shm-default-direct-large-tp#2"],
     # the 16-layer trunk (PLE on layers 2, 6, 10, 14), 10.5 GiB tables

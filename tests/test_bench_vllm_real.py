@@ -281,6 +281,8 @@ def test_cell_names_say_what_runs():
     assert "--no-gather-in-order" not in c.server_args()
     unordered = vc.parse_cell("shm-default-direct-deep-unordered-tp")
     assert unordered.server_args()[-1] == "--no-gather-in-order"
+    assert vc.parse_cell("shm-default-nospin-tp").server_args()[-2:] == ["--spin-us", "0"]
+    assert "--spin-us" not in vc.parse_cell("shm-default-tp").server_args()
     stock = vc.parse_cell("stock-default-mp0-x10")
     assert stock.env() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} and stock.exact_runs == 10
     # an FP8 twin is judged against the BF16 stock runs: the same numbers
@@ -300,6 +302,7 @@ def test_cell_names_say_what_runs():
     [
         ("shm-default-host", "refused by the plugin"),
         ("stock-eager-direct", "need the shm backend"),
+        ("stock-default-nospin", "need the shm backend"),
         ("eager", "no backend"),
         ("shm-eager-fast", "unknown word"),
         ("stock-shm", "two backends"),
