@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from pleserver.config import GPU_MEMORY_MODES
 from pleserver.host import MEMINFO, cgroup_limit, meminfo_path, read_meminfo
+from pleserver.observe.snapshot import BoxSnapshot
 from pleserver.observe.stats import format_bytes
 
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
@@ -102,7 +103,7 @@ class Box:
     def describe(self) -> str:
         return f"{self.describe_memory()}; {self.gpu_memory} GPU memory ({self.why})"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> BoxSnapshot:
         return {
             "memory_bytes": self.memory,
             "total_bytes": self.total,

@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, cast
 
 from pleclient import protocol as p
 from pleserver.observe import logs
@@ -463,18 +463,20 @@ def stats_sockets(socket_path: str | None) -> list[str]:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from pleclient import PleClient, PleError
+    from pleserver.observe.snapshot import Snapshot
     from pleserver.observe.stats import format_human, format_interval, interval
 
     sockets = stats_sockets(args.socket)
     redraw = bool(args.watch) and not args.json and sys.stdout.isatty()
-    last: dict[str, tuple[float, dict]] = {}
+    last: dict[str, tuple[float, Snapshot]] = {}
     while True:
         blocks: list[tuple[dict, str]] = []
         failed = False
         for path in sockets:
             now = time.monotonic()
             try:
-                stats = PleClient.query_stats(path)
+                # The STATS reply is the server's Snapshot, as JSON.
+                stats = cast(Snapshot, PleClient.query_stats(path))
             except PleError as exc:
                 if not args.watch:
                     print(f"error: {exc}", file=sys.stderr)
@@ -492,7 +494,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
             text = format_human(stats)
             if figures is not None:
                 text += "\n" + format_interval(figures)
-            blocks.append(({**stats, "interval": figures} if args.watch else stats, text))
+            report: dict = {**stats, "interval": figures} if args.watch else dict(stats)
+            blocks.append((report, text))
         if args.json:
             reports = [b[0] for b in blocks]
             print(json.dumps(reports[0] if len(sockets) == 1 else reports))

@@ -1,5 +1,7 @@
 """This host as the process sees it at the moment: what memory it may still
-use, and the C library's calls that Python's ``os`` lacks.
+use, and the C library's calls that Python's ``os`` lacks (thread names,
+timer slack, hole punching, ``madvise``, ``mincore``): the server's Linux glue
+is here, so the planes call it by what it does.
 
 What memory this process may still use: the room under its cgroup's limit
 and ``MemAvailable``, read at the moment asked.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -184,11 +187,52 @@ def mem_available() -> int:
 
 # ------------------------------------------------------------------- libc
 _PR_SET_NAME = 15
+_PR_SET_TIMERSLACK = 29
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux ≥ 5.14
 libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 libc.fallocate.restype = ctypes.c_int
+libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+libc.mincore.restype = ctypes.c_int
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.madvise.restype = ctypes.c_int
+
+
+def _errno_error(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def name_thread(name: bytes) -> None:
     """Name the calling thread for the kernel (at most 15 bytes are kept)."""
     libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+
+
+def set_timer_slack(ns: int) -> None:
+    """The calling thread's timer slack (Linux's default, 50 µs, stretches
+    every short timed wait by as much). Raises OSError."""
+    if libc.prctl(_PR_SET_TIMERSLACK, ns, 0, 0, 0) != 0:
+        raise _errno_error("prctl(PR_SET_TIMERSLACK)")
+
+
+def punch_hole(fd: int, length: int) -> None:
+    """Free the pages of ``[0, length)`` of a memfd, keeping its size: a
+    process still mapping it then reads zeros. Raises OSError."""
+    if libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, length) != 0:
+        raise _errno_error("fallocate(PUNCH_HOLE)")
+
+
+def populate_read(address: int, length: int) -> bool:
+    """Map the pages of a file mapping's ``[address, address + length)`` into
+    the page tables (``MADV_POPULATE_READ``), with the GIL released (CPython's
+    ``mmap.madvise`` holds it). False where the kernel refuses it (before
+    5.14): the first touch faults the pages in instead."""
+    return libc.madvise(ctypes.c_void_p(address), length, MADV_POPULATE_READ) == 0
+
+
+def resident_pages(address: int, length: int, vec_address: int) -> None:
+    """``mincore`` of ``[address, address + length)`` (page-aligned) into the
+    byte vector at ``vec_address``, a byte a page. Raises OSError."""
+    if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length), vec_address) != 0:
+        raise _errno_error("mincore")

@@ -49,14 +49,16 @@ from pleserver.control.segments import Reserver
 from pleserver.control.sessions import Sessions
 from pleserver.data.admission import DoorbellAdmission
 from pleserver.data.budget import ChannelBudget, default_channel_budget, overcommitted
+from pleserver.data.hints import no_table_hints
 from pleserver.data.hotset import HotSet, StateDirError
 from pleserver.data.plane import DataPlane, PlaneOptions
 from pleserver.data.prewarm import Prewarm, resident_bytes
 from pleserver.data.serving import POLL_S, Channel, ServingLoop
-from pleserver.data.tables import Table
+from pleserver.data.tables import MappedTable, Table
 from pleserver.host import memory_room
 from pleserver.observe import logs
 from pleserver.observe.health import HealthSocket, HealthSocketError
+from pleserver.observe.snapshot import Snapshot, TableSnapshot
 from pleserver.observe.stats import (
     RateMeter,
     TableStats,
@@ -64,7 +66,6 @@ from pleserver.observe.stats import (
     format_progress,
     io_snapshot,
 )
-from pleserver.observe.trace import LookupTrace
 from pleserver.ops.systemd import Notifier, watchdog_interval
 
 if TYPE_CHECKING:
@@ -115,6 +116,7 @@ class Server:
         self.tables: list[Table] = []
         self.plane: DataPlane | None = None
         self.loop: ServingLoop | None = None
+        self._serving_stopped = False  # (_stop_serving ran)
         self.prewarm: Prewarm | None = None
         self.hotset: HotSet | None = None
         self.metrics: MetricsEndpoint | None = None
@@ -235,25 +237,18 @@ class Server:
         interval = cfg.watchdog_s or watchdog_interval()
         self._watchdog = bool(interval)
         try:
-            self.loop = ServingLoop(
+            self.loop = ServingLoop.from_config(
                 self.tables,
                 self.table_stats,
-                cfg.spin_us * 1e-6,
-                heartbeat=self._loop_heartbeat,
-                heartbeat_every_s=min(interval or 1.0, 1.0),
-                chunk_rows=cfg.chunk_rows,
-                on_drop=self._on_channel_dropped,
-                workers=cfg.gather_workers,
-                gather_in_order=cfg.gather_in_order,
-                idle_wait=cfg.idle_wait,
-                gpu_poll_s=cfg.gpu_poll_us * 1e-6,
-                hint_queue_rows=cfg.hint_queue_rows,
+                cfg,
                 hint_cache_rows=(
                     self.plane.cache.capacity_rows
                     if self.plane is not None and self.plane.cache is not None
                     else 0
                 ),
-                trace=LookupTrace(cfg.lookup_trace) if cfg.lookup_trace else None,
+                heartbeat=self._loop_heartbeat,
+                heartbeat_every_s=min(interval or 1.0, 1.0),
+                on_drop=self._on_channel_dropped,
             )
         except ValueError as exc:  # idle_wait = futex_waitv on a kernel without it
             raise StartupError(str(exc)) from None
@@ -321,7 +316,8 @@ class Server:
                 self.plane.mode,
             )
         elif cfg.prewarm == "full":
-            self.prewarm = Prewarm(self.tables, cfg.prewarm_budget, cfg.prewarm_reserve)
+            mapped = [t for t in self.tables if isinstance(t, MappedTable)]
+            self.prewarm = Prewarm(mapped, cfg.prewarm_budget, cfg.prewarm_reserve)
             self.prewarm.on_progress = self._report_prewarm
             self.prewarm.start()
 
@@ -548,24 +544,33 @@ class Server:
                 os.unlink(self.config.socket)
             except FileNotFoundError:
                 pass
-        if self.loop is not None:
-            self.loop.stop()
-        for job in self.reserver.stop():
-            job.discard()
-            self.budget.give_back(job.layout.size)
+        self._stop_serving()
         if self.sessions is not None:
             self.sessions.shut_down(self._stop_reason or "server stopping")
         self.close_resources()
         signal.set_wakeup_fd(-1)
         log.info("stopped")
 
-    def close_resources(self) -> None:
-        if self.loop is not None and self.loop.thread.is_alive():  # a start that failed
+    def _stop_serving(self) -> None:
+        """Finish the in-flight requests and stop the serving loop, then the
+        channel reserver, its reservations back to the budget. Once: ``stop``
+        runs it before the clients are told, ``close_resources`` after a start
+        that failed."""
+        if self._serving_stopped:
+            return
+        self._serving_stopped = True
+        if self.loop is not None:
             self.loop.stop()
-        if self.loop is not None and self.loop.trace is not None:
-            self.loop.trace.save()  # (every answer is in: the loop has stopped)
+            if self.loop.trace is not None:
+                self.loop.trace.save()  # (every answer is in: the loop has stopped)
         for job in self.reserver.stop():
             job.discard()
+            self.budget.give_back(job.layout.size)
+
+    def close_resources(self) -> None:
+        """Free what the server holds (a stopped server, or a start that
+        failed part way)."""
+        self._stop_serving()
         if self.prewarm is not None:
             self.prewarm.stop()
         if self.hotset is not None:
@@ -886,7 +891,7 @@ class Server:
         for table in self.tables:
             if "parallel_min_rows" in names:
                 table.parallel_min_rows = cfg.parallel_min_rows
-            if "dedup_min_rows" in names:
+            if "dedup_min_rows" in names and isinstance(table, MappedTable):
                 table.dedup_min_rows = cfg.dedup_min_rows
         if names & {"metrics_max_connections", "metrics_timeout_s"} and self.metrics is not None:
             self.metrics.set_limits(cfg.metrics_max_connections, cfg.metrics_timeout_s)
@@ -929,8 +934,9 @@ class Server:
         self.notifier.ready(f"{self._serving_status}; {outcome}")
 
     # ----------------------------------------------------------------- stats
-    def snapshot(self) -> dict:
-        """Every number `pleserver stats` and the metrics endpoint show."""
+    def snapshot(self) -> Snapshot:
+        """Every number `pleserver stats` and the metrics endpoint show
+        (``pleserver.observe.snapshot``, the contract)."""
         now = time.monotonic()
         if now - self._residency[0] > RESIDENCY_CACHE_S:
             fractions: list[float | None] = []
@@ -943,26 +949,27 @@ class Server:
                     None if resident is None else resident / t.spec.nbytes if t.spec.nbytes else 1.0
                 )
             self._residency = (now, fractions)
-        tables = []
+        tables: list[TableSnapshot] = []
         for t, st, resident, rate in zip(
             self.tables, self.table_stats, self._residency[1], self._miss_rates, strict=True
         ):
-            snap = st.snapshot()
             source = t.source.stats()
-            snap.update(
-                dtype=t.spec.dtype,
-                rows_total=t.spec.rows,
-                cols=t.spec.cols,
-                row_bytes=t.row_bytes,
-                table_bytes=t.spec.nbytes,
-                fingerprint=t.spec.fingerprint,
-                resident_fraction=resident,
-                io_mode=t.mode,
-                io=io_snapshot(source, rate.rate(source.get("misses", 0), now)),
+            tables.append(
+                {
+                    **st.snapshot(),
+                    # prefetch hints, in rows (pleserver.data.hints)
+                    **(self.loop.hints.table_snapshot(t.key) if self.loop else no_table_hints()),
+                    "dtype": t.spec.dtype,
+                    "rows_total": t.spec.rows,
+                    "cols": t.spec.cols,
+                    "row_bytes": t.row_bytes,
+                    "table_bytes": t.spec.nbytes,
+                    "fingerprint": t.spec.fingerprint,
+                    "resident_fraction": resident,
+                    "io_mode": t.mode,
+                    "io": io_snapshot(source, rate.rate(source.get("misses", 0), now)),
+                }
             )
-            if self.loop is not None:  # prefetch hints, in rows (pleserver.data.hints)
-                snap.update(self.loop.hints.table_snapshot(t.key))
-            tables.append(snap)
         return {
             "pid": os.getpid(),
             "version": __version__,

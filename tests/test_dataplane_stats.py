@@ -127,3 +127,59 @@ def test_the_lookup_trace_has_each_answered_request_with_its_stages(
         assert first["handed_ns"] > 0, first  # its rows came from disk
         assert again["handed_ns"] == 0, again  # from the row cache, in the loop
     assert f"lookup trace: {len(records)} requests written to {trace_path}" in server.log()
+
+
+def _contract_problems(value: object, hint: object, where: str) -> list[str]:
+    """Where ``value`` (JSON) leaves the shape of ``hint`` (a TypedDict of
+    ``pleserver.observe.snapshot``, or a list, dict or optional of one): keys
+    missing, keys not declared, and so on down every declared part."""
+    import types
+    import typing
+
+    if typing.is_typeddict(hint):
+        if not isinstance(value, dict):
+            return [f"{where}: {type(value).__name__}, not an object"]
+        hints = typing.get_type_hints(hint)
+        required = hint.__required_keys__  # type: ignore[union-attr]
+        problems = [f"{where}.{k}: missing" for k in sorted(required - value.keys())]
+        problems += [
+            f"{where}.{k}: not in the contract" for k in sorted(value.keys() - hints.keys())
+        ]
+        for key in value.keys() & hints.keys():
+            problems += _contract_problems(value[key], hints[key], f"{where}.{key}")
+        return problems
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return []
+        shapes = [a for a in args if a is not type(None)]
+        return _contract_problems(value, shapes[0], where) if len(shapes) == 1 else []
+    if origin is list and value is not None:
+        return [
+            p for i, v in enumerate(value) for p in _contract_problems(v, args[0], f"{where}[{i}]")
+        ]
+    if origin is dict and isinstance(value, dict) and typing.is_typeddict(args[1]):
+        return [p for k, v in value.items() for p in _contract_problems(v, args[1], f"{where}.{k}")]
+    return []
+
+
+def test_the_stats_reply_is_the_snapshot_contract_in_every_io_mode(
+    start_server, checkpoint, tmp_path
+):
+    """Every key of a real server's STATS reply is one the contract declares,
+    and every key it requires is there, down to each table and histogram: the
+    native parts too (the row cache's stats, the read buffers), which mypy
+    cannot see."""
+    from pleserver.observe.snapshot import Snapshot
+
+    require_o_direct(checkpoint)
+    for io in ("direct", "mmap"):
+        (tmp_path / io).mkdir()
+        server = start_server(checkpoint, "--io", io, "--state-dir", str(tmp_path / io))
+        with server.client() as client:
+            for t in client.tables:
+                client.lookup(t.layer, np.arange(0, 300, 3))
+            stats = client.stats()
+        assert stats["dataplane"]["io"] == io
+        assert (stats["dataplane"]["cache"] is None) == (io == "mmap")
+        assert _contract_problems(stats, Snapshot, "stats") == [], io

@@ -18,8 +18,9 @@ import pytest
 from pleclient import protocol as p
 from pleclient.channel import ChannelMap
 from pleclient.checkpoint import discover_tables
+from pleserver.config import ServerConfig
 from pleserver.data.admission import CounterAdmission
-from pleserver.data.plane import DataPlane
+from pleserver.data.plane import DataPlane, PlaneOptions
 from pleserver.data.serving import Channel, ServingLoop
 from pleserver.observe.stats import TableStats
 
@@ -31,11 +32,12 @@ class Kit:
     """A serving loop over the checkpoint's tables, and channels on it."""
 
     def __init__(self, checkpoint, heartbeat_s: float = 1.0, start: bool = True) -> None:
-        self.plane = DataPlane.open(discover_tables(str(checkpoint)))
+        cfg = ServerConfig(io="mmap", spin_us=2000)
+        self.plane = DataPlane.open(discover_tables(str(checkpoint)), PlaneOptions.from_config(cfg))
         self.tables = self.plane.tables
         self.stats = [TableStats(t.spec.name, t.spec.layer) for t in self.tables]
-        self.loop = ServingLoop(
-            self.tables, self.stats, spin_s=0.002, heartbeat_every_s=heartbeat_s
+        self.loop = ServingLoop.from_config(
+            self.tables, self.stats, cfg, hint_cache_rows=0, heartbeat_every_s=heartbeat_s
         )
         if start:  # (else the test starts it, once its channels hold their requests)
             self.loop.start()

@@ -33,6 +33,7 @@ from pleserver.config import (
     ServerConfig,
     load_config,
 )
+from pleserver.observe.snapshot import ChangeSnapshot, ConfigSnapshot, ReloadSnapshot
 
 # How, and from when, a reload applies each setting it may change.
 _NEW_CHANNELS = "applies to channels opened from now on; open channels keep their geometry"
@@ -172,7 +173,7 @@ class Change:
         what = "" if self.reloadable else "needs a restart: "
         return f"{self.name} {s.format(self.old)} → {s.format(self.new)}: {what}{self.note}"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> ChangeSnapshot:
         return {
             "setting": self.name,
             "old": self.old,
@@ -267,7 +268,7 @@ class ReloadState:
     last_problems: tuple[str, ...] = ()
     restart_pending: tuple[Change, ...] = ()  # changes read but not applied
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> ReloadSnapshot:
         return {
             "loaded_unix": self.loaded_unix,
             "reloads": self.reloads,
@@ -280,7 +281,7 @@ class ReloadState:
         }
 
 
-def config_report(source: ConfigSource, config: ServerConfig, state: ReloadState) -> dict:
+def config_report(source: ConfigSource, config: ServerConfig, state: ReloadState) -> ConfigSnapshot:
     """The ``config`` part of the stats snapshot: where the configuration comes
     from, every setting in effect, and the reloads (``ReloadState``). Built on
     the control thread at start and after each reload, never mutated after."""

@@ -50,6 +50,7 @@ from pleserver.data.budget import ChannelBudget
 from pleserver.data.serving import Channel, ServingLoop
 from pleserver.data.tables import Table
 from pleserver.observe.lograte import RateLimitedLog
+from pleserver.observe.snapshot import Snapshot
 
 # The server's logger: these lines read as they did when sessions lived in
 # pleserver.server, and operators filter the journal on that name.
@@ -132,7 +133,7 @@ class Sessions:
         loop: ServingLoop,
         budget: ChannelBudget,
         reserver: Reserver,
-        snapshot: Callable[[], dict],
+        snapshot: Callable[[], Snapshot],
     ) -> None:
         self.config = config
         self.instance = instance

@@ -66,6 +66,7 @@ import numpy as np
 
 from pleserver.data.tables import KEY_ROW_BITS, Table, nat
 from pleserver.host import name_thread
+from pleserver.observe.snapshot import HintCountsSnapshot, HintsSnapshot, TableHintsSnapshot
 
 log = logging.getLogger("pleserver.hints")
 
@@ -85,7 +86,6 @@ HINT_CACHE_SHARE = 0.5
 DEMAND_POLL_S = 0.0002
 """While lookups are with the gather workers, the reader looks again this often."""
 DROP_REASONS = ("no_cache", "disk_busy", "queue_full", "cache_full", "refused", "read_error")
-DEFAULT_QUEUE_ROWS = 65536
 HINT_HIT_WINDOW_S = 60.0
 """A hinted row looked up this long after its table's last hint read counts
 as no hint's hit: a hint announces rows for the next seconds (a prompt's
@@ -181,7 +181,7 @@ class TableHints:
         with self.lock:
             self.dropped[reason] += n
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> HintCountsSnapshot:
         with self.lock:
             return {
                 "hints_received": self.received,
@@ -191,6 +191,11 @@ class TableHints:
                 "hints_dropped": sum(self.dropped.values()),
                 "hints_dropped_by": dict(self.dropped),
             }
+
+
+def no_table_hints() -> TableHintsSnapshot:
+    """A table's hint counters where no reader runs (no serving loop yet)."""
+    return {**TableHints().snapshot(), "hints_tracked_rows": 0}
 
 
 class HintReader:
@@ -313,7 +318,7 @@ class HintReader:
             with counts.lock:
                 counts.hits += found
 
-    def table_snapshot(self, key: int) -> dict:
+    def table_snapshot(self, key: int) -> TableHintsSnapshot:
         """Table ``key``'s hint counters, and ``hints_tracked_rows``: its
         hinted rows still waiting for a lookup within the window (0: its
         lookups check nothing)."""
@@ -352,7 +357,7 @@ class HintReader:
     def queued_rows(self) -> int:
         return self._queued
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> HintsSnapshot:
         """The server-wide part of the stats (per table: ``counts[key].snapshot``)."""
         with self._cond:
             return {

@@ -60,6 +60,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pleserver.data.tables import KEY_ROW_BITS, Table
+from pleserver.observe.snapshot import HotsetSnapshot
 
 log = logging.getLogger("pleserver.hotset")
 
@@ -470,7 +471,7 @@ class HotSet:
     def fraction(self) -> float:
         return self.done_rows / self.target_rows if self.target_rows else 1.0
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> HotsetSnapshot:
         return {
             "state": self.state,
             "file": self.path,

@@ -23,14 +23,23 @@ from __future__ import annotations
 import errno
 import logging
 from dataclasses import dataclass
+from typing import cast
 
 from pleclient.checkpoint import TableSpec
 from pleserver.box import this_box
 from pleserver.config import ServerConfig
 from pleserver.data import hints
 from pleserver.data.budget import Budget, RequestMemory, plan, read_buffer_budget
-from pleserver.data.tables import CheckpointFile, MappedFile, Table, nat
+from pleserver.data.tables import (
+    CachedTable,
+    CheckpointFile,
+    MappedFile,
+    MappedTable,
+    Table,
+    nat,
+)
 from pleserver.host import MemoryRoom
+from pleserver.observe.snapshot import CacheSnapshot, DataplaneSnapshot
 
 log = logging.getLogger("pleserver.dataplane")
 
@@ -44,20 +53,21 @@ from the file, and a save's, taken from the cache."""
 
 @dataclass(frozen=True)
 class PlaneOptions:
-    """The settings the data plane uses (``ServerConfig`` keys of the same names)."""
+    """The settings the data plane uses (``ServerConfig`` keys of the same names,
+    whose defaults are the only ones: build it with ``from_config``)."""
 
-    io: str = "mmap"
-    cache_size: int | None = None
-    prewarm_reserve: int = 4 << 30
-    gpu_memory: str = "auto"
-    cache_hugepages: bool = True
-    cache_mlock: bool = False
-    queue_depth: int = 128
-    read_engine: str = "auto"
-    read_threads: int = 16
-    gather_workers: int = 4
-    parallel_min_rows: int = 16384
-    dedup_min_rows: int = 4096
+    io: str
+    cache_size: int | None
+    prewarm_reserve: int
+    gpu_memory: str
+    cache_hugepages: bool
+    cache_mlock: bool
+    queue_depth: int
+    read_engine: str
+    read_threads: int
+    gather_workers: int
+    parallel_min_rows: int
+    dedup_min_rows: int
 
     @classmethod
     def from_config(cls, cfg: ServerConfig) -> PlaneOptions:
@@ -76,8 +86,8 @@ class DataPlane:
         budget: Budget,
         cache: nat.RowCache | None,
         engine: nat.ReadEngine | None,
-        queue_depth: int = 0,
-        gather_workers: int = 4,
+        queue_depth: int,
+        gather_workers: int,
     ) -> None:
         self.tables = tables
         self.files = files
@@ -91,8 +101,7 @@ class DataPlane:
         self.request: RequestMemory | None = None  # once limit_request_memory ran
 
     @classmethod
-    def open(cls, specs: list[TableSpec], options: PlaneOptions | None = None) -> DataPlane:
-        o = options or PlaneOptions()
+    def open(cls, specs: list[TableSpec], o: PlaneOptions) -> DataPlane:
         budget = plan(specs, o.io, o.cache_size, o.prewarm_reserve, this_box(o.gpu_memory))
         mode, reason = budget.io, budget.io_reason
         paths = list(dict.fromkeys(p for s in specs for p in s.files))
@@ -115,8 +124,20 @@ class DataPlane:
                     )
             if mode == "buffered" and not files:
                 _open_files(paths, CheckpointFile, files, direct=False)
+            tables: list[Table]
             if mode == "mmap":
                 _open_files(paths, MappedFile, files, direct=False)
+                tables = [
+                    MappedTable(
+                        spec,
+                        key,
+                        files,
+                        threads=o.gather_workers,
+                        parallel_min_rows=o.parallel_min_rows,
+                        dedup_min_rows=o.dedup_min_rows,
+                    )
+                    for key, spec in enumerate(specs)
+                ]
             else:
                 slot_bytes = max(s.row_bytes for s in specs)
                 cache = nat.RowCache(
@@ -125,20 +146,19 @@ class DataPlane:
                 engine = nat.ReadEngine(
                     queue_depth=o.queue_depth, kind=o.read_engine, threads=o.read_threads
                 )
-            tables = [
-                Table(
-                    spec,
-                    key,
-                    files,
-                    mode,
-                    cache,
-                    engine,
-                    o.gather_workers,
-                    o.parallel_min_rows,
-                    o.dedup_min_rows,
-                )
-                for key, spec in enumerate(specs)
-            ]
+                tables = [
+                    CachedTable(
+                        spec,
+                        key,
+                        files,
+                        mode=mode,
+                        cache=cache,
+                        engine=engine,
+                        threads=o.gather_workers,
+                        parallel_min_rows=o.parallel_min_rows,
+                    )
+                    for key, spec in enumerate(specs)
+                ]
         except BaseException:
             for f in files.values():
                 f.close()
@@ -220,19 +240,29 @@ class DataPlane:
         self.request = RequestMemory(read, why, scratch, state, 8 / (8 + widest))
         return self.request
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> DataplaneSnapshot:
         """The data plane's part of ``Server.snapshot()``."""
-        out: dict = {"io": self.mode, "io_reason": self.mode_reason, "cache": None, "engine": None}
+        out: DataplaneSnapshot = {
+            "io": self.mode,
+            "io_reason": self.mode_reason,
+            "cache": None,
+            "engine": None,
+        }
         if self.budget.box is not None:
             out["box"] = self.budget.box.to_json()
         if self.cache is not None and self.engine is not None:
-            c = dict(self.cache.stats())
-            c.update(
-                budget_bytes=self.budget.cache_bytes,
-                budget_reason=self.budget.cache_reason,
-                occupancy=(c["used_rows"] / c["capacity_rows"] if c.get("capacity_rows") else 0.0),
+            c = self.cache.stats()  # (native: the keys of CacheSnapshot but the budget's)
+            out["cache"] = cast(
+                CacheSnapshot,
+                {
+                    **c,
+                    "budget_bytes": self.budget.cache_bytes,
+                    "budget_reason": self.budget.cache_reason,
+                    "occupancy": (
+                        c["used_rows"] / c["capacity_rows"] if c.get("capacity_rows") else 0.0
+                    ),
+                },
             )
-            out["cache"] = c
             out["engine"] = {
                 "kind": self.engine.kind,
                 "fallback_reason": self.engine.fallback_reason,

@@ -14,8 +14,6 @@ its mappings: what ``pleserver stats`` and the metrics show as resident.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
@@ -25,20 +23,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pleserver.data.tables import MappedFile, Table
-from pleserver.host import mem_available
+from pleserver.data.tables import MappedFile, MappedTable, Table
+from pleserver.host import mem_available, populate_read, resident_pages
+from pleserver.observe.snapshot import PrewarmSnapshot
 from pleserver.observe.stats import format_bytes, format_progress
 
 log = logging.getLogger("pleserver.prewarm")
 
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux ≥ 5.14
 PREWARM_BLOCK = 8 << 20
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_libc.mincore.restype = ctypes.c_int
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
 
 
 class Prewarm:
@@ -47,7 +39,7 @@ class Prewarm:
     MemAvailable."""
 
     def __init__(
-        self, tables: list[Table], budget_bytes: int | None, reserve_bytes: int = 4 << 30
+        self, tables: list[MappedTable], budget_bytes: int | None, reserve_bytes: int = 4 << 30
     ) -> None:
         self.tables = tables
         self.total = sum(t.spec.nbytes for t in tables)
@@ -72,7 +64,7 @@ class Prewarm:
     def fraction(self) -> float:
         return self.done_bytes / self.target if self.target else 1.0
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> PrewarmSnapshot:
         return {
             "state": self.state,
             "done_bytes": self.done_bytes,
@@ -162,16 +154,13 @@ def _populate(mapped: MappedFile, offset: int, length: int) -> None:
     prewarm runs after readiness, while clients are already served)."""
     page = mmap.PAGESIZE
     start = offset - offset % page
-    # (a kernel without MADV_POPULATE_READ refuses it: the first touch faults instead)
-    _libc.madvise(
-        ctypes.c_void_p(mapped.address + start), offset + length - start, MADV_POPULATE_READ
-    )
+    populate_read(mapped.address + start, offset + length - start)
 
 
 def resident_bytes(table: Table) -> int | None:
     """Bytes of ``table`` in the page cache (mincore over its shard ranges);
     None when its files are not mapped (direct, buffered)."""
-    if table.mode != "mmap":
+    if not isinstance(table, MappedTable):
         return None
     page = mmap.PAGESIZE
     total = 0
@@ -179,15 +168,9 @@ def resident_bytes(table: Table) -> int | None:
         start = offset - offset % page
         npages = -(-(offset + length - start) // page)
         vec = np.zeros(npages, dtype=np.uint8)
-        if (
-            _libc.mincore(
-                ctypes.c_void_p(f.address + start),
-                ctypes.c_size_t(npages * page),
-                ctypes.c_void_p(vec.ctypes.data),
-            )
-            != 0
-        ):
-            err = ctypes.get_errno()
-            raise OSError(err, f"mincore on {f.path}: {os.strerror(err)}")
+        try:
+            resident_pages(f.address + start, npages * page, vec.ctypes.data)
+        except OSError as exc:
+            raise OSError(exc.errno, f"{exc.strerror} on {f.path}") from None
         total += int(np.count_nonzero(vec & 1)) * page
     return min(total, table.spec.nbytes)

@@ -55,7 +55,6 @@ words it shares with the server (its ``server sleeping`` word, its slots'
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
@@ -63,18 +62,19 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from pleclient import _sync
 from pleclient import protocol as p
 from pleclient.channel import ChannelMap, SlotView
-from pleserver.config import IDLE_WAITS
+from pleserver.config import IDLE_WAITS, ServerConfig
 from pleserver.data.admission import Admission, Arrival, HostileChannel
 from pleserver.data.handoffs import HandOffs, Piece
-from pleserver.data.hints import DEFAULT_QUEUE_ROWS, HintReader
+from pleserver.data.hints import HintReader
 from pleserver.data.tables import Table, nat
-from pleserver.host import libc, name_thread
+from pleserver.host import name_thread, punch_hole, set_timer_slack
 from pleserver.observe.stats import TableStats
 from pleserver.observe.trace import LookupTrace
 
@@ -83,9 +83,6 @@ log = logging.getLogger("pleserver.serving")
 POLL_S = 0.0005
 """Without ``futex_waitv``, an idle loop looks at the submit counters this
 often (what a request arriving after an idle gap may wait, at most)."""
-DEFAULT_GPU_POLL_S = 0.00005
-"""While a channel whose client cannot wake the loop (a GPU) is active, the
-loop looks at it at least this often when it does not spin."""
 POLL_ACTIVE_S = 0.1
 POLL_IDLE_S = 0.001
 """After ``POLL_ACTIVE_S`` without a request, such a channel is looked at
@@ -95,12 +92,9 @@ keeps the fast poll)."""
 TIMER_SLACK_NS = 1000
 """The serving thread's timer slack (Linux's default is 50 µs, which would
 stretch every short poll of a GPU-driven channel to ≈ 100 µs)."""
-_PR_SET_TIMERSLACK = 29
 SERVING_THREAD_NAME = b"ple-serving"
 """The serving loop's thread name in the kernel (``top -H``, ``/proc/PID/task/TID/comm``);
 the gather workers are ``ple-gather-N``, the hint reader ``ple-hints``."""
-DEFAULT_CHUNK_ROWS = 4096
-"""Rows gathered in one turn: ≈ 0.2 ms of page-cache reads for 320-byte rows."""
 REQUEST_COST_ROWS = 256
 """What a request costs besides its rows (validation, completion, statistics:
 ≈ 10 µs), in rows of gather: many small requests fill a turn too."""
@@ -116,8 +110,6 @@ server time), a list of 64 ints well under one."""
 READ_ERROR_LOG_S = 10.0
 """Failed reads are logged at most once per this many seconds (each request
 that meets one gets its own error text, and stats count them all)."""
-
-_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
 def _first_out_of_range(unsigned: np.ndarray, rows: int) -> int:
@@ -173,18 +165,13 @@ class Channel:
         charged to it, not to us."""
         self.map.close()
         if self.fd is not None:
-            if (
-                self.free_pages
-                and libc.fallocate(
-                    self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, self.size
-                )
-                != 0
-            ):
-                log.warning(
-                    "session %d: cannot free its channel's pages: %s",
-                    self.session_id,
-                    os.strerror(ctypes.get_errno()),
-                )
+            if self.free_pages:
+                try:
+                    punch_hole(self.fd, self.size)
+                except OSError as exc:
+                    log.warning(
+                        "session %d: cannot free its channel's pages: %s", self.session_id, exc
+                    )
             os.close(self.fd)
             self.fd = None
         if self.on_destroy is not None:
@@ -220,24 +207,39 @@ class Request:
         return self.ids.shape[0]
 
 
+class SlotKind(NamedTuple):
+    """What is a kind of slot's own, once its slot is checked
+    (``ServingLoop._validate``): how a failure is counted, whether it is wanted
+    before its ids are copied, and its hand-off (a queued lookup, or None once
+    answered)."""
+
+    refuse_tableless: Callable[[Channel, int], None]
+    refuse: Callable[[Request, int, p.ErrorCode, str, str], None]
+    wanted: Callable[[Request, int], bool]
+    take: Callable[[Request, np.ndarray], Request | None]
+
+
 class ServingLoop:
     def __init__(
         self,
         tables: list[Table],
         stats: list[TableStats],
+        *,
         spin_s: float,
+        chunk_rows: int,
+        workers: int,
+        gather_in_order: bool,
+        idle_wait: str,
+        gpu_poll_s: float,
+        hint_queue_rows: int,
+        hint_cache_rows: int,
+        trace: LookupTrace | None,
         heartbeat: Callable[[], None] | None = None,
         heartbeat_every_s: float = 1.0,
-        chunk_rows: int = DEFAULT_CHUNK_ROWS,
         on_drop: Callable[[Channel, str], None] | None = None,
-        workers: int = 4,
-        gather_in_order: bool = True,
-        idle_wait: str = "auto",
-        gpu_poll_s: float = DEFAULT_GPU_POLL_S,
-        hint_queue_rows: int = DEFAULT_QUEUE_ROWS,
-        hint_cache_rows: int = 0,
-        trace: LookupTrace | None = None,
     ) -> None:
+        """The settings come from ``ServerConfig`` (``from_config``): the
+        defaults are its own; ``heartbeat``, ``on_drop``: the server's hooks."""
         if idle_wait not in IDLE_WAITS:
             raise ValueError(f"idle_wait must be one of {', '.join(IDLE_WAITS)}, not {idle_wait!r}")
         if idle_wait == "futex_waitv" and not _sync.HAVE_FUTEX_WAITV:
@@ -287,6 +289,38 @@ class ServingLoop:
         # 0: no cache) while no handed-off demand request waits.
         self.hints = HintReader(
             tables, hint_queue_rows, hint_cache_rows, lambda: self._inflight, len(self.workers)
+        )
+        self._kinds = self._slot_kinds()
+
+    @classmethod
+    def from_config(
+        cls,
+        tables: list[Table],
+        stats: list[TableStats],
+        cfg: ServerConfig,
+        *,
+        hint_cache_rows: int,
+        heartbeat: Callable[[], None] | None = None,
+        heartbeat_every_s: float = 1.0,
+        on_drop: Callable[[Channel, str], None] | None = None,
+    ) -> ServingLoop:
+        """The loop of ``cfg``'s serving settings; ``hint_cache_rows``: the row
+        cache's rows (0: none, so hints are not read)."""
+        return cls(
+            tables,
+            stats,
+            spin_s=cfg.spin_us * 1e-6,
+            chunk_rows=cfg.chunk_rows,
+            workers=cfg.gather_workers,
+            gather_in_order=cfg.gather_in_order,
+            idle_wait=cfg.idle_wait,
+            gpu_poll_s=cfg.gpu_poll_us * 1e-6,
+            hint_queue_rows=cfg.hint_queue_rows,
+            hint_cache_rows=hint_cache_rows,
+            trace=LookupTrace(cfg.lookup_trace) if cfg.lookup_trace else None,
+            heartbeat=heartbeat,
+            heartbeat_every_s=heartbeat_every_s,
+            on_drop=on_drop,
         )
 
     @property
@@ -372,8 +406,10 @@ class ServingLoop:
     # ------------------------------------------------------------------- loop
     def _run(self) -> None:
         name_thread(SERVING_THREAD_NAME)
-        if libc.prctl(_PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0) != 0:
-            log.debug("serving: cannot set the timer slack: %s", os.strerror(ctypes.get_errno()))
+        try:
+            set_timer_slack(TIMER_SLACK_NS)
+        except OSError as exc:
+            log.debug("serving: cannot set the timer slack: %s", exc)
         idle_since = time.monotonic()
         next_beat = 0.0
         while not self._stop.is_set():
@@ -489,14 +525,19 @@ class ServingLoop:
             self._fresh.append(ch)
 
     def _validate(self, ch: Channel, arrival: Arrival) -> Request | None:
-        """The request that arrived, validated, or None once it was failed."""
+        """The lookup that arrived, validated; None once the slot was answered
+        (a failure, or a hint, which is answered when it is offered).
+
+        Every kind of slot is checked alike: its kind, its table, its count
+        and its ids, copied once and bounded. What follows is the kind's own
+        (``SlotKind``): how a failure is counted, and the hand-off."""
         started = time.monotonic_ns()
         slot = arrival.slot
         words = slot.words
         table_index = words[p.SL_TABLE]
         count = words[p.SL_COUNT]  # copied once: the client may rewrite the slot
-        hint = arrival.kind == p.RequestKind.HINT
-        if not hint and arrival.kind != p.RequestKind.LOOKUP:
+        kind = self._kinds.get(arrival.kind)
+        if kind is None:
             self._answer_error(
                 ch,
                 slot,
@@ -506,8 +547,7 @@ class ServingLoop:
             )
             return None
         if table_index >= len(self.tables):  # no table's statistics can count it
-            if hint:
-                self.hints.refused(None, min(count, ch.map.layout.capacity))
+            kind.refuse_tableless(ch, count)
             self._answer_error(
                 ch,
                 slot,
@@ -523,21 +563,19 @@ class ServingLoop:
             ch, slot, table, self.stats[table_index], started, submitted, table_index=table_index
         )
         if table.problem:  # its file changed on disk: reading it could SIGBUS us
-            self._refuse(r, hint, count, p.ErrorCode.INTERNAL, "internal", table.problem)
+            kind.refuse(r, count, p.ErrorCode.INTERNAL, "internal", table.problem)
             return None
         capacity = ch.map.layout.capacity
         if count > capacity:
-            self._refuse(
+            kind.refuse(
                 r,
-                hint,
                 count,
                 p.ErrorCode.BAD_COUNT,
                 "bad_count",
                 f"row count {count} exceeds the channel capacity {capacity}",
             )
             return None
-        if hint and self.hints.drop_early(table.key, count):
-            ch.admission.complete(slot, time.monotonic_ns() - started)  # nothing read
+        if not kind.wanted(r, count):
             return None
         ids = slot.ids[:count].copy()
         if count:
@@ -546,9 +584,8 @@ class ServingLoop:
             top = max(unsigned.tolist()) if count <= SMALL_REQUEST_ROWS else int(unsigned.max())
             if top >= table.rows:
                 bad = _first_out_of_range(unsigned, table.rows)
-                self._refuse(
+                kind.refuse(
                     r,
-                    hint,
                     count,
                     p.ErrorCode.ID_OUT_OF_RANGE,
                     "id_out_of_range",
@@ -556,27 +593,56 @@ class ServingLoop:
                     f"{table.spec.name} ({table.rows} rows: valid ids 0..{table.rows - 1})",
                 )
                 return None
-        if hint:
-            # Answered from the copy, before any read: the slot is the
-            # client's again, and nothing of it is read from here on.
-            ch.admission.complete(slot, time.monotonic_ns() - started)
-            self.hints.offer(table.key, ids)
-            return None
+        return kind.take(r, ids)
+
+    # ------------------------------------------------------- the slots' kinds
+    def _slot_kinds(self) -> dict[int, SlotKind]:
+        return {
+            p.RequestKind.LOOKUP: SlotKind(
+                refuse_tableless=lambda ch, count: None,
+                refuse=lambda r, count, code, reason, text: self._fail(r, code, reason, text),
+                wanted=lambda r, count: True,
+                take=self._take_lookup,
+            ),
+            p.RequestKind.HINT: SlotKind(
+                refuse_tableless=lambda ch, count: self.hints.refused(
+                    None, min(count, ch.map.layout.capacity)
+                ),
+                refuse=self._refuse_hint,
+                wanted=self._hint_wanted,
+                take=self._take_hint,
+            ),
+        }
+
+    @staticmethod
+    def _take_lookup(r: Request, ids: np.ndarray) -> Request:
+        """A lookup is queued: the loop's turns (or a gather worker) fill its rows."""
         r.ids = ids
-        r.out = slot.rows_view(count, table.row_bytes)
+        r.out = r.slot.rows_view(ids.shape[0], r.table.row_bytes)
         return r
 
-    def _refuse(
-        self, r: Request, hint: bool, count: int, code: p.ErrorCode, kind: str, text: str
+    def _refuse_hint(
+        self, r: Request, count: int, code: p.ErrorCode, reason: str, text: str
     ) -> None:
-        """Fail a request that did not validate: a lookup counted as ``kind``
-        in its table's errors, a hint as ``count`` refused hinted rows (at
-        most a slot's worth: the count is the client's word)."""
-        if not hint:
-            self._fail(r, code, kind, text)
-            return
+        """A hint that did not validate counts as ``count`` refused hinted rows
+        (at most a slot's worth: the count is the client's word)."""
+        del reason  # (a lookup's error counter; a hint's are the hint counters)
         self._answer_error(r.channel, r.slot, code, text)
         self.hints.refused(r.table.key, min(count, r.channel.map.layout.capacity))
+
+    def _hint_wanted(self, r: Request, count: int) -> bool:
+        """A hint the reader would drop at once is answered before its ids are
+        copied (nothing is read)."""
+        if not self.hints.drop_early(r.table.key, count):
+            return True
+        r.channel.admission.complete(r.slot, time.monotonic_ns() - r.started_ns)
+        return False
+
+    def _take_hint(self, r: Request, ids: np.ndarray) -> None:
+        """Answered from the copy, before any read: the slot is the client's
+        again, and nothing of it is read from here on."""
+        r.channel.admission.complete(r.slot, time.monotonic_ns() - r.started_ns)
+        self.hints.offer(r.table.key, ids)
 
     # -------------------------------------------------------------- scheduling
     def _serve_turn(self) -> bool:

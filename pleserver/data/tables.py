@@ -12,6 +12,10 @@ whatever the io mode (``pleserver.data.plane`` chooses it):
   readahead), and the source gathers over the mappings: one native call per
   request, whatever the number of files and shards.
 
+The mode is chosen once, as the table's class: a ``MappedTable`` (mmap) or a
+``CachedTable`` (direct, buffered); what differs between them is theirs, and
+nothing asks which mode it is per request.
+
 Large requests (``parallel_min_rows`` or more) are split over native threads.
 A checkpoint file changed under the server is caught by ``check_files``: its
 tables then answer errors (``problem``): a truncated file's rows are gone and a
@@ -25,6 +29,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+from abc import ABC, abstractmethod
 
 import numpy as np
 
@@ -191,33 +196,33 @@ class MappedFile(CheckpointFile):
         os.close(self.fd)
 
 
-class Table:
-    """Row gather over one PLE table's shards (see the module docstring).
+class Table(ABC):
+    """Row gather over one PLE table's shards (see the module docstring); a
+    ``MappedTable`` or a ``CachedTable``, by the io mode.
 
     ``key``: the table's number in the row cache's keys (and the hot-set file).
-    ``cache`` and ``engine`` are None in mmap mode."""
+    ``cache`` and ``engine``: the row cache and the miss engine (a cached
+    table's; None for a mapped one)."""
+
+    mode: str  # the io mode, as config and stats name it
 
     def __init__(
         self,
         spec: TableSpec,
         key: int,
         files: dict[str, CheckpointFile],
-        mode: str,
-        cache: nat.RowCache | None = None,
-        engine: nat.ReadEngine | None = None,
-        threads: int = 4,
-        parallel_min_rows: int = 16384,
-        dedup_min_rows: int = 4096,
+        *,
+        cache: nat.RowCache | None,
+        engine: nat.ReadEngine | None,
+        threads: int,
+        parallel_min_rows: int,
     ) -> None:
         self.spec = spec
         self.key = key
-        self.mode = mode
         self.row_bytes = spec.row_bytes
         self.rows = spec.rows
         self.threads = max(1, threads)
         self.parallel_min_rows = parallel_min_rows
-        self.dedup_min_rows = dedup_min_rows
-        self.fully_resident = False  # mmap mode: set by a completed full prewarm
         self.problem: str | None = None  # set by check_files: requests then fail
         self._files = [files[p] for p in spec.files]
         # One entry per segment of every shard, shard-major: an NVFP4 row is
@@ -251,42 +256,20 @@ class Table:
         return self.problem
 
     # ------------------------------------------------------------------ gather
+    def _threads_for(self, n: int) -> int:
+        return self.threads if n >= self.parallel_min_rows else 1
+
     def gather(self, ids: np.ndarray, out: np.ndarray) -> None:
         """Write the rows of ``ids`` (int64, validated in ``[0, rows)``) into
         ``out`` (uint8 ``[len(ids), row_bytes]``, C-contiguous), in ids order.
         May block on disk reads; raises ``nat.ReadError`` when one fails."""
-        n = ids.shape[0]
-        if n == 0:
-            return
-        threads = self.threads if n >= self.parallel_min_rows else 1
-        if self.mode == "mmap" and n >= self.dedup_min_rows and not self.fully_resident:
-            self._gather_dedup(ids, out, threads)
-        else:
-            self.source.gather(ids, out, threads)
+        if ids.shape[0]:
+            self.source.gather(ids, out, self._threads_for(ids.shape[0]))
 
+    @abstractmethod
     def gather_inline(self, ids: np.ndarray, out: np.ndarray) -> bool:
         """What the serving loop may answer without blocking other channels:
-        True once every row is in ``out``. Direct/buffered: the cache hits only
-        (no I/O); a request with a miss returns False, to be handed off. mmap:
-        the gather itself (page faults are the page cache's business)."""
-        if self.mode == "mmap":
-            self.gather(ids, out)
-            return True
-        return self.source.gather_hits(ids, out) == 0
-
-    def _gather_dedup(self, ids: np.ndarray, out: np.ndarray, threads: int) -> None:
-        """Cold mapped table, large request: read each distinct row once, in file
-        order (sorted ids turn scattered page faults into ascending ones), then
-        expand; ``DEDUP_PIECE_ROWS`` ids at a time."""
-        for at in range(0, ids.shape[0], DEDUP_PIECE_ROWS):
-            piece, into = ids[at : at + DEDUP_PIECE_ROWS], out[at : at + DEDUP_PIECE_ROWS]
-            unique, inverse = np.unique(piece, return_inverse=True)
-            if unique.size > 0.9 * piece.size:  # hardly any repeats: not worth a second copy
-                self.source.gather(piece, into, threads)
-                continue
-            rows = np.empty((unique.size, self.row_bytes), dtype=np.uint8)
-            self.source.gather(unique, rows, threads)
-            np.take(rows, inverse, axis=0, out=into, mode="clip")
+        True once every row is in ``out``."""
 
     @property
     def scratch_bytes(self) -> int:
@@ -297,11 +280,8 @@ class Table:
 
     @property
     def dedup_scratch_bytes(self) -> int:
-        """What a Python thread's ``gather`` allocates at most besides (mmap
-        mode: a deduplicated piece's rows and index arrays; 0 otherwise)."""
-        if self.mode != "mmap":
-            return 0
-        return DEDUP_PIECE_ROWS * (self.row_bytes + DEDUP_BYTES_PER_ID)
+        """What a Python thread's ``gather`` allocates at most besides."""
+        return 0
 
     @property
     def fill_scratch_bytes(self) -> int:
@@ -313,10 +293,7 @@ class Table:
         """Whether each row of ``ids`` (int64, validated) is in the row cache
         (all False without one): no I/O, no counters, no use in the eviction
         policy."""
-        mask = np.zeros(ids.shape[0], dtype=np.uint8)
-        if self.mode != "mmap" and ids.shape[0]:
-            self.source.cached(ids, mask)
-        return mask.view(np.bool_)
+        return np.zeros(ids.shape[0], dtype=np.bool_)
 
     def fill(self, ids: np.ndarray) -> int:
         """Read the rows of ``ids`` into the row cache (hot-set refill); the
@@ -334,3 +311,102 @@ class Table:
             for s in segment.shards
             if s.rows
         ]
+
+
+class MappedTable(Table):
+    """io = mmap: rows gathered over the files' mappings; the page cache is the
+    cache (``pleserver.data.prewarm`` reads it in and measures it)."""
+
+    mode = "mmap"
+
+    def __init__(
+        self,
+        spec: TableSpec,
+        key: int,
+        files: dict[str, CheckpointFile],
+        *,
+        threads: int,
+        parallel_min_rows: int,
+        dedup_min_rows: int,
+    ) -> None:
+        super().__init__(
+            spec,
+            key,
+            files,
+            cache=None,
+            engine=None,
+            threads=threads,
+            parallel_min_rows=parallel_min_rows,
+        )
+        self.dedup_min_rows = dedup_min_rows
+        self.fully_resident = False  # set by a completed full prewarm
+
+    def gather(self, ids: np.ndarray, out: np.ndarray) -> None:
+        n = ids.shape[0]
+        if n >= self.dedup_min_rows and not self.fully_resident:
+            self._gather_dedup(ids, out, self._threads_for(n))
+        else:
+            super().gather(ids, out)
+
+    def gather_inline(self, ids: np.ndarray, out: np.ndarray) -> bool:
+        """The gather itself (page faults are the page cache's business)."""
+        self.gather(ids, out)
+        return True
+
+    def _gather_dedup(self, ids: np.ndarray, out: np.ndarray, threads: int) -> None:
+        """Cold mapped table, large request: read each distinct row once, in file
+        order (sorted ids turn scattered page faults into ascending ones), then
+        expand; ``DEDUP_PIECE_ROWS`` ids at a time."""
+        for at in range(0, ids.shape[0], DEDUP_PIECE_ROWS):
+            piece, into = ids[at : at + DEDUP_PIECE_ROWS], out[at : at + DEDUP_PIECE_ROWS]
+            unique, inverse = np.unique(piece, return_inverse=True)
+            if unique.size > 0.9 * piece.size:  # hardly any repeats: not worth a second copy
+                self.source.gather(piece, into, threads)
+                continue
+            rows = np.empty((unique.size, self.row_bytes), dtype=np.uint8)
+            self.source.gather(unique, rows, threads)
+            np.take(rows, inverse, axis=0, out=into, mode="clip")
+
+    @property
+    def dedup_scratch_bytes(self) -> int:
+        """A deduplicated piece's rows and index arrays."""
+        return DEDUP_PIECE_ROWS * (self.row_bytes + DEDUP_BYTES_PER_ID)
+
+
+class CachedTable(Table):
+    """io = direct or buffered: rows from the shared row cache, misses read by
+    the shared miss engine."""
+
+    def __init__(
+        self,
+        spec: TableSpec,
+        key: int,
+        files: dict[str, CheckpointFile],
+        *,
+        mode: str,
+        cache: nat.RowCache,
+        engine: nat.ReadEngine,
+        threads: int,
+        parallel_min_rows: int,
+    ) -> None:
+        super().__init__(
+            spec,
+            key,
+            files,
+            cache=cache,
+            engine=engine,
+            threads=threads,
+            parallel_min_rows=parallel_min_rows,
+        )
+        self.mode = mode  # direct | buffered
+
+    def gather_inline(self, ids: np.ndarray, out: np.ndarray) -> bool:
+        """The cache hits only (no I/O); a request with a miss returns False,
+        to be handed off."""
+        return self.source.gather_hits(ids, out) == 0
+
+    def cached_mask(self, ids: np.ndarray) -> np.ndarray:
+        mask = np.zeros(ids.shape[0], dtype=np.uint8)
+        if ids.shape[0]:
+            self.source.cached(ids, mask)
+        return mask.view(np.bool_)

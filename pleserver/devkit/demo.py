@@ -28,6 +28,7 @@ from pleclient import PleClient, PleError
 from pleclient.checkpoint import CheckpointError, discover_tables
 from pleserver.devkit.launcher import ServerLauncher
 from pleserver.devkit.synthetic import DEMO_TABLES, read_reference, write_checkpoint
+from pleserver.observe.snapshot import Snapshot
 
 log = logging.getLogger("pleserver.demo")
 
@@ -122,15 +123,16 @@ def run_demo(
     }
 
 
-def headline(stats: dict) -> str:
+def headline(stats: Snapshot) -> str:
     """The row cache and the disk over the demo, in one line."""
-    plane = stats.get("dataplane") or {}
-    io = [t["io"] for t in stats.get("tables", [])]
+    plane = stats["dataplane"]
+    io = [t["io"] for t in stats["tables"]]
     hits, misses = sum(x["hits"] for x in io), sum(x["misses"] for x in io)
     reads, read_bytes = sum(x["reads"] for x in io), sum(x["read_bytes"] for x in io)
-    cache = plane.get("cache")
-    if not cache:
-        return f"io {plane.get('io', '?')}: the tables are mapped, so every row is read in place"
+    cache = plane["cache"] if plane else None
+    if not plane or not cache:
+        io_mode = plane["io"] if plane else "?"
+        return f"io {io_mode}: the tables are mapped, so every row is read in place"
     rate = f"{100 * hits / (hits + misses):.1f} %" if hits + misses else "-"
     return (
         f"io {plane['io']}: a row cache of {cache['budget_bytes'] / 2**20:.0f} MiB: "

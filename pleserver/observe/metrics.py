@@ -106,6 +106,16 @@ from prometheus_client.utils import floatToGoString
 
 from pleserver.config import parse_host_port
 from pleserver.observe.metrics_http import Check, MetricsError, MetricsHTTPServer
+from pleserver.observe.snapshot import (
+    ConfigSnapshot,
+    DataplaneSnapshot,
+    HistogramSnapshot,
+    HotsetSnapshot,
+    PrewarmSnapshot,
+    ReadLatency,
+    Snapshot,
+    TableSnapshot,
+)
 from pleserver.observe.stats import BUCKETS_S, ERROR_KINDS, LARGE_REQUEST_ROWS, READ_BUCKETS_S
 
 __all__ = ["MetricsEndpoint", "MetricsError", "SnapshotCollector"]
@@ -138,10 +148,34 @@ CHANNEL_REFUSALS = {"no_resources": "no_resources", "channel_limit": "channel_li
 """Series reason → the ERROR code (lower case) the control plane counted."""
 
 
-class SnapshotCollector(Collector):
-    """Turns one ``snapshot()`` dict into metric families, at render time."""
+NO_PREWARM: PrewarmSnapshot = {
+    "state": "none",
+    "done_bytes": 0,
+    "target_bytes": 0,
+    "total_bytes": 0,
+    "fraction": 0.0,
+}
+"""The prewarm's series of a server that has none (io = mmap, prewarm = none)."""
+NO_HOTSET: HotsetSnapshot = {
+    "state": "off",
+    "file": "",
+    "target_rows": 0,
+    "done_rows": 0,
+    "fraction": 0.0,
+    "refill_seconds": None,
+    "saved_rows": None,
+    "saved_unix": None,
+    "save_error": None,
+    "save_failures": 0,
+    "save_interval_s": 0.0,
+}
+"""The hot set's series of a server without one (no state_dir)."""
 
-    def __init__(self, snapshot: Callable[[], dict]) -> None:
+
+class SnapshotCollector(Collector):
+    """Turns one ``Snapshot`` into metric families, at render time."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
         self._snapshot = snapshot
 
     def describe(self) -> list[Metric]:
@@ -167,9 +201,10 @@ class SnapshotCollector(Collector):
         )
         yield from _control(snap)
         yield from _config(snap.get("config"))
-        plane = snap.get("dataplane") or {}
-        mode = plane.get("io")
-        yield from _dataplane(plane)
+        plane = snap["dataplane"]
+        mode = plane["io"] if plane is not None else None
+        if plane is not None:
+            yield from _dataplane(plane)
         if mode == "mmap":
             yield from _prewarm(snap.get("prewarm"))
         elif mode is not None:
@@ -180,7 +215,7 @@ class SnapshotCollector(Collector):
         yield from _hints(snap)
 
 
-def _control(snap: dict) -> Iterator[Metric]:
+def _control(snap: Snapshot) -> Iterator[Metric]:
     memory = snap.get("channel_memory") or {}
     yield GaugeMetricFamily(
         "ple_channel_memory_used_bytes",
@@ -212,7 +247,7 @@ def _control(snap: dict) -> Iterator[Metric]:
         yield family
 
 
-def _config(config: dict | None) -> Iterator[Metric]:
+def _config(config: ConfigSnapshot | None) -> Iterator[Metric]:
     """Configuration reloads (SIGHUP), named as Prometheus names its own
     (``prometheus_config_last_reload_successful``): the start's load counts as
     a successful one, so a server never reloaded reads 1 and its start time."""
@@ -245,8 +280,8 @@ def _config(config: dict | None) -> Iterator[Metric]:
     )
 
 
-def _prewarm(pw: dict | None) -> Iterator[Metric]:
-    pw = pw or {"state": "none", "done_bytes": 0, "target_bytes": 0, "fraction": 0.0}
+def _prewarm(prewarm: PrewarmSnapshot | None) -> Iterator[Metric]:
+    pw = prewarm if prewarm is not None else NO_PREWARM
     yield GaugeMetricFamily(
         "ple_prewarm_done_bytes",
         "Bytes read into the page cache by the prewarm so far.",
@@ -268,9 +303,7 @@ def _prewarm(pw: dict | None) -> Iterator[Metric]:
     yield state
 
 
-def _dataplane(plane: dict) -> Iterator[Metric]:
-    if not plane:
-        return
+def _dataplane(plane: DataplaneSnapshot) -> Iterator[Metric]:
     mode = GaugeMetricFamily("ple_io_mode", "1 for the io mode in use.", labels=["io"])
     for name in IO_MODES:
         mode.add_metric([name], 1 if plane["io"] == name else 0)
@@ -312,14 +345,8 @@ def _dataplane(plane: dict) -> Iterator[Metric]:
     )
 
 
-def _hotset(hs: dict | None) -> Iterator[Metric]:
-    hs = hs or {
-        "state": "off",
-        "target_rows": 0,
-        "done_rows": 0,
-        "fraction": 0.0,
-        "saved_rows": None,
-    }
+def _hotset(hotset: HotsetSnapshot | None) -> Iterator[Metric]:
+    hs = hotset if hotset is not None else NO_HOTSET
     yield GaugeMetricFamily(
         "ple_hotset_target_rows",
         "Rows the hot-set refill means to read into the cache.",
@@ -359,7 +386,7 @@ def _hotset(hs: dict | None) -> Iterator[Metric]:
     )
 
 
-def _table_io(tables: list[dict]) -> Iterator[Metric]:
+def _table_io(tables: list[TableSnapshot]) -> Iterator[Metric]:
     """The row cache's and the miss engine's per-table series (not in mmap mode)."""
     hits = CounterMetricFamily(
         "ple_cache_hits", "Rows found in the row cache.", labels=TABLE_LABELS
@@ -396,12 +423,12 @@ def _table_io(tables: list[dict]) -> Iterator[Metric]:
     yield from (hits, misses, reads, read_bytes, read_errors, latency)
 
 
-def _hints(snap: dict) -> Iterator[Metric]:
+def _hints(snap: Snapshot) -> Iterator[Metric]:
     """Prefetch hints, in rows, per table (``pleserver.data.hints``): received,
     read into the row cache, found cached already, dropped by reason, and the
     lookups' hits on hinted rows; the queue's rows and the hints naming no
-    table, server-wide. Absent from a snapshot without them."""
-    tables = [t for t in snap["tables"] if t.get("hints_received") is not None]
+    table, server-wide (before the serving loop runs: the tables' zeros)."""
+    tables = snap["tables"]
     if tables:
         families = {
             key: CounterMetricFamily(name, help_text, labels=TABLE_LABELS)
@@ -427,9 +454,15 @@ def _hints(snap: dict) -> Iterator[Metric]:
         )
         for t in tables:
             labels = [str(t["layer"]), t["name"]]
+            counts = {
+                "hints_received": t["hints_received"],
+                "hints_read": t["hints_read"],
+                "hints_cached": t["hints_cached"],
+                "hints_hits": t["hints_hits"],
+            }
             for key, family in families.items():
-                family.add_metric(labels, t.get(key, 0))
-            for reason, n in (t.get("hints_dropped_by") or {}).items():
+                family.add_metric(labels, counts[key])
+            for reason, n in t["hints_dropped_by"].items():
                 dropped.add_metric([*labels, reason], n)
         yield from families.values()
         yield dropped
@@ -447,7 +480,7 @@ def _hints(snap: dict) -> Iterator[Metric]:
         )
 
 
-def _tables(tables: list[dict]) -> Iterator[Metric]:
+def _tables(tables: list[TableSnapshot]) -> Iterator[Metric]:
     requests = CounterMetricFamily("ple_requests", "Lookups served.", labels=TABLE_LABELS)
     rows = CounterMetricFamily("ple_rows", "Rows served.", labels=TABLE_LABELS)
     nbytes = CounterMetricFamily("ple_bytes", "Row bytes served.", labels=TABLE_LABELS)
@@ -507,23 +540,26 @@ def _tables(tables: list[dict]) -> Iterator[Metric]:
             1,
         )
         size.add_metric(labels, t["table_bytes"])
-        if t.get("resident_fraction") is not None:
-            resident.add_metric(labels, t["resident_fraction"])
-        if t.get("io_mode"):
-            for name in IO_MODES:
-                mode.add_metric([*labels, name], 1 if t["io_mode"] == name else 0)
+        fraction = t["resident_fraction"]
+        if fraction is not None:
+            resident.add_metric(labels, fraction)
+        for name in IO_MODES:
+            mode.add_metric([*labels, name], 1 if t["io_mode"] == name else 0)
     yield from (requests, rows, nbytes, errors, server_time, queue_time, info, size)
     if resident.samples:
         yield resident
     yield mode
 
 
-def _buckets(hist: dict, bounds: tuple[float, ...], step: int) -> list[tuple[str, float]]:
+def _buckets(
+    hist: HistogramSnapshot | ReadLatency, bounds: tuple[float, ...], step: int
+) -> list[tuple[str, float]]:
     """Cumulative Prometheus buckets from a histogram snapshot over ``bounds``
     (``buckets[i]`` counts the values between ``bounds[i-1]`` and ``bounds[i]``,
     the last one the overflow), at every ``step``-th bound and the last."""
     counts = hist["buckets"]
-    out, seen = [], 0
+    out: list[tuple[str, float]] = []
+    seen = 0
     for i, bound in enumerate(bounds):
         seen += counts[i]
         if i % step == 0 or i == len(bounds) - 1:
@@ -573,7 +609,7 @@ class MetricsEndpoint:
     def __init__(
         self,
         address: str,
-        snapshot: Callable[[], dict],
+        snapshot: Callable[[], Snapshot],
         alive: Check,
         ready: Check,
         max_connections: int = 32,

@@ -16,6 +16,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pleserver.observe.snapshot import (
+    ConfigSnapshot,
+    HistogramSnapshot,
+    ReadLatency,
+    Snapshot,
+    TableCounts,
+    TableIo,
+)
+
 # Bucket upper bounds in seconds: 12 per decade from 1 µs to 100 s.
 BUCKETS_S: tuple[float, ...] = tuple(10 ** (-6 + i / 12) for i in range(0, 8 * 12 + 1))
 # Disk read latency, from the miss engine's native histogram (4 buckets per
@@ -68,7 +77,7 @@ class Histogram:
         self.sum_s += other.sum_s
         self.max_s = max(self.max_s, other.max_s)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> HistogramSnapshot:
         return {
             "count": self.total,
             "sum_s": self.sum_s,
@@ -98,7 +107,7 @@ class RateMeter:
             return (count - c0) / (now - t0) if now > t0 else 0.0
 
 
-def read_latency(source: dict) -> dict:
+def read_latency(source: dict) -> ReadLatency:
     """The disk read latency histogram of a native source's stats, in the shape
     of ``Histogram.snapshot`` over ``READ_BUCKETS_S``: ``buckets[i]`` counts
     the reads in ``[READ_BUCKETS_S[i-1], READ_BUCKETS_S[i])``, the last one
@@ -115,7 +124,7 @@ def read_latency(source: dict) -> dict:
     return {"count": total, "sum_s": source.get("read_ns_sum", 0) * 1e-9, "buckets": counts}
 
 
-def io_snapshot(source: dict, misses_per_s: float) -> dict:
+def io_snapshot(source: dict, misses_per_s: float) -> TableIo:
     """A table's row-cache and disk numbers, from its native source's stats."""
     hits, misses = source.get("hits", 0), source.get("misses", 0)
     return {
@@ -165,7 +174,7 @@ class TableStats:
         with self.lock:
             self.errors[kind] = self.errors.get(kind, 0) + 1
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> TableCounts:
         with self.lock:
             return {
                 "name": self.name,
@@ -207,10 +216,10 @@ def format_progress(done: int, target: int, fraction: float) -> str:
     return f"{100 * fraction:.1f}% ({format_bytes(done)} of {format_bytes(target)})"
 
 
-def _reload_lines(config: dict) -> list[str]:
+def _reload_lines(config: ConfigSnapshot | None) -> list[str]:
     """The configuration reloads (SIGHUP) of a snapshot's ``config`` part:
     nothing before the first one."""
-    if not config.get("reloads"):
+    if not config or not config.get("reloads"):
         return []
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(config["last_reload_unix"]))
     line = (
@@ -238,7 +247,7 @@ def _reload_lines(config: dict) -> list[str]:
     return lines
 
 
-def format_human(stats: dict) -> str:
+def format_human(stats: Snapshot) -> str:
     """The ``pleserver stats`` text view of a snapshot."""
     lines = [
         f"ple-server pid {stats['pid']}  up {stats['uptime_s']:.0f} s  "
@@ -253,8 +262,8 @@ def format_human(stats: dict) -> str:
             "refused connections: "
             + ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in refused.items())
         )
-    lines += _reload_lines(stats.get("config") or {})
-    plane = stats.get("dataplane") or {}
+    lines += _reload_lines(stats.get("config"))
+    plane = stats.get("dataplane")
     if plane:
         box = plane.get("box")
         if box:
@@ -264,7 +273,8 @@ def format_human(stats: dict) -> str:
                 f"{box['gpu_memory']} GPU memory ({box['gpu_memory_reason']})"
             )
         lines.append(f"io {plane['io']} ({plane['io_reason']})")
-    cache, engine = plane.get("cache"), plane.get("engine")
+    cache = plane.get("cache") if plane else None
+    engine = plane.get("engine") if plane else None
     if cache:
         lines.append(
             f"row cache {cache['used_rows']} / {cache['capacity_rows']} rows "
@@ -282,14 +292,14 @@ def format_human(stats: dict) -> str:
                 else ""
             )
         )
-    reads = plane.get("read_buffers") or {}
-    if reads.get("limit_bytes"):
+    reads = plane.get("read_buffers") if plane else None
+    if reads and reads.get("limit_bytes"):
         lines.append(
             f"read buffers {reads['charged_bytes'] / 2**20:.1f} / "
             f"{reads['limit_bytes'] / 2**20:.1f} MiB (peak {reads['peak_bytes'] / 2**20:.1f}), "
             f"{reads['waits']} rounds waited for room"
         )
-    hs = stats.get("hotset") or {}
+    hs = stats.get("hotset")
     if hs:
         refill = (
             f"{hs['done_rows']} / {hs['target_rows']} rows ({100 * hs['fraction']:.1f} %)"
@@ -306,7 +316,7 @@ def format_human(stats: dict) -> str:
         if hs.get("save_error"):
             tries = hs.get("save_failures", 1)
             lines.append(f"hot set NOT SAVED ({tries} failed saves): {hs['save_error']}")
-    pw = stats.get("prewarm") or {}
+    pw = stats.get("prewarm")
     if pw:
         lines.append(
             f"prewarm {pw['state']}: "
@@ -344,11 +354,11 @@ def format_human(stats: dict) -> str:
             )
     hinted = [t for t in stats["tables"] if t.get("hints_received")]
     if hinted:
-        hs = stats.get("hints") or {}
+        reader = stats.get("hints")
         lines.append(
-            f"prefetch hints (rows): queued {hs.get('queued_rows', 0)} / "
-            f"{hs.get('queue_rows', 0)}"
-            + (f", {hs['bad_table']} naming no table" if hs.get("bad_table") else "")
+            f"prefetch hints (rows): queued {reader['queued_rows'] if reader else 0} / "
+            f"{reader['queue_rows'] if reader else 0}"
+            + (f", {reader['bad_table']} naming no table" if reader and reader["bad_table"] else "")
         )
         lines.append(
             f"{'layer':>5} {'received':>10} {'read':>10} {'cached':>10} {'hits':>10} "
@@ -384,7 +394,7 @@ def bucket_quantile(buckets: list[int], q: float) -> float | None:
     return math.inf
 
 
-def interval(before: dict, after: dict, seconds: float) -> dict:
+def interval(before: Snapshot, after: Snapshot, seconds: float) -> dict:
     """What a server did between two snapshots ``seconds`` apart, over all its
     tables: requests, rows and misses per second, the hit rate and the p99 of
     the server time of the requests answered in between. A restarted server
