@@ -39,7 +39,7 @@ class Prewarm:
     MemAvailable."""
 
     def __init__(
-        self, tables: list[MappedTable], budget_bytes: int | None, reserve_bytes: int = 4 << 30
+        self, tables: list[MappedTable], budget_bytes: int | None, reserve_bytes: int
     ) -> None:
         self.tables = tables
         self.total = sum(t.spec.nbytes for t in tables)

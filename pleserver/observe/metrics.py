@@ -612,8 +612,8 @@ class MetricsEndpoint:
         snapshot: Callable[[], Snapshot],
         alive: Check,
         ready: Check,
-        max_connections: int = 32,
-        timeout_s: float = 5.0,
+        max_connections: int,
+        timeout_s: float,
     ) -> None:
         self.address = address
         try:
