@@ -58,6 +58,14 @@ def test_data_plane_numbers_agree_in_stats_cli_and_metrics(start_server, checkpo
     assert scrape.value("ple_io_mode", io="mmap") == 0
     engine = plane["engine"]
     assert engine["kind"] in ("io_uring", "threads") and engine["queue_depth"] == 128
+    reads = plane["read_buffers"]
+    assert reads["limit_bytes"] > 0 and reads["peak_bytes"] > 0
+    assert scrape.value("ple_read_buffer_limit_bytes") == reads["limit_bytes"]
+    assert scrape.value("ple_read_buffer_peak_bytes") >= reads["peak_bytes"]
+    assert scrape.value("ple_read_buffer_waits_total") >= reads["waits"]
+    assert (
+        scrape.value("ple_channel_opens_abandoned_total") == stats["abandoned_channel_opens"] == 0
+    )
     assert (
         scrape.value(
             "ple_read_engine_info",

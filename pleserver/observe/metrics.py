@@ -228,6 +228,11 @@ def _control(snap: Snapshot) -> Iterator[Metric]:
             "The channels' memory budget (max_channel_memory); a channel past it is refused.",
             value=memory["budget_bytes"],
         )
+    yield CounterMetricFamily(
+        "ple_channel_opens_abandoned",
+        "Channel openings skipped: their session closed before its segment was reserved.",
+        value=snap["abandoned_channel_opens"],
+    )
     errors = snap.get("control_errors") or {}
     # Refusals at accept are counted by pleserver.control.connections, by its own reasons
     # (a rate-limited uid and a full server share one ERROR code); the rest by
@@ -343,6 +348,19 @@ def _dataplane(plane: DataplaneSnapshot) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "ple_read_queue_depth", "Disk reads in flight at most.", value=engine["queue_depth"]
     )
+    reads = plane.get("read_buffers")
+    if reads is not None:
+        for name, value, help_text in (
+            ("limit", reads["limit_bytes"], "The miss path's read buffers' bound (0: none set)."),
+            ("charged", reads["charged_bytes"], "Bytes of read buffers held now."),
+            ("peak", reads["peak_bytes"], "The most bytes of read buffers held at once."),
+        ):
+            yield GaugeMetricFamily(f"ple_read_buffer_{name}_bytes", help_text, value=value)
+        yield CounterMetricFamily(
+            "ple_read_buffer_waits",
+            "Rounds of disk reads that waited for room under the read buffers' bound.",
+            value=reads["waits"],
+        )
 
 
 def _hotset(hotset: HotsetSnapshot | None) -> Iterator[Metric]:
