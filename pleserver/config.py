@@ -410,7 +410,9 @@ class ServerConfig:
     spin_us: int = _setting(
         2000,
         "duration",
-        "How long the serving loop spins after the last request before it blocks (0: never spin).",
+        "How long the serving loop spins after the last request before it blocks "
+        "(0: never spin); only after requests of CPU-driven channels: a GPU's are "
+        "looked for every gpu_poll_us.",
         minimum=0,
         unit="us",
     )

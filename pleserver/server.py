@@ -981,6 +981,7 @@ class Server:
             "channels": self.loop.channel_count if self.loop else 0,
             "gpu_channels": self.loop.channel_kinds()[DoorbellAdmission.kind] if self.loop else 0,
             "idle_wait": self.loop.idle_wait if self.loop else None,
+            "spin_seconds": self.loop.spin_seconds if self.loop else 0.0,
             "prewarm": self.prewarm.snapshot() if self.prewarm else None,
             "dataplane": self.plane.snapshot() if self.plane else None,
             "hotset": self.hotset.snapshot() if self.hotset else None,

@@ -90,6 +90,32 @@ def test_rung_slots_are_answered_bit_exact_replay_after_replay(lookups, referenc
         )
 
 
+def test_the_loop_spins_after_cpu_driven_requests_only(server, lookups, references):
+    """A decoding engine's doorbells never make the serving loop spin: they
+    are polled every gpu_poll_us, and a spinning core beside vLLM slowed its
+    steps. A CPU thread's requests still get the spin (spin_us, 2 ms), which
+    spares its next request a futex wake-up; the stats count its seconds."""
+    time.sleep(0.3)  # past any earlier CPU request's spin and its 0.1 s window
+    spun = PleClient.query_stats(server.socket)["spin_seconds"]
+    rng = np.random.default_rng(3)
+    for _ in range(60):  # a decode's rhythm: a lookup, then a gap shorter than the spin
+        ids = rng.integers(0, references[1].shape[0], 64)
+        assert np.array_equal(rows_of(lookups, 0, 1, ids), references[1][ids])
+        time.sleep(0.001)
+    time.sleep(0.05)
+    after_gpu = PleClient.query_stats(server.socket)
+    assert after_gpu["spin_seconds"] == spun, "the loop spun after GPU-driven requests"
+    with server.client(name="cpu", capacity=64, depth=1) as cpu:
+        for _ in range(20):
+            ids = rng.integers(0, references[1].shape[0], 16)
+            assert np.array_equal(cpu.lookup(1, ids), references[1][ids])
+            time.sleep(0.005)  # past the spin: each lookup starts a spin of its own
+        time.sleep(0.05)
+        after_cpu = cpu.stats()
+    assert after_cpu["spin_seconds"] > spun + 0.01  # ≈ 20 spins of 2 ms
+    assert "s spent spinning after CPU-driven requests" in format_human(after_cpu)
+
+
 def test_an_answer_leaves_the_words_a_gpu_expects(lookups, references):
     slot = lookups.client.channel.slots[2]
     ids = np.arange(100)

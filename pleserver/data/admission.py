@@ -83,6 +83,12 @@ class Admission(Protocol):
     kind: str
     """What drives the channel, for stats and logs: "counter" or "doorbell"."""
 
+    spin_after: bool
+    """Whether the loop spins (``spin_us``) after this channel's requests. A
+    CPU thread's next request would otherwise wait for a futex wake-up; a
+    stream's doorbells are polled every ``gpu_poll_us`` anyway, and a spin
+    beside a decoding engine takes a core from it (``ServingLoop._run``)."""
+
     in_order: bool
     """Whether the client waits for its requests in the order it made them, so
     that their disk reads go best one request after another (``gather_in_order``,
@@ -112,6 +118,7 @@ class CounterAdmission:
     """A channel driven by a CPU thread: the submit counter and the slot states."""
 
     kind = "counter"
+    spin_after = True
     in_order = False  # a CPU client's slots may be independent lookups, waited on in any order
 
     def __init__(self, mapping: ChannelMap) -> None:
@@ -181,6 +188,7 @@ class DoorbellAdmission:
     """A channel driven by a CUDA stream: the rung word and the doorbells."""
 
     kind = "doorbell"
+    spin_after = False
     in_order = True  # a step's PLE layers, rung in the order the GPU waits for them
 
     def __init__(self, mapping: ChannelMap) -> None:

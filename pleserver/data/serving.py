@@ -5,7 +5,8 @@ Threads, and why:
   a submit counter, or a GPU-driven channel's rung word and doorbells) whether
   a request may be waiting, one load each, so many clients never mean many
   spinning Python threads fighting for the GIL. After ``spin`` seconds
-  without work it sleeps on all of them at once: one ``futex_waitv`` call over
+  without work (a spin only after a CPU thread's requests: ``_spinning``)
+  it sleeps on all of them at once: one ``futex_waitv`` call over
   every admission's futex word and the loop's own wake word (Linux ≥ 5.16),
   and no longer than the next look that a channel whose client cannot wake it
   (a GPU) needs. Where the kernel lacks that call, or ``idle_wait = poll``
@@ -278,6 +279,10 @@ class ServingLoop:
         self._inflight = 0  # handed-off requests not yet answered
         self._inflight_lock = threading.Lock()
         self._read_error_logged = -READ_ERROR_LOG_S
+        # The last request of a channel that wants the loop to spin after it
+        # (``_spinning``), and the seconds spent spinning (read by the stats).
+        self._spin_arrival = -POLL_ACTIVE_S
+        self.spin_seconds = 0.0
         # Started with the loop, all of them: a server's thread count does not
         # change with its load.
         self.workers = [
@@ -411,6 +416,7 @@ class ServingLoop:
         except OSError as exc:
             log.debug("serving: cannot set the timer slack: %s", exc)
         idle_since = time.monotonic()
+        spin_since: float | None = None  # when the current spin began
         next_beat = 0.0
         while not self._stop.is_set():
             # Read before the pass looks at anything: a wake() from here on
@@ -427,12 +433,17 @@ class ServingLoop:
                     self.heartbeat()
                 for table in self.tables:  # a checkpoint file changed under us?
                     table.check_files()
+            if spin_since is not None and (did or not self._spinning(now, idle_since)):
+                self.spin_seconds += now - spin_since
+                spin_since = None
             if did:
                 idle_since = now
                 continue
-            if now - idle_since < self.spin_s and not self._draining:
+            if self._spinning(now, idle_since):
                 # Spin, yielding the CPU (and the GIL) each pass: on a busy
                 # machine the client, or a gather worker, may need this core.
+                if spin_since is None:
+                    spin_since = now
                 os.sched_yield()
                 continue
             # Idle: sleep (idle_since stays: a wake-up without work sleeps again
@@ -443,6 +454,20 @@ class ServingLoop:
                 else 0.002
             )
             self._sleep(wake_seen, timeout, now)
+
+    def _spinning(self, now: float, idle_since: float) -> bool:
+        """Whether the loop, idle since ``idle_since``, spins rather than
+        sleeps: for ``spin_s``, and only while a channel whose requests want a
+        spin (``Admission.spin_after``: a CPU thread's) was active in the last
+        ``POLL_ACTIVE_S``. A decoding engine's doorbells alone never make it
+        spin: they are looked at every ``gpu_poll_s`` while active, and a
+        spinning core beside the engine slowed its steps (docs/BENCHMARKS.md,
+        "The serving loop's spin beside vLLM")."""
+        return (
+            now - idle_since < self.spin_s
+            and now - self._spin_arrival < POLL_ACTIVE_S
+            and not self._draining
+        )
 
     def _sleep(self, wake_seen: int, timeout: float, now: float) -> None:
         """Sleep until an admission's futex word moves, the wake word moves
@@ -501,6 +526,8 @@ class ServingLoop:
                     continue
                 did = True
                 ch.last_arrival = time.monotonic()
+                if ch.admission.spin_after:
+                    self._spin_arrival = ch.last_arrival
                 for arrival in arrivals:
                     request = self._validate(ch, arrival)
                     if request is not None:

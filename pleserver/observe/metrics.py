@@ -19,7 +19,9 @@ PLE layer number) and ``table`` (the tensor name prefix).
 Every mode:
 
 - ``ple_server_info{version,model,socket}`` (1), ``ple_clients``,
-  ``ple_channels``, ``ple_gpu_channels``;
+  ``ple_channels``, ``ple_gpu_channels``, ``ple_serving_spin_seconds_total``
+  (the serving loop's time spent spinning: ``spin_us``, after CPU-driven
+  requests only);
 - ``ple_channel_memory_used_bytes`` and ``ple_channel_memory_budget_bytes``
   (``max_channel_memory``; absent when there is none) — the channels' shared
   memory against its budget;
@@ -198,6 +200,11 @@ class SnapshotCollector(Collector):
             "ple_gpu_channels",
             "Open channels driven by a GPU (their doorbells are polled).",
             value=snap.get("gpu_channels", 0),
+        )
+        yield CounterMetricFamily(
+            "ple_serving_spin_seconds",
+            "Seconds the serving loop spent spinning after CPU-driven requests (spin_us).",
+            value=snap["spin_seconds"],
         )
         yield from _control(snap)
         yield from _config(snap.get("config"))

@@ -248,6 +248,7 @@ class Snapshot(TypedDict):
     channels: int
     gpu_channels: int
     idle_wait: str | None
+    spin_seconds: float  # the serving loop's time spent spinning (spin_us), since start
     prewarm: PrewarmSnapshot | None
     dataplane: DataplaneSnapshot | None
     hotset: HotsetSnapshot | None

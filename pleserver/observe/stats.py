@@ -256,6 +256,11 @@ def format_human(stats: Snapshot) -> str:
         + "  "
         f"model {stats['model']}"
     ]
+    if stats.get("idle_wait"):
+        lines.append(
+            f"serving loop: idle wait {stats['idle_wait']}, "
+            f"{stats['spin_seconds']:.1f} s spent spinning after CPU-driven requests"
+        )
     refused = stats.get("refused") or {}
     if any(refused.values()):
         lines.append(
