@@ -395,6 +395,22 @@ PLANS: dict[str, list[str]] = {
     "bench-2": ["stock-default-tp", "shm-default-tp", "shm-default-direct-large-tp#2"],
     # the 16-layer trunk (PLE on layers 2, 6, 10, 14), 10.5 GiB tables
     "bench-3": ["stock-default-deep-tp", "shm-default-direct-deep-tp", "offload-default-deep-tp"],
+    # the loop without its spin after GPU-driven requests (the default since
+    # cb5e9ed) beside stock, on mmap and from disk
+    "spin": [
+        "stock-default-tp",
+        "shm-default-tp",
+        "stock-default-deep-tp",
+        "shm-default-direct-deep-tp",
+    ],
+    # eager stock and shm on one host, and vllm serve's exact cells
+    "close-33": [
+        "stock-eager-mp0",
+        "shm-eager-mp0",
+        "serve-stock-default",
+        "serve-shm-default",
+        "serve-stock-default#2",
+    ],
 }
 
 
