@@ -27,8 +27,8 @@ normalized): for each binding function on these paths, whether abi3 and the
 full API compiled to the same instructions, which no load can disturb. ``--build NAME=DIR`` adds
 a prebuilt tree's modules (``DIR/pleserver/_native*.so``, ``DIR/pleclient/_sync*.so``).
 
-    python bench/abi3_overhead.py                     # ~1 min
-    python bench/abi3_overhead.py --rounds 40 --json out.json
+    python -m bench.abi3_overhead                     # ~1 min
+    python -m bench.abi3_overhead --rounds 40 --json out.json
 """
 
 from __future__ import annotations
@@ -48,10 +48,8 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from lookup import OthersMeter, loadavg, machine, source  # noqa: E402
+from .harness.checkout import REPO
+from .harness.provenance import OthersMeter, loadavg, machine, source
 
 ROWS, ROW_BYTES, IDS = 4096, 320, 16
 CALLS = ("gather16", "gather16-cache", "load", "publish", "wait")

@@ -21,7 +21,7 @@ rows × 160 B ≈ 47.7 GiB at Qwen3.8-Flash-Next geometry). Hit rates are given
 over the whole replay (cold start) and over its second half (warm); an
 infinite cache bounds both (every first access is a miss).
 
-    python bench/cache_sim.py --trace bench/traces/qwen-text.npz --check --json sim.json
+    python -m bench.cache_sim --trace bench/traces/qwen-text.npz --check --json sim.json
 
 The simulators are compiled with numba (the ``bench`` extra); a full run of
 8 budgets takes about a minute.
@@ -38,9 +38,8 @@ import time
 import numpy as np
 from numba import njit
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from text_trace import load_trace
+from .harness.checkout import BENCH
+from .text_trace import load_trace
 
 PAGE = 4096
 POLICIES = ("SIEVE", "CLOCK", "S3-FIFO", "LRU")
@@ -517,7 +516,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--trace",
-        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces", "qwen-text.npz"),
+        default=os.path.join(BENCH, "traces", "qwen-text.npz"),
     )
     ap.add_argument(
         "--budgets",
@@ -554,7 +553,7 @@ def main(argv=None) -> int:
     if args.check:
         self_check()
     result = simulate(args)
-    result["command"] = "python bench/cache_sim.py " + " ".join(sys.argv[1:])
+    result["command"] = "python -m bench.cache_sim " + " ".join(sys.argv[1:])
     report(result, args.policies)
     if args.json:
         with open(args.json, "w") as f:

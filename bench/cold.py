@@ -39,8 +39,8 @@ ratios: cold decode / prefill speed-up over mmap mode, misses at % of the
 ceiling. Everything it starts or writes goes at the end, also on an error,
 Ctrl-C or SIGTERM.
 
-    python bench/cold.py --trace bench/traces/qwen-text.npz --hold-gib 12 --json cold.json
-    python bench/cold.py --table-gib 2 --hold-gib 1 --decode-steps 300 --prefill-chunks 4
+    python -m bench.cold --trace bench/traces/qwen-text.npz --hold-gib 12 --json cold.json
+    python -m bench.cold --table-gib 2 --hold-gib 1 --decode-steps 300 --prefill-chunks 4
 """
 
 from __future__ import annotations
@@ -59,17 +59,15 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pleclient import PleClient
+from pleclient.checkpoint import discover_tables
+from pleserver.devkit.launcher import ServerLauncher, die_with_parent
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 
-from lookup import OthersMeter, cpu_busy, loadavg, machine, source  # noqa: E402
-from pleclient import PleClient  # noqa: E402
-from pleclient.checkpoint import discover_tables  # noqa: E402
-from pleserver.devkit.launcher import ServerLauncher, die_with_parent  # noqa: E402
-from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
-from seed_gather import SeedTable  # noqa: E402
-from text_trace import HEADS, load_trace  # noqa: E402
+from .harness.checkout import BENCH, REPO
+from .harness.provenance import OthersMeter, cpu_busy, loadavg, machine, source
+from .seed_gather import SeedTable
+from .text_trace import HEADS, load_trace
 
 CONTENDERS = ("mmap", "seed", "direct", "buffered")
 SERVER_MODES = ("mmap", "direct", "buffered")
@@ -566,7 +564,7 @@ def run(args, workdir: str) -> dict:
                 "build_ext --inplace` (or choose --contenders mmap,seed)"
             )
     result = {
-        "command": "python bench/cold.py " + " ".join(sys.argv[1:]),
+        "command": "python -m bench.cold " + " ".join(sys.argv[1:]),
         "machine": machine(),
         "source": source(),
         "loadavg_start": loadavg(),
@@ -838,10 +836,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument(
         "--trace",
-        default=os.path.join(here, "traces", "qwen-text.npz"),
+        default=os.path.join(BENCH, "traces", "qwen-text.npz"),
         help="trace file from bench/text_trace.py",
     )
     ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")

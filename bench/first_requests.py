@@ -21,8 +21,8 @@ minor faults of the server process and of this client over those ranges
 (``/proc/PID/stat``, ``getrusage``). Load average and the CPU that other
 processes used are printed with every case. Everything is removed at the end.
 
-    python bench/first_requests.py                  # ≈ 1 minute
-    python bench/first_requests.py --cases full --rounds 5 --json first.json
+    python -m bench.first_requests                  # ≈ 1 minute
+    python -m bench.first_requests --cases full --rounds 5 --json first.json
 """
 
 from __future__ import annotations
@@ -38,13 +38,11 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pleserver.devkit.launcher import ServerLauncher
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 
-from lookup import OthersMeter, loadavg, source  # noqa: E402
-from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
-from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+from .harness.checkout import REPO
+from .harness.provenance import OthersMeter, loadavg, source
 
 CASES = ("none", "full", "full-done")
 RANGES = ((0, 10), (10, 50), (50, 200), (200, None))

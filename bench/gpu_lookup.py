@@ -19,9 +19,9 @@ and checks that every path's rows are bit-exact on the device against the
 files. Times are medians of ``--iters`` runs after warm-up, wall-clock from
 ids on the host (GPU for gpu/uva, as vLLM has them) to rows usable on the GPU.
 
-  python bench/gpu_lookup.py                         # 4 M rows × 160 B FP8 (640 MiB)
-  python bench/gpu_lookup.py --rows 20000000 --dtype BF16 --json out.json
-  python bench/gpu_lookup.py --socket /run/ple-server/ple.sock --model /models/X
+  python -m bench.gpu_lookup                         # 4 M rows × 160 B FP8 (640 MiB)
+  python -m bench.gpu_lookup --rows 20000000 --dtype BF16 --json out.json
+  python -m bench.gpu_lookup --socket /run/ple-server/ple.sock --model /models/X
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pleclient import PleClient
 from pleclient.checkpoint import TableSpec, discover_tables

@@ -18,8 +18,8 @@ over the files, as hashed n-grams are).
 
 Everything is removed at the end, also on error or Ctrl-C.
 
-    python bench/hotset.py                    # a minute or two
-    python bench/hotset.py --rows 20000000 --cache-size 1G --json out.json
+    python -m bench.hotset                    # a minute or two
+    python -m bench.hotset --rows 20000000 --cache-size 1G --json out.json
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ import tempfile
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pleclient import PleClient
 from pleserver.config import parse_size

@@ -25,10 +25,10 @@ and stopped cleanly, and the CPU share other processes of the machine used
 meanwhile (``others_cpu``: this is not a timing benchmark, a busy machine
 only slows it). Exit status 0 when every mode held.
 
-    python bench/integrity_soak.py                                 # 3 minutes a mode
-    python bench/integrity_soak.py --seconds 120 --json soak.json
-    python bench/integrity_soak.py --seconds 3 --rows 30000        # a smoke run
-    python bench/integrity_soak.py --modes direct:io_uring,mmap
+    python -m bench.integrity_soak                                 # 3 minutes a mode
+    python -m bench.integrity_soak --seconds 120 --json soak.json
+    python -m bench.integrity_soak --seconds 3 --rows 30000        # a smoke run
+    python -m bench.integrity_soak --modes direct:io_uring,mmap
 """
 
 from __future__ import annotations
@@ -43,10 +43,7 @@ import tempfile
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, REPO)
-sys.path.insert(0, HERE)
+from .harness.checkout import REPO
 
 MODES = ("mmap", "direct:io_uring", "direct:threads", "buffered:io_uring", "buffered:threads")
 CAPACITY = 2048
@@ -167,7 +164,7 @@ class Child:
 
     def __init__(self, *argv: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), *argv],
+            [sys.executable, "-m", "bench.integrity_soak", *argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -224,9 +221,10 @@ class Child:
 
 
 def run_mode(mode: str, args: argparse.Namespace, model: str, workdir: str) -> dict:
-    from lookup import OthersMeter
     from pleclient import PleClient
     from pleserver.devkit.launcher import ServerLauncher
+
+    from .harness.provenance import OthersMeter
 
     io, _, engine = mode.partition(":")
     state = os.path.join(workdir, f"state-{io}-{engine or 'none'}")
@@ -327,8 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
 
-    from lookup import loadavg, machine, source
     from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
+
+    from .harness.provenance import loadavg, machine, source
 
     workdir = tempfile.mkdtemp(prefix="ple-integrity-")
     try:

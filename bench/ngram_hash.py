@@ -25,7 +25,7 @@ median of ``--repeat`` runs (vLLM's: ``--vllm-repeat``), with the best run
 beside it; ratios are against the floor and against vLLM. The CPU other
 processes used meanwhile and the load average are reported.
 
-    python bench/ngram_hash.py --json ngram.json
+    python -m bench.ngram_hash --json ngram.json
 """
 
 from __future__ import annotations
@@ -39,12 +39,9 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pleclient.ngram import NgramConfig, NgramLayer
 
-from lookup import OthersMeter, loadavg, machine, source  # noqa: E402
-from pleclient.ngram import NgramConfig, NgramLayer  # noqa: E402
+from .harness.provenance import OthersMeter, loadavg, machine, source
 
 EOS = 248_044  # <|endoftext|>, Qwen3.5/3.6 vocabulary
 FLASH_PLE_LAYERS = 1  # Qwen3.8-Flash-Next: one PLE layer (one ≈ 320 M-row table)

@@ -25,8 +25,8 @@ entry ever appeared, and the server's anonymous memory (RssAnon: its heap, not
 the table pages it maps) grew less than ``--rss-slack`` MiB over the second half
 of the run. Exit status 0 when nothing failed and the server stayed flat.
 
-    python bench/soak.py                              # 10 minutes, 4 clients
-    python bench/soak.py --seconds 3600 --clients 8 --json soak.json
+    python -m bench.soak                              # 10 minutes, 4 clients
+    python -m bench.soak --seconds 3600 --clients 8 --json soak.json
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ import tempfile
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from .harness.checkout import REPO
 
 FAULTS = ("kill", "exit", "drop", "abandon", "reject")
 
@@ -210,7 +209,8 @@ class Soak:
         child = subprocess.Popen(
             [
                 sys.executable,
-                os.path.abspath(__file__),
+                "-m",
+                "bench.soak",
                 "--worker",
                 self.socket,
                 self.model,

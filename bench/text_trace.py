@@ -32,7 +32,7 @@ the same inputs (fixed zip timestamps), holding
 - ``meta``: a JSON string (sources with their sha256, tokenizer, vLLM version,
   geometry, rows), read with ``load_trace``.
 
-    python bench/text_trace.py --out bench/traces/qwen-text.npz --check
+    python -m bench.text_trace --out bench/traces/qwen-text.npz --check
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ import time
 import zipfile
 
 import numpy as np
+
+from .harness.checkout import BENCH
 
 log = logging.getLogger("bench.text_trace")
 
@@ -414,7 +416,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--out",
-        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces", "qwen-text.npz"),
+        default=os.path.join(BENCH, "traces", "qwen-text.npz"),
     )
     ap.add_argument(
         "--source",
