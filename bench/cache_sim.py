@@ -30,7 +30,6 @@ The simulators are compiled with numba (the ``bench`` extra); a full run of
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -38,7 +37,8 @@ import time
 import numpy as np
 from numba import njit
 
-from .harness.checkout import BENCH
+from .harness.checkout import TRACE
+from .harness.scaffold import add_json, parser, save_json
 from .text_trace import load_trace
 
 PAGE = 4096
@@ -511,13 +511,8 @@ def report(result: dict, policies, stream=sys.stdout) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--trace",
-        default=os.path.join(BENCH, "traces", "qwen-text.npz"),
-    )
+    ap = parser(__doc__, work_dir=False)
+    ap.add_argument("--trace", default=TRACE, help="the trace (bench.text_trace's)")
     ap.add_argument(
         "--budgets",
         default=DEFAULT_BUDGETS,
@@ -538,7 +533,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="first compare every simulator with a plain Python reference",
     )
-    ap.add_argument("--json", metavar="PATH")
+    add_json(ap)
     args = ap.parse_args(argv)
     args.budgets = [float(x) for x in args.budgets.split(",") if x]
     args.policies = [p for p in args.policies.split(",") if p]
@@ -555,9 +550,7 @@ def main(argv=None) -> int:
     result = simulate(args)
     result["command"] = "python -m bench.cache_sim " + " ".join(sys.argv[1:])
     report(result, args.policies)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    save_json(result, args.json, indent=1)
     return 0
 
 

@@ -50,10 +50,8 @@ import gc
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 
@@ -64,8 +62,10 @@ from pleclient.checkpoint import discover_tables
 from pleserver.devkit.launcher import ServerLauncher, die_with_parent
 from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 
-from .harness.checkout import BENCH, REPO
-from .harness.provenance import OthersMeter, cpu_busy, loadavg, machine, source
+from .harness.checkout import REPO, TRACE
+from .harness.provenance import OthersMeter, cpu_busy, envelope, loadavg
+from .harness.scaffold import add_json, add_server_args, parser, save_json, work_dir
+from .harness.servers import close_client
 from .seed_gather import SeedTable
 from .text_trace import HEADS, load_trace
 
@@ -274,12 +274,8 @@ class Contender:
         return self.client.stats() if self.client is not None else {}
 
     def close(self) -> None:
-        if self.client is not None:
-            try:
-                self.client.close()
-            except Exception:
-                pass
-            self.client = None
+        close_client(self.client)
+        self.client = None
         if self.server is not None:
             self.server.stop(timeout=60)  # a hot set to save
             self.server.close()
@@ -564,11 +560,7 @@ def run(args, workdir: str) -> dict:
                 "build_ext --inplace` (or choose --contenders mmap,seed)"
             )
     result = {
-        "command": "python -m bench.cold " + " ".join(sys.argv[1:]),
-        "machine": machine(),
-        "source": source(),
-        "loadavg_start": loadavg(),
-        "cpu_busy_before": cpu_busy(),
+        **envelope("cold"),
         "trace": {
             "path": os.path.basename(args.trace),
             "sha256": trace.sha256,
@@ -833,12 +825,10 @@ def report(result: dict, stream=sys.stdout) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__, work_dir=False)
     ap.add_argument(
         "--trace",
-        default=os.path.join(BENCH, "traces", "qwen-text.npz"),
+        default=TRACE,
         help="trace file from bench/text_trace.py",
     )
     ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")
@@ -893,12 +883,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--queue-depth", type=int, help="--queue-depth for the miss engine")
     ap.add_argument("--read-engine", help="--read-engine: io_uring | threads | auto")
-    ap.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        help="extra argument for every `pleserver serve` (repeatable)",
-    )
+    add_server_args(ap)
     ap.add_argument("--seed-workers", type=int, default=32)
     ap.add_argument(
         "--seed-batches",
@@ -926,7 +911,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="also write 1 to /proc/sys/vm/drop_caches before each start (root)",
     )
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    add_json(ap)
     args = ap.parse_args(argv)
     if args.contenders:
         unknown = set(args.contenders) - set(CONTENDERS)
@@ -937,22 +922,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-
-    def on_sigterm(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    workdir = tempfile.mkdtemp(prefix="ple-cold-", dir=args.dir)
-    try:
+    with work_dir("ple-cold-", args.dir) as workdir:
         result = run(args, workdir)
         report(result)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        save_json(result, args.json, indent=1)
         return 0
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from pleserver.devkit.synthetic import SyntheticTable
 from .harness.checkout import REPO
 from .harness.load import Helpers, bystander, latency_ms
 from .harness.provenance import OthersMeter, loadavg, machine, proc_ticks, source
-from .harness.scaffold import parser, save_json, work_dir
+from .harness.scaffold import add_json, add_load, parser, save_json, work_dir
 from .harness.servers import write_model
 
 CASES = ("none", "stats", "prehello", "stats-flood", "connect")
@@ -137,11 +137,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES)
     )
-    ap.add_argument("--seconds", type=float, default=10.0, help="per case (default 10)")
+    add_load(ap, seconds=10, gap_ms=5)
     ap.add_argument("--attackers", type=int, default=2, help="attacking processes (default 2)")
-    ap.add_argument("--gap-ms", type=float, default=5.0, help="bystander pause (default 5)")
     ap.add_argument("--newcomer-gap-s", type=float, default=0.5)
-    ap.add_argument("--json", help="also write the results here")
+    add_json(ap)
     return ap.parse_args(argv)
 
 

@@ -50,7 +50,7 @@ from pleserver.devkit.synthetic import SyntheticTable
 
 from .harness.load import Helpers, bystander, latency_ms
 from .harness.provenance import OthersMeter, footer, loadavg, machine, source
-from .harness.scaffold import parser, save_json, work_dir
+from .harness.scaffold import add_json, add_load, add_server_args, parser, save_json, work_dir
 from .harness.servers import Server, hist_quantiles, write_model
 
 SUBMITTER = """
@@ -89,19 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="0,1,4",
         help="comma-separated numbers of maximal submitters (default 0,1,4)",
     )
-    ap.add_argument("--seconds", type=float, default=15.0, help="per case (default 15)")
-    ap.add_argument(
-        "--gap-ms",
-        type=float,
-        default=1.0,
-        help="pause between the bystander's lookups (default 1)",
-    )
-    ap.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        help="extra `pleserver serve` argument (repeatable), e.g. --server-arg=--chunk-rows=8192",
-    )
+    add_load(ap, seconds=15)
+    add_server_args(ap)
     ap.add_argument(
         "--attack",
         choices=("mapped", "large-cold"),
@@ -118,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="large-cold: the bystander's table (1 M rows) is not warmed and does not fit the "
         "cache: its lookups are misses, handed to the gather workers beside the submitters'",
     )
-    ap.add_argument("--json", help="also write the results here")
+    add_json(ap)
     return ap.parse_args(argv)
 
 
@@ -167,10 +156,9 @@ def main(argv=None) -> int:
         args.request_rows = args.request_rows or (262_144 if large else 16_383)
         args.depth = args.depth or (12 if large else 64)
         extra = ["--io", "direct", "--cache-size", args.cache_size] if large else []
-        server = Server(
+        with Server(
             "fairness", model, 0, max(args.request_rows, 16), [*extra, *args.server_arg]
-        )
-        try:
+        ) as server:
             server.wait_ready()
             if large and not args.cold_bystander:  # its table in the row cache: hits
                 with PleClient.connect(server.socket, name="warm", capacity=16384) as client:
@@ -194,8 +182,6 @@ def main(argv=None) -> int:
                 )
             print(footer(result))
             save_json(result, args.json)
-        finally:
-            server.stop()
     return 0
 
 

@@ -42,6 +42,7 @@ from pleserver.devkit.launcher import ServerLauncher
 from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
 
 from .harness.checkout import REPO
+from .harness.scaffold import save_json
 
 TABLES = [
     SyntheticTable(layer=1, rows=200_000, cols=160, dtype="F8_E4M3", parts=8),
@@ -262,9 +263,7 @@ def main() -> int:
             report["watchdog_server_killed"] = run_child("watchdog", second)
         check_hints(workdir, refs, report)
     print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    save_json(report, args.json, indent=1)
     ok = (
         report.get("eager_exact")
         and report.get("graph_replays_not_exact") == 0

@@ -41,7 +41,7 @@ from pleserver.devkit.synthetic import SyntheticTable, read_reference
 from .harness.checkout import REPO
 from .harness.load import bystander, latency_ms
 from .harness.provenance import OthersMeter, footer, loadavg, machine, source
-from .harness.scaffold import parser, save_json, work_dir
+from .harness.scaffold import add_json, add_load, parser, save_json, work_dir
 from .harness.servers import write_model
 
 
@@ -49,10 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = parser(__doc__)
     ap.add_argument("--channels", type=int, default=60, help="GPU-driven channels (default 60)")
     ap.add_argument("--slots", type=int, default=64, help="slots of each (default 64)")
-    ap.add_argument("--seconds", type=float, default=10.0, help="per measurement (default 10)")
+    add_load(ap, seconds=10)
     ap.add_argument("--ring-every", type=float, default=0.9, help="seconds (default 0.9)")
-    ap.add_argument("--gap-ms", type=float, default=1.0, help="bystander pause (default 1)")
-    ap.add_argument("--json", help="also write the results here")
+    add_json(ap)
     return ap.parse_args(argv)
 
 

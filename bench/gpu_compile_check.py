@@ -105,6 +105,7 @@ from .gpu_step_start_check import (  # noqa: E402
     new_ids,
     sync_check,
 )
+from .harness.scaffold import save_json  # noqa: E402
 
 NAMESPACE = "ple_compile_check"
 START_OP = f"{NAMESPACE}::start"
@@ -686,9 +687,7 @@ def main() -> int:
     report["passed"] = {name: passed(report.get(name), args.steps, cuda) for name in modes}
     report["vllm_imported"] = any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)
     print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    save_json(report, args.json, indent=1)
     return 0 if all(report["passed"].values()) and not report["vllm_imported"] else 1
 
 

@@ -61,6 +61,8 @@ from pleclient.vllm_plugin.settings import ShmSettings
 from pleserver.devkit.launcher import ServerLauncher
 from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
 
+from .harness.scaffold import save_json
+
 LAYERS = 6
 PLE_LAYERS = (1, 3, 4)
 HEADS = 16  # n-gram heads: ids per token and PLE layer
@@ -465,9 +467,7 @@ def main() -> int:
         ok["compiled"] = _passed(report.get("compiled"), everything)
     report["passed"] = ok
     print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    save_json(report, args.json, indent=1)
     return 0 if all(ok.values()) else 1
 
 

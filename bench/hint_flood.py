@@ -63,7 +63,7 @@ from pleserver.devkit.synthetic import SyntheticTable
 
 from .harness.load import Helpers, bystander, latency_ms
 from .harness.provenance import OthersMeter, footer, loadavg, machine, source
-from .harness.scaffold import parser, save_json, work_dir
+from .harness.scaffold import add_json, add_load, add_server_args, parser, save_json, work_dir
 from .harness.servers import write_model
 
 FLOODER = """
@@ -113,14 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--cols", type=int, default=160)
     ap.add_argument("--cache-size", default="64M")
-    ap.add_argument("--seconds", type=float, default=15.0, help="per case (default 15)")
-    ap.add_argument("--gap-ms", type=float, default=1.0, help="between lookups (default 1)")
-    ap.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        help="extra `pleserver serve` argument (repeatable), e.g. --server-arg=--queue-depth=64",
-    )
+    add_load(ap, seconds=15)
+    add_server_args(ap)
     ap.add_argument(
         "--flood",
         choices=("large", "tiny", "cached", "rings"),
@@ -142,7 +136,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--hot-rows", type=int, default=4096, help="tiny and cached floods: bystander rows"
     )
-    ap.add_argument("--json", help="also write the results here")
+    add_json(ap)
     return ap.parse_args(argv)
 
 

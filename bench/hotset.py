@@ -40,12 +40,13 @@ from pleserver.config import parse_size
 from pleserver.devkit.launcher import LaunchedServer, ServerLauncher
 from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 
+from .harness.scaffold import parser
+
 STEP_IDS = 32 * 16
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", default=None, help="parent of the temporary directory")
+    ap = parser(__doc__)
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--cache-size", default="64M")
     ap.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the ids")

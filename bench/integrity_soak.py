@@ -44,6 +44,7 @@ import threading
 import time
 
 from .harness.checkout import REPO
+from .harness.scaffold import add_json, parser
 
 MODES = ("mmap", "direct:io_uring", "direct:threads", "buffered:io_uring", "buffered:threads")
 CAPACITY = 2048
@@ -306,24 +307,24 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--honest"]:
         socket_path, model, positions, seed = argv[1:5]
         return honest(socket_path, model, positions, int(seed))
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=180.0, help="per mode")
-    parser.add_argument(
+    ap = parser(__doc__, work_dir=False)
+    ap.add_argument("--seconds", type=float, default=180.0, help="per mode")
+    ap.add_argument(
         "--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}"
     )
-    parser.add_argument("--attackers", type=int, default=2)
-    parser.add_argument("--honest", type=int, default=2)
-    parser.add_argument(
+    ap.add_argument("--attackers", type=int, default=2)
+    ap.add_argument("--honest", type=int, default=2)
+    ap.add_argument(
         "--rows", type=int, default=200_003, help="rows of the FP8 table (BF16: half, NVFP4: 3/4)"
     )
-    parser.add_argument("--cache-size", default="8M", help="the row cache (direct, buffered)")
-    parser.add_argument("--model", help="a checkpoint written by pleserver.devkit.synthetic")
-    parser.add_argument("--json", metavar="PATH", help="also write the report here")
-    args = parser.parse_args(argv)
+    ap.add_argument("--cache-size", default="8M", help="the row cache (direct, buffered)")
+    ap.add_argument("--model", help="a checkpoint written by pleserver.devkit.synthetic")
+    add_json(ap)
+    args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
-        parser.error(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
+        ap.error(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
 
     from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 

@@ -49,8 +49,8 @@ from pleclient import protocol as p
 from pleclient.checkpoint import discover_tables
 from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 
-from .harness.provenance import OthersMeter, cpu_busy, loadavg, machine, source
-from .harness.scaffold import parser, work_dir
+from .harness.provenance import OthersMeter, cpu_busy, envelope, loadavg
+from .harness.scaffold import add_server_args, parser, work_dir
 from .harness.servers import Server, hist_quantiles
 from .seed_gather import SeedTable
 
@@ -82,12 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="server --gather-workers values, one server each, e.g. 1,2 "
         "(default: the server's own default)",
     )
-    ap.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        help="extra argument for every `pleserver serve` (repeatable)",
-    )
+    add_server_args(ap)
     ap.add_argument("--sizes", type=int_list, default=[16, 1024, 4096, 131072])
     ap.add_argument(
         "--iters",
@@ -262,11 +257,7 @@ def run(args, workdir: str, out_stream) -> dict:
         print(*a, file=progress, flush=True)
 
     result = {
-        "command": "python -m bench.lookup " + " ".join(sys.argv[1:]),
-        "machine": machine(),
-        "source": source(),
-        "loadavg_start": loadavg(),
-        "cpu_busy_before": cpu_busy(),
+        **envelope("lookup"),
         "table": {
             "rows": args.rows,
             "cols": args.cols,

@@ -59,7 +59,7 @@ from pleserver.devkit.synthetic import SyntheticTable
 
 from .harness.load import Helpers, bystander, latency_ms
 from .harness.provenance import OthersMeter, footer, loadavg, machine, proc_ticks, source
-from .harness.scaffold import parser, save_json, work_dir
+from .harness.scaffold import add_json, add_load, parser, save_json, work_dir
 from .harness.servers import Server, write_model
 
 CASES = (
@@ -166,16 +166,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cols", type=int, default=160)
     ap.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
     ap.add_argument("--flooders", type=int, default=4, help="flooding processes (default 4)")
-    ap.add_argument("--seconds", type=float, default=10.0, help="per case (default 10)")
-    ap.add_argument(
-        "--gap-ms", type=float, default=1.0, help="pause between the bystander's lookups"
-    )
+    add_load(ap, seconds=10)
     ap.add_argument(
         "--health-socket",
         action="store_true",
         help="give the server a health socket and probe it too (servers that have one)",
     )
-    ap.add_argument("--json", help="also write the results here")
+    add_json(ap)
     return ap.parse_args(argv)
 
 
@@ -306,8 +303,7 @@ def main(argv=None) -> int:
         extra = ["--metrics-address", f"127.0.0.1:{port}"]
         if health_socket is not None:
             extra += ["--health-socket", health_socket]
-        server = Server("metrics", model, 0, 16, extra)
-        try:
+        with Server("metrics", model, 0, 16, extra) as server:
             server.wait_ready()
             result = {"machine": machine(), "source": source(), "args": vars(args), "cases": []}
             print(
@@ -335,8 +331,6 @@ def main(argv=None) -> int:
                 )
             print(f"{footer(result)}; ratios against the first case of this run")
             save_json(result, args.json)
-        finally:
-            server.stop()
     return 0
 
 

@@ -174,7 +174,7 @@ from .gpu_decode import (
     run_ops,
 )
 from .gpu_lookup import make_uva_kernel
-from .harness.checkout import BENCH, REPO
+from .harness.checkout import REPO, TRACE
 from .harness.provenance import OthersMeter, machine, source
 from .harness.servers import hist_quantiles
 from .text_trace import HEADS, load_trace
@@ -1351,7 +1351,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="run on the CPU at a small size (the default without CUDA)",
     )
-    ap.add_argument("--trace", default=os.path.join(BENCH, "traces", "qwen-text.npz"))
+    ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--cache-size", help="the server's row cache (GPU 1G, CPU 16M)")
     ap.add_argument(
         "--table-factor", type=float, default=10.5, help="table bytes ÷ row cache bytes (10.5)"

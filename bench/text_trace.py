@@ -51,7 +51,8 @@ import zipfile
 
 import numpy as np
 
-from .harness.checkout import BENCH
+from .harness.checkout import TRACE
+from .harness.scaffold import parser
 
 log = logging.getLogger("bench.text_trace")
 
@@ -411,13 +412,8 @@ def build(args) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--out",
-        default=os.path.join(BENCH, "traces", "qwen-text.npz"),
-    )
+    ap = parser(__doc__, work_dir=False)
+    ap.add_argument("--out", default=TRACE, help="where the trace goes")
     ap.add_argument(
         "--source",
         action="append",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(BENCH)
+TRACE = os.path.join(BENCH, "traces", "qwen-text.npz")  # bench.text_trace's real-text trace
 
 
 def installed_first() -> None:

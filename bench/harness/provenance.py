@@ -8,6 +8,7 @@ import datetime
 import os
 import platform
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -64,6 +65,19 @@ def source() -> dict:
     return {
         "commit": git("rev-parse", "--short", "HEAD") or None,
         "modified": git("status", "--porcelain", "--", "pleserver", "pleclient").splitlines(),
+    }
+
+
+def envelope(name: str) -> dict:
+    """The head of a result that a reader compares runs by: the command that
+    made it (benchmark ``name``), the machine, the commit, and the load on the
+    machine before it started."""
+    return {
+        "command": f"python -m bench.{name} " + " ".join(sys.argv[1:]),
+        "machine": machine(),
+        "source": source(),
+        "loadavg_start": loadavg(),
+        "cpu_busy_before": cpu_busy(),
     }
 
 

@@ -26,6 +26,36 @@ def parser(doc: str | None, work_dir: bool = True) -> argparse.ArgumentParser:
     return ap
 
 
+def add_load(ap: argparse.ArgumentParser, seconds: float, gap_ms: float = 1.0) -> None:
+    """``--seconds`` a case and the bystander's ``--gap-ms``, the two knobs of
+    every benchmark that times a bystander beside a load."""
+    ap.add_argument(
+        "--seconds", type=float, default=seconds, help=f"per case (default {seconds:g})"
+    )
+    ap.add_argument(
+        "--gap-ms",
+        type=float,
+        default=gap_ms,
+        help=f"pause between the bystander's lookups (default {gap_ms:g})",
+    )
+
+
+def add_server_args(ap: argparse.ArgumentParser) -> None:
+    """``--server-arg``: extra arguments for every ``pleserver serve`` started."""
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra argument for every `pleserver serve` (repeatable), "
+        "e.g. --server-arg=--chunk-rows=8192",
+    )
+
+
+def add_json(ap: argparse.ArgumentParser) -> None:
+    """``--json PATH``: the result, also as JSON (``save_json``)."""
+    ap.add_argument("--json", metavar="PATH", help="also write the results here, as JSON")
+
+
 def _on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 

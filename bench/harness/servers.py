@@ -60,13 +60,25 @@ class Server:
         return PleClient.query_stats(self.socket)
 
     def stop(self) -> None:
-        if self.client is not None:
-            try:
-                self.client.close()
-            except Exception:
-                pass
-            self.client = None
+        close_client(self.client)
+        self.client = None
         self.launched.close()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def close_client(client: PleClient | None) -> None:
+    """Close a benchmark's client, whose server may be gone already: a failed
+    goodbye is no result of the benchmark's."""
+    if client is not None:
+        try:
+            client.close()
+        except Exception:
+            pass
 
 
 def hist_quantiles(before: dict, after: dict) -> dict:
