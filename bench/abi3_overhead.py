@@ -27,16 +27,14 @@ normalized): for each binding function on these paths, whether abi3 and the
 full API compiled to the same instructions, which no load can disturb. ``--build NAME=DIR`` adds
 a prebuilt tree's modules (``DIR/pleserver/_native*.so``, ``DIR/pleclient/_sync*.so``).
 
-    python bench/abi3_overhead.py                     # ~1 min
-    python bench/abi3_overhead.py --rounds 40 --json out.json
+    python -m bench.abi3_overhead                     # ~1 min
+    python -m bench.abi3_overhead --rounds 40 --json out.json
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import importlib.util
-import json
 import mmap
 import os
 import re
@@ -48,10 +46,9 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from lookup import OthersMeter, loadavg, machine, source  # noqa: E402
+from .harness.checkout import REPO
+from .harness.provenance import OthersMeter, loadavg, machine, source
+from .harness.scaffold import add_json, parser, save_json
 
 ROWS, ROW_BYTES, IDS = 4096, 320, 16
 CALLS = ("gather16", "gather16-cache", "load", "publish", "wait")
@@ -223,11 +220,11 @@ def empty_loop(n: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, work_dir=False)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--calls", type=int, default=100_000, help="calls in a row per measure")
     ap.add_argument("--build", action="append", default=[], metavar="NAME=DIR")
-    ap.add_argument("--json", metavar="PATH")
+    add_json(ap)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ple-abi3-") as work:
         trees = {"abi3": build("abi3", True, work), "full": build("full", False, work)}
@@ -299,9 +296,7 @@ def main(argv=None) -> int:
     for name, verdict in result["machine_code"].items():
         print(f"  {name}: {verdict}")
     print(f"other processes used {others:.0%} of the CPUs; loadavg {result['loadavg']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    save_json(result, args.json, indent=1)
     return 0
 
 

@@ -21,7 +21,7 @@ rows × 160 B ≈ 47.7 GiB at Qwen3.8-Flash-Next geometry). Hit rates are given
 over the whole replay (cold start) and over its second half (warm); an
 infinite cache bounds both (every first access is a miss).
 
-    python bench/cache_sim.py --trace bench/traces/qwen-text.npz --check --json sim.json
+    python -m bench.cache_sim --trace bench/traces/qwen-text.npz --check --json sim.json
 
 The simulators are compiled with numba (the ``bench`` extra); a full run of
 8 budgets takes about a minute.
@@ -30,7 +30,6 @@ The simulators are compiled with numba (the ``bench`` extra); a full run of
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -38,9 +37,9 @@ import time
 import numpy as np
 from numba import njit
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from text_trace import load_trace
+from .harness.checkout import TRACE
+from .harness.scaffold import add_json, parser, save_json
+from .text_trace import load_trace
 
 PAGE = 4096
 POLICIES = ("SIEVE", "CLOCK", "S3-FIFO", "LRU")
@@ -512,13 +511,8 @@ def report(result: dict, policies, stream=sys.stdout) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--trace",
-        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces", "qwen-text.npz"),
-    )
+    ap = parser(__doc__, work_dir=False)
+    ap.add_argument("--trace", default=TRACE, help="the trace (bench.text_trace's)")
     ap.add_argument(
         "--budgets",
         default=DEFAULT_BUDGETS,
@@ -539,7 +533,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="first compare every simulator with a plain Python reference",
     )
-    ap.add_argument("--json", metavar="PATH")
+    add_json(ap)
     args = ap.parse_args(argv)
     args.budgets = [float(x) for x in args.budgets.split(",") if x]
     args.policies = [p for p in args.policies.split(",") if p]
@@ -554,11 +548,9 @@ def main(argv=None) -> int:
     if args.check:
         self_check()
     result = simulate(args)
-    result["command"] = "python bench/cache_sim.py " + " ".join(sys.argv[1:])
+    result["command"] = "python -m bench.cache_sim " + " ".join(sys.argv[1:])
     report(result, args.policies)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    save_json(result, args.json, indent=1)
     return 0
 
 

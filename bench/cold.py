@@ -39,8 +39,8 @@ ratios: cold decode / prefill speed-up over mmap mode, misses at % of the
 ceiling. Everything it starts or writes goes at the end, also on an error,
 Ctrl-C or SIGTERM.
 
-    python bench/cold.py --trace bench/traces/qwen-text.npz --hold-gib 12 --json cold.json
-    python bench/cold.py --table-gib 2 --hold-gib 1 --decode-steps 300 --prefill-chunks 4
+    python -m bench.cold --trace bench/traces/qwen-text.npz --hold-gib 12 --json cold.json
+    python -m bench.cold --table-gib 2 --hold-gib 1 --decode-steps 300 --prefill-chunks 4
 """
 
 from __future__ import annotations
@@ -50,26 +50,24 @@ import gc
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pleclient import PleClient
+from pleclient.checkpoint import discover_tables
+from pleserver.devkit.launcher import ServerLauncher, die_with_parent
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 
-from lookup import OthersMeter, cpu_busy, loadavg, machine, source  # noqa: E402
-from pleclient import PleClient  # noqa: E402
-from pleclient.checkpoint import discover_tables  # noqa: E402
-from pleserver.devkit.launcher import ServerLauncher, die_with_parent  # noqa: E402
-from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
-from seed_gather import SeedTable  # noqa: E402
-from text_trace import HEADS, load_trace  # noqa: E402
+from .harness.checkout import REPO, TRACE
+from .harness.provenance import OthersMeter, cpu_busy, envelope, loadavg
+from .harness.scaffold import add_json, add_server_args, parser, save_json, work_dir
+from .harness.servers import close_client
+from .seed_gather import SeedTable
+from .text_trace import HEADS, load_trace
 
 CONTENDERS = ("mmap", "seed", "direct", "buffered")
 SERVER_MODES = ("mmap", "direct", "buffered")
@@ -276,12 +274,8 @@ class Contender:
         return self.client.stats() if self.client is not None else {}
 
     def close(self) -> None:
-        if self.client is not None:
-            try:
-                self.client.close()
-            except Exception:
-                pass
-            self.client = None
+        close_client(self.client)
+        self.client = None
         if self.server is not None:
             self.server.stop(timeout=60)  # a hot set to save
             self.server.close()
@@ -566,11 +560,7 @@ def run(args, workdir: str) -> dict:
                 "build_ext --inplace` (or choose --contenders mmap,seed)"
             )
     result = {
-        "command": "python bench/cold.py " + " ".join(sys.argv[1:]),
-        "machine": machine(),
-        "source": source(),
-        "loadavg_start": loadavg(),
-        "cpu_busy_before": cpu_busy(),
+        **envelope("cold"),
         "trace": {
             "path": os.path.basename(args.trace),
             "sha256": trace.sha256,
@@ -835,13 +825,10 @@ def report(result: dict, stream=sys.stdout) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    here = os.path.dirname(os.path.abspath(__file__))
+    ap = parser(__doc__, work_dir=False)
     ap.add_argument(
         "--trace",
-        default=os.path.join(here, "traces", "qwen-text.npz"),
+        default=TRACE,
         help="trace file from bench/text_trace.py",
     )
     ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")
@@ -896,12 +883,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--queue-depth", type=int, help="--queue-depth for the miss engine")
     ap.add_argument("--read-engine", help="--read-engine: io_uring | threads | auto")
-    ap.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        help="extra argument for every `pleserver serve` (repeatable)",
-    )
+    add_server_args(ap)
     ap.add_argument("--seed-workers", type=int, default=32)
     ap.add_argument(
         "--seed-batches",
@@ -929,7 +911,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="also write 1 to /proc/sys/vm/drop_caches before each start (root)",
     )
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    add_json(ap)
     args = ap.parse_args(argv)
     if args.contenders:
         unknown = set(args.contenders) - set(CONTENDERS)
@@ -940,22 +922,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-
-    def on_sigterm(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    workdir = tempfile.mkdtemp(prefix="ple-cold-", dir=args.dir)
-    try:
+    with work_dir("ple-cold-", args.dir) as workdir:
         result = run(args, workdir)
         report(result)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        save_json(result, args.json, indent=1)
         return 0
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ processes other than the benchmark and its server used meanwhile
 (``others_cpu``: other load lands in the bystander's tail; repeat a run where
 it is high). Everything is removed at the end.
 
-    python bench/control_attack.py                         # every case, 10 s each
-    python bench/control_attack.py --cases none,stats --json out.json
+    python -m bench.control_attack                         # every case, 10 s each
+    python -m bench.control_attack --cases none,stats --json out.json
 """
 
 from __future__ import annotations
@@ -37,30 +37,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pleclient import PleClient
+from pleserver.devkit.launcher import ServerLauncher
+from pleserver.devkit.synthetic import SyntheticTable
 
-from lookup import (  # noqa: E402
-    OthersMeter,
-    _proc_ticks,
-    bystander,
-    latency_ms,
-    loadavg,
-    machine,
-    source,
-)
-from pleclient import PleClient  # noqa: E402
-from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
-from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+from .harness.checkout import REPO
+from .harness.load import Helpers, bystander, latency_ms
+from .harness.provenance import OthersMeter, loadavg, machine, proc_ticks, source
+from .harness.scaffold import add_json, add_load, parser, save_json, work_dir
+from .harness.servers import write_model
 
 CASES = ("none", "stats", "prehello", "stats-flood", "connect")
 NOBODY = 65534
@@ -143,72 +133,48 @@ print(json.dumps({"ok": ok, "failures": failures}), flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--dir", help="parent of the temporary directory (default $TMPDIR)")
+    ap = parser(__doc__)
     ap.add_argument(
         "--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES)
     )
-    ap.add_argument("--seconds", type=float, default=10.0, help="per case (default 10)")
+    add_load(ap, seconds=10, gap_ms=5)
     ap.add_argument("--attackers", type=int, default=2, help="attacking processes (default 2)")
-    ap.add_argument("--gap-ms", type=float, default=5.0, help="bystander pause (default 5)")
     ap.add_argument("--newcomer-gap-s", type=float, default=0.5)
-    ap.add_argument("--json", help="also write the results here")
+    add_json(ap)
     return ap.parse_args(argv)
 
 
 def run_case(server, kind: str, args) -> dict:
     """One case: the bystander connects first, then the attack starts."""
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     window = args.seconds + 1.0
-
-    def child(*argv: str) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-c", *argv], stdout=subprocess.PIPE, text=True, cwd=REPO, env=env
-        )
-
-    children: list[subprocess.Popen] = []
-    newcomer = None
-    client = PleClient.connect(server.socket, name="bystander", capacity=16, depth=1)
-    try:
+    attack = [[server.socket, kind, str(window)]] * (args.attackers if kind != "none" else 0)
+    newcomer = [server.socket, str(args.seconds), str(args.newcomer_gap_s)]
+    with (
+        PleClient.connect(server.socket, name="bystander", capacity=16, depth=1) as client,
+        Helpers("attacker", ATTACKER, attack) as attackers,
+    ):
         table = client.table(1)
-        if kind != "none":
-            children = [
-                child(ATTACKER, server.socket, kind, str(window)) for _ in range(args.attackers)
-            ]
-        for c in children:
-            if c.stdout.readline().strip() != "ready":
-                raise RuntimeError("an attacker did not start")
-        if kind == "connect":
-            newcomer = child(NEWCOMER, server.socket, str(args.seconds), str(args.newcomer_gap_s))
-        time.sleep(0.5)  # the attack in its steady state
-        rng = np.random.default_rng(7)
-        meter = OthersMeter(
-            [server.pid] + [c.pid for c in children] + ([newcomer.pid] if newcomer else [])
-        )
-        server_ticks = _proc_ticks(server.pid)
-        meter.start()
-        started = time.monotonic()
-        ms = bystander(client, table, args.seconds, args.gap_ms, rng)
-        elapsed = time.monotonic() - started
-        others = meter.stop()
-        server_cpu = (_proc_ticks(server.pid) - server_ticks) / OthersMeter.HZ / elapsed
-        attacks = [int(c.communicate(timeout=60)[0].split()[-1]) for c in children]
-        newcomers = json.loads(newcomer.communicate(timeout=60)[0]) if newcomer else None
-    finally:
-        client.close()
-        for c in [*children, *([newcomer] if newcomer else [])]:
-            if c.poll() is None:
-                c.kill()
-                c.wait()
+        attackers.wait_ready()
+        with Helpers("newcomer", NEWCOMER, [newcomer] if kind == "connect" else []) as newcomers:
+            time.sleep(0.5)  # the attack in its steady state
+            rng = np.random.default_rng(7)
+            meter = OthersMeter([server.pid, *attackers.pids, *newcomers.pids])
+            server_ticks = proc_ticks(server.pid)
+            meter.start()
+            started = time.monotonic()
+            ms = bystander(client, table, args.seconds, args.gap_ms, rng)
+            elapsed = time.monotonic() - started
+            others = meter.stop()
+            server_cpu = (proc_ticks(server.pid) - server_ticks) / OthersMeter.HZ / elapsed
+            attacks = [int(out.split()[-1]) for out in attackers.outputs()]
+            joined = [json.loads(out) for out in newcomers.outputs()]
     return {
         "case": kind,
         "lookups_per_10s": round(len(ms) * 10 / elapsed),
         **latency_ms(ms),
         "server_cpu": round(server_cpu, 3),
         "attacks": sum(attacks),
-        "newcomers": newcomers,
+        "newcomers": joined[0] if joined else None,
         "others_cpu": others,
         "loadavg": loadavg(),
     }
@@ -223,10 +189,8 @@ def main(argv=None) -> int:
     if "connect" in cases and os.geteuid() != 0:
         print("skipping case 'connect': it needs root (to connect as a refused uid)")
         cases.remove("connect")
-    workdir = tempfile.mkdtemp(prefix="ple-control-", dir=args.dir)
-    try:
-        model = os.path.join(workdir, "model")
-        write_checkpoint(model, [SyntheticTable(layer=1, rows=100_000, dtype="BF16", parts=4)])
+    with work_dir("ple-control-", args.dir) as workdir:
+        model = write_model(workdir, [SyntheticTable(layer=1, rows=100_000, dtype="BF16", parts=4)])
         launcher = ServerLauncher(
             model, "--prewarm", "full", log_level="WARNING", cwd=REPO, die_with_parent=True
         )
@@ -255,11 +219,7 @@ def main(argv=None) -> int:
             if not server.running:
                 raise RuntimeError(f"the server died:\n{server.log_tail()}")
         result["loadavg_end"] = loadavg()
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        save_json(result, args.json, indent=1)
     return 0
 
 

@@ -2,7 +2,7 @@
 # bench/cold.py on a host without vLLM or network (the GPU host): builds the
 # native module in place, holds memory as the model would, and runs every
 # contender on the prebuilt trace. Run from the repository root, with the trace
-# file present (build it elsewhere: python bench/text_trace.py).
+# file present (build it elsewhere: python -m bench.text_trace).
 #
 #   bash bench/device_cold.sh                # defaults below
 #   LEFT_GIB=16 bash bench/device_cold.sh --decode-steps 500
@@ -26,7 +26,7 @@ DIR=${DIR:-${TMPDIR:-/tmp}}
 OUT=${OUT:-.}
 
 if [ ! -f "$TRACE" ]; then
-    echo "no trace at $TRACE: build it with python bench/text_trace.py and carry it" >&2
+    echo "no trace at $TRACE: build it with python -m bench.text_trace and carry it" >&2
     exit 2
 fi
 
@@ -45,5 +45,5 @@ disk_gib=$(df -Pk "$DIR" | awk 'NR == 2 {printf "%d", $4 / 1048576}')
 echo "== memory ${total_gib} GiB (${avail_gib} available), holding ${hold_gib} GiB;" \
      "disk free under $DIR: ${disk_gib} GiB; $(nproc) CPUs"
 
-PYTHONUNBUFFERED=1 "$PYTHON" bench/cold.py --trace "$TRACE" --dir "$DIR" \
+PYTHONUNBUFFERED=1 "$PYTHON" -m bench.cold --trace "$TRACE" --dir "$DIR" \
     --hold-gib "$hold_gib" --json "$OUT/cold-device.json" "$@" 2>&1 | tee "$OUT/cold-device.log"

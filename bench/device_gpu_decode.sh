@@ -23,5 +23,5 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 echo "== $(nproc) CPUs, $("$PYTHON" -c 'import torch; print("torch", torch.__version__)')"
 
-PYTHONUNBUFFERED=1 "$PYTHON" bench/gpu_decode.py --json "$OUT/gpu-decode.json" "$@" 2>&1 \
+PYTHONUNBUFFERED=1 "$PYTHON" -m bench.gpu_decode --json "$OUT/gpu-decode.json" "$@" 2>&1 \
     | tee "$OUT/gpu-decode.log"

@@ -30,7 +30,7 @@ DEADLINE_S=${DEADLINE_S:-480}
 OUT=${OUT:-.}
 
 if [ ! -f "$TRACE" ]; then
-    echo "no trace at $TRACE: build it with python bench/text_trace.py and carry bench/traces" >&2
+    echo "no trace at $TRACE: build it with python -m bench.text_trace and carry bench/traces" >&2
     exit 2
 fi
 echo "== build the native modules"
@@ -45,6 +45,6 @@ echo "== $(nproc) CPUs, $(awk '/^MemTotal:/ {printf "%d GiB", $2 / 1048576}' /pr
      "$(df -Ph "$TABLE_DIR" | awk 'NR == 2 {print $4 " free under the table"}')," \
      "$("$PYTHON" -c 'import torch; print("torch", torch.__version__)')"
 
-PYTHONUNBUFFERED=1 "$PYTHON" bench/northstar.py --part "$part" --trace "$TRACE" \
+PYTHONUNBUFFERED=1 "$PYTHON" -m bench.northstar --part "$part" --trace "$TRACE" \
     --table-dir "$TABLE_DIR" --deadline-s "$DEADLINE_S" --json "$OUT/northstar-$part.json" \
     "$@" 2>&1 | tee "$OUT/northstar-$part.log"

@@ -17,7 +17,7 @@
 # logs' tails into $OUT/logs, the disk probe into $OUT/run.json, and a summary
 # table at the end (also $OUT/summary.txt) over this call's cells and the
 # earlier calls' on the same host. Cell names and plans: bench/vllm_cells.py;
-# `python3 bench/vllm_real.py plan --cells LIST --warm` prints a call's
+# `python3 -m bench.vllm_real plan --cells LIST --warm` prints a call's
 # expected timeline.
 #
 # Environment (all optional but CELLS):
@@ -77,11 +77,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 
 # The checkpoints, each after the one it is the FP8 twin of; a complete one of
 # the same arguments is reused.
-"$PYTHON" bench/vllm_real.py checkpoints --cells "$CELLS" --work "$WORK" >"$WORK/checkpoints.txt"
+"$PYTHON" -m bench.vllm_real checkpoints --cells "$CELLS" --work "$WORK" >"$WORK/checkpoints.txt"
 while read -r name args; do
     t=$(date +%s)
     # shellcheck disable=SC2086  # $args: the script's own arguments, word-split on purpose
-    if ! "$PYTHON" bench/qwen4_checkpoint.py --out "$WORK/ckpt/$name" --device cuda --reuse $args \
+    if ! "$PYTHON" -m bench.qwen4_checkpoint --out "$WORK/ckpt/$name" --device cuda --reuse $args \
             </dev/null >"$WORK/logs/checkpoint-$name.log" 2>&1; then
         tail -20 "$WORK/logs/checkpoint-$name.log" >&2
         echo "device_vllm.sh: checkpoint $name was not written (log above)" >&2
@@ -94,5 +94,5 @@ while read -r name args; do
 done <"$WORK/checkpoints.txt"
 
 echo "== cells, $(elapsed) s since T0, deadline ${DEADLINE_S} s"
-"$PYTHON" bench/vllm_real.py run --cells "$CELLS" --work "$WORK" --out "$OUT" \
+"$PYTHON" -m bench.vllm_real run --cells "$CELLS" --work "$WORK" --out "$OUT" \
     --t0 "$T0" --deadline-s "$DEADLINE_S" "$@"

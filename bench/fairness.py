@@ -21,8 +21,8 @@ and its submitters used meanwhile (``others_cpu``): other load on the machine
 lands in the bystander's tail, so a run with high ``others_cpu`` should be
 repeated. Everything is removed at the end.
 
-    python bench/fairness.py                          # 0, 1 and 4 submitters, 15 s each
-    python bench/fairness.py --submitters 4 --seconds 30 --json out.json
+    python -m bench.fairness                          # 0, 1 and 4 submitters, 15 s each
+    python -m bench.fairness --submitters 4 --seconds 30 --json out.json
 
 Large cold requests (``--attack large-cold``): the server reads from disk
 (``--io direct`` with a row cache of ``--cache-size``, 128 MiB by default,
@@ -34,38 +34,24 @@ sit either side of ``parallel_min_rows``. With ``--cold-bystander`` the
 bystander's table (1 M rows) is not warmed and does not fit the cache: its
 lookups are misses, handed to the gather workers beside the submitters'.
 
-    python bench/fairness.py --attack large-cold --submitters 0,1,3
+    python -m bench.fairness --attack large-cold --submitters 0,1,3
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pleclient import PleClient
+from pleserver.devkit.synthetic import SyntheticTable
 
-from lookup import (  # noqa: E402
-    OthersMeter,
-    Server,
-    bystander,
-    hist_quantiles,
-    latency_ms,
-    loadavg,
-    machine,
-    source,
-)
-from pleclient import PleClient  # noqa: E402
-from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+from .harness.load import Helpers, bystander, latency_ms
+from .harness.provenance import OthersMeter, footer, loadavg, machine, source
+from .harness.scaffold import add_json, add_load, add_server_args, parser, save_json, work_dir
+from .harness.servers import Server, hist_quantiles, write_model
 
 SUBMITTER = """
 import json, os, sys, time
@@ -95,10 +81,7 @@ print(json.dumps({"requests": done, "rows": done * size}), flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")
+    ap = parser(__doc__)
     ap.add_argument("--rows", type=int, default=2_000_000)
     ap.add_argument("--cols", type=int, default=160)
     ap.add_argument(
@@ -106,19 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="0,1,4",
         help="comma-separated numbers of maximal submitters (default 0,1,4)",
     )
-    ap.add_argument("--seconds", type=float, default=15.0, help="per case (default 15)")
-    ap.add_argument(
-        "--gap-ms",
-        type=float,
-        default=1.0,
-        help="pause between the bystander's lookups (default 1)",
-    )
-    ap.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        help="extra `pleserver serve` argument (repeatable), e.g. --server-arg=--chunk-rows=8192",
-    )
+    add_load(ap, seconds=15)
+    add_server_args(ap)
     ap.add_argument(
         "--attack",
         choices=("mapped", "large-cold"),
@@ -135,52 +107,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="large-cold: the bystander's table (1 M rows) is not warmed and does not fit the "
         "cache: its lookups are misses, handed to the gather workers beside the submitters'",
     )
-    ap.add_argument("--json", help="also write the results here")
+    add_json(ap)
     return ap.parse_args(argv)
 
 
 def run_case(server: Server, n: int, args) -> dict:
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    children = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                SUBMITTER,
-                server.socket,
-                str(args.seconds + 2),
-                str(args.request_rows),
-                str(args.depth),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-            env=env,
-        )
-        for _ in range(n)
-    ]
-    try:
-        for child in children:
-            if child.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"a submitter did not start:\n{server.log_tail()}")
+    argv = [server.socket, str(args.seconds + 2), str(args.request_rows), str(args.depth)]
+    with Helpers("submitter", SUBMITTER, [argv] * n) as submitters:
+        submitters.wait_ready(server.log_tail)
         time.sleep(1.0)  # every submitter in its steady state
         rng = np.random.default_rng(7)
-        meter = OthersMeter([server.proc.pid] + [c.pid for c in children])
+        meter = OthersMeter([server.proc.pid, *submitters.pids])
         with PleClient.connect(server.socket, name="bystander", capacity=16, depth=1) as client:
             before = PleClient.query_stats(server.socket)["tables"][1]
             meter.start()
             ms = bystander(client, 1, args.seconds, args.gap_ms, rng)
             others = meter.stop()
             after = PleClient.query_stats(server.socket)["tables"][1]
-        reports = [
-            json.loads(child.communicate(timeout=60)[0].strip().splitlines()[-1])
-            for child in children
-        ]
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
+        reports = submitters.reports()
     submitted_rows = sum(r["rows"] for r in reports)
     return {
         "submitters": n,
@@ -199,64 +143,45 @@ def _pair(q: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    workdir = tempfile.mkdtemp(prefix="ple-fairness-", dir=args.dir)
-    server = None
-    try:
-        model = os.path.join(workdir, "model")
-        write_checkpoint(
-            model,
+    with work_dir("ple-fairness-", args.dir) as workdir:
+        bystanders = 1_000_000 if args.cold_bystander else 100_000
+        model = write_model(
+            workdir,
             [
                 SyntheticTable(layer=0, rows=args.rows, cols=args.cols, dtype="BF16", parts=16),
-                SyntheticTable(
-                    layer=1,
-                    rows=1_000_000 if args.cold_bystander else 100_000,
-                    cols=args.cols,
-                    dtype="BF16",
-                    parts=2,
-                ),
+                SyntheticTable(layer=1, rows=bystanders, cols=args.cols, dtype="BF16", parts=2),
             ],
-            files=1,
         )
         large = args.attack == "large-cold"
         args.request_rows = args.request_rows or (262_144 if large else 16_383)
         args.depth = args.depth or (12 if large else 64)
         extra = ["--io", "direct", "--cache-size", args.cache_size] if large else []
-        server = Server(
+        with Server(
             "fairness", model, 0, max(args.request_rows, 16), [*extra, *args.server_arg]
-        )
-        server.wait_ready()
-        if large and not args.cold_bystander:  # its table in the row cache: hits
-            with PleClient.connect(server.socket, name="warm", capacity=16384) as client:
-                client.lookup(1, np.arange(100_000))
-        result = {"machine": machine(), "source": source(), "args": vars(args), "cases": []}
-        print(
-            f"{'submitters':>10} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} "
-            f"{'p99.9 ms':>9} {'max ms':>8} {'queue p50/p99 µs':>17} "
-            f"{'server p50/p99 µs':>18} {'submitter rows/s':>17} {'others cpu':>10}"
-        )
-        for n in [int(x) for x in args.submitters.split(",") if x.strip()]:
-            case = run_case(server, n, args)
-            result["cases"].append(case)
+        ) as server:
+            server.wait_ready()
+            if large and not args.cold_bystander:  # its table in the row cache: hits
+                with PleClient.connect(server.socket, name="warm", capacity=16384) as client:
+                    client.lookup(1, np.arange(100_000))
+            result = {"machine": machine(), "source": source(), "args": vars(args), "cases": []}
             print(
-                f"{case['submitters']:>10} {case['bystander_lookups']:>8} "
-                f"{case['p50_ms']:>8.3f} {case['p99_ms']:>8.3f} {case['p999_ms']:>9.3f} "
-                f"{case['max_ms']:>8.3f} {_pair(case['server_queue']):>17} "
-                f"{_pair(case['server_time']):>18} {case['submitter_rows_per_s']:>17,} "
-                f"{100 * case['others_cpu']:>9.1f}%",
-                flush=True,
+                f"{'submitters':>10} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} "
+                f"{'p99.9 ms':>9} {'max ms':>8} {'queue p50/p99 µs':>17} "
+                f"{'server p50/p99 µs':>18} {'submitter rows/s':>17} {'others cpu':>10}"
             )
-        print(
-            f"commit {result['source']['commit']}"
-            f"{' (modified)' if result['source']['modified'] else ''}, "
-            f"{result['machine'].get('model_name', '?')}, {result['machine']['cores']} cores"
-        )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-    finally:
-        if server is not None:
-            server.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+            for n in [int(x) for x in args.submitters.split(",") if x.strip()]:
+                case = run_case(server, n, args)
+                result["cases"].append(case)
+                print(
+                    f"{case['submitters']:>10} {case['bystander_lookups']:>8} "
+                    f"{case['p50_ms']:>8.3f} {case['p99_ms']:>8.3f} {case['p999_ms']:>9.3f} "
+                    f"{case['max_ms']:>8.3f} {_pair(case['server_queue']):>17} "
+                    f"{_pair(case['server_time']):>18} {case['submitter_rows_per_s']:>17,} "
+                    f"{100 * case['others_cpu']:>9.1f}%",
+                    flush=True,
+                )
+            print(footer(result))
+            save_json(result, args.json)
     return 0
 
 

@@ -21,8 +21,8 @@ minor faults of the server process and of this client over those ranges
 (``/proc/PID/stat``, ``getrusage``). Load average and the CPU that other
 processes used are printed with every case. Everything is removed at the end.
 
-    python bench/first_requests.py                  # ≈ 1 minute
-    python bench/first_requests.py --cases full --rounds 5 --json first.json
+    python -m bench.first_requests                  # ≈ 1 minute
+    python -m bench.first_requests --cases full --rounds 5 --json first.json
 """
 
 from __future__ import annotations
@@ -38,23 +38,19 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pleserver.devkit.launcher import ServerLauncher
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 
-from lookup import OthersMeter, loadavg, source  # noqa: E402
-from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
-from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+from .harness.checkout import REPO
+from .harness.provenance import OthersMeter, loadavg, source
+from .harness.scaffold import add_json, add_server_args, parser
 
 CASES = ("none", "full", "full-done")
 RANGES = ((0, 10), (10, 50), (50, 200), (200, None))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")
+    ap = parser(__doc__)
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--cols", type=int, default=160)
     ap.add_argument("--parts", type=int, default=128, help="shards")
@@ -64,14 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=1000, help="timed lookups per start")
     ap.add_argument("--size", type=int, default=16, help="ids per lookup (default 16)")
     ap.add_argument("--block", type=int, default=25, help="requests per p50 block (default 25)")
-    ap.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        help="extra argument for every `pleserver serve` (repeatable)",
-    )
+    add_server_args(ap)
     ap.add_argument("--id-seed", type=int, default=20240601)
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    add_json(ap)
     args = ap.parse_args(argv)
     args.cases = [c for c in args.cases.split(",") if c]
     unknown = set(args.cases) - set(CASES)

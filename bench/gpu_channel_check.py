@@ -21,7 +21,7 @@ checkpoint, starts ``pleserver serve`` on it, and checks with
                every replay's hint received by the server, and lookups of
                rows hinted earlier counted as hits on hinted rows
 
-    python3 bench/gpu_channel_check.py [--json out.json]
+    python3 -m bench.gpu_channel_check [--json out.json]
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ import time
 import numpy as np
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from pleclient.gpu import GpuLookups, stream_memops_supported
+from pleserver.devkit.launcher import ServerLauncher
+from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
 
-from pleclient.gpu import GpuLookups, stream_memops_supported  # noqa: E402
-from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
-from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint  # noqa: E402
+from .harness.checkout import REPO
+from .harness.scaffold import save_json
 
 TABLES = [
     SyntheticTable(layer=1, rows=200_000, cols=160, dtype="F8_E4M3", parts=8),
@@ -51,8 +51,8 @@ TABLES = [
 
 CHILD = r"""
 import os, signal, sys, time, numpy as np, torch
-sys.path.insert(0, sys.argv[3])
 from pleclient.gpu import GpuLookups
+from .harness.checkout import REPO
 mode, socket = sys.argv[1], sys.argv[2]
 gl = GpuLookups.open(socket, device="cuda", capacity=1024, depth=2, timeout=60.0)
 rows = gl.client.table(1).rows
@@ -213,7 +213,8 @@ def check_hints(workdir: str, refs: dict[int, torch.Tensor], report: dict) -> No
 
 def run_child(mode: str, server) -> str:
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, mode, server.socket, REPO],
+        [sys.executable, "-c", CHILD, mode, server.socket],
+        cwd=REPO,  # `-c`: the working directory first on the path, this checkout's packages
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -262,9 +263,7 @@ def main() -> int:
             report["watchdog_server_killed"] = run_child("watchdog", second)
         check_hints(workdir, refs, report)
     print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    save_json(report, args.json, indent=1)
     ok = (
         report.get("eager_exact")
         and report.get("graph_replays_not_exact") == 0

@@ -19,47 +19,39 @@ kernel thread ``ple-serving``, from ``/proc/PID/task/TID/stat``) over
 CPU share the rest of the machine used meanwhile (a run with a high one
 should be repeated). Everything is removed at the end.
 
-    python bench/gpu_channels.py                        # 60 channels × 64 slots
-    python bench/gpu_channels.py --channels 120 --json out.json
+    python -m bench.gpu_channels                        # 60 channels × 64 slots
+    python -m bench.gpu_channels --channels 120 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pleclient import PleClient
+from pleclient.gpu import HostStream
+from pleserver.devkit.launcher import LaunchedServer, ServerLauncher
+from pleserver.devkit.synthetic import SyntheticTable, read_reference
 
-from lookup import OthersMeter, bystander, latency_ms, loadavg, machine, source  # noqa: E402
-from pleclient import PleClient  # noqa: E402
-from pleclient.gpu import HostStream  # noqa: E402
-from pleserver.devkit.launcher import LaunchedServer, ServerLauncher  # noqa: E402
-from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint  # noqa: E402
-
-HZ = os.sysconf("SC_CLK_TCK")
+from .harness.checkout import REPO
+from .harness.load import bystander, latency_ms
+from .harness.provenance import OthersMeter, footer, loadavg, machine, source
+from .harness.scaffold import add_json, add_load, parser, save_json, work_dir
+from .harness.servers import write_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")
+    ap = parser(__doc__)
     ap.add_argument("--channels", type=int, default=60, help="GPU-driven channels (default 60)")
     ap.add_argument("--slots", type=int, default=64, help="slots of each (default 64)")
-    ap.add_argument("--seconds", type=float, default=10.0, help="per measurement (default 10)")
+    add_load(ap, seconds=10)
     ap.add_argument("--ring-every", type=float, default=0.9, help="seconds (default 0.9)")
-    ap.add_argument("--gap-ms", type=float, default=1.0, help="bystander pause (default 1)")
-    ap.add_argument("--json", help="also write the results here")
+    add_json(ap)
     return ap.parse_args(argv)
 
 
@@ -121,7 +113,7 @@ def measure(server: LaunchedServer, args) -> dict:
     time.sleep(0.5)  # past the loop's spin after the bystander's last lookup
     ticks, started = serving_thread_ticks(server.pid), time.monotonic()
     time.sleep(args.seconds)
-    cpu = (serving_thread_ticks(server.pid) - ticks) / HZ / (time.monotonic() - started)
+    cpu = (serving_thread_ticks(server.pid) - ticks) / OthersMeter.HZ / (time.monotonic() - started)
     return {
         **latency_ms(ms),
         "serving_cpu": round(cpu, 3),
@@ -132,11 +124,9 @@ def measure(server: LaunchedServer, args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    workdir = tempfile.mkdtemp(prefix="ple-gpu-channels-", dir=args.dir)
-    try:
-        model = os.path.join(workdir, "model")
+    with work_dir("ple-gpu-channels-", args.dir) as workdir:
         table = SyntheticTable(layer=1, rows=100_000, cols=160, dtype="F8_E4M3", parts=2)
-        write_checkpoint(model, [table], files=1)
+        model = write_model(workdir, [table])
         reference = read_reference(model, table.name)
         launcher = ServerLauncher(
             model,
@@ -170,31 +160,29 @@ def main(argv=None) -> int:
             finally:
                 for client in channels:
                     client.close()
-        base = result["none"]
-        print(
-            f"{'case':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'serving cpu':>12} "
-            f"{'p50 ×':>7} {'others cpu':>10} {'load':>6}"
-        )
-        for case in ("none", "idle", "rare"):
-            r = result[case]
-            r["p50_ratio"] = round(r["p50_ms"] / base["p50_ms"], 2)
-            print(
-                f"{case:>6} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['max_ms']:>8.3f} "
-                f"{100 * r['serving_cpu']:>11.1f}% {r['p50_ratio']:>7.2f} "
-                f"{100 * r['others_cpu']:>9.1f}% {r['loadavg'][0] if r['loadavg'] else '?':>6}"
-            )
-        print(
-            f"{args.channels} channels × {args.slots} slots, a ring every {args.ring_every} s; "
-            f"commit {result['source']['commit']}"
-            f"{' (modified)' if result['source']['modified'] else ''}, "
-            f"{result['machine'].get('model_name', '?')}, {result['machine']['cores']} cores"
-        )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        report(result, args)
+        save_json(result, args.json)
     return 0
+
+
+def report(result: dict, args) -> None:
+    base = result["none"]
+    print(
+        f"{'case':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'serving cpu':>12} "
+        f"{'p50 ×':>7} {'others cpu':>10} {'load':>6}"
+    )
+    for case in ("none", "idle", "rare"):
+        r = result[case]
+        r["p50_ratio"] = round(r["p50_ms"] / base["p50_ms"], 2)
+        print(
+            f"{case:>6} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['max_ms']:>8.3f} "
+            f"{100 * r['serving_cpu']:>11.1f}% {r['p50_ratio']:>7.2f} "
+            f"{100 * r['others_cpu']:>9.1f}% {r['loadavg'][0] if r['loadavg'] else '?':>6}"
+        )
+    print(
+        f"{args.channels} channels × {args.slots} slots, a ring every {args.ring_every} s; "
+        + footer(result)
+    )
 
 
 if __name__ == "__main__":

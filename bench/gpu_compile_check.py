@@ -45,8 +45,8 @@ the capture's), the replay call returns to the host while a 20 ms device sleep
 enqueued before it still runs (nothing in the graph path waits for the GPU),
 and, for piecewise, that every PLE op ran outside the graph pieces.
 
-    python3 bench/gpu_compile_check.py [--json out.json] [--steps 20]
-    python3 bench/gpu_compile_check.py --device cpu   # compiled, no graphs: the CPU stand-in
+    python3 -m bench.gpu_compile_check [--json out.json] [--steps 20]
+    python3 -m bench.gpu_compile_check --device cpu   # compiled, no graphs: the CPU stand-in
 
 Build the native modules first (``python3 setup.py -q build_ext --inplace``).
 ``--device cpu`` compiles the same forward with inductor for the CPU and runs
@@ -62,7 +62,6 @@ import contextlib
 import importlib.abc
 import json
 import operator
-import os
 import sys
 import tempfile
 import time
@@ -87,12 +86,12 @@ class _NoVllm(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, _NoVllm())
 
-BENCH = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(BENCH)
-sys.path.insert(0, REPO)
-sys.path.insert(0, BENCH)
 
-from gpu_step_start_check import (  # noqa: E402
+from pleclient.vllm_plugin import step  # noqa: E402
+from pleclient.vllm_plugin.lookups import LayerLookups  # noqa: E402
+from pleserver.devkit.synthetic import SyntheticTable  # noqa: E402
+
+from .gpu_step_start_check import (  # noqa: E402
     HEADS,
     HIDDEN,
     LAYERS,
@@ -106,9 +105,7 @@ from gpu_step_start_check import (  # noqa: E402
     new_ids,
     sync_check,
 )
-from pleclient.vllm_plugin import step  # noqa: E402
-from pleclient.vllm_plugin.lookups import LayerLookups  # noqa: E402
-from pleserver.devkit.synthetic import SyntheticTable  # noqa: E402
+from .harness.scaffold import save_json  # noqa: E402
 
 NAMESPACE = "ple_compile_check"
 START_OP = f"{NAMESPACE}::start"
@@ -690,9 +687,7 @@ def main() -> int:
     report["passed"] = {name: passed(report.get(name), args.steps, cuda) for name in modes}
     report["vllm_imported"] = any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)
     print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    save_json(report, args.json, indent=1)
     return 0 if all(report["passed"].values()) and not report["vllm_imported"] else 1
 
 

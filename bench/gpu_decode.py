@@ -50,9 +50,9 @@ mode passed and more than two steps were queued ahead). The table, the
 checkpoint and the server are removed at the end; ``others`` is the CPU
 other processes used meanwhile.
 
-  python bench/gpu_decode.py                                  # ≈ 2 min on an H200
-  python bench/gpu_decode.py --compute-us 100 --json out.json
-  python bench/gpu_decode.py --dtype BF16 --rows 20000000 --batches 32 --paths a,b,d
+  python -m bench.gpu_decode                                  # ≈ 2 min on an H200
+  python -m bench.gpu_decode --compute-us 100 --json out.json
+  python -m bench.gpu_decode --dtype BF16 --rows 20000000 --batches 32 --paths a,b,d
   bash bench/device_gpu_decode.sh                             # on a bare GPU host
 """
 
@@ -62,7 +62,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import shutil
 import statistics
 import subprocess
@@ -73,16 +72,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-BENCH = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(BENCH)
-sys.path.insert(0, REPO)
-sys.path.insert(0, BENCH)
+from pleclient import protocol
+from pleclient.checkpoint import TableSpec, discover_tables
+from pleserver.devkit.launcher import ServerLauncher
 
-from gpu_lookup import _p90, make_checkpoint, make_plugin, make_uva_kernel, read_table  # noqa: E402
-from lookup import OthersMeter, machine, source  # noqa: E402
-from pleclient import protocol  # noqa: E402
-from pleclient.checkpoint import TableSpec, discover_tables  # noqa: E402
-from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
+from .gpu_lookup import _p90, make_checkpoint, make_plugin, make_uva_kernel, read_table
+from .harness.checkout import REPO
+from .harness.provenance import OthersMeter, machine, source
 
 LABELS = {
     "compute": "compute only",

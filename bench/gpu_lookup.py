@@ -19,14 +19,13 @@ and checks that every path's rows are bit-exact on the device against the
 files. Times are medians of ``--iters`` runs after warm-up, wall-clock from
 ids on the host (GPU for gpu/uva, as vLLM has them) to rows usable on the GPU.
 
-  python bench/gpu_lookup.py                         # 4 M rows × 160 B FP8 (640 MiB)
-  python bench/gpu_lookup.py --rows 20000000 --dtype BF16 --json out.json
-  python bench/gpu_lookup.py --socket /run/ple-server/ple.sock --model /models/X
+  python -m bench.gpu_lookup                         # 4 M rows × 160 B FP8 (640 MiB)
+  python -m bench.gpu_lookup --rows 20000000 --dtype BF16 --json out.json
+  python -m bench.gpu_lookup --socket /run/ple-server/ple.sock --model /models/X
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -39,12 +38,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from pleclient import PleClient
 from pleclient.checkpoint import TableSpec, discover_tables
 from pleclient.torch import PinnedSegment, copy_rows
 from pleserver.devkit.launcher import ServerLauncher
+
+from .harness.scaffold import parser
 
 SIZES = (16, 4096, 131072)
 
@@ -272,24 +271,22 @@ def make_uva_kernel():
 
 # ----------------------------------------------------------------------- main
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=4_000_000)
-    parser.add_argument("--cols", type=int, default=160)
-    parser.add_argument("--dtype", default="F8_E4M3", choices=["F8_E4M3", "BF16"])
-    parser.add_argument("--parts", type=int, default=16)
-    parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument(
+    ap = parser(__doc__, work_dir=False)
+    ap.add_argument("--rows", type=int, default=4_000_000)
+    ap.add_argument("--cols", type=int, default=160)
+    ap.add_argument("--dtype", default="F8_E4M3", choices=["F8_E4M3", "BF16"])
+    ap.add_argument("--parts", type=int, default=16)
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument(
         "--capacity", type=int, default=None, help="rows per request (default: the largest size)"
     )
-    parser.add_argument("--model", help="serve/read this checkpoint instead of a synthetic one")
-    parser.add_argument(
-        "--layer", type=int, default=None, help="the table to use (default: the first)"
-    )
-    parser.add_argument("--socket", help="use this running ple-server (with --model)")
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args()
+    ap.add_argument("--model", help="serve/read this checkpoint instead of a synthetic one")
+    ap.add_argument("--layer", type=int, default=None, help="the table to use (default: the first)")
+    ap.add_argument("--socket", help="use this running ple-server (with --model)")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_lookup.py needs a CUDA device")
     sizes = [int(s) for s in args.sizes.split(",")]

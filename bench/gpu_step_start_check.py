@@ -29,8 +29,8 @@ whose lookup the server has answered:
                GPU-driven route), for contrast: only layer 1's lookup is
                answered while layer 0 sleeps, so the probe can tell
 
-    python3 bench/gpu_step_start_check.py [--json out.json] [--steps 50]
-    python3 bench/gpu_step_start_check.py --device cpu   # the GPU-driven route's CPU stand-in
+    python3 -m bench.gpu_step_start_check [--json out.json] [--steps 50]
+    python3 -m bench.gpu_step_start_check --device cpu   # the GPU-driven route's CPU stand-in
 
 Build the native modules first (``python3 setup.py -q build_ext --inplace``).
 The exit status is 0 when every check passed.
@@ -51,18 +51,17 @@ from collections.abc import Callable
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from pleclient import PleClient
+from pleclient.vllm_plugin import step
+from pleclient.vllm_plugin.identity import Expected
+from pleclient.vllm_plugin.lookups import LayerLookups, StoredRows
+from pleclient.vllm_plugin.routes import Routes
+from pleclient.vllm_plugin.rows import RowService
+from pleclient.vllm_plugin.settings import ShmSettings
+from pleserver.devkit.launcher import ServerLauncher
+from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
 
-from pleclient import PleClient  # noqa: E402
-from pleclient.vllm_plugin import step  # noqa: E402
-from pleclient.vllm_plugin.identity import Expected  # noqa: E402
-from pleclient.vllm_plugin.lookups import LayerLookups, StoredRows  # noqa: E402
-from pleclient.vllm_plugin.routes import Routes  # noqa: E402
-from pleclient.vllm_plugin.rows import RowService  # noqa: E402
-from pleclient.vllm_plugin.settings import ShmSettings  # noqa: E402
-from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
-from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint  # noqa: E402
+from .harness.scaffold import save_json
 
 LAYERS = 6
 PLE_LAYERS = (1, 3, 4)
@@ -468,9 +467,7 @@ def main() -> int:
         ok["compiled"] = _passed(report.get("compiled"), everything)
     report["passed"] = ok
     print(json.dumps(report, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    save_json(report, args.json, indent=1)
     return 0 if all(ok.values()) else 1
 
 

@@ -43,32 +43,28 @@ engine, and the hint reader's Python beside the serving loop's). The CPU
 share that processes other than the benchmark, its server and its flooder
 used meanwhile is ``others_cpu``: repeat a run where it is high.
 
-    python bench/hint_flood.py                      # 15 s a case
-    python bench/hint_flood.py --seconds 30 --json out.json
+    python -m bench.hint_flood                      # 15 s a case
+    python -m bench.hint_flood --seconds 30 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pleclient import PleClient
+from pleserver.devkit.launcher import ServerLauncher
+from pleserver.devkit.synthetic import SyntheticTable
 
-from lookup import OthersMeter, bystander, latency_ms, loadavg, machine, source  # noqa: E402
-from pleclient import PleClient  # noqa: E402
-from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
-from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+from .harness.load import Helpers, bystander, latency_ms
+from .harness.provenance import OthersMeter, footer, loadavg, machine, source
+from .harness.scaffold import add_json, add_load, add_server_args, parser, save_json, work_dir
+from .harness.servers import write_model
 
 FLOODER = """
 import json, os, sys
@@ -113,21 +109,12 @@ print(json.dumps({"sent": sent, "skipped": skipped}), flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")
+    ap = parser(__doc__)
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--cols", type=int, default=160)
     ap.add_argument("--cache-size", default="64M")
-    ap.add_argument("--seconds", type=float, default=15.0, help="per case (default 15)")
-    ap.add_argument("--gap-ms", type=float, default=1.0, help="between lookups (default 1)")
-    ap.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        help="extra `pleserver serve` argument (repeatable), e.g. --server-arg=--queue-depth=64",
-    )
+    add_load(ap, seconds=15)
+    add_server_args(ap)
     ap.add_argument(
         "--flood",
         choices=("large", "tiny", "cached", "rings"),
@@ -149,14 +136,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--hot-rows", type=int, default=4096, help="tiny and cached floods: bystander rows"
     )
-    ap.add_argument("--json", help="also write the results here")
+    add_json(ap)
     return ap.parse_args(argv)
 
 
 def measure_bystander(
     socket: str, seconds: float, gap_ms: float, pids: list[int], seed: int, hot_rows: int = 0
 ) -> dict:
-    """The shared bystander (bench/lookup.py) on the table's first layer (its
+    """The shared bystander (bench/harness/load.py) on the table's first layer (its
     first ``hot_rows`` rows only, when given), with the server's misses and
     hint counters over its run."""
     rng = np.random.default_rng(seed)
@@ -234,44 +221,27 @@ def warm_hot_rows(socket: str, rows: int) -> None:
 def flood_case(server, args, workdir: str) -> dict:
     hot = hot_rows(args)
     stop = os.path.join(workdir, "stop")
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     flooder = {
         "tiny": [TINY_FLOODER, server.socket, stop, str(args.sessions)],
         "rings": [RINGS_FLOODER, server.socket, stop, str(args.sessions)],
     }.get(args.flood, [FLOODER, server.socket, stop, str(hot)])
-    child = subprocess.Popen(
-        [sys.executable, "-c", *flooder],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env=env,
-        preexec_fn=(lambda: os.nice(args.flooder_nice)) if args.flooder_nice else None,
-    )
-    try:
-        if child.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"the flooder did not start:\n{server.log_tail()}")
+    with Helpers("flooder", flooder[0], [flooder[1:]], nice=args.flooder_nice) as flooders:
+        flooders.wait_ready(server.log_tail)
         time.sleep(1.0)  # the flood in its steady state
         case = measure_bystander(
-            server.socket, args.seconds, args.gap_ms, [server.pid, child.pid], 2, hot
+            server.socket, args.seconds, args.gap_ms, [server.pid, *flooders.pids], 2, hot
         )
         open(stop, "w").close()
-        case["flooder"] = json.loads(child.communicate(timeout=60)[0].strip().splitlines()[-1])
+        case["flooder"] = flooders.reports()[0]
         return case
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    workdir = tempfile.mkdtemp(prefix="ple-hint-flood-", dir=args.dir)
-    try:
-        model = os.path.join(workdir, "model")
-        write_checkpoint(
-            model,
+    with work_dir("ple-hint-flood-", args.dir) as workdir:
+        model = write_model(
+            workdir,
             [SyntheticTable(layer=0, rows=args.rows, cols=args.cols, dtype="F8_E4M3", parts=16)],
-            files=1,
         )
         launcher = ServerLauncher(
             model,
@@ -297,41 +267,37 @@ def main(argv=None) -> int:
             result["alone_after"] = measure_bystander(
                 server.socket, args.seconds, args.gap_ms, pids, 3, hot
             )
-        base, flood = result["alone"], result["flood"]
-        result["flood_over_alone"] = {
-            "p50": round(flood["p50_ms"] / base["p50_ms"], 3),
-            "p99": round(flood["p99_ms"] / base["p99_ms"], 3),
-        }
-        print(
-            f"{'case':>12} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} {'p99.9 ms':>9} "
-            f"{'max ms':>8} {'misses/lookup':>14} {'others cpu':>10}"
-        )
-        for name in ("alone", "flood", "alone_after"):
-            c = result[name]
-            print(
-                f"{name:>12} {c['bystander_lookups']:>8} {c['p50_ms']:>8.3f} {c['p99_ms']:>8.3f} "
-                f"{c['p999_ms']:>9.3f} {c['max_ms']:>8.3f} {c['misses_per_lookup']!s:>14} "
-                f"{100 * c['others_cpu']:>9.1f}%"
-            )
-        h = flood["hints"]
-        print(
-            f"flood: hinted rows received {h['hints_received']:,}, read {h['hints_read']:,}, "
-            f"cached {h['hints_cached']:,}, dropped {h['hints_dropped']:,} "
-            f"({', '.join(f'{r} {n:,}' for r, n in h['hints_dropped_by'].items() if n) or '-'})"
-        )
-        ratio = result["flood_over_alone"]
-        print(f"flood / alone: p50 {ratio['p50']:.3f}, p99 {ratio['p99']:.3f}")
-        print(
-            f"commit {result['source']['commit']}"
-            f"{' (modified)' if result['source']['modified'] else ''}, "
-            f"{result['machine'].get('model_name', '?')}, {result['machine']['cores']} cores"
-        )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        report(result)
+        save_json(result, args.json)
     return 0
+
+
+def report(result: dict) -> None:
+    base, flood = result["alone"], result["flood"]
+    result["flood_over_alone"] = {
+        "p50": round(flood["p50_ms"] / base["p50_ms"], 3),
+        "p99": round(flood["p99_ms"] / base["p99_ms"], 3),
+    }
+    print(
+        f"{'case':>12} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} {'p99.9 ms':>9} "
+        f"{'max ms':>8} {'misses/lookup':>14} {'others cpu':>10}"
+    )
+    for name in ("alone", "flood", "alone_after"):
+        c = result[name]
+        print(
+            f"{name:>12} {c['bystander_lookups']:>8} {c['p50_ms']:>8.3f} {c['p99_ms']:>8.3f} "
+            f"{c['p999_ms']:>9.3f} {c['max_ms']:>8.3f} {c['misses_per_lookup']!s:>14} "
+            f"{100 * c['others_cpu']:>9.1f}%"
+        )
+    h = flood["hints"]
+    print(
+        f"flood: hinted rows received {h['hints_received']:,}, read {h['hints_read']:,}, "
+        f"cached {h['hints_cached']:,}, dropped {h['hints_dropped']:,} "
+        f"({', '.join(f'{r} {n:,}' for r, n in h['hints_dropped_by'].items() if n) or '-'})"
+    )
+    ratio = result["flood_over_alone"]
+    print(f"flood / alone: p50 {ratio['p50']:.3f}, p99 {ratio['p99']:.3f}")
+    print(footer(result))
 
 
 if __name__ == "__main__":

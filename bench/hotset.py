@@ -18,8 +18,8 @@ over the files, as hashed n-grams are).
 
 Everything is removed at the end, also on error or Ctrl-C.
 
-    python bench/hotset.py                    # a minute or two
-    python bench/hotset.py --rows 20000000 --cache-size 1G --json out.json
+    python -m bench.hotset                    # a minute or two
+    python -m bench.hotset --rows 20000000 --cache-size 1G --json out.json
 """
 
 from __future__ import annotations
@@ -35,19 +35,18 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from pleclient import PleClient
 from pleserver.config import parse_size
 from pleserver.devkit.launcher import LaunchedServer, ServerLauncher
 from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 
+from .harness.scaffold import parser
+
 STEP_IDS = 32 * 16
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", default=None, help="parent of the temporary directory")
+    ap = parser(__doc__)
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--cache-size", default="64M")
     ap.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the ids")

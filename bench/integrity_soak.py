@@ -25,10 +25,10 @@ and stopped cleanly, and the CPU share other processes of the machine used
 meanwhile (``others_cpu``: this is not a timing benchmark, a busy machine
 only slows it). Exit status 0 when every mode held.
 
-    python bench/integrity_soak.py                                 # 3 minutes a mode
-    python bench/integrity_soak.py --seconds 120 --json soak.json
-    python bench/integrity_soak.py --seconds 3 --rows 30000        # a smoke run
-    python bench/integrity_soak.py --modes direct:io_uring,mmap
+    python -m bench.integrity_soak                                 # 3 minutes a mode
+    python -m bench.integrity_soak --seconds 120 --json soak.json
+    python -m bench.integrity_soak --seconds 3 --rows 30000        # a smoke run
+    python -m bench.integrity_soak --modes direct:io_uring,mmap
 """
 
 from __future__ import annotations
@@ -43,10 +43,8 @@ import tempfile
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, REPO)
-sys.path.insert(0, HERE)
+from .harness.checkout import REPO
+from .harness.scaffold import add_json, parser
 
 MODES = ("mmap", "direct:io_uring", "direct:threads", "buffered:io_uring", "buffered:threads")
 CAPACITY = 2048
@@ -167,7 +165,7 @@ class Child:
 
     def __init__(self, *argv: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), *argv],
+            [sys.executable, "-m", "bench.integrity_soak", *argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -224,9 +222,10 @@ class Child:
 
 
 def run_mode(mode: str, args: argparse.Namespace, model: str, workdir: str) -> dict:
-    from lookup import OthersMeter
     from pleclient import PleClient
     from pleserver.devkit.launcher import ServerLauncher
+
+    from .harness.provenance import OthersMeter
 
     io, _, engine = mode.partition(":")
     state = os.path.join(workdir, f"state-{io}-{engine or 'none'}")
@@ -308,27 +307,28 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--honest"]:
         socket_path, model, positions, seed = argv[1:5]
         return honest(socket_path, model, positions, int(seed))
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=180.0, help="per mode")
-    parser.add_argument(
+    ap = parser(__doc__, work_dir=False)
+    ap.add_argument("--seconds", type=float, default=180.0, help="per mode")
+    ap.add_argument(
         "--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}"
     )
-    parser.add_argument("--attackers", type=int, default=2)
-    parser.add_argument("--honest", type=int, default=2)
-    parser.add_argument(
+    ap.add_argument("--attackers", type=int, default=2)
+    ap.add_argument("--honest", type=int, default=2)
+    ap.add_argument(
         "--rows", type=int, default=200_003, help="rows of the FP8 table (BF16: half, NVFP4: 3/4)"
     )
-    parser.add_argument("--cache-size", default="8M", help="the row cache (direct, buffered)")
-    parser.add_argument("--model", help="a checkpoint written by pleserver.devkit.synthetic")
-    parser.add_argument("--json", metavar="PATH", help="also write the report here")
-    args = parser.parse_args(argv)
+    ap.add_argument("--cache-size", default="8M", help="the row cache (direct, buffered)")
+    ap.add_argument("--model", help="a checkpoint written by pleserver.devkit.synthetic")
+    add_json(ap)
+    args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
-        parser.error(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
+        ap.error(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
 
-    from lookup import loadavg, machine, source
     from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
+
+    from .harness.provenance import loadavg, machine, source
 
     workdir = tempfile.mkdtemp(prefix="ple-integrity-")
     try:

@@ -28,39 +28,31 @@ overlaps the next contender's block. Server variants: ``--files
 seed always use the one-file table); ``--gather-workers 1,2`` starts one server
 per worker count. Everything is removed at the end, also on error or Ctrl-C.
 
-    python bench/lookup.py                       # default run, a few minutes
-    python bench/lookup.py --files 1,4 --gather-workers 1,2 --json out.json
+    python -m bench.lookup                       # default run, a few minutes
+    python -m bench.lookup --files 1,4 --gather-workers 1,2 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import mmap
 import os
-import platform
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pleclient import PleClient
+from pleclient import protocol as p
+from pleclient.checkpoint import discover_tables
+from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 
-from pleclient import PleClient  # noqa: E402
-from pleclient import protocol as p  # noqa: E402
-from pleclient.checkpoint import discover_tables  # noqa: E402
-from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
-from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
-from pleserver.observe.stats import BUCKETS_S  # noqa: E402
-from seed_gather import SeedTable  # noqa: E402
+from .harness.provenance import OthersMeter, cpu_busy, envelope, loadavg
+from .harness.scaffold import add_server_args, parser, work_dir
+from .harness.servers import Server, hist_quantiles
+from .seed_gather import SeedTable
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 DEFAULT_ITERS = "16=20000,1024=4000,4096=2000,131072=100"
@@ -73,10 +65,7 @@ def int_list(text: str) -> list[int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")
+    ap = parser(__doc__)
     ap.add_argument("--rows", type=int, default=12_500_000, help="table rows (default 12.5 M)")
     ap.add_argument("--cols", type=int, default=160)
     ap.add_argument("--parts", type=int, default=128, help="shards")
@@ -93,12 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="server --gather-workers values, one server each, e.g. 1,2 "
         "(default: the server's own default)",
     )
-    ap.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        help="extra argument for every `pleserver serve` (repeatable)",
-    )
+    add_server_args(ap)
     ap.add_argument("--sizes", type=int_list, default=[16, 1024, 4096, 131072])
     ap.add_argument(
         "--iters",
@@ -171,120 +155,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# ------------------------------------------------------------------- machine
-def machine() -> dict:
-    info = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "cores": os.cpu_count(),
-    }
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-        for key in ("model name", "cpu family", "model", "stepping"):
-            for line in lines:
-                if line.split(":")[0].strip() == key:
-                    info[key.replace(" ", "_")] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    info["ram_gib"] = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            info["thp"] = f.read().strip()
-    except OSError:
-        pass
-    return info
-
-
-def source() -> dict:
-    """The commit measured, and whether pleserver/pleclient differ from it."""
-
-    def git(*cmd):
-        try:
-            return subprocess.run(
-                ["git", "-C", REPO, *cmd], capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {
-        "commit": git("rev-parse", "--short", "HEAD") or None,
-        "modified": git("status", "--porcelain", "--", "pleserver", "pleclient").splitlines(),
-    }
-
-
-def cpu_busy(seconds: float = 1.0) -> float:
-    """Fraction of all CPUs busy over ``seconds`` (other processes: we sleep)."""
-
-    def sample():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]  # total, idle + iowait
-
-    try:
-        t0, i0 = sample()
-        time.sleep(seconds)
-        t1, i1 = sample()
-    except OSError:
-        return float("nan")
-    return round(1 - (i1 - i0) / max(1, t1 - t0), 3)
-
-
-def _busy_ticks() -> int:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return sum(v) - v[3] - v[4]  # all but idle and iowait
-
-
-def _proc_ticks(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime + stime
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-class OthersMeter:
-    """CPU used by processes other than the benchmark and its servers, as a
-    fraction of the machine, between ``start`` and ``stop``: the check that
-    nobody else disturbed the timings."""
-
-    HZ = os.sysconf("SC_CLK_TCK")
-
-    def __init__(self, pids: list[int]) -> None:
-        self.pids = pids
-
-    def _sample(self):
-        ours = _proc_ticks(os.getpid()) + sum(_proc_ticks(p) for p in self.pids)
-        return time.monotonic(), _busy_ticks(), ours
-
-    def start(self) -> None:
-        self.t0 = self._sample()
-
-    def stop(self) -> float:
-        t1 = self._sample()
-        wall = t1[0] - self.t0[0]
-        others = (t1[1] - self.t0[1]) - (t1[2] - self.t0[2])
-        return round(max(0.0, others / self.HZ / (wall * (os.cpu_count() or 1))), 3)
-
-
-def loadavg() -> list[float]:
-    try:
-        return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
-    except OSError:
-        return []
-
-
 # --------------------------------------------------------------------- table
 def write_table(model_dir: str, args, files: int) -> None:
     table = SyntheticTable(layer=0, rows=args.rows, cols=args.cols, dtype="BF16", parts=args.parts)
@@ -320,99 +190,7 @@ class Floor:
             pass
 
 
-# -------------------------------------------------------------------- server
-class Server:
-    """A ``pleserver serve --prewarm full`` process (``pleserver.devkit.launcher``),
-    started at once and waited for by ``wait_ready``, so that several servers
-    prewarm while the floor warms its mapping."""
-
-    def __init__(
-        self, label: str, model: str, workers: int, capacity: int, extra: list[str]
-    ) -> None:
-        self.label = label
-        self.launched = ServerLauncher(
-            model,
-            "--prewarm",
-            "full",
-            "--max-capacity",
-            str(capacity),
-            *(["--gather-workers", str(workers)] if workers else []),
-            *extra,
-            log_level="WARNING",
-            cwd=REPO,
-            die_with_parent=True,
-        ).start(wait=False)
-        self.socket = self.launched.socket
-        self.proc = self.launched.proc
-        self.client: PleClient | None = None
-        self.info = None  # the table's TableInfo, once connected
-
-    def log_tail(self) -> str:
-        return self.launched.log_tail()
-
-    def wait_ready(self, timeout: float = 300.0) -> dict:
-        """Until the server is ready and its full prewarm is over: its stats."""
-        self.launched.wait_ready(timeout)
-        state = self.launched.wait_prewarm(timeout)
-        if state != "done":
-            print(f"warning: server {self.label}: prewarm ended '{state}'", file=sys.stderr)
-        return PleClient.query_stats(self.socket)
-
-    def stop(self) -> None:
-        if self.client is not None:
-            try:
-                self.client.close()
-            except Exception:
-                pass
-            self.client = None
-        self.launched.close()
-
-
-def hist_quantiles(before: dict, after: dict) -> dict:
-    """p50/p99 of the requests between two snapshots of a server histogram."""
-    counts = [a - b for a, b in zip(after["buckets"], before["buckets"], strict=True)]
-    total = sum(counts)
-    result = {"count": total}
-    for name, q in (("p50_us", 0.5), ("p99_us", 0.99)):
-        seen, value = 0, None
-        for i, c in enumerate(counts):
-            seen += c
-            if c and seen >= q * total:
-                value = BUCKETS_S[i] * 1e6 if i < len(BUCKETS_S) else after["max_s"] * 1e6
-                break
-        result[name] = value
-    return result
-
-
 # ------------------------------------------------------------------ timing
-def bystander(client, table, seconds: float, gap_ms: float, rng: np.random.Generator) -> np.ndarray:
-    """A bystander's lookups of 16 random ids of ``table`` (a handle or an
-    index), one every ``gap_ms`` for ``seconds``: each call's latency, in ms.
-    The small, steady client whose tail the attack and fairness benches watch."""
-    info = client.table(table) if isinstance(table, (int, str)) else table
-    out = np.empty((16, info.row_bytes), dtype=np.uint8)
-    samples = []
-    stop = time.monotonic() + seconds
-    while time.monotonic() < stop:
-        ids = rng.integers(0, info.rows, 16)
-        t0 = time.perf_counter_ns()
-        client.lookup(info, ids, out=out)
-        samples.append(time.perf_counter_ns() - t0)
-        time.sleep(gap_ms * 1e-3)
-    return np.array(samples) / 1e6
-
-
-def latency_ms(ms: np.ndarray) -> dict:
-    """The count, p50, p99, p99.9 and max of latencies in ms, rounded to µs."""
-    return {
-        "bystander_lookups": len(ms),
-        "p50_ms": round(float(np.percentile(ms, 50)), 3),
-        "p99_ms": round(float(np.percentile(ms, 99)), 3),
-        "p999_ms": round(float(np.percentile(ms, 99.9)), 3),
-        "max_ms": round(float(ms.max()), 3),
-    }
-
-
 def timed(fn, ids: np.ndarray, start: int, stop: int, gap_s: float) -> list[int]:
     clock = time.perf_counter_ns
     samples = []
@@ -479,11 +257,7 @@ def run(args, workdir: str, out_stream) -> dict:
         print(*a, file=progress, flush=True)
 
     result = {
-        "command": "python bench/lookup.py " + " ".join(sys.argv[1:]),
-        "machine": machine(),
-        "source": source(),
-        "loadavg_start": loadavg(),
-        "cpu_busy_before": cpu_busy(),
+        **envelope("lookup"),
         "table": {
             "rows": args.rows,
             "cols": args.cols,
@@ -812,14 +586,7 @@ def _fmt(v) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-
-    def on_sigterm(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with `&`
-    workdir = tempfile.mkdtemp(prefix="ple-bench-", dir=args.dir)
-    try:
+    with work_dir("ple-bench-", args.dir) as workdir:
         json_to_stdout = args.json == "-"
         result = run(args, workdir, sys.stdout if json_to_stdout else None)
         report(result, sys.stderr if json_to_stdout else sys.stdout)
@@ -831,8 +598,6 @@ def main(argv=None) -> int:
                 with open(args.json, "w") as f:
                     f.write(text + "\n")
         return 0 if all(c["pass"] for c in result["targets"]) else 1
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -36,44 +36,31 @@ default timeout), a ``/metrics`` scrape every second (within 5 s), and, with
 0.25 s (within 1 s); it reports the share of each that succeeded. Everything
 is removed at the end.
 
-    python bench/metrics_flood.py                     # every case, 10 s each
-    python bench/metrics_flood.py --cases none,scrape-flood --seconds 30 --json out.json
-    python bench/metrics_flood.py --cases none,slowloris,connect-flood --health-socket
+    python -m bench.metrics_flood                     # every case, 10 s each
+    python -m bench.metrics_flood --cases none,scrape-flood --seconds 30 --json out.json
+    python -m bench.metrics_flood --cases none,slowloris,connect-flood --health-socket
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import os
-import shutil
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pleclient import PleClient
+from pleserver.devkit.synthetic import SyntheticTable
 
-from lookup import (  # noqa: E402
-    OthersMeter,
-    Server,
-    _proc_ticks,
-    bystander,
-    latency_ms,
-    loadavg,
-    machine,
-    source,
-)
-from pleclient import PleClient  # noqa: E402
-from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint  # noqa: E402
+from .harness.load import Helpers, bystander, latency_ms
+from .harness.provenance import OthersMeter, footer, loadavg, machine, proc_ticks, source
+from .harness.scaffold import add_json, add_load, parser, save_json, work_dir
+from .harness.servers import Server, write_model
 
 CASES = (
     "none",
@@ -174,24 +161,18 @@ print(json.dumps(counts), flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")
+    ap = parser(__doc__)
     ap.add_argument("--rows", type=int, default=500_000)
     ap.add_argument("--cols", type=int, default=160)
     ap.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
     ap.add_argument("--flooders", type=int, default=4, help="flooding processes (default 4)")
-    ap.add_argument("--seconds", type=float, default=10.0, help="per case (default 10)")
-    ap.add_argument(
-        "--gap-ms", type=float, default=1.0, help="pause between the bystander's lookups"
-    )
+    add_load(ap, seconds=10)
     ap.add_argument(
         "--health-socket",
         action="store_true",
         help="give the server a health socket and probe it too (servers that have one)",
     )
-    ap.add_argument("--json", help="also write the results here")
+    add_json(ap)
     return ap.parse_args(argv)
 
 
@@ -253,7 +234,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_flooders(case: str, port: int, args) -> list[subprocess.Popen]:
+def start_flooders(case: str, port: int, args) -> Helpers:
     mode, count = {
         "none": ("", 0),
         "prometheus": ("prometheus", 1),
@@ -264,50 +245,38 @@ def start_flooders(case: str, port: int, args) -> list[subprocess.Popen]:
         "slowloris": ("slowloris", 1),
         "connect-storm": ("storm", 1),
     }[case]
-    children = [
-        subprocess.Popen(
-            [sys.executable, "-c", FLOODER, "127.0.0.1", str(port), str(args.seconds + 3), mode],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(count)
-    ]
-    for child in children:
-        assert child.stdout is not None
-        if child.stdout.readline().strip() != "ready":
-            raise RuntimeError("a flooder did not start")
-    return children
+    argv = ["127.0.0.1", str(port), str(args.seconds + 3), mode]
+    flooders = Helpers("flooder", FLOODER, [argv] * count)
+    try:
+        flooders.wait_ready()
+    except BaseException:
+        flooders.close()
+        raise
+    return flooders
 
 
 def run_case(server: Server, port: int, case: str, args, health_socket: str | None) -> dict:
-    children = start_flooders(case, port, args)
     prober = None
-    try:
-        time.sleep(1.0)  # the flood in its steady state
-        prober = Prober(port, health_socket)
-        prober.start()
-        rng = np.random.default_rng(7)
-        meter = OthersMeter([server.proc.pid] + [c.pid for c in children])
-        server_ticks = _proc_ticks(server.proc.pid)
-        with PleClient.connect(server.socket, name="bystander", capacity=16, depth=1) as client:
-            meter.start()
-            started = time.monotonic()
-            ms = bystander(client, 0, args.seconds, args.gap_ms, rng)
-            wall = time.monotonic() - started
-            others = meter.stop()
-            server_cpu = (_proc_ticks(server.proc.pid) - server_ticks) / OthersMeter.HZ / wall
-        probes = prober.stop()
-        reports = [
-            json.loads(child.communicate(timeout=60)[0].strip().splitlines()[-1])
-            for child in children
-        ]
-    finally:
-        if prober is not None:
-            prober.stop()  # (again, when the case ended well: it returns at once)
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
+    with start_flooders(case, port, args) as flooders:
+        try:
+            time.sleep(1.0)  # the flood in its steady state
+            prober = Prober(port, health_socket)
+            prober.start()
+            rng = np.random.default_rng(7)
+            meter = OthersMeter([server.proc.pid, *flooders.pids])
+            server_ticks = proc_ticks(server.proc.pid)
+            with PleClient.connect(server.socket, name="bystander", capacity=16, depth=1) as client:
+                meter.start()
+                started = time.monotonic()
+                ms = bystander(client, 0, args.seconds, args.gap_ms, rng)
+                wall = time.monotonic() - started
+                others = meter.stop()
+                server_cpu = (proc_ticks(server.proc.pid) - server_ticks) / OthersMeter.HZ / wall
+            probes = prober.stop()
+            reports = flooders.reports()
+        finally:
+            if prober is not None:
+                prober.stop()  # (again, when the case ended well: it returns at once)
     span = args.seconds + 3
     return {
         "case": case,
@@ -324,59 +293,44 @@ def run_case(server: Server, port: int, case: str, args, health_socket: str | No
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    workdir = tempfile.mkdtemp(prefix="ple-metrics-flood-", dir=args.dir)
-    server = None
-    try:
-        model = os.path.join(workdir, "model")
-        write_checkpoint(
-            model,
+    with work_dir("ple-metrics-flood-", args.dir) as workdir:
+        model = write_model(
+            workdir,
             [SyntheticTable(layer=0, rows=args.rows, cols=args.cols, dtype="BF16", parts=8)],
-            files=1,
         )
         port = free_port()
         health_socket = os.path.join(workdir, "health.sock") if args.health_socket else None
         extra = ["--metrics-address", f"127.0.0.1:{port}"]
         if health_socket is not None:
             extra += ["--health-socket", health_socket]
-        server = Server("metrics", model, 0, 16, extra)
-        server.wait_ready()
-        result = {"machine": machine(), "source": source(), "args": vars(args), "cases": []}
-        print(
-            f"{'case':>13} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} {'p99.9 ms':>9} "
-            f"{'max ms':>8} {'p50 ×':>6} {'p99 ×':>6} {'200/s':>7} {'503/s':>7} "
-            f"{'server cpu':>10} {'others cpu':>10} {'healthz ok':>10} {'scrapes ok':>10} "
-            f"{'socket ok':>9}"
-        )
-        base = None
-        for case in [c.strip() for c in args.cases.split(",") if c.strip()]:
-            row = run_case(server, port, case, args, health_socket)
-            base = base or row
-            row["p50_ratio"] = round(row["p50_ms"] / base["p50_ms"], 2)
-            row["p99_ratio"] = round(row["p99_ms"] / base["p99_ms"], 2)
-            result["cases"].append(row)
+        with Server("metrics", model, 0, 16, extra) as server:
+            server.wait_ready()
+            result = {"machine": machine(), "source": source(), "args": vars(args), "cases": []}
             print(
-                f"{case:>13} {row['bystander_lookups']:>8} {row['p50_ms']:>8.3f} "
-                f"{row['p99_ms']:>8.3f} {row['p999_ms']:>9.3f} {row['max_ms']:>8.3f} "
-                f"{row['p50_ratio']:>6.2f} {row['p99_ratio']:>6.2f} "
-                f"{row['answered_per_s']:>7.1f} {row['refused_per_s']:>7.1f} "
-                f"{100 * row['server_cpu']:>9.1f}% {100 * row['others_cpu']:>9.1f}% "
-                f"{row.get('healthz_ok', '-'):>10} {row.get('scrape_ok', '-'):>10} "
-                f"{row.get('socket_ok', '-'):>9}",
-                flush=True,
+                f"{'case':>13} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} {'p99.9 ms':>9} "
+                f"{'max ms':>8} {'p50 ×':>6} {'p99 ×':>6} {'200/s':>7} {'503/s':>7} "
+                f"{'server cpu':>10} {'others cpu':>10} {'healthz ok':>10} {'scrapes ok':>10} "
+                f"{'socket ok':>9}"
             )
-        print(
-            f"commit {result['source']['commit']}"
-            f"{' (modified)' if result['source']['modified'] else ''}, "
-            f"{result['machine'].get('model_name', '?')}, {result['machine']['cores']} cores; "
-            f"ratios against the first case of this run"
-        )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-    finally:
-        if server is not None:
-            server.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+            base = None
+            for case in [c.strip() for c in args.cases.split(",") if c.strip()]:
+                row = run_case(server, port, case, args, health_socket)
+                base = base or row
+                row["p50_ratio"] = round(row["p50_ms"] / base["p50_ms"], 2)
+                row["p99_ratio"] = round(row["p99_ms"] / base["p99_ms"], 2)
+                result["cases"].append(row)
+                print(
+                    f"{case:>13} {row['bystander_lookups']:>8} {row['p50_ms']:>8.3f} "
+                    f"{row['p99_ms']:>8.3f} {row['p999_ms']:>9.3f} {row['max_ms']:>8.3f} "
+                    f"{row['p50_ratio']:>6.2f} {row['p99_ratio']:>6.2f} "
+                    f"{row['answered_per_s']:>7.1f} {row['refused_per_s']:>7.1f} "
+                    f"{100 * row['server_cpu']:>9.1f}% {100 * row['others_cpu']:>9.1f}% "
+                    f"{row.get('healthz_ok', '-'):>10} {row.get('scrape_ok', '-'):>10} "
+                    f"{row.get('socket_ok', '-'):>9}",
+                    flush=True,
+                )
+            print(f"{footer(result)}; ratios against the first case of this run")
+            save_json(result, args.json)
     return 0
 
 

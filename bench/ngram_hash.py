@@ -25,13 +25,12 @@ median of ``--repeat`` runs (vLLM's: ``--vllm-repeat``), with the best run
 beside it; ratios are against the floor and against vLLM. The CPU other
 processes used meanwhile and the load average are reported.
 
-    python bench/ngram_hash.py --json ngram.json
+    python -m bench.ngram_hash --json ngram.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,12 +38,10 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pleclient.ngram import NgramConfig, NgramLayer
 
-from lookup import OthersMeter, loadavg, machine, source  # noqa: E402
-from pleclient.ngram import NgramConfig, NgramLayer  # noqa: E402
+from .harness.provenance import OthersMeter, loadavg, machine, source
+from .harness.scaffold import add_json, parser, save_json
 
 EOS = 248_044  # <|endoftext|>, Qwen3.5/3.6 vocabulary
 FLASH_PLE_LAYERS = 1  # Qwen3.8-Flash-Next: one PLE layer (one ≈ 320 M-row table)
@@ -228,9 +225,7 @@ def report(result: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__, work_dir=False)
     ap.add_argument("--tokens", type=int, default=32_768, help="prompt tokens (default 32 768)")
     ap.add_argument(
         "--layers",
@@ -244,7 +239,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--vllm-repeat", type=int, default=3, help="runs of vLLM's path (median)")
     ap.add_argument("--trace", help="take the tokens of a bench/text_trace.py trace")
     ap.add_argument("--no-vllm", action="store_true", help="leave out vLLM's CPU path")
-    ap.add_argument("--json", help="also write the result as JSON here")
+    add_json(ap)
     args = ap.parse_args(argv)
     if args.tokens < 1 or args.layers < 1 or args.chunk < 1 or args.requests < 1:
         ap.error("--tokens, --layers, --chunk and --requests must be positive")
@@ -255,9 +250,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     result = run(args)
     print(report(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    save_json(result, args.json, indent=1)
     return 0
 
 

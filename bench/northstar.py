@@ -127,9 +127,9 @@ table in memory, d and e are the GPU-driven channel's CPU stand-in
 (``GpuLookups`` over ``HostStream``, the same words from the host) against the
 same cold server, steps timed on the host clock; b is unavailable.
 
-  python bench/northstar.py --part 1 --json ns1.json       # GPU: decode ≈ 7 ms + prefill
-  python bench/northstar.py --part 2 --json ns2.json       # GPU: decode ≈ 40 ms
-  python bench/northstar.py --cpu                          # this box: ≈ 1 min
+  python -m bench.northstar --part 1 --json ns1.json       # GPU: decode ≈ 7 ms + prefill
+  python -m bench.northstar --part 2 --json ns2.json       # GPU: decode ≈ 40 ms
+  python -m bench.northstar --cpu                          # this box: ≈ 1 min
   bash bench/device_northstar.sh 1                         # on the GPU host
 """
 
@@ -153,13 +153,15 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-BENCH = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(BENCH)
-sys.path.insert(0, REPO)
-sys.path.insert(0, BENCH)
+from pleclient import PleClient
+from pleclient.checkpoint import INDEX_FILE, TableSpec, discover_tables
+from pleclient.vllm_plugin.prompt_ahead import SLOT_WAIT_S, unique_in_order
+from pleserver.config import parse_size
+from pleserver.devkit.launcher import ServerLauncher
+from pleserver.devkit.synthetic import SyntheticTable, write_safetensors
 
-from cold import ceiling  # noqa: E402
-from gpu_decode import (  # noqa: E402
+from .cold import ceiling
+from .gpu_decode import (
     IDS_PER_TOKEN,
     Batch,
     GpuDriven,
@@ -171,15 +173,11 @@ from gpu_decode import (  # noqa: E402
     no_host_sync,
     run_ops,
 )
-from gpu_lookup import make_uva_kernel  # noqa: E402
-from lookup import OthersMeter, hist_quantiles, machine, source  # noqa: E402
-from pleclient import PleClient  # noqa: E402
-from pleclient.checkpoint import INDEX_FILE, TableSpec, discover_tables  # noqa: E402
-from pleclient.vllm_plugin.prompt_ahead import SLOT_WAIT_S, unique_in_order  # noqa: E402
-from pleserver.config import parse_size  # noqa: E402
-from pleserver.devkit.launcher import ServerLauncher  # noqa: E402
-from pleserver.devkit.synthetic import SyntheticTable, write_safetensors  # noqa: E402
-from text_trace import HEADS, load_trace  # noqa: E402
+from .gpu_lookup import make_uva_kernel
+from .harness.checkout import REPO, TRACE
+from .harness.provenance import OthersMeter, machine, source
+from .harness.servers import hist_quantiles
+from .text_trace import HEADS, load_trace
 
 PATHS = ("a", "b", "prompt-ahead-arrival", "prompt-ahead", "e", "d")
 SERVER_PATHS = ("prompt-ahead-arrival", "prompt-ahead", "e", "d")
@@ -1353,7 +1351,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="run on the CPU at a small size (the default without CUDA)",
     )
-    ap.add_argument("--trace", default=os.path.join(BENCH, "traces", "qwen-text.npz"))
+    ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--cache-size", help="the server's row cache (GPU 1G, CPU 16M)")
     ap.add_argument(
         "--table-factor", type=float, default=10.5, help="table bytes ÷ row cache bytes (10.5)"
@@ -1434,7 +1432,7 @@ def main(argv=None) -> int:
     all_cases, cases = matrix(args)
     workdir = tempfile.mkdtemp(prefix="ple-northstar-", dir=args.workdir)
     report: dict = {
-        "command": "python bench/northstar.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m bench.northstar " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine(),
         "source": source(),
         "args": {k: v for k, v in vars(args).items()},

@@ -60,11 +60,11 @@ The directory gets ``bench-checkpoint.json`` (the arguments and sizes) last, so
 a directory holding it is complete, and a later run with the same arguments
 reuses it (``--reuse``).
 
-    python bench/qwen4_checkpoint.py --out ckpt/small-bf16 --device cuda
-    python bench/qwen4_checkpoint.py --out ckpt/small-fp8 --twin-of ckpt/small-bf16
-    python bench/qwen4_checkpoint.py --out ckpt/small-nvfp4 --twin-of ckpt/small-bf16 --dtype nvfp4
-    python bench/qwen4_checkpoint.py --out ckpt/large-bf16 --ngram-vocab-base 1100000
-    python bench/qwen4_checkpoint.py --out ckpt/tiny --tiny --device cpu
+    python -m bench.qwen4_checkpoint --out ckpt/small-bf16 --device cuda
+    python -m bench.qwen4_checkpoint --out ckpt/small-fp8 --twin-of ckpt/small-bf16
+    python -m bench.qwen4_checkpoint --out ckpt/small-nvfp4 --twin-of ckpt/small-bf16 --dtype nvfp4
+    python -m bench.qwen4_checkpoint --out ckpt/large-bf16 --ngram-vocab-base 1100000
+    python -m bench.qwen4_checkpoint --out ckpt/tiny --tiny --device cpu
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from .harness.checkout import installed_first
 
 log = logging.getLogger("bench.qwen4_checkpoint")
 
@@ -586,4 +588,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    installed_first()
     sys.exit(main())

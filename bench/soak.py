@@ -25,8 +25,8 @@ entry ever appeared, and the server's anonymous memory (RssAnon: its heap, not
 the table pages it maps) grew less than ``--rss-slack`` MiB over the second half
 of the run. Exit status 0 when nothing failed and the server stayed flat.
 
-    python bench/soak.py                              # 10 minutes, 4 clients
-    python bench/soak.py --seconds 3600 --clients 8 --json soak.json
+    python -m bench.soak                              # 10 minutes, 4 clients
+    python -m bench.soak --seconds 3600 --clients 8 --json soak.json
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import tempfile
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from .harness.checkout import REPO
+from .harness.scaffold import add_json, add_server_args, parser
 
 FAULTS = ("kill", "exit", "drop", "abandon", "reject")
 
@@ -210,7 +210,8 @@ class Soak:
         child = subprocess.Popen(
             [
                 sys.executable,
-                os.path.abspath(__file__),
+                "-m",
+                "bench.soak",
                 "--worker",
                 self.socket,
                 self.model,
@@ -368,33 +369,28 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--worker"]:
         socket_path, model, seed, until = argv[1:5]
         return worker(socket_path, model, int(seed), float(until))
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=600.0)
-    parser.add_argument("--clients", type=int, default=4, help="worker processes at once")
-    parser.add_argument(
+    ap = parser(__doc__, work_dir=False)
+    ap.add_argument("--seconds", type=float, default=600.0)
+    ap.add_argument("--clients", type=int, default=4, help="worker processes at once")
+    ap.add_argument(
         "--kill-rate", type=float, default=0.5, help="worker SIGKILLs per second (mean)"
     )
-    parser.add_argument("--sample", type=float, default=1.0, help="seconds between samples")
-    parser.add_argument(
+    ap.add_argument("--sample", type=float, default=1.0, help="seconds between samples")
+    ap.add_argument(
         "--rss-slack",
         type=float,
         default=16.0,
         help="MiB the server's anonymous RSS may grow over the second half",
     )
-    parser.add_argument(
+    ap.add_argument(
         "--rows", type=int, default=200_003, help="rows of the FP8 table (the BF16 one has half)"
     )
-    parser.add_argument("--model", help="a checkpoint written by pleserver.devkit.synthetic")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        help="extra `pleserver serve` argument (repeatable)",
-    )
-    parser.add_argument("--json", metavar="PATH", help="also write the report here")
-    parser.add_argument("--keep", action="store_true", help="keep the work directory")
-    args = parser.parse_args(argv)
+    ap.add_argument("--model", help="a checkpoint written by pleserver.devkit.synthetic")
+    ap.add_argument("--seed", type=int, default=0)
+    add_server_args(ap)
+    add_json(ap)
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = ap.parse_args(argv)
 
     from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 

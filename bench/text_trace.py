@@ -32,7 +32,7 @@ the same inputs (fixed zip timestamps), holding
 - ``meta``: a JSON string (sources with their sha256, tokenizer, vLLM version,
   geometry, rows), read with ``load_trace``.
 
-    python bench/text_trace.py --out bench/traces/qwen-text.npz --check
+    python -m bench.text_trace --out bench/traces/qwen-text.npz --check
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ import time
 import zipfile
 
 import numpy as np
+
+from .harness.checkout import TRACE
+from .harness.scaffold import parser
 
 log = logging.getLogger("bench.text_trace")
 
@@ -409,13 +412,8 @@ def build(args) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--out",
-        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces", "qwen-text.npz"),
-    )
+    ap = parser(__doc__, work_dir=False)
+    ap.add_argument("--out", default=TRACE, help="where the trace goes")
     ap.add_argument(
         "--source",
         action="append",

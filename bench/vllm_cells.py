@@ -88,7 +88,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import vllm_steps
+from . import vllm_steps
 
 CELL_FORMAT = "vllm-real-cell/1"
 RUN_FORMAT = "vllm-real-run/1"
@@ -825,7 +825,7 @@ def judgments(cells: list[dict]) -> dict[str, dict]:
     """Every shm (and vLLM offload) cell's exact runs, judged against the stock
     runs of its reference key (all runs loaded); per cell: verdicts and a
     one-line result."""
-    from vllm_exact import Outcome, distinct_outcomes, judge
+    from .vllm_exact import Outcome, distinct_outcomes, judge
 
     stock: dict[tuple[str, str], list[Outcome]] = {}
     for c in cells:
@@ -871,7 +871,7 @@ def judgments(cells: list[dict]) -> dict[str, dict]:
 
 def cell_brief(c: dict) -> str:
     """One line of what a cell measured, printed as it ends."""
-    from vllm_exact import Outcome, distinct_outcomes
+    from .vllm_exact import Outcome, distinct_outcomes
 
     parts = []
     runs = [Outcome.from_json(r) for r in (c.get("exact") or {}).get("runs", [])]
@@ -928,7 +928,7 @@ def load_runs(dirs: Iterable[Path]) -> list[dict]:
 def references(cells: list[dict]) -> list[str]:
     """Per reference key: the stock engines, their exact runs and how many
     distinct outcomes they gave (1: stock reproduced itself)."""
-    from vllm_exact import Outcome, distinct_outcomes
+    from .vllm_exact import Outcome, distinct_outcomes
 
     by_key: dict[tuple[str, str], tuple[set, list]] = {}
     for c in cells:
@@ -1066,7 +1066,7 @@ def streams_lines(cells: list[dict]) -> list[str]:
     """The restart cells: per run, its failed streams and its longest token gap;
     each event's stall; and each run's tokens judged against every stock
     streams run of its reference (``vllm_exact``'s rule, tokens only)."""
-    from vllm_exact import Outcome, distinct_outcomes, judge
+    from .vllm_exact import Outcome, distinct_outcomes, judge
 
     restart = [c for c in cells if (c.get("restart") or {}).get("runs")]
     if not restart:

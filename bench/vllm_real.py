@@ -32,9 +32,9 @@ At the start, where a cell reads tables with ``--io direct``, the disk is probed
 (cells, exactness verdicts, throughput) of every cell of this call and of the
 earlier calls on the host is printed, and written to ``<out>/summary.txt``.
 
-    python bench/vllm_real.py plan --cells exact-1           # the expected timeline
-    python bench/vllm_real.py run --cells stock-eager,shm-eager --work /tmp/vllm-real --out $OUT
-    python bench/vllm_real.py summary fetched/cells          # any set of cell JSONs
+    python -m bench.vllm_real plan --cells exact-1           # the expected timeline
+    python -m bench.vllm_real run --cells stock-eager,shm-eager --work /tmp/vllm-real --out $OUT
+    python -m bench.vllm_real summary fetched/cells          # any set of cell JSONs
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-import vllm_steps
-from vllm_cells import (
+from . import vllm_steps
+from .harness.checkout import bench_only, installed_first
+from .vllm_cells import (
     CELL_FORMAT,
     CONCURRENCY,
     EXACT_TOKENS,
@@ -127,9 +128,8 @@ def file_stem(name: str) -> str:
 
 # ===================================================================== the host
 def machine() -> dict:
-    """The host, as a reader of the figures needs it (bench/lookup.py has the
-    same, but importing it puts this checkout's packages first on sys.path, and
-    on the GPU host only the installed ones have their native modules)."""
+    """The host, as a reader of the figures needs it (bench.harness.provenance
+    has the CPU side; this one names the GPU host and its GPUs)."""
     info: dict = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "host": platform.node(),
@@ -304,7 +304,8 @@ def wait_gpu_free(baseline_mib: int | None, timeout_s: float = GPU_FREE_WAIT_S) 
 def cell_argv(cell: Cell, work: Path, out: Path, run_id: str, order: int, end_at: float) -> list:
     return [
         sys.executable,
-        str(BENCH / "vllm_real.py"),
+        "-m",
+        "bench.vllm_real",
         "cell",
         cell.name,
         "--work",
@@ -466,8 +467,8 @@ def run_one(
             argv_of(cell, work, out, run_id, order, end_at),
             # Not the checkout: vLLM inspects the model in a `python -m`
             # subprocess, which would import the checkout's unbuilt pleclient
-            # ahead of the installed one.
-            cwd=tempfile.gettempdir(),
+            # ahead of the installed one. A directory of the bench package alone.
+            cwd=bench_only(work),
             stdin=subprocess.DEVNULL,
             stdout=logf,
             stderr=subprocess.STDOUT,
@@ -1000,7 +1001,7 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
         data["times"]["engine_start_s"] = round(time.monotonic() - t, 1)
         data["versions"] = versions()
         if cell.verify:  # (mp0: the worker is in this process)
-            import vllm_verify
+            from . import vllm_verify
 
             layers = engine.llm.collective_rpc(vllm_verify.install, args=(str(model_dir),))
             data["verify"] = {"layers": layers[0]}
@@ -1314,4 +1315,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    installed_first()
     sys.exit(main())

@@ -29,12 +29,9 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
+from bench import vllm_cells as vc
+from bench.vllm_exact import IncomparableOutcomes, Outcome, judge
 from tests.harness import REPO
-
-sys.path.insert(0, str(REPO / "bench"))
-
-import vllm_cells as vc
-from vllm_exact import IncomparableOutcomes, Outcome, judge
 
 BENCH = REPO / "bench"
 
@@ -129,11 +126,11 @@ def tiny(tmp_path_factory) -> Path:
         ],
     ):
         r = subprocess.run(
-            [sys.executable, str(BENCH / "qwen4_checkpoint.py"), *args],
+            [sys.executable, "-m", "bench.qwen4_checkpoint", *args],
             capture_output=True,
             text=True,
             timeout=120,
-            cwd="/",
+            cwd=REPO,
         )
         assert r.returncode == 0, r.stderr[-3000:]
     return root
@@ -153,7 +150,6 @@ def vllm_facts(tiny):
             "-c",
             VLLM_CHECKS,
             str(tiny / "bf16"),
-            str(BENCH),
             TOKENIZER_TEXT,
             str(tiny / "nvfp4"),
         ],
@@ -191,10 +187,10 @@ def cpu_cell(tiny, tmp_path_factory):
     (work / "ckpt" / "small-bf16").symlink_to(tiny / "bf16")
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env.update(VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="WARNING")
-    argv = [sys.executable, str(BENCH / "vllm_real.py"), "run", "--cells", "shm-eager-mp0"]
+    argv = [sys.executable, "-m", "bench.vllm_real", "run", "--cells", "shm-eager-mp0"]
     argv += ["--work", str(work), "--out", str(out), "--deadline-s", "600", "--no-probe"]
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/", env=env
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env
     )
     done: list = []
 
@@ -435,7 +431,7 @@ class VllmStreamStandIn(BaseHTTPRequestHandler):
 def test_the_serve_cells_client_reads_tokens_logprobs_and_times_from_the_stream():
     import asyncio
 
-    import vllm_real
+    from bench import vllm_real
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), VllmStreamStandIn)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -461,7 +457,7 @@ def test_the_serve_cells_client_reads_tokens_logprobs_and_times_from_the_stream(
 
 
 def test_a_serve_cell_waits_for_health_and_says_when_vllm_serve_died():
-    import vllm_real
+    from bench import vllm_real
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), VllmStreamStandIn)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -489,7 +485,7 @@ def test_server_figures_come_from_a_real_ple_server(tiny):
     """A real ple-server as a ``direct`` cell starts it: cold, its row cache
     filled by the first lookups; hits, misses, lookup time and CPU per row
     come from its own counters."""
-    import vllm_real
+    from bench import vllm_real
 
     cell = vc.parse_cell("shm-default-direct")
     served = vllm_real.Served(tiny / "bf16", cell, tiny / "server.log")
@@ -530,8 +526,7 @@ def test_the_step_timeline_comes_from_the_servers_own_trace(tiny):
     at once, then the next step a few ms later): the server's trace cuts into
     those steps, the first one read from disk (a cold direct server), the
     others from its row cache; the summary shows them beside stock's TPOT."""
-    import vllm_real
-    import vllm_steps
+    from bench import vllm_real, vllm_steps
 
     cell = vc.parse_cell("shm-default-direct")
     served = vllm_real.Served(tiny / "bf16", cell, tiny / "server-steps.log")
@@ -579,7 +574,7 @@ def test_a_layer_admitted_late_stays_in_its_step():
     """A loop busy with one layer's rows admits the next layer's request after
     the gap that cuts steps: it is still that step. Once a step has every
     layer, a gap starts the next."""
-    import vllm_steps
+    from bench import vllm_steps
     from pleserver.observe.trace import RECORD
 
     ms = 1_000_000
@@ -622,11 +617,10 @@ os._exit(0)
 COORDINATOR = r"""
 import json, sys, time
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
-import vllm_cells, vllm_real
-work, out = Path(sys.argv[2]), Path(sys.argv[3])
-sleeps, deadline = json.loads(sys.argv[4]), float(sys.argv[5])
-standin = sys.argv[6]
+from bench import vllm_cells, vllm_real
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+sleeps, deadline = json.loads(sys.argv[3]), float(sys.argv[4])
+standin = sys.argv[5]
 vllm_real.GROUP_GRACE_S = 1.0  # the SIGTERM-proof stand-in: SIGKILL soon
 
 def argv_of(cell, work, out, run_id, order, end_at):
@@ -675,7 +669,6 @@ def run_coordinator(tmp_path, sleeps: dict, deadline_s: float) -> list[dict]:
             sys.executable,
             "-c",
             COORDINATOR,
-            str(BENCH),
             str(tmp_path / "work"),
             str(tmp_path / "out"),
             json.dumps(sleeps),
@@ -907,7 +900,8 @@ def test_the_device_script_parses_and_lists_the_checkpoints_its_cells_need(tmp_p
     r = subprocess.run(
         [
             sys.executable,
-            str(BENCH / "vllm_real.py"),
+            "-m",
+            "bench.vllm_real",
             "checkpoints",
             "--cells",
             "exact-3,bench-1",
@@ -917,23 +911,26 @@ def test_the_device_script_parses_and_lists_the_checkpoints_its_cells_need(tmp_p
         capture_output=True,
         text=True,
         timeout=60,
+        cwd=REPO,
     )
     assert r.returncode == 0, r.stderr
     names = [line.split()[0] for line in r.stdout.splitlines()]
     assert names == ["small-bf16", "small-fp8", "large-bf16"]
     assert f"--twin-of {tmp_path}/ckpt/small-bf16" in r.stdout
     plan = subprocess.run(
-        [sys.executable, str(BENCH / "vllm_real.py"), "plan", "--cells", "exact-1"],
+        [sys.executable, "-m", "bench.vllm_real", "plan", "--cells", "exact-1"],
         capture_output=True,
         text=True,
         timeout=60,
+        cwd=REPO,
     )
     assert plan.returncode == 0 and "stock-eager" in plan.stdout
     bad = subprocess.run(
-        [sys.executable, str(BENCH / "vllm_real.py"), "plan", "--cells", "shm-default-host"],
+        [sys.executable, "-m", "bench.vllm_real", "plan", "--cells", "shm-default-host"],
         capture_output=True,
         text=True,
         timeout=60,
+        cwd=REPO,
     )
     assert bad.returncode == 2 and "eager or piecewise" in bad.stderr
 
@@ -945,7 +942,6 @@ VLLM_CHECKS = r"""
 import json, os, sys
 from pathlib import Path
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
-sys.path.insert(0, sys.argv[2])
 from tests.vllm_helpers.cpu_kernels import install_sgl_gemm_standins
 install_sgl_gemm_standins()
 from vllm.distributed import init_distributed_environment
@@ -953,10 +949,10 @@ from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.config import CompilationConfig
 from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
 from vllm.utils.argparse_utils import FlexibleArgumentParser
-import vllm_cells, vllm_real
+from bench import vllm_cells, vllm_real
 from transformers import AutoConfig
 from vllm.tokenizers import get_tokenizer
-model, text = sys.argv[1], sys.argv[3]
+model, text = sys.argv[1], sys.argv[2]
 config = AutoConfig.from_pretrained(model)
 tokenizer = get_tokenizer(model)
 ids = tokenizer.encode(text, add_special_tokens=False)
@@ -982,7 +978,8 @@ for name in ("stock-eager", "offload-piecewise", "shm-default"):
         }
         for e in (generate, serve)
     ]
-import qwen4_checkpoint, torch
+from bench import qwen4_checkpoint
+import torch
 from transformers import Qwen4ExpForCausalLM
 real = {}
 for layers, base in ((4, 100_000), (4, 1_100_000), (16, 550_000)):
@@ -1004,7 +1001,7 @@ init_distributed_environment(1, 0, f"file://{tempfile.mkdtemp()}/init", 0, backe
 from tests.vllm_helpers.qwen4_model import load_vllm_model
 loaded = load_vllm_model(model)
 layers = loaded.model.model.layers
-rounded = load_vllm_model(sys.argv[4])
+rounded = load_vllm_model(sys.argv[3])
 nvfp4 = {"unloaded": rounded.unloaded_parameters, "layers": []}
 for i, layer in enumerate(layers):
     if getattr(layer, "ple", None) is None:

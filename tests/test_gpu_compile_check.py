@@ -17,12 +17,12 @@ pytest.importorskip("torch")
 
 from tests.harness import REPO, shm_entries
 
-SCRIPT = REPO / "bench" / "gpu_compile_check.py"
+SCRIPT = ["-m", "bench.gpu_compile_check"]
 
 
 def test_dry_run_imports_no_vllm(tmp_path):
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run"],
+        [sys.executable, *SCRIPT, "--dry-run"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -40,7 +40,7 @@ def test_compiled_full_and_piecewise_on_the_cpu_stand_in_are_exact(tmp_path):
     before = shm_entries()
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--steps", "2", "--json", str(out)],
+        [sys.executable, *SCRIPT, "--device", "cpu", "--steps", "2", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -17,11 +17,8 @@ import sys
 
 import numpy as np
 
+from bench.text_trace import HEADS, write_npz
 from tests.harness import REPO, shm_entries
-
-sys.path.insert(0, str(REPO / "bench"))
-
-from text_trace import HEADS, write_npz
 
 TRACE_ROWS = 320_001_536  # the trace's geometry: ids are scaled from it onto the table
 
@@ -50,7 +47,8 @@ def test_northstar_on_the_cpu_checks_rows_and_counts_every_cold_miss(tmp_path):
     small_trace(trace)
     argv = [
         sys.executable,
-        str(REPO / "bench" / "northstar.py"),
+        "-m",
+        "bench.northstar",
         "--cpu",
         "--trace",
         str(trace),

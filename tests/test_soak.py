@@ -19,7 +19,8 @@ def test_bounded_soak_verifies_every_row_and_the_server_stays_flat(tmp_path):
     run = subprocess.run(
         [
             sys.executable,
-            str(REPO / "bench" / "soak.py"),
+            "-m",
+            "bench.soak",
             "--seconds",
             str(SECONDS),
             "--clients",
@@ -84,7 +85,8 @@ def test_integrity_soak_smoke_every_mode_verifies_rows_and_none_is_wrong(tmp_pat
     run = subprocess.run(
         [
             sys.executable,
-            str(REPO / "bench" / "integrity_soak.py"),
+            "-m",
+            "bench.integrity_soak",
             "--seconds",
             str(INTEGRITY_SECONDS),
             "--rows",

@@ -1193,11 +1193,8 @@ def verified_generation(args: dict) -> dict:
     checkpoint at ``args["expected"]`` (the served one, or a changed copy)."""
     import vllm.models.qwen4_exp.nvidia.ple_layer as ple_layer_module
 
-    from tests.harness import REPO
+    from bench import vllm_verify
     from tests.vllm_helpers import qwen4_model as qm
-
-    sys.path.insert(0, str(REPO / "bench"))
-    import vllm_verify
 
     ple_layer_module.ple_gate = qm.torch_ple_gate
     ple_layer_module.ple_conv = qm.torch_ple_conv

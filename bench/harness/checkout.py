@@ -1,0 +1,43 @@
+"""Where the checkout is, and how a benchmark keeps its packages out of the way
+of the installed ones.
+
+``python -m bench.<name>`` from the repository root puts the root first on
+``sys.path``: the benchmarks that time this checkout's code want exactly that.
+The real-vLLM ones run where only the *installed* pleserver and pleclient have
+their native modules (a GPU host's checkout is not built), so they take the
+root back out (``installed_first``) and start their own subprocesses from a
+directory that holds the ``bench`` package alone (``bench_only``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(BENCH)
+TRACE = os.path.join(BENCH, "traces", "qwen-text.npz")  # bench.text_trace's real-text trace
+
+
+def installed_first() -> None:
+    """Drop the entry ``python -m`` put first on ``sys.path`` for the working
+    directory when that is the checkout, so that ``import pleclient`` finds the
+    installed package. Called before anything imports pleserver or pleclient;
+    the ``bench`` package, imported already, keeps working (an explicit
+    ``PYTHONPATH`` is left as it is: whoever set it meant it)."""
+    if sys.path and sys.path[0] and os.path.realpath(sys.path[0]) == os.path.realpath(REPO):
+        del sys.path[0]
+
+
+def bench_only(parent: Path) -> Path:
+    """A directory under ``parent`` whose only entry is a link to the ``bench``
+    package: the working directory of a subprocess that runs ``python -m
+    bench.<name>`` outside the checkout, and whose own ``python -m``
+    subprocesses (vLLM starts some) import no package of the checkout."""
+    path = parent / "bench-only"
+    path.mkdir(parents=True, exist_ok=True)
+    link = path / "bench"
+    if not link.is_symlink() or os.readlink(link) != BENCH:
+        link.unlink(missing_ok=True)
+        link.symlink_to(BENCH, target_is_directory=True)
+    return path
