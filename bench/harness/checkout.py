@@ -25,8 +25,25 @@ def installed_first() -> None:
     installed package. Called before anything imports pleserver or pleclient;
     the ``bench`` package, imported already, keeps working (an explicit
     ``PYTHONPATH`` is left as it is: whoever set it meant it)."""
-    if sys.path and sys.path[0] and os.path.realpath(sys.path[0]) == os.path.realpath(REPO):
-        del sys.path[0]
+    # Every entry that is the checkout, not only the first: a ``.pth`` file of
+    # the environment (NVIDIA's CUTLASS DSL ships one) may have put its own
+    # entry in front of it. '' is the working directory.
+    repo = os.path.realpath(REPO)
+    explicit = {
+        os.path.realpath(e) for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e
+    }
+    sys.path[:] = [
+        e
+        for e in sys.path
+        if os.path.realpath(e or os.getcwd()) != repo or os.path.realpath(e or ".") in explicit
+    ]
+    for name in ("pleclient", "pleserver"):
+        module = sys.modules.get(name)
+        if module is not None and os.path.realpath(module.__file__ or "").startswith(repo + os.sep):
+            raise RuntimeError(
+                f"{name} was imported from the checkout ({module.__file__}) before "
+                "installed_first(): move that import below it"
+            )
 
 
 def bench_only(parent: Path) -> Path:
