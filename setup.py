@@ -10,7 +10,7 @@ Environment:
                             and so CI, set it; a user's install from source does
                             not, so a newer compiler's new warning cannot fail it.
   PLESERVER_LIMITED_API=0   build for this interpreter's full C API instead
-                            (bench/abi3_overhead.py compares the two).
+                            (bench/micro/abi3_overhead.py compares the two).
 
 The package also carries the files an operator installs, copied from deploy/
 at build time (``BuildPy``): the systemd units, the sysusers.d and tmpfiles.d

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# bench/cold.py on a host without vLLM or network (the GPU host): builds the
+# bench/evals/cold.py on a host without vLLM or network (the GPU host): builds the
 # native module in place, holds memory as the model would, and runs every
 # contender on the prebuilt trace. Run from the repository root, with the trace
-# file present (build it elsewhere: python -m bench.text_trace).
+# file present (build it elsewhere: python -m bench.sim.text_trace).
 #
 #   bash bench/device_cold.sh                # defaults below
 #   LEFT_GIB=16 bash bench/device_cold.sh --decode-steps 500
@@ -16,7 +16,7 @@
 #   HOLD_GIB   memory to hold instead (overrides LEFT_GIB)
 #   DIR        where the temporary table goes (default $TMPDIR or /tmp)
 #   OUT        where cold-device.json and cold-device.log go (default .)
-# Extra arguments go to bench/cold.py.
+# Extra arguments go to bench/evals/cold.py.
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -26,7 +26,7 @@ DIR=${DIR:-${TMPDIR:-/tmp}}
 OUT=${OUT:-.}
 
 if [ ! -f "$TRACE" ]; then
-    echo "no trace at $TRACE: build it with python -m bench.text_trace and carry it" >&2
+    echo "no trace at $TRACE: build it with python -m bench.sim.text_trace and carry it" >&2
     exit 2
 fi
 
@@ -45,5 +45,5 @@ disk_gib=$(df -Pk "$DIR" | awk 'NR == 2 {printf "%d", $4 / 1048576}')
 echo "== memory ${total_gib} GiB (${avail_gib} available), holding ${hold_gib} GiB;" \
      "disk free under $DIR: ${disk_gib} GiB; $(nproc) CPUs"
 
-PYTHONUNBUFFERED=1 "$PYTHON" -m bench.cold --trace "$TRACE" --dir "$DIR" \
+PYTHONUNBUFFERED=1 "$PYTHON" -m bench.evals.cold --trace "$TRACE" --dir "$DIR" \
     --hold-gib "$hold_gib" --json "$OUT/cold-device.json" "$@" 2>&1 | tee "$OUT/cold-device.log"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/gpu_decode.py on a GPU host without vLLM or network: builds the native
+# bench/gpu/decode.py on a GPU host without vLLM or network: builds the native
 # modules in place, then runs the benchmark. Run from the repository root.
 #
 #   bash bench/device_gpu_decode.sh                           # the default run
@@ -8,7 +8,7 @@
 # Environment (all optional):
 #   PYTHON   interpreter with torch (CUDA), numpy, msgpack (default python3)
 #   OUT      where gpu-decode.json, gpu-decode.log and build.log go (default .)
-# Extra arguments go to bench/gpu_decode.py.
+# Extra arguments go to bench/gpu/decode.py.
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -23,5 +23,5 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 echo "== $(nproc) CPUs, $("$PYTHON" -c 'import torch; print("torch", torch.__version__)')"
 
-PYTHONUNBUFFERED=1 "$PYTHON" -m bench.gpu_decode --json "$OUT/gpu-decode.json" "$@" 2>&1 \
+PYTHONUNBUFFERED=1 "$PYTHON" -m bench.gpu.decode --json "$OUT/gpu-decode.json" "$@" 2>&1 \
     | tee "$OUT/gpu-decode.log"

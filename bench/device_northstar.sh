@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# bench/northstar.py on the GPU host (no vLLM, no network): builds the native
+# bench/evals/northstar.py on the GPU host (no vLLM, no network): builds the native
 # modules in place, then runs one part of the matrix. Run from the repository
 # root with the trace present: build it where vLLM is (python
-# bench/text_trace.py, 34.3 MiB, git-ignored) and carry bench/traces.
+# bench/sim/text_trace.py, 34.3 MiB, git-ignored) and carry bench/traces.
 #
 #   bash bench/device_northstar.sh 1    # decode at ≈ 7 ms (1 000 steps) and prefill: ≈ 7 min
 #   bash bench/device_northstar.sh 2    # decode at ≈ 40 ms (250 steps): ≈ 6 min
@@ -18,10 +18,10 @@
 #               10-minute limit, build included)
 #   OUT         where northstar-PART.json, northstar-PART.log and build.log go
 #               (default .)
-# Extra arguments go to bench/northstar.py.
+# Extra arguments go to bench/evals/northstar.py.
 set -euo pipefail
 
-part=${1:?usage: bash bench/device_northstar.sh 1|2|all [arguments for bench/northstar.py]}
+part=${1:?usage: bash bench/device_northstar.sh 1|2|all [arguments for bench/evals/northstar.py]}
 shift
 PYTHON=${PYTHON:-python3}
 TRACE=${TRACE:-bench/traces/qwen-text.npz}
@@ -30,7 +30,7 @@ DEADLINE_S=${DEADLINE_S:-480}
 OUT=${OUT:-.}
 
 if [ ! -f "$TRACE" ]; then
-    echo "no trace at $TRACE: build it with python -m bench.text_trace and carry bench/traces" >&2
+    echo "no trace at $TRACE: build it with python -m bench.sim.text_trace and carry bench/traces" >&2
     exit 2
 fi
 echo "== build the native modules"
@@ -45,6 +45,6 @@ echo "== $(nproc) CPUs, $(awk '/^MemTotal:/ {printf "%d GiB", $2 / 1048576}' /pr
      "$(df -Ph "$TABLE_DIR" | awk 'NR == 2 {print $4 " free under the table"}')," \
      "$("$PYTHON" -c 'import torch; print("torch", torch.__version__)')"
 
-PYTHONUNBUFFERED=1 "$PYTHON" -m bench.northstar --part "$part" --trace "$TRACE" \
+PYTHONUNBUFFERED=1 "$PYTHON" -m bench.evals.northstar --part "$part" --trace "$TRACE" \
     --table-dir "$TABLE_DIR" --deadline-s "$DEADLINE_S" --json "$OUT/northstar-$part.json" \
     "$@" 2>&1 | tee "$OUT/northstar-$part.log"

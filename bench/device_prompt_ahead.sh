@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What each stage of prompt-ahead buys, on the GPU host: bench/northstar.py's
+# What each stage of prompt-ahead buys, on the GPU host: bench/evals/northstar.py's
 # cold 4-chunk prefill (PLE layer 1 and 16) with the paths a, e, and the two
 # prompt-ahead stages, then prompt-ahead-arrival again with the request waiting
 # longer in the queue before it is scheduled (one decode step, about half a

@@ -9,15 +9,15 @@
 # the first part has a machine, send the other 25 and this script's call in one
 # message, so that the host never idles (it resets after 30 s).
 #
-# It writes the checkpoints the cells need (bench/qwen4_checkpoint.py on the GPU,
+# It writes the checkpoints the cells need (bench/real_vllm/checkpoint.py on the GPU,
 # kept under $WORK and reused by later calls while the host lives), then runs
-# bench/vllm_real.py's coordinator: each cell (one engine: LLM.generate or
+# bench/real_vllm/coordinator.py's coordinator: each cell (one engine: LLM.generate or
 # vllm serve, with its own ple-server where it uses one) in a process group of
 # its own that is ended after the cell, one JSON per cell into $OUT/cells, the
 # logs' tails into $OUT/logs, the disk probe into $OUT/run.json, and a summary
 # table at the end (also $OUT/summary.txt) over this call's cells and the
-# earlier calls' on the same host. Cell names and plans: bench/vllm_cells.py;
-# `python3 -m bench.vllm_real plan --cells LIST --warm` prints a call's
+# earlier calls' on the same host. Cell names and plans: bench/real_vllm/cells.py;
+# `python3 -m bench.real_vllm.coordinator plan --cells LIST --warm` prints a call's
 # expected timeline.
 #
 # Environment (all optional but CELLS):
@@ -33,7 +33,7 @@
 #   WORK        checkpoints, full logs, the host's history (default /tmp/vllm-real)
 #   COMMIT      the commit measured, for the JSONs (the device copy has no .git)
 #   PYTHON      the interpreter site.sh set up (default python3)
-# Extra arguments go to `bench/vllm_real.py run`.
+# Extra arguments go to `bench/real_vllm/coordinator.py run`.
 set -euo pipefail
 
 # The deadline counts from the device call's start: T0 if given, else when the
@@ -59,7 +59,7 @@ DEADLINE_S=${DEADLINE_S:-540}
 OUT=${OUT:-.}
 WORK=${WORK:-/tmp/vllm-real}
 PYTHON=${PYTHON:-python3}
-CELLS=${CELLS:?"CELLS=<cell and plan names, comma-separated> (bench/vllm_cells.py)"}
+CELLS=${CELLS:?"CELLS=<cell and plan names, comma-separated> (bench/real_vllm/cells.py)"}
 export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export TOKENIZERS_PARALLELISM=false
 
@@ -77,11 +77,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 
 # The checkpoints, each after the one it is the FP8 twin of; a complete one of
 # the same arguments is reused.
-"$PYTHON" -m bench.vllm_real checkpoints --cells "$CELLS" --work "$WORK" >"$WORK/checkpoints.txt"
+"$PYTHON" -m bench.real_vllm.coordinator checkpoints --cells "$CELLS" --work "$WORK" >"$WORK/checkpoints.txt"
 while read -r name args; do
     t=$(date +%s)
     # shellcheck disable=SC2086  # $args: the script's own arguments, word-split on purpose
-    if ! "$PYTHON" -m bench.qwen4_checkpoint --out "$WORK/ckpt/$name" --device cuda --reuse $args \
+    if ! "$PYTHON" -m bench.real_vllm.checkpoint --out "$WORK/ckpt/$name" --device cuda --reuse $args \
             </dev/null >"$WORK/logs/checkpoint-$name.log" 2>&1; then
         tail -20 "$WORK/logs/checkpoint-$name.log" >&2
         echo "device_vllm.sh: checkpoint $name was not written (log above)" >&2
@@ -94,5 +94,5 @@ while read -r name args; do
 done <"$WORK/checkpoints.txt"
 
 echo "== cells, $(elapsed) s since T0, deadline ${DEADLINE_S} s"
-"$PYTHON" -m bench.vllm_real run --cells "$CELLS" --work "$WORK" --out "$OUT" \
+"$PYTHON" -m bench.real_vllm.coordinator run --cells "$CELLS" --work "$WORK" --out "$OUT" \
     --t0 "$T0" --deadline-s "$DEADLINE_S" "$@"

@@ -54,7 +54,7 @@ of them, EOS where there are fewer). ``row_ids(tokens, context)`` takes the
 previous tokens, any number of them; ``batch_ids`` takes vLLM's batch layout
 itself. Both are tested equal, bit for bit, to ``compute_ngram_ids``.
 
-Speed (``bench/ngram_hash.py``): numpy, whose loops over the arrays (the
+Speed (``bench/micro/ngram_hash.py``): numpy, whose loops over the arrays (the
 products, the modulo) run with the GIL released; a 32 768-token prompt at
 Qwen3.8-Flash-Next geometry (524 288 ids per PLE layer) in about 2 ms on one
 x86-64 core, ≈ 0.55 × the speed of its one unavoidable step, a 64-bit modulo

@@ -494,7 +494,7 @@ class ServerConfig:
         "Keep when each answered request was admitted, gathered, handed to a worker "
         "and answered, and write these records (NumPy .npy, at most 4 M of 48 bytes) "
         "to this file when the server stops: for finding where a client's step waits "
-        "(bench/vllm_real.py reads it). None: no trace.",
+        "(bench/real_vllm/coordinator.py reads it). None: no trace.",
         optional=True,
         metavar="FILE",
     )

@@ -1,5 +1,5 @@
-"""``bench/vllm_real.py``, ``bench/vllm_cells.py``, ``bench/vllm_exact.py`` and
-``bench/qwen4_checkpoint.py`` on the CPU, before they get the GPU host's scarce
+"""``bench.real_vllm``'s coordinator, cells, exactness rule and checkpoint
+script on the CPU, before they get the GPU host's scarce
 minutes: the exactness rule on constructed outcomes, the checkpoint (written
 by the script, accepted by ``pleserver inspect``, transformers and vLLM's own
 loader), the arguments vLLM's own parsers make of each cell, the OpenAI
@@ -29,8 +29,8 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from bench import vllm_cells as vc
-from bench.vllm_exact import IncomparableOutcomes, Outcome, judge
+from bench.real_vllm import cells as vc
+from bench.real_vllm.exact import IncomparableOutcomes, Outcome, judge
 from tests.harness import REPO
 
 BENCH = REPO / "bench"
@@ -126,7 +126,7 @@ def tiny(tmp_path_factory) -> Path:
         ],
     ):
         r = subprocess.run(
-            [sys.executable, "-m", "bench.qwen4_checkpoint", *args],
+            [sys.executable, "-m", "bench.real_vllm.checkpoint", *args],
             capture_output=True,
             text=True,
             timeout=120,
@@ -187,7 +187,7 @@ def cpu_cell(tiny, tmp_path_factory):
     (work / "ckpt" / "small-bf16").symlink_to(tiny / "bf16")
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env.update(VLLM_TARGET_DEVICE="cpu", VLLM_LOGGING_LEVEL="WARNING")
-    argv = [sys.executable, "-m", "bench.vllm_real", "run", "--cells", "shm-eager-mp0"]
+    argv = [sys.executable, "-m", "bench.real_vllm.coordinator", "run", "--cells", "shm-eager-mp0"]
     argv += ["--work", str(work), "--out", str(out), "--deadline-s", "600", "--no-probe"]
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env
@@ -431,7 +431,7 @@ class VllmStreamStandIn(BaseHTTPRequestHandler):
 def test_the_serve_cells_client_reads_tokens_logprobs_and_times_from_the_stream():
     import asyncio
 
-    from bench import vllm_real
+    from bench.real_vllm import coordinator as vllm_real
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), VllmStreamStandIn)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -457,7 +457,7 @@ def test_the_serve_cells_client_reads_tokens_logprobs_and_times_from_the_stream(
 
 
 def test_a_serve_cell_waits_for_health_and_says_when_vllm_serve_died():
-    from bench import vllm_real
+    from bench.real_vllm import coordinator as vllm_real
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), VllmStreamStandIn)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -485,7 +485,7 @@ def test_server_figures_come_from_a_real_ple_server(tiny):
     """A real ple-server as a ``direct`` cell starts it: cold, its row cache
     filled by the first lookups; hits, misses, lookup time and CPU per row
     come from its own counters."""
-    from bench import vllm_real
+    from bench.real_vllm import coordinator as vllm_real
 
     cell = vc.parse_cell("shm-default-direct")
     served = vllm_real.Served(tiny / "bf16", cell, tiny / "server.log")
@@ -526,7 +526,8 @@ def test_the_step_timeline_comes_from_the_servers_own_trace(tiny):
     at once, then the next step a few ms later): the server's trace cuts into
     those steps, the first one read from disk (a cold direct server), the
     others from its row cache; the summary shows them beside stock's TPOT."""
-    from bench import vllm_real, vllm_steps
+    from bench.real_vllm import coordinator as vllm_real
+    from bench.real_vllm import steps as vllm_steps
 
     cell = vc.parse_cell("shm-default-direct")
     served = vllm_real.Served(tiny / "bf16", cell, tiny / "server-steps.log")
@@ -574,7 +575,7 @@ def test_a_layer_admitted_late_stays_in_its_step():
     """A loop busy with one layer's rows admits the next layer's request after
     the gap that cuts steps: it is still that step. Once a step has every
     layer, a gap starts the next."""
-    from bench import vllm_steps
+    from bench.real_vllm import steps as vllm_steps
     from pleserver.observe.trace import RECORD
 
     ms = 1_000_000
@@ -617,7 +618,7 @@ os._exit(0)
 COORDINATOR = r"""
 import json, sys, time
 from pathlib import Path
-from bench import vllm_cells, vllm_real
+from bench.real_vllm import cells as vllm_cells, coordinator as vllm_real
 work, out = Path(sys.argv[1]), Path(sys.argv[2])
 sleeps, deadline = json.loads(sys.argv[3]), float(sys.argv[4])
 standin = sys.argv[5]
@@ -901,7 +902,7 @@ def test_the_device_script_parses_and_lists_the_checkpoints_its_cells_need(tmp_p
         [
             sys.executable,
             "-m",
-            "bench.vllm_real",
+            "bench.real_vllm.coordinator",
             "checkpoints",
             "--cells",
             "exact-3,bench-1",
@@ -918,7 +919,7 @@ def test_the_device_script_parses_and_lists_the_checkpoints_its_cells_need(tmp_p
     assert names == ["small-bf16", "small-fp8", "large-bf16"]
     assert f"--twin-of {tmp_path}/ckpt/small-bf16" in r.stdout
     plan = subprocess.run(
-        [sys.executable, "-m", "bench.vllm_real", "plan", "--cells", "exact-1"],
+        [sys.executable, "-m", "bench.real_vllm.coordinator", "plan", "--cells", "exact-1"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -926,7 +927,14 @@ def test_the_device_script_parses_and_lists_the_checkpoints_its_cells_need(tmp_p
     )
     assert plan.returncode == 0 and "stock-eager" in plan.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "bench.vllm_real", "plan", "--cells", "shm-default-host"],
+        [
+            sys.executable,
+            "-m",
+            "bench.real_vllm.coordinator",
+            "plan",
+            "--cells",
+            "shm-default-host",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -949,7 +957,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.config import CompilationConfig
 from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
 from vllm.utils.argparse_utils import FlexibleArgumentParser
-from bench import vllm_cells, vllm_real
+from bench.real_vllm import cells as vllm_cells, coordinator as vllm_real
 from transformers import AutoConfig
 from vllm.tokenizers import get_tokenizer
 model, text = sys.argv[1], sys.argv[2]
@@ -978,7 +986,7 @@ for name in ("stock-eager", "offload-piecewise", "shm-default"):
         }
         for e in (generate, serve)
     ]
-from bench import qwen4_checkpoint
+from bench.real_vllm import checkpoint as qwen4_checkpoint
 import torch
 from transformers import Qwen4ExpForCausalLM
 real = {}

@@ -1,4 +1,4 @@
-"""``bench/vllm_verify.py``, the noise-free check of the real-vLLM harness:
+"""``bench/real_vllm/verify.py``, the noise-free check of the real-vLLM harness:
 every PLE row a generation's steps received, compared with the checkpoint's
 bytes, in vLLM 0.33's own classes on CPU with a real ple-server. It finds
 nothing wrong where the server serves the checkpoint, and finds the rows

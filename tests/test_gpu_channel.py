@@ -4,7 +4,7 @@
 writes exactly the words a CUDA stream writes (``SlotView.ring`` / ``wait_done``
 / ``reset_done``), so the server's polling, the done and error words, and the
 watchdog are the ones a GPU meets. The CUDA side itself runs on a GPU host
-(``bench/gpu_decode.py``, ``bench/gpu_channel_check.py``).
+(``bench/gpu/decode.py``, ``bench/gpu/channel_check.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``bench/gpu_compile_check.py`` on the CPU: the forward compiled by inductor
+"""``bench/gpu/compile_check.py`` on the CPU: the forward compiled by inductor
 (full, and split at the PLE ops as vLLM's piecewise backend splits it) over the
 GPU-driven route's CPU stand-in, against a real server, with vLLM hidden from
 the process as on the GPU host. No CUDA graphs here: those modes run on the
@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 
 from tests.harness import REPO, shm_entries
 
-SCRIPT = ["-m", "bench.gpu_compile_check"]
+SCRIPT = ["-m", "bench.gpu.compile_check"]
 
 
 def test_dry_run_imports_no_vllm(tmp_path):

@@ -1,7 +1,7 @@
-"""``bench/northstar.py`` at a small size on the CPU: a real cold server per
+"""``bench/evals/northstar.py`` at a small size on the CPU: a real cold server per
 path, the GPU-driven channel's CPU stand-in, the report. The trace here is a
 small one made for the test (Zipf-distributed ids, so that rows repeat as in
-text); the benchmark itself runs on ``bench/text_trace.py``'s real text.
+text); the benchmark itself runs on ``bench/sim/text_trace.py``'s real text.
 
 What must hold: every path that ran returned the table's rows; a server path's
 misses are exactly the trace's first-touch ids (a row cache that starts empty
@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from bench.text_trace import HEADS, write_npz
+from bench.sim.text_trace import HEADS, write_npz
 from tests.harness import REPO, shm_entries
 
 TRACE_ROWS = 320_001_536  # the trace's geometry: ids are scaled from it onto the table
@@ -48,7 +48,7 @@ def test_northstar_on_the_cpu_checks_rows_and_counts_every_cold_miss(tmp_path):
     argv = [
         sys.executable,
         "-m",
-        "bench.northstar",
+        "bench.evals.northstar",
         "--cpu",
         "--trace",
         str(trace),

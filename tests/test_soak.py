@@ -1,4 +1,4 @@
-"""The bounded soak: ``bench/soak.py`` for ``$PLE_SOAK_SECONDS`` (default 40 s)
+"""The bounded soak: ``bench/evals/soak.py`` for ``$PLE_SOAK_SECONDS`` (default 40 s)
 with three client processes joining, leaving and failing at random. Every row
 is checked; nothing may fail; the server's footprint stays flat."""
 
@@ -20,7 +20,7 @@ def test_bounded_soak_verifies_every_row_and_the_server_stays_flat(tmp_path):
         [
             sys.executable,
             "-m",
-            "bench.soak",
+            "bench.evals.soak",
             "--seconds",
             str(SECONDS),
             "--clients",
@@ -78,7 +78,7 @@ INTEGRITY_SECONDS = float(os.environ.get("PLE_INTEGRITY_SOAK_SECONDS", "3"))
 
 
 def test_integrity_soak_smoke_every_mode_verifies_rows_and_none_is_wrong(tmp_path):
-    """``bench/integrity_soak.py`` for ``$PLE_INTEGRITY_SOAK_SECONDS`` (default
+    """``bench/evals/integrity_soak.py`` for ``$PLE_INTEGRITY_SOAK_SECONDS`` (default
     3 s) per io mode: attackers rewriting their slots beside honest clients
     that check every row; no row may differ from the checkpoint."""
     out = tmp_path / "integrity.json"
@@ -86,7 +86,7 @@ def test_integrity_soak_smoke_every_mode_verifies_rows_and_none_is_wrong(tmp_pat
         [
             sys.executable,
             "-m",
-            "bench.integrity_soak",
+            "bench.evals.integrity_soak",
             "--seconds",
             str(INTEGRITY_SECONDS),
             "--rows",

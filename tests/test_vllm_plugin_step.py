@@ -1,7 +1,7 @@
 """The step start's wiring (``pleclient.vllm_plugin.step``) over a pipeline
 stage's layer range, with layers shaped like vLLM's decoder layers (torch
 modules with an optional ``ple``). The whole model, with real lookups, is
-``test_vllm_plugin_model.py``; on a GPU, ``bench/gpu_step_start_check.py``."""
+``test_vllm_plugin_model.py``; on a GPU, ``bench/gpu/step_start_check.py``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Where the checkout is, and how a benchmark keeps its packages out of the way
 of the installed ones.
 
-``python -m bench.<name>`` from the repository root puts the root first on
+``python -m bench.<kind>.<name>`` from the repository root puts the root first on
 ``sys.path``: the benchmarks that time this checkout's code want exactly that.
 The real-vLLM ones run where only the *installed* pleserver and pleclient have
 their native modules (a GPU host's checkout is not built), so they take the
@@ -16,7 +16,7 @@ from pathlib import Path
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(BENCH)
-TRACE = os.path.join(BENCH, "traces", "qwen-text.npz")  # bench.text_trace's real-text trace
+TRACE = os.path.join(BENCH, "traces", "qwen-text.npz")  # bench.sim.text_trace's real-text trace
 
 
 def installed_first() -> None:
@@ -49,7 +49,7 @@ def installed_first() -> None:
 def bench_only(parent: Path) -> Path:
     """A directory under ``parent`` whose only entry is a link to the ``bench``
     package: the working directory of a subprocess that runs ``python -m
-    bench.<name>`` outside the checkout, and whose own ``python -m``
+    bench.<kind>.<name>`` outside the checkout, and whose own ``python -m``
     subprocesses (vLLM starts some) import no package of the checkout."""
     path = parent / "bench-only"
     path.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from .checkout import REPO
+from bench.harness.checkout import REPO
 
 
 def bystander(client, table, seconds: float, gap_ms: float, rng: np.random.Generator) -> np.ndarray:

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from .checkout import REPO
+from bench.harness.checkout import REPO
 
 
 def machine() -> dict:

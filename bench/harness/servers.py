@@ -8,12 +8,11 @@ import os
 import sys
 from collections.abc import Sequence
 
+from bench.harness.checkout import REPO
 from pleclient import PleClient
 from pleserver.devkit.launcher import ServerLauncher
 from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 from pleserver.observe.stats import BUCKETS_S
-
-from .checkout import REPO
 
 
 def write_model(workdir: str, tables: Sequence[SyntheticTable], files: int = 1) -> str:

@@ -16,11 +16,11 @@ Reads ``docs/figures/data/`` (``--data``) and writes into ``docs/figures/``
   source);
 - ``lookup-latency.svg``: latency against rows per request, p50 and p99, for
   the in-process floor, the seed and pleserver (``lookup.json``: the shape
-  ``bench/lookup.py --json`` writes);
+  ``bench/micro/lookup.py --json`` writes);
 - ``northstar-steps.svg``: decode step times of the target case (PLE layer
   16, batch 32) with the table resident, in pinned host memory, and served
   from disk; ``northstar-ratios.svg``: every case's time against resident
-  (``northstar-1.json``: ``bench/northstar.py --json`` as written;
+  (``northstar-1.json``: ``bench/evals/northstar.py --json`` as written;
   ``sources.json`` corrects its commit).
 
 ``data/README.md`` says which command, commit and machine each data file
@@ -371,7 +371,7 @@ def lookup_latency(data: Path) -> Svg:
         20,
         468,
         [
-            f"bench/lookup.py: {rows(t['rows'])} rows × {t['row_bytes']} B ({t['dtype']}, "
+            f"bench.micro.lookup: {rows(t['rows'])} rows × {t['row_bytes']} B ({t['dtype']}, "
             f"{t['gib']} GiB, one file), uniformly random ids, no pause between requests",
             f"commit {d['source']['commit']}; {m['summary']}; {m['date'][:10]}",
         ],
@@ -405,7 +405,8 @@ def northstar_footnote(svg: Svg, y: float, data: Path, d: dict, what: str) -> No
         20,
         y,
         [
-            f"bench/northstar.py --part {d['args']['part']}: {what}; {d['args']['layers']} layers, "
+            f"bench.evals.northstar --part {d['args']['part']}: {what}; "
+            f"{d['args']['layers']} layers, "
             f"≈ {d['cases'][0]['step_ms']:g} ms step; table {t['bytes'] / 2**30:.1f} GiB "
             f"{t['dtype']}, row cache {d['cache_bytes'] / 2**30:g} GiB, --io direct, "
             "each server cold",
@@ -500,7 +501,7 @@ def northstar_steps(data: Path) -> Svg:
 
 
 def case_windows(steps: int) -> list[tuple[int, str]]:
-    """bench/northstar.py's decode windows: first 50, warming, steady (the last half)."""
+    """bench/evals/northstar.py's decode windows: first 50, warming, steady (the last half)."""
     half = steps // 2
     if half <= 50:
         return [(0, "first 50"), (half, "steady")]

@@ -39,7 +39,7 @@ read turns prompt-ahead off for a while (``RETRY_S``) or for good, said once
 in the log; lookups never depend on it. A server that went away (stopped,
 restarted) is connected to again at the next prompt.
 
-What each stage buys is measured by ``bench/northstar.py`` (paths
+What each stage buys is measured by ``bench/evals/northstar.py`` (paths
 ``prompt-ahead-arrival`` and ``prompt-ahead``), and the server counts every
 hinted row: received, read, already cached, dropped by reason, and the
 lookups that hit a hinted row (``pleserver stats``, ``ple_hints_*``).

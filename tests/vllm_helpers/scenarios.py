@@ -1189,11 +1189,11 @@ def restart_mid_generation(args: dict) -> dict:
 @scenario
 def verified_generation(args: dict) -> dict:
     """The whole tiny model with the plugin over the steps of a generation,
-    every PLE lookup checked by ``bench/vllm_verify.py`` against the
+    every PLE lookup checked by ``bench/real_vllm/verify.py`` against the
     checkpoint at ``args["expected"]`` (the served one, or a changed copy)."""
     import vllm.models.qwen4_exp.nvidia.ple_layer as ple_layer_module
 
-    from bench import vllm_verify
+    from bench.real_vllm import verify as vllm_verify
     from tests.vllm_helpers import qwen4_model as qm
 
     ple_layer_module.ple_gate = qm.torch_ple_gate

@@ -19,8 +19,8 @@ kernel thread ``ple-serving``, from ``/proc/PID/task/TID/stat``) over
 CPU share the rest of the machine used meanwhile (a run with a high one
 should be repeated). Everything is removed at the end.
 
-    python -m bench.gpu_channels                        # 60 channels × 64 slots
-    python -m bench.gpu_channels --channels 120 --json out.json
+    python -m bench.gpu.channels                        # 60 channels × 64 slots
+    python -m bench.gpu.channels --channels 120 --json out.json
 """
 
 from __future__ import annotations
@@ -33,16 +33,15 @@ import time
 
 import numpy as np
 
+from bench.harness.checkout import REPO
+from bench.harness.load import bystander, latency_ms
+from bench.harness.provenance import OthersMeter, footer, loadavg, machine, source
+from bench.harness.scaffold import add_json, add_load, parser, save_json, work_dir
+from bench.harness.servers import write_model
 from pleclient import PleClient
 from pleclient.gpu import HostStream
 from pleserver.devkit.launcher import LaunchedServer, ServerLauncher
 from pleserver.devkit.synthetic import SyntheticTable, read_reference
-
-from .harness.checkout import REPO
-from .harness.load import bystander, latency_ms
-from .harness.provenance import OthersMeter, footer, loadavg, machine, source
-from .harness.scaffold import add_json, add_load, parser, save_json, work_dir
-from .harness.servers import write_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:

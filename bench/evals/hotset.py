@@ -18,8 +18,8 @@ over the files, as hashed n-grams are).
 
 Everything is removed at the end, also on error or Ctrl-C.
 
-    python -m bench.hotset                    # a minute or two
-    python -m bench.hotset --rows 20000000 --cache-size 1G --json out.json
+    python -m bench.evals.hotset                    # a minute or two
+    python -m bench.evals.hotset --rows 20000000 --cache-size 1G --json out.json
 """
 
 from __future__ import annotations
@@ -35,12 +35,11 @@ import time
 
 import numpy as np
 
+from bench.harness.scaffold import parser
 from pleclient import PleClient
 from pleserver.config import parse_size
 from pleserver.devkit.launcher import LaunchedServer, ServerLauncher
 from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
-
-from .harness.scaffold import parser
 
 STEP_IDS = 32 * 16
 

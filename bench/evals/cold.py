@@ -15,11 +15,11 @@ One run, in this order:
    ``drop_caches`` with ``--drop-caches`` as root) and a fresh server:
 
    - ``mmap``: today's path (``pleserver serve --io mmap``, no prewarm);
-   - ``seed``: the seed's gather (``bench/seed_gather.py``) in this process;
+   - ``seed``: the seed's gather (``bench/micro/seed_gather.py``) in this process;
    - ``direct`` / ``buffered``: the row cache and miss engine
      (``--io direct`` / ``--io buffered``).
 
-   The workload comes from the real-text trace (``bench/text_trace.py``,
+   The workload comes from the real-text trace (``bench/sim/text_trace.py``,
    ``--trace``; its ids scaled onto the table's rows): ``--decode-steps``
    decode steps of 32 sequences × 16 ids, or ``--prefill-chunks`` prefill chunks
    of 2 048 tokens × 16 ids, sent by a ``PleClient`` to a real ``pleserver
@@ -39,8 +39,8 @@ ratios: cold decode / prefill speed-up over mmap mode, misses at % of the
 ceiling. Everything it starts or writes goes at the end, also on an error,
 Ctrl-C or SIGTERM.
 
-    python -m bench.cold --trace bench/traces/qwen-text.npz --hold-gib 12 --json cold.json
-    python -m bench.cold --table-gib 2 --hold-gib 1 --decode-steps 300 --prefill-chunks 4
+    python -m bench.evals.cold --trace bench/traces/qwen-text.npz --hold-gib 12 --json cold.json
+    python -m bench.evals.cold --table-gib 2 --hold-gib 1 --decode-steps 300 --prefill-chunks 4
 """
 
 from __future__ import annotations
@@ -57,17 +57,16 @@ import time
 
 import numpy as np
 
+from bench.harness.checkout import REPO, TRACE
+from bench.harness.provenance import OthersMeter, cpu_busy, envelope, loadavg
+from bench.harness.scaffold import add_json, add_server_args, parser, save_json, work_dir
+from bench.harness.servers import close_client
+from bench.micro.seed_gather import SeedTable
+from bench.sim.text_trace import HEADS, load_trace
 from pleclient import PleClient
 from pleclient.checkpoint import discover_tables
 from pleserver.devkit.launcher import ServerLauncher, die_with_parent
 from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
-
-from .harness.checkout import REPO, TRACE
-from .harness.provenance import OthersMeter, cpu_busy, envelope, loadavg
-from .harness.scaffold import add_json, add_server_args, parser, save_json, work_dir
-from .harness.servers import close_client
-from .seed_gather import SeedTable
-from .text_trace import HEADS, load_trace
 
 CONTENDERS = ("mmap", "seed", "direct", "buffered")
 SERVER_MODES = ("mmap", "direct", "buffered")
@@ -829,7 +828,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--trace",
         default=TRACE,
-        help="trace file from bench/text_trace.py",
+        help="trace file from bench/sim/text_trace.py",
     )
     ap.add_argument("--dir", help="parent of the temporary table directory (default $TMPDIR)")
     ap.add_argument(

@@ -13,7 +13,7 @@ One run, in this order (``bench/device_northstar.sh`` wraps it for the GPU host)
 2. **the disk**: 4 KiB ``O_DIRECT`` random reads over the table's files at
    queue depth 1 and 128 (``pleserver._native.probe_random_reads``, the probe
    of ``pleserver doctor``), ``--probe-seconds`` each;
-3. **the trace**: ids from ``bench/text_trace.py`` (real text, vLLM's hashing;
+3. **the trace**: ids from ``bench/sim/text_trace.py`` (real text, vLLM's hashing;
    ``--trace``), scaled onto the table's rows. Each case takes its own window
    of text, laid out over the trace in matrix order (no case reads text an
    earlier case read, while the trace lasts); its last tokens (three of the
@@ -27,11 +27,11 @@ One run, in this order (``bench/device_northstar.sh`` wraps it for the GPU host)
    ``pleserver serve --io direct --cache-size …`` with a fresh, empty state
    directory (no hot set) and nothing prewarmed; it stops when the path ends.
    Before the timed steps each path builds its step (the eager warm-up steps
-   and the CUDA graph capture of ``bench/gpu_decode.py``) and replays it once,
+   and the CUDA graph capture of ``bench/gpu/decode.py``) and replays it once,
    all three steps on the warm-up text: the timed text's rows are never
    touched before they are timed.
 
-The emulated model (``bench/gpu_decode.py``): ``--layers`` (32) decoder layers
+The emulated model (``bench/gpu/decode.py``): ``--layers`` (32) decoder layers
 ``x = tanh(x @ W)``, W [H, H] BF16, H chosen so that one layer's matmul at
 batch 32 takes ``step / layers`` (``--step-ms`` 7 → 219 µs, 40 → 1 250 µs, a
 GB10-class step: H up to 65 536), and one PLE layer per case at
@@ -127,9 +127,9 @@ table in memory, d and e are the GPU-driven channel's CPU stand-in
 (``GpuLookups`` over ``HostStream``, the same words from the host) against the
 same cold server, steps timed on the host clock; b is unavailable.
 
-  python -m bench.northstar --part 1 --json ns1.json       # GPU: decode ≈ 7 ms + prefill
-  python -m bench.northstar --part 2 --json ns2.json       # GPU: decode ≈ 40 ms
-  python -m bench.northstar --cpu                          # this box: ≈ 1 min
+  python -m bench.evals.northstar --part 1 --json ns1.json       # GPU: decode ≈ 7 ms + prefill
+  python -m bench.evals.northstar --part 2 --json ns2.json       # GPU: decode ≈ 40 ms
+  python -m bench.evals.northstar --cpu                          # this box: ≈ 1 min
   bash bench/device_northstar.sh 1                         # on the GPU host
 """
 
@@ -153,15 +153,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from pleclient import PleClient
-from pleclient.checkpoint import INDEX_FILE, TableSpec, discover_tables
-from pleclient.vllm_plugin.prompt_ahead import SLOT_WAIT_S, unique_in_order
-from pleserver.config import parse_size
-from pleserver.devkit.launcher import ServerLauncher
-from pleserver.devkit.synthetic import SyntheticTable, write_safetensors
-
-from .cold import ceiling
-from .gpu_decode import (
+from bench.evals.cold import ceiling
+from bench.gpu.decode import (
     IDS_PER_TOKEN,
     Batch,
     GpuDriven,
@@ -173,11 +166,17 @@ from .gpu_decode import (
     no_host_sync,
     run_ops,
 )
-from .gpu_lookup import make_uva_kernel
-from .harness.checkout import REPO, TRACE
-from .harness.provenance import OthersMeter, machine, source
-from .harness.servers import hist_quantiles
-from .text_trace import HEADS, load_trace
+from bench.gpu.lookup import make_uva_kernel
+from bench.harness.checkout import REPO, TRACE
+from bench.harness.provenance import OthersMeter, machine, source
+from bench.harness.servers import hist_quantiles
+from bench.sim.text_trace import HEADS, load_trace
+from pleclient import PleClient
+from pleclient.checkpoint import INDEX_FILE, TableSpec, discover_tables
+from pleclient.vllm_plugin.prompt_ahead import SLOT_WAIT_S, unique_in_order
+from pleserver.config import parse_size
+from pleserver.devkit.launcher import ServerLauncher
+from pleserver.devkit.synthetic import SyntheticTable, write_safetensors
 
 PATHS = ("a", "b", "prompt-ahead-arrival", "prompt-ahead", "e", "d")
 SERVER_PATHS = ("prompt-ahead-arrival", "prompt-ahead", "e", "d")
@@ -1432,7 +1431,8 @@ def main(argv=None) -> int:
     all_cases, cases = matrix(args)
     workdir = tempfile.mkdtemp(prefix="ple-northstar-", dir=args.workdir)
     report: dict = {
-        "command": "python -m bench.northstar " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m bench.evals.northstar "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine(),
         "source": source(),
         "args": {k: v for k, v in vars(args).items()},

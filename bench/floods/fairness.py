@@ -21,8 +21,8 @@ and its submitters used meanwhile (``others_cpu``): other load on the machine
 lands in the bystander's tail, so a run with high ``others_cpu`` should be
 repeated. Everything is removed at the end.
 
-    python -m bench.fairness                          # 0, 1 and 4 submitters, 15 s each
-    python -m bench.fairness --submitters 4 --seconds 30 --json out.json
+    python -m bench.floods.fairness                          # 0, 1 and 4 submitters, 15 s each
+    python -m bench.floods.fairness --submitters 4 --seconds 30 --json out.json
 
 Large cold requests (``--attack large-cold``): the server reads from disk
 (``--io direct`` with a row cache of ``--cache-size``, 128 MiB by default,
@@ -34,7 +34,7 @@ sit either side of ``parallel_min_rows``. With ``--cold-bystander`` the
 bystander's table (1 M rows) is not warmed and does not fit the cache: its
 lookups are misses, handed to the gather workers beside the submitters'.
 
-    python -m bench.fairness --attack large-cold --submitters 0,1,3
+    python -m bench.floods.fairness --attack large-cold --submitters 0,1,3
 """
 
 from __future__ import annotations
@@ -45,13 +45,12 @@ import time
 
 import numpy as np
 
+from bench.harness.load import Helpers, bystander, latency_ms
+from bench.harness.provenance import OthersMeter, footer, loadavg, machine, source
+from bench.harness.scaffold import add_json, add_load, add_server_args, parser, save_json, work_dir
+from bench.harness.servers import Server, hist_quantiles, write_model
 from pleclient import PleClient
 from pleserver.devkit.synthetic import SyntheticTable
-
-from .harness.load import Helpers, bystander, latency_ms
-from .harness.provenance import OthersMeter, footer, loadavg, machine, source
-from .harness.scaffold import add_json, add_load, add_server_args, parser, save_json, work_dir
-from .harness.servers import Server, hist_quantiles, write_model
 
 SUBMITTER = """
 import json, os, sys, time

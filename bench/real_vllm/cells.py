@@ -1,4 +1,4 @@
-"""The cells of ``bench/vllm_real.py``: what each one runs, what it costs, its prompts,
+"""The cells of ``bench/real_vllm/coordinator.py``: what each one runs, what it costs, its prompts,
 its server figures and the summary of a run. Pure Python (no vLLM, no torch), so the
 plan, the deadline and the summary are the same code on the GPU host and in the
 CPU test.
@@ -53,7 +53,7 @@ cells for one device call each.
 **Exact runs**: 8 prompts of real English text (one of 2 900 tokens, chunked
 at 512), 32 greedy tokens, ``logprobs=5``, ``ignore_eos``, every prompt
 submitted at once; the token ids and logprobs are the outcome
-(``vllm_exact.Outcome``). A shm (or offload) run is judged against every
+(``exact.Outcome``). A shm (or offload) run is judged against every
 stock run of the same reference (API, graphs mode, trunk and table size,
 multiprocessing): the stock runs of every engine of it, in this call and in
 the host's earlier calls. Prefix caching is off in every engine, so a
@@ -88,7 +88,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import vllm_steps
+from bench.real_vllm import steps as vllm_steps
 
 CELL_FORMAT = "vllm-real-cell/1"
 RUN_FORMAT = "vllm-real-run/1"
@@ -113,7 +113,7 @@ RESTART_AWAY_S = 3.0
 # ----------------------------------------------------------------- checkpoints
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint of ``bench/qwen4_checkpoint.py``."""
+    """A checkpoint of ``bench/real_vllm/checkpoint.py``."""
 
     name: str
     layers: int
@@ -130,7 +130,7 @@ class Checkpoint:
         return f"{self.layers}L-{self.ngram_vocab_base}{rounded}"
 
     def args(self, work: Path) -> list[str]:
-        """``bench/qwen4_checkpoint.py``'s arguments, but ``--out`` and ``--device``."""
+        """``bench/real_vllm/checkpoint.py``'s arguments, but ``--out`` and ``--device``."""
         if self.twin_of:
             return ["--twin-of", str(work / "ckpt" / self.twin_of), "--dtype", self.dtype]
         return [
@@ -289,7 +289,7 @@ def parse_cell(name: str) -> Cell:
             raise CellError(
                 f"{name}: unknown word {word!r}; a cell name joins {BACKENDS}, {MODES}, "
                 "serve, host, direct, nopa, unordered, nospin, fp8/nvfp4/large/deep/deepsmall, "
-                "mp0, x<N>, tp[<N>], noexact, restart, verify (bench/vllm_cells.py)"
+                "mp0, x<N>, tp[<N>], noexact, restart, verify (bench/real_vllm/cells.py)"
             )
     if not seen_backend:
         raise CellError(f"{name}: no backend; name one of {BACKENDS}")
@@ -342,7 +342,8 @@ def cell_problem(cell: Cell) -> str | None:
 PLANS: dict[str, list[str]] = {
     # Each plan is one device call's worth in the order that matters most; what
     # does not fit is skipped and named, to run first in the next call.
-    # `vllm_real.py plan --cells NAME [--warm] [--spent-s S]` prints the timeline.
+    # `python -m bench.real_vllm.coordinator plan --cells NAME [--warm]
+    # [--spent-s S]` prints the timeline.
     #
     # Session 1, exactness. Call 1, on a fresh host (the install, then the
     # first start's kernel compiles: ≈ 220 s):
@@ -561,7 +562,7 @@ def decide(
 def plan_text(
     cells: list[Cell], deadline_s: float, costs: Costs, history: History, spent_s: float = 0.0
 ) -> str:
-    """The expected timeline of a call (``vllm_real.py plan``) whose first
+    """The expected timeline of a call (``bench.real_vllm.coordinator plan``) whose first
     ``spent_s`` seconds went to the install and the checkpoints."""
     lines, clock = [f"{'(install, checkpoints)':<36} {spent_s:>5.0f} s"], spent_s
     history = History(list(history.starts))
@@ -613,7 +614,7 @@ def prose() -> Prose:
         docs = tuple((name, topics.topics[name]) for name in sorted(topics.topics))
         return Prose(docs, f"pydoc_data.topics of Python {sys.version.split()[0]}")
     except ImportError:
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]
         docs = tuple(
             (p.name, p.read_text(errors="replace")) for p in sorted((root / "docs").glob("*.md"))
         )
@@ -621,7 +622,7 @@ def prose() -> Prose:
 
 
 def tokens_of(text: str) -> list[int]:
-    """The byte-level tokenizer of ``bench/qwen4_checkpoint.py``: id = byte."""
+    """The byte-level tokenizer of ``bench/real_vllm/checkpoint.py``: id = byte."""
     return list(text.encode("utf-8"))
 
 
@@ -825,7 +826,7 @@ def judgments(cells: list[dict]) -> dict[str, dict]:
     """Every shm (and vLLM offload) cell's exact runs, judged against the stock
     runs of its reference key (all runs loaded); per cell: verdicts and a
     one-line result."""
-    from .vllm_exact import Outcome, distinct_outcomes, judge
+    from bench.real_vllm.exact import Outcome, distinct_outcomes, judge
 
     stock: dict[tuple[str, str], list[Outcome]] = {}
     for c in cells:
@@ -871,7 +872,7 @@ def judgments(cells: list[dict]) -> dict[str, dict]:
 
 def cell_brief(c: dict) -> str:
     """One line of what a cell measured, printed as it ends."""
-    from .vllm_exact import Outcome, distinct_outcomes
+    from bench.real_vllm.exact import Outcome, distinct_outcomes
 
     parts = []
     runs = [Outcome.from_json(r) for r in (c.get("exact") or {}).get("runs", [])]
@@ -928,7 +929,7 @@ def load_runs(dirs: Iterable[Path]) -> list[dict]:
 def references(cells: list[dict]) -> list[str]:
     """Per reference key: the stock engines, their exact runs and how many
     distinct outcomes they gave (1: stock reproduced itself)."""
-    from .vllm_exact import Outcome, distinct_outcomes
+    from bench.real_vllm.exact import Outcome, distinct_outcomes
 
     by_key: dict[tuple[str, str], tuple[set, list]] = {}
     for c in cells:
@@ -949,7 +950,7 @@ def references(cells: list[dict]) -> list[str]:
 
 
 def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
-    """The tables a run prints at its end (``vllm_real.py summary`` for any set
+    """The tables a run prints at its end (``bench.real_vllm.coordinator summary`` for any set
     of cell JSONs and run.json files)."""
     lines = []
     for run in runs:
@@ -1065,8 +1066,8 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
 def streams_lines(cells: list[dict]) -> list[str]:
     """The restart cells: per run, its failed streams and its longest token gap;
     each event's stall; and each run's tokens judged against every stock
-    streams run of its reference (``vllm_exact``'s rule, tokens only)."""
-    from .vllm_exact import Outcome, distinct_outcomes, judge
+    streams run of its reference (``exact``'s rule, tokens only)."""
+    from bench.real_vllm.exact import Outcome, distinct_outcomes, judge
 
     restart = [c for c in cells if (c.get("restart") or {}).get("runs")]
     if not restart:

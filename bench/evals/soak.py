@@ -25,8 +25,8 @@ entry ever appeared, and the server's anonymous memory (RssAnon: its heap, not
 the table pages it maps) grew less than ``--rss-slack`` MiB over the second half
 of the run. Exit status 0 when nothing failed and the server stayed flat.
 
-    python -m bench.soak                              # 10 minutes, 4 clients
-    python -m bench.soak --seconds 3600 --clients 8 --json soak.json
+    python -m bench.evals.soak                              # 10 minutes, 4 clients
+    python -m bench.evals.soak --seconds 3600 --clients 8 --json soak.json
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import tempfile
 import threading
 import time
 
-from .harness.checkout import REPO
-from .harness.scaffold import add_json, add_server_args, parser
+from bench.harness.checkout import REPO
+from bench.harness.scaffold import add_json, add_server_args, parser
 
 FAULTS = ("kill", "exit", "drop", "abandon", "reject")
 
@@ -211,7 +211,7 @@ class Soak:
             [
                 sys.executable,
                 "-m",
-                "bench.soak",
+                "bench.evals.soak",
                 "--worker",
                 self.socket,
                 self.model,

@@ -60,11 +60,12 @@ The directory gets ``bench-checkpoint.json`` (the arguments and sizes) last, so
 a directory holding it is complete, and a later run with the same arguments
 reuses it (``--reuse``).
 
-    python -m bench.qwen4_checkpoint --out ckpt/small-bf16 --device cuda
-    python -m bench.qwen4_checkpoint --out ckpt/small-fp8 --twin-of ckpt/small-bf16
-    python -m bench.qwen4_checkpoint --out ckpt/small-nvfp4 --twin-of ckpt/small-bf16 --dtype nvfp4
-    python -m bench.qwen4_checkpoint --out ckpt/large-bf16 --ngram-vocab-base 1100000
-    python -m bench.qwen4_checkpoint --out ckpt/tiny --tiny --device cpu
+    python -m bench.real_vllm.checkpoint --out ckpt/small-bf16 --device cuda
+    python -m bench.real_vllm.checkpoint --out ckpt/small-fp8 --twin-of ckpt/small-bf16
+    python -m bench.real_vllm.checkpoint --out ckpt/small-nvfp4 \
+        --twin-of ckpt/small-bf16 --dtype nvfp4
+    python -m bench.real_vllm.checkpoint --out ckpt/large-bf16 --ngram-vocab-base 1100000
+    python -m bench.real_vllm.checkpoint --out ckpt/tiny --tiny --device cpu
 """
 
 from __future__ import annotations
@@ -82,11 +83,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .harness.checkout import installed_first
+from bench.harness.checkout import installed_first
 
-log = logging.getLogger("bench.qwen4_checkpoint")
+log = logging.getLogger("bench.real_vllm.checkpoint")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MARKER = "bench-checkpoint.json"
 MARKER_FORMAT = "qwen4-checkpoint/1"
 VOCAB = 512

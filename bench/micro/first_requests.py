@@ -21,8 +21,8 @@ minor faults of the server process and of this client over those ranges
 (``/proc/PID/stat``, ``getrusage``). Load average and the CPU that other
 processes used are printed with every case. Everything is removed at the end.
 
-    python -m bench.first_requests                  # ≈ 1 minute
-    python -m bench.first_requests --cases full --rounds 5 --json first.json
+    python -m bench.micro.first_requests                  # ≈ 1 minute
+    python -m bench.micro.first_requests --cases full --rounds 5 --json first.json
 """
 
 from __future__ import annotations
@@ -38,12 +38,11 @@ import time
 
 import numpy as np
 
+from bench.harness.checkout import REPO
+from bench.harness.provenance import OthersMeter, loadavg, source
+from bench.harness.scaffold import add_json, add_server_args, parser
 from pleserver.devkit.launcher import ServerLauncher
 from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
-
-from .harness.checkout import REPO
-from .harness.provenance import OthersMeter, loadavg, source
-from .harness.scaffold import add_json, add_server_args, parser
 
 CASES = ("none", "full", "full-done")
 RANGES = ((0, 10), (10, 50), (50, 200), (200, None))

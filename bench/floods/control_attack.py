@@ -28,8 +28,8 @@ processes other than the benchmark and its server used meanwhile
 (``others_cpu``: other load lands in the bystander's tail; repeat a run where
 it is high). Everything is removed at the end.
 
-    python -m bench.control_attack                         # every case, 10 s each
-    python -m bench.control_attack --cases none,stats --json out.json
+    python -m bench.floods.control_attack                         # every case, 10 s each
+    python -m bench.floods.control_attack --cases none,stats --json out.json
 """
 
 from __future__ import annotations
@@ -42,15 +42,14 @@ import time
 
 import numpy as np
 
+from bench.harness.checkout import REPO
+from bench.harness.load import Helpers, bystander, latency_ms
+from bench.harness.provenance import OthersMeter, loadavg, machine, proc_ticks, source
+from bench.harness.scaffold import add_json, add_load, parser, save_json, work_dir
+from bench.harness.servers import write_model
 from pleclient import PleClient
 from pleserver.devkit.launcher import ServerLauncher
 from pleserver.devkit.synthetic import SyntheticTable
-
-from .harness.checkout import REPO
-from .harness.load import Helpers, bystander, latency_ms
-from .harness.provenance import OthersMeter, loadavg, machine, proc_ticks, source
-from .harness.scaffold import add_json, add_load, parser, save_json, work_dir
-from .harness.servers import write_model
 
 CASES = ("none", "stats", "prehello", "stats-flood", "connect")
 NOBODY = 65534

@@ -20,12 +20,12 @@ layer; ``--layers`` builds more, each with its own constants) on a prompt of
   checked equal to ours.
 
 Tokens are random over the vocabulary with 1 in 500 an EOS, or a real-text
-trace's tokens (``--trace``, from ``bench/text_trace.py``). Each figure is the
+trace's tokens (``--trace``, from ``bench/sim/text_trace.py``). Each figure is the
 median of ``--repeat`` runs (vLLM's: ``--vllm-repeat``), with the best run
 beside it; ratios are against the floor and against vLLM. The CPU other
 processes used meanwhile and the load average are reported.
 
-    python -m bench.ngram_hash --json ngram.json
+    python -m bench.micro.ngram_hash --json ngram.json
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ import time
 
 import numpy as np
 
+from bench.harness.provenance import OthersMeter, loadavg, machine, source
+from bench.harness.scaffold import add_json, parser, save_json
 from pleclient.ngram import NgramConfig, NgramLayer
-
-from .harness.provenance import OthersMeter, loadavg, machine, source
-from .harness.scaffold import add_json, parser, save_json
 
 EOS = 248_044  # <|endoftext|>, Qwen3.5/3.6 vocabulary
 FLASH_PLE_LAYERS = 1  # Qwen3.8-Flash-Next: one PLE layer (one ≈ 320 M-row table)
@@ -237,7 +236,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=16, help="requests of the batch case")
     ap.add_argument("--repeat", type=int, default=20, help="runs per case (median)")
     ap.add_argument("--vllm-repeat", type=int, default=3, help="runs of vLLM's path (median)")
-    ap.add_argument("--trace", help="take the tokens of a bench/text_trace.py trace")
+    ap.add_argument("--trace", help="take the tokens of a bench/sim/text_trace.py trace")
     ap.add_argument("--no-vllm", action="store_true", help="leave out vLLM's CPU path")
     add_json(ap)
     args = ap.parse_args(argv)

@@ -32,7 +32,7 @@ the same inputs (fixed zip timestamps), holding
 - ``meta``: a JSON string (sources with their sha256, tokenizer, vLLM version,
   geometry, rows), read with ``load_trace``.
 
-    python -m bench.text_trace --out bench/traces/qwen-text.npz --check
+    python -m bench.sim.text_trace --out bench/traces/qwen-text.npz --check
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ import zipfile
 
 import numpy as np
 
-from .harness.checkout import TRACE
-from .harness.scaffold import parser
+from bench.harness.checkout import TRACE
+from bench.harness.scaffold import parser
 
-log = logging.getLogger("bench.text_trace")
+log = logging.getLogger("bench.sim.text_trace")
 
 HEADS_PER_NGRAM = 8
 NGRAM_SIZE = 3

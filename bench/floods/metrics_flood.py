@@ -36,9 +36,9 @@ default timeout), a ``/metrics`` scrape every second (within 5 s), and, with
 0.25 s (within 1 s); it reports the share of each that succeeded. Everything
 is removed at the end.
 
-    python -m bench.metrics_flood                     # every case, 10 s each
-    python -m bench.metrics_flood --cases none,scrape-flood --seconds 30 --json out.json
-    python -m bench.metrics_flood --cases none,slowloris,connect-flood --health-socket
+    python -m bench.floods.metrics_flood                     # every case, 10 s each
+    python -m bench.floods.metrics_flood --cases none,scrape-flood --seconds 30 --json out.json
+    python -m bench.floods.metrics_flood --cases none,slowloris,connect-flood --health-socket
 """
 
 from __future__ import annotations
@@ -54,13 +54,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from bench.harness.load import Helpers, bystander, latency_ms
+from bench.harness.provenance import OthersMeter, footer, loadavg, machine, proc_ticks, source
+from bench.harness.scaffold import add_json, add_load, parser, save_json, work_dir
+from bench.harness.servers import Server, write_model
 from pleclient import PleClient
 from pleserver.devkit.synthetic import SyntheticTable
-
-from .harness.load import Helpers, bystander, latency_ms
-from .harness.provenance import OthersMeter, footer, loadavg, machine, proc_ticks, source
-from .harness.scaffold import add_json, add_load, parser, save_json, work_dir
-from .harness.servers import Server, write_model
 
 CASES = (
     "none",

@@ -25,10 +25,10 @@ and stopped cleanly, and the CPU share other processes of the machine used
 meanwhile (``others_cpu``: this is not a timing benchmark, a busy machine
 only slows it). Exit status 0 when every mode held.
 
-    python -m bench.integrity_soak                                 # 3 minutes a mode
-    python -m bench.integrity_soak --seconds 120 --json soak.json
-    python -m bench.integrity_soak --seconds 3 --rows 30000        # a smoke run
-    python -m bench.integrity_soak --modes direct:io_uring,mmap
+    python -m bench.evals.integrity_soak                                 # 3 minutes a mode
+    python -m bench.evals.integrity_soak --seconds 120 --json soak.json
+    python -m bench.evals.integrity_soak --seconds 3 --rows 30000        # a smoke run
+    python -m bench.evals.integrity_soak --modes direct:io_uring,mmap
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import tempfile
 import threading
 import time
 
-from .harness.checkout import REPO
-from .harness.scaffold import add_json, parser
+from bench.harness.checkout import REPO
+from bench.harness.scaffold import add_json, parser
 
 MODES = ("mmap", "direct:io_uring", "direct:threads", "buffered:io_uring", "buffered:threads")
 CAPACITY = 2048
@@ -165,7 +165,7 @@ class Child:
 
     def __init__(self, *argv: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.integrity_soak", *argv],
+            [sys.executable, "-m", "bench.evals.integrity_soak", *argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -222,10 +222,9 @@ class Child:
 
 
 def run_mode(mode: str, args: argparse.Namespace, model: str, workdir: str) -> dict:
+    from bench.harness.provenance import OthersMeter
     from pleclient import PleClient
     from pleserver.devkit.launcher import ServerLauncher
-
-    from .harness.provenance import OthersMeter
 
     io, _, engine = mode.partition(":")
     state = os.path.join(workdir, f"state-{io}-{engine or 'none'}")
@@ -326,9 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
 
+    from bench.harness.provenance import loadavg, machine, source
     from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
-
-    from .harness.provenance import loadavg, machine, source
 
     workdir = tempfile.mkdtemp(prefix="ple-integrity-")
     try:

@@ -1,7 +1,7 @@
 """A decode step with PLE layers on a GPU: where the rows come from, whole step timed.
 
 Needs torch with CUDA (no vLLM). One process writes a synthetic PLE table
-(default 4 M rows × 160 B FP8, as bench/gpu_lookup.py), starts ``pleserver
+(default 4 M rows × 160 B FP8, as bench/gpu/lookup.py), starts ``pleserver
 serve --prewarm full`` on it, loads the same table onto the GPU and into pinned
 host memory, and emulates decode steps of a model of ``--layers`` decoder
 layers. Each layer is ``x = tanh(x @ W)`` with ``x`` [tokens, H] BF16 and one
@@ -50,9 +50,9 @@ mode passed and more than two steps were queued ahead). The table, the
 checkpoint and the server are removed at the end; ``others`` is the CPU
 other processes used meanwhile.
 
-  python -m bench.gpu_decode                                  # ≈ 2 min on an H200
-  python -m bench.gpu_decode --compute-us 100 --json out.json
-  python -m bench.gpu_decode --dtype BF16 --rows 20000000 --batches 32 --paths a,b,d
+  python -m bench.gpu.decode                                  # ≈ 2 min on an H200
+  python -m bench.gpu.decode --compute-us 100 --json out.json
+  python -m bench.gpu.decode --dtype BF16 --rows 20000000 --batches 32 --paths a,b,d
   bash bench/device_gpu_decode.sh                             # on a bare GPU host
 """
 
@@ -72,13 +72,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from bench.gpu.lookup import _p90, make_checkpoint, make_plugin, make_uva_kernel, read_table
+from bench.harness.checkout import REPO
+from bench.harness.provenance import OthersMeter, machine, source
 from pleclient import protocol
 from pleclient.checkpoint import TableSpec, discover_tables
 from pleserver.devkit.launcher import ServerLauncher
-
-from .gpu_lookup import _p90, make_checkpoint, make_plugin, make_uva_kernel, read_table
-from .harness.checkout import REPO
-from .harness.provenance import OthersMeter, machine, source
 
 LABELS = {
     "compute": "compute only",
@@ -625,7 +624,7 @@ def main(argv=None) -> int:
     if not 0 < args.ple_layers <= args.layers:
         ap.error(f"--ple-layers {args.ple_layers} must lie in [1, --layers {args.layers}]")
     if not torch.cuda.is_available():
-        raise SystemExit("bench/gpu_decode.py needs a CUDA device")
+        raise SystemExit("bench/gpu/decode.py needs a CUDA device")
 
     workdir = tempfile.mkdtemp(prefix="ple-decode-", dir=args.workdir)
     server = setup = None

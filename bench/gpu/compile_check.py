@@ -3,7 +3,7 @@
 
 Needs torch with CUDA, not vLLM (the script hides vLLM from itself, so a host
 that has it runs the same code as the GPU host, which has not). Starts ``pleserver
-serve`` on the synthetic checkpoint of ``bench/gpu_step_start_check.py`` (three
+serve`` on the synthetic checkpoint of ``bench/gpu/step_start_check.py`` (three
 FP8 PLE tables) and builds a toy model the way vLLM 0.33 builds and compiles
 one: layers 0..5, PLE on layers 1, 3 and 4, the lookups of every PLE layer
 started at the first layer (the plugin's step start: ``step.adopt`` and
@@ -45,8 +45,8 @@ the capture's), the replay call returns to the host while a 20 ms device sleep
 enqueued before it still runs (nothing in the graph path waits for the GPU),
 and, for piecewise, that every PLE op ran outside the graph pieces.
 
-    python3 -m bench.gpu_compile_check [--json out.json] [--steps 20]
-    python3 -m bench.gpu_compile_check --device cpu   # compiled, no graphs: the CPU stand-in
+    python3 -m bench.gpu.compile_check [--json out.json] [--steps 20]
+    python3 -m bench.gpu.compile_check --device cpu   # compiled, no graphs: the CPU stand-in
 
 Build the native modules first (``python3 setup.py -q build_ext --inplace``).
 ``--device cpu`` compiles the same forward with inductor for the CPU and runs
@@ -87,11 +87,7 @@ class _NoVllm(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _NoVllm())
 
 
-from pleclient.vllm_plugin import step  # noqa: E402
-from pleclient.vllm_plugin.lookups import LayerLookups  # noqa: E402
-from pleserver.devkit.synthetic import SyntheticTable  # noqa: E402
-
-from .gpu_step_start_check import (  # noqa: E402
+from bench.gpu.step_start_check import (  # noqa: E402
     HEADS,
     HIDDEN,
     LAYERS,
@@ -105,7 +101,10 @@ from .gpu_step_start_check import (  # noqa: E402
     new_ids,
     sync_check,
 )
-from .harness.scaffold import save_json  # noqa: E402
+from bench.harness.scaffold import save_json  # noqa: E402
+from pleclient.vllm_plugin import step  # noqa: E402
+from pleclient.vllm_plugin.lookups import LayerLookups  # noqa: E402
+from pleserver.devkit.synthetic import SyntheticTable  # noqa: E402
 
 NAMESPACE = "ple_compile_check"
 START_OP = f"{NAMESPACE}::start"

@@ -27,8 +27,8 @@ normalized): for each binding function on these paths, whether abi3 and the
 full API compiled to the same instructions, which no load can disturb. ``--build NAME=DIR`` adds
 a prebuilt tree's modules (``DIR/pleserver/_native*.so``, ``DIR/pleclient/_sync*.so``).
 
-    python -m bench.abi3_overhead                     # ~1 min
-    python -m bench.abi3_overhead --rounds 40 --json out.json
+    python -m bench.micro.abi3_overhead                     # ~1 min
+    python -m bench.micro.abi3_overhead --rounds 40 --json out.json
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ import time
 
 import numpy as np
 
-from .harness.checkout import REPO
-from .harness.provenance import OthersMeter, loadavg, machine, source
-from .harness.scaffold import add_json, parser, save_json
+from bench.harness.checkout import REPO
+from bench.harness.provenance import OthersMeter, loadavg, machine, source
+from bench.harness.scaffold import add_json, parser, save_json
 
 ROWS, ROW_BYTES, IDS = 4096, 320, 16
 CALLS = ("gather16", "gather16-cache", "load", "publish", "wait")

@@ -10,7 +10,7 @@ rows, 128 shards, ≈ 4 GiB) into a temporary directory (``--dir``, else
   on one read-only, populated (``MADV_POPULATE_READ``) mapping of the one-file
   table. ``floor-raise`` is the same call with NumPy's default
   ``mode="raise"``, which copies through a temporary buffer (reference only);
-- ``seed``: the seed's ``MmapPleTable.gather`` (bench/seed_gather.py: memmap
+- ``seed``: the seed's ``MmapPleTable.gather`` (bench/micro/seed_gather.py: memmap
   per shard, unique + inverse, per-shard chunks on 32 threads, out[inverse]),
   its mappings populated too;
 - ``pleserver``: ``client.lookup(table, ids, out=out)`` against a real
@@ -28,8 +28,8 @@ overlaps the next contender's block. Server variants: ``--files
 seed always use the one-file table); ``--gather-workers 1,2`` starts one server
 per worker count. Everything is removed at the end, also on error or Ctrl-C.
 
-    python -m bench.lookup                       # default run, a few minutes
-    python -m bench.lookup --files 1,4 --gather-workers 1,2 --json out.json
+    python -m bench.micro.lookup                       # default run, a few minutes
+    python -m bench.micro.lookup --files 1,4 --gather-workers 1,2 --json out.json
 """
 
 from __future__ import annotations
@@ -44,15 +44,14 @@ import time
 
 import numpy as np
 
+from bench.harness.provenance import OthersMeter, cpu_busy, envelope, loadavg
+from bench.harness.scaffold import add_server_args, parser, work_dir
+from bench.harness.servers import Server, hist_quantiles
+from bench.micro.seed_gather import SeedTable
 from pleclient import PleClient
 from pleclient import protocol as p
 from pleclient.checkpoint import discover_tables
 from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
-
-from .harness.provenance import OthersMeter, cpu_busy, envelope, loadavg
-from .harness.scaffold import add_server_args, parser, work_dir
-from .harness.servers import Server, hist_quantiles
-from .seed_gather import SeedTable
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 DEFAULT_ITERS = "16=20000,1024=4000,4096=2000,131072=100"

@@ -43,8 +43,8 @@ engine, and the hint reader's Python beside the serving loop's). The CPU
 share that processes other than the benchmark, its server and its flooder
 used meanwhile is ``others_cpu``: repeat a run where it is high.
 
-    python -m bench.hint_flood                      # 15 s a case
-    python -m bench.hint_flood --seconds 30 --json out.json
+    python -m bench.floods.hint_flood                      # 15 s a case
+    python -m bench.floods.hint_flood --seconds 30 --json out.json
 """
 
 from __future__ import annotations
@@ -57,14 +57,13 @@ import time
 
 import numpy as np
 
+from bench.harness.load import Helpers, bystander, latency_ms
+from bench.harness.provenance import OthersMeter, footer, loadavg, machine, source
+from bench.harness.scaffold import add_json, add_load, add_server_args, parser, save_json, work_dir
+from bench.harness.servers import write_model
 from pleclient import PleClient
 from pleserver.devkit.launcher import ServerLauncher
 from pleserver.devkit.synthetic import SyntheticTable
-
-from .harness.load import Helpers, bystander, latency_ms
-from .harness.provenance import OthersMeter, footer, loadavg, machine, source
-from .harness.scaffold import add_json, add_load, add_server_args, parser, save_json, work_dir
-from .harness.servers import write_model
 
 FLOODER = """
 import json, os, sys

@@ -3,15 +3,16 @@
 
 ``bench/device_vllm.sh`` runs this on the GPU host after ``. .gpu-bundle/site.sh``
 (``../shared/gpu-vllm/README.md``); the cells, their names and what they measure
-are in ``bench/vllm_cells.py``, the exactness rule in ``bench/vllm_exact.py``.
+are in ``bench/real_vllm/cells.py``, the exactness rule in ``bench/real_vllm/exact.py``.
 
 ``run`` is the coordinator. It imports neither torch nor vLLM, and for each cell
 
 1. decides whether the cell fits before the deadline (``--t0`` + ``--deadline-s``;
-   its expected cost from ``vllm_cells.Costs`` and the starts measured on this
+   its expected cost from ``cells.Costs`` and the starts measured on this
    host so far, ``<work>/history.json``) and otherwise records it as skipped,
    saying why;
-2. starts ``vllm_real.py cell NAME`` in a process group of its own (``setsid``):
+2. starts ``python -m bench.real_vllm.coordinator cell NAME`` in a process
+   group of its own (``setsid``):
    the cell starts its ple-server (``python -m pleserver.cli serve --model …
    --socket … --io mmap|direct [--cache-size 1G]``, through
    ``pleserver.devkit.launcher``, with a state directory that does not exist, so every
@@ -32,9 +33,10 @@ At the start, where a cell reads tables with ``--io direct``, the disk is probed
 (cells, exactness verdicts, throughput) of every cell of this call and of the
 earlier calls on the host is printed, and written to ``<out>/summary.txt``.
 
-    python -m bench.vllm_real plan --cells exact-1           # the expected timeline
-    python -m bench.vllm_real run --cells stock-eager,shm-eager --work /tmp/vllm-real --out $OUT
-    python -m bench.vllm_real summary fetched/cells          # any set of cell JSONs
+    python -m bench.real_vllm.coordinator plan --cells exact-1           # the expected timeline
+    python -m bench.real_vllm.coordinator run --cells stock-eager,shm-eager \
+        --work /tmp/vllm-real --out $OUT
+    python -m bench.real_vllm.coordinator summary fetched/cells          # any set of cell JSONs
 """
 
 from __future__ import annotations
@@ -62,9 +64,9 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from . import vllm_steps
-from .harness.checkout import bench_only, installed_first
-from .vllm_cells import (
+from bench.harness.checkout import bench_only, installed_first
+from bench.real_vllm import steps as vllm_steps
+from bench.real_vllm.cells import (
     CELL_FORMAT,
     CONCURRENCY,
     EXACT_TOKENS,
@@ -98,9 +100,9 @@ from .vllm_cells import (
     throughput_prompts,
 )
 
-log = logging.getLogger("bench.vllm_real")
+log = logging.getLogger("bench.real_vllm.coordinator")
 
-BENCH = Path(__file__).resolve().parent
+BENCH = Path(__file__).resolve().parents[1]
 MODEL_NAME = "qwen4-exp"
 ENGINE = {
     "max_num_seqs": 32,
@@ -305,7 +307,7 @@ def cell_argv(cell: Cell, work: Path, out: Path, run_id: str, order: int, end_at
     return [
         sys.executable,
         "-m",
-        "bench.vllm_real",
+        "bench.real_vllm.coordinator",
         "cell",
         cell.name,
         "--work",
@@ -978,7 +980,7 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
         if not marker.exists():
             raise FileNotFoundError(
                 f"{model_dir}: no checkpoint ({marker.name} missing); bench/device_vllm.sh "
-                "writes it with bench/qwen4_checkpoint.py before the cells run"
+                "writes it with bench/real_vllm/checkpoint.py before the cells run"
             )
         data["checkpoint"] = json.loads(marker.read_text())
         text = prose()
@@ -1001,7 +1003,7 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
         data["times"]["engine_start_s"] = round(time.monotonic() - t, 1)
         data["versions"] = versions()
         if cell.verify:  # (mp0: the worker is in this process)
-            from . import vllm_verify
+            from bench.real_vllm import verify as vllm_verify
 
             layers = engine.llm.collective_rpc(vllm_verify.install, args=(str(model_dir),))
             data["verify"] = {"layers": layers[0]}
@@ -1052,7 +1054,7 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
 
 def add_step_timelines(data: dict, records) -> None:
     """Each throughput repetition's steps as the server's trace saw them
-    (``vllm_steps.timeline``), beside its figures."""
+    (``steps.timeline``), beside its figures."""
     if records is None:
         return
     for rep in (data.get("throughput") or {}).get("reps", []):

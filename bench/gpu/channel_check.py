@@ -21,7 +21,7 @@ checkpoint, starts ``pleserver serve`` on it, and checks with
                every replay's hint received by the server, and lookups of
                rows hinted earlier counted as hits on hinted rows
 
-    python3 -m bench.gpu_channel_check [--json out.json]
+    python3 -m bench.gpu.channel_check [--json out.json]
 """
 
 from __future__ import annotations
@@ -37,12 +37,11 @@ import time
 import numpy as np
 import torch
 
+from bench.harness.checkout import REPO
+from bench.harness.scaffold import save_json
 from pleclient.gpu import GpuLookups, stream_memops_supported
 from pleserver.devkit.launcher import ServerLauncher
 from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
-
-from .harness.checkout import REPO
-from .harness.scaffold import save_json
 
 TABLES = [
     SyntheticTable(layer=1, rows=200_000, cols=160, dtype="F8_E4M3", parts=8),
@@ -52,7 +51,7 @@ TABLES = [
 CHILD = r"""
 import os, signal, sys, time, numpy as np, torch
 from pleclient.gpu import GpuLookups
-from .harness.checkout import REPO
+from bench.harness.checkout import REPO
 mode, socket = sys.argv[1], sys.argv[2]
 gl = GpuLookups.open(socket, device="cuda", capacity=1024, depth=2, timeout=60.0)
 rows = gl.client.table(1).rows

@@ -19,9 +19,9 @@ and checks that every path's rows are bit-exact on the device against the
 files. Times are medians of ``--iters`` runs after warm-up, wall-clock from
 ids on the host (GPU for gpu/uva, as vLLM has them) to rows usable on the GPU.
 
-  python -m bench.gpu_lookup                         # 4 M rows × 160 B FP8 (640 MiB)
-  python -m bench.gpu_lookup --rows 20000000 --dtype BF16 --json out.json
-  python -m bench.gpu_lookup --socket /run/ple-server/ple.sock --model /models/X
+  python -m bench.gpu.lookup                         # 4 M rows × 160 B FP8 (640 MiB)
+  python -m bench.gpu.lookup --rows 20000000 --dtype BF16 --json out.json
+  python -m bench.gpu.lookup --socket /run/ple-server/ple.sock --model /models/X
 """
 
 from __future__ import annotations
@@ -38,12 +38,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from bench.harness.scaffold import parser
 from pleclient import PleClient
 from pleclient.checkpoint import TableSpec, discover_tables
 from pleclient.torch import PinnedSegment, copy_rows
 from pleserver.devkit.launcher import ServerLauncher
-
-from .harness.scaffold import parser
 
 SIZES = (16, 4096, 131072)
 
@@ -288,7 +287,7 @@ def main() -> int:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench/gpu_lookup.py needs a CUDA device")
+        raise SystemExit("bench/gpu/lookup.py needs a CUDA device")
     sizes = [int(s) for s in args.sizes.split(",")]
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="ple-bench-")

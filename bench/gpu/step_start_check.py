@@ -29,8 +29,8 @@ whose lookup the server has answered:
                GPU-driven route), for contrast: only layer 1's lookup is
                answered while layer 0 sleeps, so the probe can tell
 
-    python3 -m bench.gpu_step_start_check [--json out.json] [--steps 50]
-    python3 -m bench.gpu_step_start_check --device cpu   # the GPU-driven route's CPU stand-in
+    python3 -m bench.gpu.step_start_check [--json out.json] [--steps 50]
+    python3 -m bench.gpu.step_start_check --device cpu   # the GPU-driven route's CPU stand-in
 
 Build the native modules first (``python3 setup.py -q build_ext --inplace``).
 The exit status is 0 when every check passed.
@@ -51,6 +51,7 @@ from collections.abc import Callable
 
 import torch
 
+from bench.harness.scaffold import save_json
 from pleclient import PleClient
 from pleclient.vllm_plugin import step
 from pleclient.vllm_plugin.identity import Expected
@@ -60,8 +61,6 @@ from pleclient.vllm_plugin.rows import RowService
 from pleclient.vllm_plugin.settings import ShmSettings
 from pleserver.devkit.launcher import ServerLauncher
 from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
-
-from .harness.scaffold import save_json
 
 LAYERS = 6
 PLE_LAYERS = (1, 3, 4)

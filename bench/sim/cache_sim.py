@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Row cache vs page cache at equal bytes, on the real-text trace.
 
-Replays the trace of ``bench/text_trace.py`` in serving order (decode steps of
+Replays the trace of ``bench/sim/text_trace.py`` in serving order (decode steps of
 32 sequences × 16 ids, the sequences being 32 equal lanes of the token stream)
 through
 
@@ -21,7 +21,7 @@ rows × 160 B ≈ 47.7 GiB at Qwen3.8-Flash-Next geometry). Hit rates are given
 over the whole replay (cold start) and over its second half (warm); an
 infinite cache bounds both (every first access is a miss).
 
-    python -m bench.cache_sim --trace bench/traces/qwen-text.npz --check --json sim.json
+    python -m bench.sim.cache_sim --trace bench/traces/qwen-text.npz --check --json sim.json
 
 The simulators are compiled with numba (the ``bench`` extra); a full run of
 8 budgets takes about a minute.
@@ -37,9 +37,9 @@ import time
 import numpy as np
 from numba import njit
 
-from .harness.checkout import TRACE
-from .harness.scaffold import add_json, parser, save_json
-from .text_trace import load_trace
+from bench.harness.checkout import TRACE
+from bench.harness.scaffold import add_json, parser, save_json
+from bench.sim.text_trace import load_trace
 
 PAGE = 4096
 POLICIES = ("SIEVE", "CLOCK", "S3-FIFO", "LRU")
@@ -512,7 +512,7 @@ def report(result: dict, policies, stream=sys.stdout) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = parser(__doc__, work_dir=False)
-    ap.add_argument("--trace", default=TRACE, help="the trace (bench.text_trace's)")
+    ap.add_argument("--trace", default=TRACE, help="the trace (bench.sim.text_trace's)")
     ap.add_argument(
         "--budgets",
         default=DEFAULT_BUDGETS,
@@ -548,7 +548,7 @@ def main(argv=None) -> int:
     if args.check:
         self_check()
     result = simulate(args)
-    result["command"] = "python -m bench.cache_sim " + " ".join(sys.argv[1:])
+    result["command"] = "python -m bench.sim.cache_sim " + " ".join(sys.argv[1:])
     report(result, args.policies)
     save_json(result, args.json, indent=1)
     return 0
