@@ -21,12 +21,13 @@ import re
 import sys
 from pathlib import Path
 
-from argparse_manpage.manpage import Manpage
+from argparse_manpage.manpage import Manpage, bold
 
 from pleclient import protocol as p
 from pleserver import __version__
 from pleserver.cli import EX_CONFIG, build_parser
 from pleserver.config import CONFIG_ENV, DEFAULT_CONFIG_PATH, ENV_PREFIX
+from pleserver.ops.flags import Switch
 
 PAGE = Path(__file__).resolve().with_name("pleserver.1")
 DATE = re.compile(r'^\.TH \S+ "1" "([^"]*)"', re.MULTILINE)
@@ -109,6 +110,16 @@ SECTIONS: list[tuple[str, str]] = [
 def render(date: str) -> str:
     """The page, dated ``date``."""
     page = Manpage(build_parser())
+    # A switch (--name, --no-name) takes no value: argparse-manpage would
+    # print its optional legacy value as "--name []".
+    plain = page.mf._format_action_invocation
+
+    def invocation(action: argparse.Action) -> str:
+        if isinstance(action, Switch):
+            return ", ".join(bold(option) for option in action.option_strings)
+        return plain(action)
+
+    page.mf._format_action_invocation = invocation  # type: ignore[method-assign]
     page.date = date
     page.source = f"pleserver {__version__}"
     page.manual = "User Commands"

@@ -528,6 +528,10 @@ def test_the_man_page_is_current_with_the_parser():
         assert roff_escaped(s.flag) in page and roff_escaped(s.env) in page, s.name
     for section in ("ENVIRONMENT", "FILES", "EXIT STATUS", "SEE ALSO"):
         assert f".SH {section}" in page, section
+    # A switch is "--name, --no-name", with no value after either.
+    switch = roff_escaped("--cache-hugepages")
+    assert f"\\fB{switch}\\fR, \\fB{roff_escaped('--no-cache-hugepages')}\\fR\n" in page
+    assert "[]" not in page
 
 
 def roff_escaped(text: str) -> str:
