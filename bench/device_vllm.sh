@@ -31,7 +31,8 @@
 #               end in time is skipped, and says so
 #   OUT         where the results go (default .)
 #   WORK        checkpoints, full logs, the host's history (default /tmp/vllm-real)
-#   COMMIT      the commit measured, for the JSONs (the device copy has no .git)
+#   COMMIT      the commit measured, for the JSONs: pass it (git rev-parse --short HEAD
+#               here); the device copy's .git, where it has one, may be an older HEAD
 #   PYTHON      the interpreter site.sh set up (default python3)
 # Extra arguments go to `bench/real_vllm/coordinator.py run`.
 set -euo pipefail

@@ -445,16 +445,17 @@ def checkpoints_needed(cells: Iterable[Cell]) -> list[Checkpoint]:
 # ----------------------------------------------------------------------- costs
 @dataclass(frozen=True)
 class Costs:
-    """Expected seconds of a cell's parts, from the H200 runs of
-    ``../shared/gpu-vllm/README.md``; a start measured on this host replaces the
-    guess for its API and mode (``History``)."""
+    """Expected seconds of a cell's parts, from the harness's runs on the GPU
+    host (H100 and H200, docs/BENCHMARKS.md); a start measured on this host
+    replaces the guess for its API and mode (``History``)."""
 
     engine_start_s: dict[str, float] = field(
-        default_factory=lambda: {"eager": 80.0, "piecewise": 95.0, "default": 95.0}
+        default_factory=lambda: {"eager": 70.0, "piecewise": 80.0, "default": 80.0}
     )
-    first_start_extra_s: float = (
-        125.0  # a fresh host's first start: every kernel compiles (≈ 220 s)
-    )
+    # A fresh host's first start, every kernel compiled: 174–182 s on the H100,
+    # 224 s on the H200 (a deadline that overruns ends the cell, what it
+    # measured kept).
+    first_start_extra_s: float = 110.0
     first_compile_extra_s: float = 30.0  # a later first start with torch.compile (not eager)
     serve_extra_s: float = 15.0  # vllm serve's API server and readiness
     server_start_s: float = 5.0  # ple-server, nothing prewarmed
