@@ -42,7 +42,7 @@ says what it is, words joined by ``-`` in any order:
                             stock: the references of their output
   verify                    shm-eager-mp0: every PLE lookup of the engine's
                             steps compared bit for bit with the checkpoint's
-                            bytes, stock's resident table (``vllm_verify``)
+                            bytes, stock's resident table (``verify``)
   #<k>                      another engine of the same cell (a second stock
                             engine for the spread between engines)
 

@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         marker = write_checkpoint(args)
     except CheckpointBuildError as exc:
-        print(f"qwen4_checkpoint: {exc}", file=sys.stderr)
+        print(f"bench.real_vllm.checkpoint: {exc}", file=sys.stderr)
         return 2
     with contextlib.suppress(BrokenPipeError):
         print(json.dumps({"checkpoint": str(args.out), **marker}))

@@ -1290,7 +1290,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cells = expand(args.cells)
     except CellError as exc:
-        print(f"vllm_real: {exc}", file=sys.stderr)
+        print(f"bench.real_vllm.coordinator: {exc}", file=sys.stderr)
         return 2
     if args.command == "plan":
         history = History.load(args.work / "history.json") if args.work else History()

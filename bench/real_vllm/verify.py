@@ -33,7 +33,7 @@ from pleclient.checkpoint import discover_tables
 from pleclient.fallback import CheckpointReader
 from pleclient.vllm_plugin.lookups import LayerLookups, StoredRows
 
-log = logging.getLogger("vllm_verify")
+log = logging.getLogger("bench.real_vllm.verify")
 
 MISMATCHES_KEPT = 5
 
