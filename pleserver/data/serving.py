@@ -57,6 +57,7 @@ words it shares with the server (its ``server sleeping`` word, its slots'
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -281,7 +282,7 @@ class ServingLoop:
         self._read_error_logged = -READ_ERROR_LOG_S
         # The last request of a channel that wants the loop to spin after it
         # (``_spinning``), and the seconds spent spinning (read by the stats).
-        self._spin_arrival = -POLL_ACTIVE_S
+        self._spin_arrival = -math.inf
         self.spin_seconds = 0.0
         # Started with the loop, all of them: a server's thread count does not
         # change with its load.
@@ -457,15 +458,15 @@ class ServingLoop:
 
     def _spinning(self, now: float, idle_since: float) -> bool:
         """Whether the loop, idle since ``idle_since``, spins rather than
-        sleeps: for ``spin_s``, and only while a channel whose requests want a
-        spin (``Admission.spin_after``: a CPU thread's) was active in the last
-        ``POLL_ACTIVE_S``. A decoding engine's doorbells alone never make it
+        sleeps: for ``spin_s`` after the last request of a channel whose
+        requests want a spin (``Admission.spin_after``: a CPU thread's), and
+        after no other. A decoding engine's doorbells alone never make it
         spin: they are looked at every ``gpu_poll_s`` while active, and a
         spinning core beside the engine slowed its steps (docs/BENCHMARKS.md,
         "The serving loop's spin beside vLLM")."""
         return (
             now - idle_since < self.spin_s
-            and now - self._spin_arrival < POLL_ACTIVE_S
+            and now - self._spin_arrival < self.spin_s
             and not self._draining
         )
 
