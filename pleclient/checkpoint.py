@@ -1,27 +1,18 @@
-"""Find and validate the PLE tables of a safetensors checkpoint.
+"""Find and validate the hashed n-gram tables of a safetensors checkpoint.
 
 Shared by the server (which serves the tables) and the vLLM plugin (which checks
 that the server serves the checkpoint vLLM loads). Reads headers and a few
 sampled rows only; never the tables themselves.
 
-A PLE table is the set of tensors
-``<prefix>.layers.<L>.ple.ple_embedding.ngram_embedding.shard_<i>.weight``
-(``i`` in ``0..parts-1``; shard ``i`` holds global rows
-``[i*shard_size, i*shard_size + rows_i)`` with ``shard_size = ceil(rows/parts)``),
-plus ``….ngram_embedding.weight_scale`` — one global scale, required for FP8.
-
-NVFP4 tables (vLLM's ``Qwen4ExpPLENvFp4EmbeddingMethod``) have two tensors per
-shard and a global scale of another name:
-
-* ``….shard_<i>.weight``: U8 ``[rows_i, cols/2]``, two E2M1 values per byte
-  (the low nibble holds the even column);
-* ``….shard_<i>.weight_scale``: F8_E4M3 ``[rows_i, cols/16]``, one scale per
-  16-column block;
-* ``….ngram_embedding.weight_scale_2``: the global F32 scale.
-
-Such a table has dtype ``NVFP4`` and is served as one row of
-``cols/2 + cols/16`` bytes: the packed values, then the block scales (its two
-``segments``).
+What a table is, for everyone past this module: a ``TableSpec`` of ``rows``
+rows of ``row_bytes`` bytes, each row its ``segments``' bytes one after the
+other, each segment stored as ``parts`` shard tensors (shard ``i`` holds rows
+``[i*shard_size, i*shard_size + rows_i)`` with ``shard_size = ceil(rows/parts)``).
+How a model family names and lays out its tables is the family's
+(``pleclient.families``): Qwen4Exp's PLE tables in ``shard_<i>`` tensors,
+DeepSeek-V4.1's Engram tables one tensor a segment. This module holds what
+they share: reading headers, validating a segment's tensors, the layout, the
+fingerprint, and ``discover_tables`` over every family.
 """
 
 from __future__ import annotations
@@ -38,28 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SHARD_RE = re.compile(
-    r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.ple\.ple_embedding\.ngram_embedding)"
-    r"\.shard_(?P<index>\d+)\.weight$"
-)
-SCALE_RE = re.compile(
-    r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.ple\.ple_embedding\.ngram_embedding)"
-    r"\.weight_scale$"
-)
-BLOCK_SCALE_RE = re.compile(
-    r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.ple\.ple_embedding\.ngram_embedding)"
-    r"\.shard_(?P<index>\d+)\.weight_scale$"
-)
-GLOBAL_SCALE_RE = re.compile(
-    r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.ple\.ple_embedding\.ngram_embedding)"
-    r"\.weight_scale_2$"
-)
 INDEX_FILE = "model.safetensors.index.json"
-
-NVFP4 = "NVFP4"
-"""The dtype name of an NVFP4 table (packed E2M1 values + E4M3 block scales)."""
-NVFP4_BLOCK = 16
-"""Columns per NVFP4 block scale (vLLM's ``_NVFP4_BLOCK_SIZE``)."""
 
 ITEMSIZE = {
     "F8_E4M3": 1,
@@ -80,8 +50,6 @@ ITEMSIZE = {
     "F8_E8M0": 1,
     "F4": 1,
 }
-TABLE_DTYPES = {"F8_E4M3": True, "F8_E5M2": True, "BF16": False}
-"""Supported row dtypes, and whether each needs a ``weight_scale``."""
 SCALE_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": None}
 
 
@@ -120,31 +88,33 @@ class Segment:
     """One run of columns of a served row, stored as its own shard tensors.
 
     A served row is its segments' bytes one after the other: one segment for
-    BF16/FP8 tables, two for NVFP4 (packed values, then block scales)."""
+    BF16/FP8 PLE tables, two for NVFP4 (packed values, then block scales) and
+    for Engram (FP8 values, then UE8M0 scales)."""
 
     name: str
     row_bytes: int
     shards: list[ShardSpec]
     dtype: str  # of the segment's tensors
-    tensor: str = "weight"  # their name after ``shard_<i>.``
+    tensor: str = "shard_<i>.weight"  # how its tensors' names end, after the table's
 
 
 @dataclass(frozen=True)
-class _SegmentRule:
+class SegmentRule:
     """What the shard tensors of one segment must be, and the words in which
     a problem with them is reported.
 
     A table is validated per segment, as the server reads it (the native
     gather composes a served row from its segments): each segment's tensors on
-    their own, then what relates the segments of a table (columns, rows per
-    shard), then what the table needs besides (its global scale)."""
+    their own (``tensor_problems``, ``coverage_problems``), then what relates
+    the segments of a table (``rows_problems``), then what the family needs
+    besides (a global scale)."""
 
     name: str  # the Segment's
-    tensor: str  # the tensors' name after ``shard_<i>.``
-    dtype: str | None  # required; None: the shards' own, one of TABLE_DTYPES
+    tensor: str  # how the tensors' names end, after the table's (the Segment's)
+    dtype: str | None  # required; None: the shards' own, which the family checks
     per_element: int  # table columns per element of a tensor row
     noun: str  # the tensors, in the problems' words
-    not_2d: str  # a tensor that is not 2-D ({e}: the TensorEntry)
+    not_2d: str  # a tensor that is not 2-D ({e}: the TensorEntry, {shape})
     missing: str  # shard indices without a tensor ({name}, {shown}, {last})
     what: str = ""  # what a row needs of this segment (a later segment's rows)
 
@@ -155,84 +125,45 @@ class _SegmentRule:
     def row_bytes(self, cols: int, dtype: str) -> int:
         return self.width(cols) * ITEMSIZE[self.dtype or dtype]
 
-
-_ROWS = _SegmentRule(
-    name="rows",
-    tensor="weight",
-    dtype=None,
-    per_element=1,
-    noun="shards",
-    not_2d="{e.name}: shard is not 2-D (shape must be [rows, cols])",
-    missing="{name}: missing shard indices {shown} of 0..{last}; the checkpoint is incomplete",
-)
-"""The one segment of a BF16 or FP8 table: its whole rows."""
-_NVFP4_SEGMENTS = (
-    _SegmentRule(
-        name="values",
-        tensor="weight",
-        dtype="U8",
-        per_element=2,
-        noun="NVFP4 values",
-        not_2d="{e.path}: tensor {e.name} has shape {shape}; NVFP4 values must be 2-D "
-        "[rows, cols/2]",
-        missing="{name}: missing shard indices {shown} of 0..{last} (shard_<i>.weight); the "
-        "checkpoint is incomplete",
-    ),
-    _SegmentRule(
-        name="block_scales",
-        tensor="weight_scale",
-        dtype="F8_E4M3",
-        per_element=NVFP4_BLOCK,
-        noun="NVFP4 block scales",
-        not_2d="{e.path}: tensor {e.name} has shape {shape}; NVFP4 block scales must be 2-D "
-        f"[rows, cols/{NVFP4_BLOCK}]",
-        missing="{name}: missing NVFP4 block scales for shard indices {shown} of 0..{last} "
-        "(shard_<i>.weight_scale); the checkpoint is incomplete",
-        what="block scales",
-    ),
-)
-"""An NVFP4 table's two segments: packed E2M1 values, then their block scales."""
-
-
-def _segment_rules(dtype: str) -> tuple[_SegmentRule, ...]:
-    return _NVFP4_SEGMENTS if dtype == NVFP4 else (_ROWS,)
+    def segment(
+        self, cols: int, dtype: str, entries: dict[int, TensorEntry], parts: int
+    ) -> Segment:
+        """The validated segment of a table of ``cols`` columns whose rows (the
+        table's, when ``dtype`` is None) are ``dtype``."""
+        return Segment(
+            self.name,
+            self.row_bytes(cols, dtype),
+            shard_specs(entries, parts),
+            self.dtype or dtype,
+            self.tensor,
+        )
 
 
 @dataclass
 class TableSpec:
-    """One PLE table: geometry, its shards on disk, scale and fingerprint."""
+    """One table: geometry, its segments' shards on disk, scale and
+    fingerprint."""
 
     name: str
     layer: int
-    dtype: str
+    dtype: str  # the served row's: a tensor dtype, or a family's name for a composed row
     cols: int
     rows: int
     parts: int
     shard_size: int
-    shards: list[ShardSpec]
+    segments: list[Segment]  # the served row's, in row order (see ``Segment``)
     scale: float | None = None  # FP8: weight_scale; NVFP4: weight_scale_2
     fingerprint: str = ""
     files: list[str] = field(default_factory=list)
-    block_scale_shards: list[ShardSpec] = field(default_factory=list)  # NVFP4 only
+
+    @property
+    def shards(self) -> list[ShardSpec]:
+        """The first segment's shards: where each part's rows start."""
+        return self.segments[0].shards
 
     @property
     def row_bytes(self) -> int:
-        return sum(rule.row_bytes(self.cols, self.dtype) for rule in _segment_rules(self.dtype))
-
-    @property
-    def segments(self) -> list[Segment]:
-        """The served row's segments, in row order (see ``Segment``)."""
-        shards = [self.shards, self.block_scale_shards]
-        return [
-            Segment(
-                rule.name,
-                rule.row_bytes(self.cols, self.dtype),
-                shards[i],
-                rule.dtype or self.dtype,
-                rule.tensor,
-            )
-            for i, rule in enumerate(_segment_rules(self.dtype))
-        ]
+        return sum(segment.row_bytes for segment in self.segments)
 
     @property
     def nbytes(self) -> int:
@@ -313,9 +244,6 @@ def read_header(path: str) -> tuple[dict[str, TensorEntry], list[str]]:
     return tensors, problems
 
 
-PLE_TENSOR_RES = (SHARD_RE, SCALE_RE, BLOCK_SCALE_RE, GLOBAL_SCALE_RE)
-
-
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -350,8 +278,12 @@ def local_model_dir(model: str, revision: str | None = None) -> str:
 
 
 def checkpoint_files(model_dir: str) -> tuple[list[str], list[str]]:
-    """Files that may hold PLE tensors: from the index when there is one, else a
-    glob. ``model_dir`` may be a Hugging Face repo id (``local_model_dir``)."""
+    """Files that may hold a family's table tensors: from the index when there
+    is one, else a glob. ``model_dir`` may be a Hugging Face repo id
+    (``local_model_dir``)."""
+    # (families import this module: its names are what they build tables of)
+    from pleclient.families import FAMILIES
+
     model_dir = local_model_dir(model_dir)
     if not os.path.isdir(model_dir):
         repo = (
@@ -377,7 +309,7 @@ def checkpoint_files(model_dir: str) -> tuple[list[str], list[str]]:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return [], [f"{index_path}: unreadable index ({exc}); fix or remove it"]
         names = sorted(
-            {fn for name, fn in weight_map.items() if any(r.match(name) for r in PLE_TENSOR_RES)}
+            {fn for name, fn in weight_map.items() if any(f.owns(name) for f in FAMILIES)}
         )
         files, problems = [], []
         for fn in names:
@@ -393,95 +325,60 @@ def checkpoint_files(model_dir: str) -> tuple[list[str], list[str]]:
 
 
 def discover_tables(model_dir: str, *, fingerprint: bool = True) -> list[TableSpec]:
-    """Every PLE table in ``model_dir``, validated; raises CheckpointError listing
-    every problem found (or when there is no table at all). ``model_dir`` may
-    be a Hugging Face repo id in the local cache (``local_model_dir``)."""
+    """Every table of every family (``pleclient.families``) in ``model_dir``,
+    validated, by layer; raises CheckpointError listing every problem found
+    (or when there is no table at all). ``model_dir`` may be a Hugging Face
+    repo id in the local cache (``local_model_dir``)."""
+    from pleclient.families import FAMILIES
+
     model_dir = local_model_dir(model_dir)
     if os.path.isdir(model_dir):  # (a repo id not found stays one, for the error)
         model_dir = os.path.abspath(model_dir)
     files, problems = checkpoint_files(model_dir)
-    shards: dict[str, dict[int, TensorEntry]] = {}
-    block_scales: dict[str, dict[int, TensorEntry]] = {}
-    scales: dict[str, TensorEntry] = {}
-    global_scales: dict[str, TensorEntry] = {}
+    entries: list[TensorEntry] = []
     for path in files:
         tensors, file_problems = read_header(path)
         problems += file_problems
-        for name, entry in tensors.items():
-            if m := SHARD_RE.match(name) or BLOCK_SCALE_RE.match(name):
-                table, index = m["table"], int(m["index"])
-                into = shards if m.re is SHARD_RE else block_scales
-                previous = into.setdefault(table, {}).get(index)
-                if previous is not None:
-                    problems.append(
-                        f"{name}: duplicate shard, in {previous.path} and "
-                        f"{path}; remove the stale copy"
-                    )
-                    continue
-                into[table][index] = entry
-            elif m := SCALE_RE.match(name):
-                scales[m["table"]] = entry
-            elif m := GLOBAL_SCALE_RE.match(name):
-                global_scales[m["table"]] = entry
-    for name in sorted(set(block_scales) - set(shards)):
-        problems.append(
-            f"{name}: block scales (shard_<i>.weight_scale) without any "
-            f"shard_<i>.weight tensors; the checkpoint is incomplete"
-        )
-    tables = []
-    for name in sorted(shards, key=lambda t: (_table_layer(t), t)):
-        segments = [shards[name]] + ([block_scales[name]] if name in block_scales else [])
-        table, table_problems = _build_table(
-            name, segments, scales.get(name), global_scales.get(name)
-        )
-        problems += table_problems
-        if table is not None:
-            tables.append(table)
+        entries += tensors.values()
+    tables: list[TableSpec] = []
+    for family in FAMILIES:
+        found, family_problems = family.tables(entries)
+        tables += found
+        problems += family_problems
     if not tables and not problems:
+        named = "; ".join(f"{f.name}: {f.naming}" for f in FAMILIES)
         problems.append(
-            f"no PLE tables (tensors named …layers.<L>.ple.ple_embedding."
-            f"ngram_embedding.shard_<i>.weight) in {len(files)} safetensors "
+            f"no PLE tables or other n-gram tables ({named}) in {len(files)} safetensors "
             "file(s); is this the right model directory?"
         )
     if problems:
         raise CheckpointError(model_dir, problems)
+    tables.sort(key=lambda t: (t.layer, t.name))
     if fingerprint:
         for table in tables:
             table.fingerprint = table_fingerprint(table)
     return tables
 
 
-def _table_layer(table: str) -> int:
-    """The layer of a table named from a SHARD_RE match."""
-    m = SHARD_RE.match(table + ".shard_0.weight")
-    assert m is not None, table
-    return int(m["layer"])
-
-
-def _tensor_problems(
-    name: str, rule: _SegmentRule, entries: dict[int, TensorEntry]
+def segment_dtype(
+    name: str, rule: SegmentRule, entries: dict[int, TensorEntry]
 ) -> tuple[str, list[str]]:
-    """One segment's tensors, each on its own: dtype, 2-D, data size. Returns
-    the segment's dtype (a table of _ROWS: its shards') and the problems."""
+    """The dtype of a segment's tensors: the rule's, or (a rule without one)
+    the shards' own, which must be one."""
+    if rule.dtype is not None:
+        return rule.dtype, []
+    dtypes = sorted({e.dtype for e in entries.values()})
+    if len(dtypes) > 1:
+        return dtypes[0], [
+            f"{name}: shards have mixed dtypes {dtypes}; every shard must have the same dtype"
+        ]
+    return dtypes[0], []
+
+
+def tensor_problems(rule: SegmentRule, entries: dict[int, TensorEntry]) -> list[str]:
+    """One segment's tensors, each on its own: the rule's dtype, 2-D, data
+    size."""
     problems: list[str] = []
-    dtype = rule.dtype
-    if dtype is None:  # the shards decide: one dtype, and one that is served
-        dtypes = sorted({e.dtype for e in entries.values()})
-        dtype = dtypes[0]
-        if len(dtypes) > 1:
-            problems.append(
-                f"{name}: shards have mixed dtypes {dtypes}; every shard must have the same dtype"
-            )
-        if dtype == "U8":
-            problems.append(
-                f"{name}: U8 shards without block scales: an NVFP4 table also needs "
-                f"{name}.shard_<i>.weight_scale (F8_E4M3, [rows, cols/16]) per shard and "
-                f"{name}.weight_scale_2; use the checkpoint's original files"
-            )
-        elif dtype not in TABLE_DTYPES:
-            problems.append(
-                f"{name}: unsupported dtype {dtype} (supported: {', '.join(TABLE_DTYPES)}, {NVFP4})"
-            )
     for _, e in sorted(entries.items()):
         if rule.dtype is not None and e.dtype != rule.dtype:
             problems.append(
@@ -497,11 +394,11 @@ def _tensor_problems(
                 f"{list(e.shape)} × {ITEMSIZE[e.dtype]} bytes is "
                 f"{e.shape[0] * e.shape[1] * ITEMSIZE[e.dtype]}"
             )
-    return dtype, problems
+    return problems
 
 
-def _coverage_problems(
-    name: str, rule: _SegmentRule, entries: dict[int, TensorEntry], parts: int
+def coverage_problems(
+    name: str, rule: SegmentRule, entries: dict[int, TensorEntry], parts: int
 ) -> list[str]:
     """One segment's tensors together: all as wide, one for every shard."""
     problems = []
@@ -517,62 +414,8 @@ def _coverage_problems(
     return problems
 
 
-def _build_table(
-    name: str,
-    segments: list[dict[int, TensorEntry]],
-    scale: TensorEntry | None,
-    global_scale: TensorEntry | None,
-) -> tuple[TableSpec | None, list[str]]:
-    """A table from its segments' shard tensors (``shard_<i>.weight``, and for
-    NVFP4 ``shard_<i>.weight_scale``) and its scale tensors, or every problem
-    found: each segment on its own, then the segments against each other once
-    each is sound, then the scale; the layout last, on a sound table."""
-    rules = _NVFP4_SEGMENTS if len(segments) > 1 else (_ROWS,)
-    parts = max(max(entries) for entries in segments) + 1
-    problems: list[str] = []
-    sound = True  # every segment: sound tensors, one per shard, one width
-    dtype = NVFP4
-    for rule, entries in zip(rules, segments, strict=True):
-        segment_dtype, own = _tensor_problems(name, rule, entries)
-        own += _coverage_problems(name, rule, entries, parts)
-        if rule.dtype is None:  # the table's dtype is its rows'
-            dtype = segment_dtype
-        problems += own
-        sound = sound and not own
-    cols = 0
-    if sound:
-        cols = segments[0][0].shape[1] * rules[0].per_element
-        if dtype == NVFP4:
-            problems += _nvfp4_column_problems(segments[0][0], segments[1][0])
-        for rule, entries in zip(rules[1:], segments[1:], strict=True):
-            problems += _segment_rows_problems(rule, segments[0], entries)
-    if dtype == NVFP4:
-        scale_value, scale_problems = _nvfp4_scale(name, global_scale, scale)
-    else:
-        scale_value, scale_problems = _rows_scale(name, dtype, scale)
-    problems += scale_problems
-    if problems:
-        return None, problems
-    rows, shard_size, problems = _layout(segments[0], parts)
-    if problems:
-        return None, problems
-    return TableSpec(
-        name=name,
-        layer=_table_layer(name),
-        dtype=dtype,
-        cols=cols,
-        rows=rows,
-        parts=parts,
-        shard_size=shard_size,
-        shards=_shard_specs(segments[0], parts),
-        scale=scale_value,
-        files=sorted({e.path for entries in segments for e in entries.values()}),
-        block_scale_shards=_shard_specs(segments[1], parts) if len(segments) > 1 else [],
-    ), []
-
-
-def _segment_rows_problems(
-    rule: _SegmentRule, first: dict[int, TensorEntry], entries: dict[int, TensorEntry]
+def rows_problems(
+    rule: SegmentRule, first: dict[int, TensorEntry], entries: dict[int, TensorEntry]
 ) -> list[str]:
     """A later segment against the first: as many rows in every shard."""
     return [
@@ -583,69 +426,14 @@ def _segment_rows_problems(
     ]
 
 
-def _nvfp4_column_problems(values: TensorEntry, block_scales: TensorEntry) -> list[str]:
-    """Whole blocks of columns, and one block scale per block."""
-    packed = values.shape[1]
-    cols = 2 * packed
-    if cols % NVFP4_BLOCK:
-        return [
-            f"{values.path}: tensor {values.name}: {packed} packed bytes per row are "
-            f"{cols} columns, not a multiple of the NVFP4 block size {NVFP4_BLOCK}"
-        ]
-    scale_width = block_scales.shape[1]
-    if scale_width != cols // NVFP4_BLOCK:
-        return [
-            f"{block_scales.path}: tensor {block_scales.name} has {scale_width} block "
-            f"scales per row, but {cols}-column rows ({packed} packed bytes) need "
-            f"{cols // NVFP4_BLOCK} (one per {NVFP4_BLOCK} columns)"
-        ]
-    return []
-
-
-def _rows_scale(name: str, dtype: str, scale: TensorEntry | None) -> tuple[float | None, list[str]]:
-    """An FP8 table's ``weight_scale`` (a BF16 table has none)."""
-    if not TABLE_DTYPES.get(dtype, False):
-        return None, []
-    if scale is None:
-        return None, [
-            f"{name}: {dtype} shards need {name}.weight_scale, which is "
-            "missing; use the checkpoint's original files"
-        ]
-    value, problem = read_scale(scale)
-    return value, [problem] if problem else []
-
-
-def _nvfp4_scale(
-    name: str, global_scale: TensorEntry | None, unsharded_scale: TensorEntry | None
-) -> tuple[float | None, list[str]]:
-    """An NVFP4 table's global ``weight_scale_2``, and no unsharded
-    ``weight_scale`` beside it (the layout vLLM's NVFP4 PLE ``load_weights``
-    takes)."""
-    problems = []
-    if unsharded_scale is not None:
-        problems.append(
-            f"{unsharded_scale.path}: tensor {unsharded_scale.name}: an unsharded "
-            "weight_scale beside NVFP4 shards (vLLM refuses it: NVFP4 block scales are "
-            "shard_<i>.weight_scale, the global scale is weight_scale_2); remove it"
-        )
-    if global_scale is None:
-        problems.append(
-            f"{name}: NVFP4 shards need {name}.weight_scale_2 (the global scale), which "
-            "is missing; use the checkpoint's original files"
-        )
-        return None, problems
-    value, problem = read_scale(global_scale)
-    return value, problems + ([problem] if problem else [])
-
-
-def _shard_specs(entries: dict[int, TensorEntry], parts: int) -> list[ShardSpec]:
+def shard_specs(entries: dict[int, TensorEntry], parts: int) -> list[ShardSpec]:
     """Where each of ``parts`` shards starts, from its tensor entry."""
     return [
         ShardSpec(i, entries[i].path, entries[i].offset, entries[i].shape[0]) for i in range(parts)
     ]
 
 
-def _layout(entries: dict[int, TensorEntry], parts: int) -> tuple[int, int, list[str]]:
+def layout(entries: dict[int, TensorEntry], parts: int) -> tuple[int, int, list[str]]:
     """(rows, shard_size, problems): every shard must hold ``ceil(rows/parts)``
     rows, the last one what is left."""
     problems = []

@@ -319,7 +319,8 @@ def cmd_completion(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from pleclient.checkpoint import NVFP4, CheckpointError, discover_tables
+    from pleclient.checkpoint import CheckpointError, discover_tables
+    from pleclient.families.qwen4_exp import NVFP4
 
     try:
         tables = discover_tables(args.model)
@@ -340,7 +341,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                             segments=[
                                 {
                                     "name": seg.name,
-                                    "tensor": f"shard_<i>.{seg.tensor}",
+                                    "tensor": seg.tensor,
                                     "dtype": seg.dtype,
                                     "row_bytes": seg.row_bytes,
                                 }
@@ -371,15 +372,15 @@ def tables_text(tables) -> str:
             f"{t.parts:>6} {t.nbytes / 2**30:>8.3f}  {t.fingerprint[:11]}  {t.name}"
         )
     for t in tables:
-        if len(t.segments) > 1:  # NVFP4: say how a served row is made
+        if len(t.segments) > 1:  # NVFP4, Engram: say how a served row is made
             parts = " + ".join(
-                f"{seg.row_bytes} B {seg.name.replace('_', ' ')} "
-                f"({seg.dtype} shard_<i>.{seg.tensor})"
+                f"{seg.row_bytes} B {seg.name.replace('_', ' ')} ({seg.dtype} {seg.tensor})"
                 for seg in t.segments
             )
+            scale = "" if t.scale is None else f"; global scale weight_scale_2 = {t.scale!r}"
             lines.append(
                 f"layer {t.layer} {t.dtype}: {t.cols} columns served as {t.row_bytes}-byte rows = "
-                f"{parts}; global scale weight_scale_2 = {t.scale!r}"
+                f"{parts}{scale}"
             )
     return "\n".join(lines)
 

@@ -214,7 +214,7 @@ def test_nvfp4_table_is_discovered_with_its_served_row_layout(tmp_path):
         ("values", 16, "U8"),
         ("block_scales", 2, "F8_E4M3"),
     ]
-    assert [s.rows for s in table.block_scale_shards] == [251, 251, 251, 248]
+    assert [s.rows for s in table.segments[1].shards] == [251, 251, 251, 248]
     assert table.info()["dtype"] == "NVFP4" and table.info()["row_bytes"] == 18
 
 
@@ -380,3 +380,93 @@ def test_a_hugging_face_repo_id_is_its_snapshot_in_the_local_cache(
     # Not in the cache: the error names both readings and the download
     with pytest.raises(CheckpointError, match=r"nor a Hugging Face repo id in the local cache"):
         discover_tables("acme/not-downloaded")
+
+
+# ----------------------------------------------- DeepSeek-V4.1 Engram tables
+ENGRAM = SyntheticTable(layer=14, rows=1511, cols=64, dtype="MXFP8", parts=1)
+ENGRAM_PREFIX = "model.layers.1.engram.embed"
+
+
+def engram_tensors(rows: int = 7, cols: int = 64, values: str = "F8_E4M3", scale_width=None):
+    """Layer 1's Engram values and scales for a ``cols``-column table."""
+    width = cols // 32 if scale_width is None else scale_width
+    size = {"F8_E4M3": 1, "F8_E8M0": 1, "BF16": 2}
+    return [
+        (f"{ENGRAM_PREFIX}.weight", values, (rows, cols), bytes(rows * cols * size[values])),
+        (f"{ENGRAM_PREFIX}.scale", "F8_E8M0", (rows, width), bytes(rows * width)),
+    ]
+
+
+def test_an_engram_table_is_discovered_with_its_served_row_layout(tmp_path):
+    write_checkpoint(str(tmp_path), [FP8, ENGRAM], files=2)
+    fp8, engram = discover_tables(str(tmp_path))
+    assert fp8.dtype == "F8_E4M3"  # beside a PLE table of the other family
+    assert (engram.name, engram.layer, engram.dtype) == (
+        "model.layers.14.engram.embed",
+        14,
+        "MXFP8",
+    )
+    assert (engram.rows, engram.cols, engram.parts, engram.shard_size) == (1511, 64, 1, 1511)
+    assert engram.row_bytes == 64 + 2 and engram.scale is None
+    assert [(s.name, s.tensor, s.dtype, s.row_bytes) for s in engram.segments] == [
+        ("values", "weight", "F8_E4M3", 64),
+        ("scales", "scale", "F8_E8M0", 2),
+    ]
+    assert len(engram.files) == 2  # the values in one file, the scales in the other
+
+
+@pytest.mark.parametrize("changed", ["values", "scales"])
+def test_an_engram_fingerprint_covers_values_and_scales(tmp_path, changed):
+    base, other = tmp_path / "base", tmp_path / "other"
+    for path in (base, other):
+        write_checkpoint(str(path), [ENGRAM], files=2)
+    segment = discover_tables(str(other))[0].segments[changed == "scales"]
+    part = segment.shards[0]
+    with open(part.path, "r+b") as f:  # the middle row: one the fingerprint samples
+        f.seek(part.offset + (part.rows // 2) * segment.row_bytes)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x01]))
+    assert discover_tables(str(other))[0].fingerprint != discover_tables(str(base))[0].fingerprint
+
+
+@pytest.mark.parametrize(
+    "tensors, problem",
+    [
+        (engram_tensors()[:1], f"no {ENGRAM_PREFIX}.scale (F8_E8M0, one scale per 32 columns)"),
+        (engram_tensors()[1:], f"no {ENGRAM_PREFIX}.weight; the checkpoint is incomplete"),
+        (
+            engram_tensors(values="BF16"),
+            "engram.embed.weight is BF16, but Engram values must be F8_E4M3",
+        ),
+        (engram_tensors(cols=48, scale_width=1), "48 columns, not a multiple of the Engram block"),
+        (engram_tensors(scale_width=3), "has 3 scales per row, but 64-column rows need 2"),
+        (
+            engram_tensors()[:1] + engram_tensors(rows=6)[1:],
+            "engram.embed.scale has 6 rows, but model.layers.1.engram.embed.weight has 7",
+        ),
+    ],
+    ids=["no-scales", "no-values", "bf16-values", "partial-block", "scale-width", "rows"],
+)
+def test_an_engram_table_that_vllm_would_not_load_is_refused_naming_the_fix(
+    tmp_path, tensors, problem
+):
+    write_safetensors(str(tmp_path / "a.safetensors"), tensors)
+    assert problem in problems_of(tmp_path)
+
+
+def test_inspect_shows_the_engram_row_layout(tmp_path):
+    write_checkpoint(str(tmp_path), [ENGRAM], files=2)
+    human = run_cli("inspect", str(tmp_path))
+    assert human.returncode == 0, human.stderr
+    assert (
+        "layer 14 MXFP8: 64 columns served as 66-byte rows = 64 B values (F8_E4M3 weight) "
+        "+ 2 B scales (F8_E8M0 scale)"
+    ) in human.stdout
+    table = json.loads(run_cli("inspect", str(tmp_path), "--json").stdout)["tables"][0]
+    assert (table["dtype"], table["parts"], table["row_bytes"]) == ("MXFP8", 1, 66)
+    assert "global_scale" not in table
+    assert [(s["tensor"], s["dtype"], s["row_bytes"]) for s in table["segments"]] == [
+        ("weight", "F8_E4M3", 64),
+        ("scale", "F8_E8M0", 2),
+    ]

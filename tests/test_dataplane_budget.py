@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pleclient.checkpoint import TableSpec, discover_tables
+from pleclient.checkpoint import Segment, TableSpec, discover_tables
 from pleserver.box import SYSTEM_RESERVE, Box
 from pleserver.data.budget import (
     CACHE_SHARE,
@@ -27,7 +27,9 @@ from pleserver.host import MEMINFO_ENV, MemoryRoom, cgroup_limit
 GIB = 1 << 30
 MIB = 1 << 20
 # Qwen3.8-Flash-Next geometry: 44 GiB of FP8 rows.
-FP8_TABLE = TableSpec("t", 1, "F8_E4M3", 160, 320_000_000, 16, 20_000_000, [])
+FP8_TABLE = TableSpec(
+    "t", 1, "F8_E4M3", 160, 320_000_000, 16, 20_000_000, [Segment("rows", 160, [], "F8_E4M3")]
+)
 DGX_SPARK = 127_600_748 << 10  # MemTotal of a DGX Spark: 121.69 GiB
 BIG_BOX = Box(256 * GIB, None, False, "stated")
 

@@ -1,6 +1,7 @@
 """Rows through the native data plane, in every io mode, bit for bit: FP8,
 BF16 and NVFP4 tables (an NVFP4 row: packed values, then block scales, from
-two tensors) with partial last shards over several files, ids whose row
+two tensors) with partial last shards over several files, and a DeepSeek-V4.1
+Engram table (FP8 values, then UE8M0 scales, from two unsharded tensors), ids whose row
 straddles a 4 KiB block, duplicates, large requests split over native threads,
 and the same ids asked for by several client processes at once."""
 
@@ -20,14 +21,17 @@ from tests.host import require_o_direct
 BLOCK = 4096
 MODES = ("direct", "buffered", "mmap")
 NVFP4_TABLE = SyntheticTable(layer=5, rows=15_013, cols=160, dtype="NVFP4", parts=6, scale=0.375)
+ENGRAM_TABLE = SyntheticTable(layer=14, rows=20_011, cols=256, dtype="MXFP8", parts=1)
+"""An Engram table of the real model's row (256 FP8 values + 8 scales)."""
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """Three files: shards of both tables in each, at offsets that are not
-    multiples of the row size (the first file starts with another tensor)."""
+    """Three files: shards of every table in each (the Engram table's values
+    in one, its scales in another), at offsets that are not multiples of the
+    row size (the first file starts with another tensor)."""
     path = tmp_path_factory.mktemp("dataplane")
-    write_checkpoint(str(path), (*SMALL_TABLES, NVFP4_TABLE), files=3)
+    write_checkpoint(str(path), (*SMALL_TABLES, NVFP4_TABLE, ENGRAM_TABLE), files=3)
     return path
 
 
@@ -75,24 +79,35 @@ def test_rows_are_bit_exact_in_every_mode(start_server, model, tmp_path, io):
                     assert np.array_equal(got, ref[ids]), (io, t.dtype, name, attempt)
 
 
+COMPOSED = {
+    "NVFP4": (NVFP4_TABLE, ((0, 80), (80, 90)), 0.375),
+    "MXFP8": (ENGRAM_TABLE, ((0, 256), (256, 264)), None),
+}
+"""Tables whose row is composed from two tensors: the table, each segment's
+bytes of the row, its global scale."""
+
+
+@pytest.mark.parametrize("dtype", COMPOSED)
 @pytest.mark.parametrize("io", MODES)
-def test_nvfp4_rows_are_values_then_block_scales_from_the_files(start_server, model, tmp_path, io):
+def test_a_composed_row_is_each_segments_bytes_from_the_files(
+    start_server, model, tmp_path, io, dtype
+):
     if io == "direct":
         require_o_direct(model)
     server = start_server(model, "--io", io, "--state-dir", str(tmp_path))
-    spec = next(t for t in discover_tables(str(model)) if t.dtype == "NVFP4")
-    values, scales = spec.segments
+    table, spans, scale = COMPOSED[dtype]
+    spec = next(t for t in discover_tables(str(model)) if t.dtype == dtype)
     with server.client() as client:
         expect_mode(client, io)
-        info = client.table(NVFP4_TABLE.layer)
-        assert (info.dtype, info.cols, info.row_bytes) == ("NVFP4", 160, 80 + 10)
-        assert info.scale == 0.375 and info.fingerprint == spec.fingerprint
-        ids = np.array([0, spec.shard_size, spec.rows - 1, 7, 7], dtype=np.int64)
+        info = client.table(table.layer)
+        assert (info.dtype, info.cols, info.row_bytes) == (dtype, table.cols, spans[-1][1])
+        assert info.scale == scale and info.fingerprint == spec.fingerprint
+        ids = np.array([0, spec.shard_size - 1, spec.rows - 1, 7, 7], dtype=np.int64)
         for attempt in ("cold", "warm"):
             rows = client.lookup(info.layer, ids)
             for id_, row in zip(ids.tolist(), rows, strict=True):
                 shard, r = divmod(id_, spec.shard_size)
-                for segment, (lo, hi) in zip((values, scales), ((0, 80), (80, 90)), strict=True):
+                for segment, (lo, hi) in zip(spec.segments, spans, strict=True):
                     part = segment.shards[shard]
                     with open(part.path, "rb") as f:  # the bytes of each tensor's row
                         f.seek(part.offset + r * segment.row_bytes)
@@ -129,7 +144,7 @@ def test_ids_repeated_across_concurrent_clients_are_bit_exact(start_server, mode
         reports.append(
             child_report(subprocess.CompletedProcess(child.args, child.returncode, out, err))
         )
-    assert all(r["requests"] == 60 * 3 and r["bad"] == 0 for r in reports), reports  # 3 tables
+    assert all(r["requests"] == 60 * 4 and r["bad"] == 0 for r in reports), reports  # 4 tables
     with server.client() as client:
         stats = client.stats()
     assert all(t["error_count"] == 0 for t in stats["tables"]), stats["tables"]

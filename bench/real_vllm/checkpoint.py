@@ -365,7 +365,7 @@ def fp8_twin(bf16_dir: Path, fp8_dir: Path) -> None:
     one, naming each table's new ``weight_scale``."""
     from safetensors import safe_open
 
-    from pleclient.checkpoint import SHARD_RE
+    from pleclient.families.qwen4_exp import SHARD_RE
 
     helpers = _fp8_helpers()
     if fp8_dir.exists():
@@ -418,7 +418,7 @@ def nvfp4_twin(bf16_dir: Path, out_dir: Path, device: str) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pleclient.checkpoint import SHARD_RE
+    from pleclient.families.qwen4_exp import SHARD_RE
 
     if out_dir.exists():
         shutil.rmtree(out_dir)

@@ -25,13 +25,12 @@ from typing import TypeVar
 from pleclient import TableInfo
 from pleclient.checkpoint import (
     ITEMSIZE,
-    NVFP4,
-    NVFP4_BLOCK,
     CheckpointError,
     TableSpec,
     discover_tables,
     local_model_dir,
 )
+from pleclient.families.qwen4_exp import NVFP4, NVFP4_BLOCK
 from pleclient.vllm_plugin.errors import IdentityMismatch, PleBackendError
 from pleclient.vllm_plugin.settings import ENV_ALLOW_DUMMY, ENV_CHECKPOINT
 

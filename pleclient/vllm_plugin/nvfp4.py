@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from pleclient.checkpoint import NVFP4_BLOCK
+from pleclient.families.qwen4_exp import NVFP4_BLOCK
 
 
 def row_bytes(cols: int) -> int:

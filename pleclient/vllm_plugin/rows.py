@@ -38,8 +38,9 @@ from dataclasses import dataclass
 import torch
 
 from pleclient import PleClient, ProtocolMismatch, TableInfo, TooManyClients
-from pleclient.checkpoint import NVFP4, TableSpec
+from pleclient.checkpoint import TableSpec
 from pleclient.fallback import CheckpointReader
+from pleclient.families.qwen4_exp import NVFP4
 from pleclient.vllm_plugin import discovery, identity
 from pleclient.vllm_plugin.errors import PleBackendError
 from pleclient.vllm_plugin.reconnect import TRANSIENT, ReconnectPolicy

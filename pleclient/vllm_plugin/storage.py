@@ -51,7 +51,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLENvFp4EmbeddingMethod,
 )
 
-from pleclient.checkpoint import NVFP4
+from pleclient.families.qwen4_exp import NVFP4
 from pleclient.vllm_plugin.errors import PleBackendError
 from pleclient.vllm_plugin.identity import Expected
 from pleclient.vllm_plugin.lookups import LayerLookups, RowEncoding, StoredRows

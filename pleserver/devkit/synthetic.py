@@ -10,6 +10,11 @@ NaN or Inf, so dequantized values compare exactly.
 ``[rows, cols/16]``, positive finite block scales), and one F32
 ``weight_scale_2``. ``shard_bytes`` gives the rows as the server serves them:
 values, then block scales.
+
+``dtype="MXFP8"`` writes a DeepSeek-V4.1 Engram table instead
+(``pleclient.families.deepseek_v41``): ``model.layers.<L>.engram.embed.weight``
+(F8_E4M3 ``[rows, cols]``) and ``.scale`` (F8_E8M0 ``[rows, cols/32]``, UE8M0
+exponents near 2^0, so decoded values stay normal BF16), one part.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pleclient.checkpoint import INDEX_FILE, ITEMSIZE, NVFP4, NVFP4_BLOCK, read_header
+from pleclient.checkpoint import INDEX_FILE, ITEMSIZE, read_header
+from pleclient.families.deepseek_v41 import MXFP8, MXFP8_BLOCK
+from pleclient.families.qwen4_exp import NVFP4, NVFP4_BLOCK
 
 TABLE_PREFIX = "model.layers.{layer}.ple.ple_embedding.ngram_embedding"
+ENGRAM_PREFIX = "model.layers.{layer}.engram.embed"
 CHUNK_BYTES = 64 << 20
 
 
@@ -38,26 +46,45 @@ class SyntheticTable:
     parts: int = 8
     scale: float | None = None  # FP8 default: 0.0125; NVFP4 (weight_scale_2): 1/1024
 
+    def __post_init__(self) -> None:
+        if self.dtype == MXFP8 and self.parts != 1:
+            raise ValueError(f"an Engram (MXFP8) table is one part, not {self.parts}")
+
     @property
     def name(self) -> str:
-        return TABLE_PREFIX.format(layer=self.layer)
+        return (ENGRAM_PREFIX if self.dtype == MXFP8 else TABLE_PREFIX).format(layer=self.layer)
 
     @property
     def row_bytes(self) -> int:
         if self.dtype == NVFP4:
             return self.cols // 2 + self.cols // NVFP4_BLOCK
+        if self.dtype == MXFP8:
+            return self.cols + self.cols // MXFP8_BLOCK
         return self.cols * ITEMSIZE[self.dtype]
 
     def tensors(self) -> list[tuple[str, str, int, int]]:
         """Each shard's tensors as ``(suffix, dtype, first byte, end byte)`` of the
-        served row: one for BF16/FP8, values and block scales for NVFP4."""
+        served row: one for BF16/FP8, values and block scales for NVFP4 and
+        for Engram."""
         if self.dtype == NVFP4:
             packed = self.cols // 2
             return [
                 ("weight", "U8", 0, packed),
                 ("weight_scale", "F8_E4M3", packed, self.row_bytes),
             ]
+        if self.dtype == MXFP8:
+            return [
+                ("weight", "F8_E4M3", 0, self.cols),
+                ("scale", "F8_E8M0", self.cols, self.row_bytes),
+            ]
         return [("weight", self.dtype, 0, self.row_bytes)]
+
+    def tensor_name(self, index: int, suffix: str) -> str:
+        """Shard ``index``'s tensor of ``suffix`` (an Engram table has no
+        ``shard_<i>``)."""
+        if self.dtype == MXFP8:
+            return f"{self.name}.{suffix}"
+        return f"{self.name}.shard_{index}.{suffix}"
 
     def global_scale(self) -> tuple[str, float] | None:
         """The global scale tensor's suffix and value, if the dtype has one."""
@@ -99,6 +126,11 @@ def _without_nan(data: np.ndarray, dtype: str) -> np.ndarray:
         scales = data[:, (data.shape[1] * 8) // 9 :]  # cols/2 values, then cols/16 scales
         scales &= 0x7F
         scales[scales == 0x7F] = 0x7E
+    elif dtype == MXFP8:  # E4M3 values without NaN; UE8M0 exponents 2^-8 .. 2^11
+        values_end = (data.shape[1] * MXFP8_BLOCK) // (MXFP8_BLOCK + 1)
+        values = data[:, :values_end]
+        values[(values & 0x7F) == 0x7F] ^= 0x01
+        data[:, values_end:] = 119 + data[:, values_end:] % 20
     return data
 
 
@@ -147,17 +179,19 @@ def write_checkpoint(
 
     The first file also holds a small non-PLE tensor (as real checkpoints mix
     tensors), which also puts the shards after it at an offset that is not a
-    multiple of the row size."""
+    multiple of the row size. A table of one part has its segments' tensors
+    in different files (an Engram table's values and scales)."""
     os.makedirs(model_dir, exist_ok=True)
     per_file: list[list] = [[] for _ in range(files)]
     if extra_tensor:
         per_file[0].append(("model.embed_tokens.weight", "BF16", (3, 5), bytes(30)))
     for table in tables:
         for i, rows in enumerate(table.shard_rows()):
-            for suffix, dtype, lo, hi in table.tensors():
-                name = f"{table.name}.shard_{i}.{suffix}"
+            for j, (suffix, dtype, lo, hi) in enumerate(table.tensors()):
+                name = table.tensor_name(i, suffix)
                 shape = (rows, (hi - lo) // ITEMSIZE[dtype])
-                per_file[i * files // table.parts].append(
+                where = j % files if table.parts == 1 else i * files // table.parts
+                per_file[where].append(
                     (name, dtype, shape, _shard_producer(table, i, seed, lo, hi))
                 )
         if (global_scale := table.global_scale()) is not None:
@@ -213,21 +247,23 @@ def _shard_producer(table: SyntheticTable, index: int, seed: int, lo: int, hi: i
 def read_reference(model_dir: str, table_name: str) -> np.ndarray:
     """The whole table as uint8 [rows, row_bytes], read with plain file reads
     (independent of the server's mmap code; for tests on small tables). An
-    NVFP4 row is its packed values, then its block scales, as served."""
+    NVFP4 row is its packed values, then its block scales, as served; an
+    Engram row its FP8 values, then its scales."""
     entries = {}
     for fn in sorted(os.listdir(model_dir)):
         if fn.endswith(".safetensors"):
             tensors, problems = read_header(os.path.join(model_dir, fn))
             assert not problems, problems
             entries.update(tensors)
-    prefix = table_name + ".shard_"
     by_suffix: dict[str, list] = {}
     for n, e in entries.items():
-        if n.startswith(prefix):
-            index, suffix = n[len(prefix) :].split(".", 1)
+        if n.startswith(table_name + ".shard_"):
+            index, suffix = n[len(table_name + ".shard_") :].split(".", 1)
             by_suffix.setdefault(suffix, []).append((int(index), e))
+        elif n in (table_name + ".weight", table_name + ".scale"):  # an Engram table's
+            by_suffix.setdefault(n[len(table_name) + 1 :], []).append((0, e))
     columns = []
-    for suffix in ("weight", "weight_scale"):  # the served row's order
+    for suffix in ("weight", "weight_scale", "scale"):  # the served row's order
         parts = []
         for _, e in sorted(by_suffix.get(suffix, []), key=lambda t: t[0]):
             with open(e.path, "rb") as f:

@@ -37,12 +37,12 @@ from typing import Any
 
 from pleclient.checkpoint import (
     INDEX_FILE,
-    PLE_TENSOR_RES,
     CheckpointError,
     discover_tables,
     local_model_dir,
     read_header,
 )
+from pleclient.families import FAMILIES
 from pleclient.protocol import ChannelLayout
 from pleserver.box import SYSTEM_RESERVE, VLLM_GPU_MEMORY_UTILIZATION, Box
 from pleserver.config import ServerConfig
@@ -88,7 +88,7 @@ def read_checkpoint(model: str) -> Checkpoint:
         tensors, bad = read_header(path)
         problems += bad
         weights += sum(
-            t.nbytes for t in tensors.values() if not any(r.match(t.name) for r in PLE_TENSOR_RES)
+            t.nbytes for t in tensors.values() if not any(f.owns(t.name) for f in FAMILIES)
         )
     if problems:
         raise CheckpointError(folder, problems)

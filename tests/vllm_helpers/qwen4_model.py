@@ -131,7 +131,7 @@ def write_fp8_twin(bf16_dir: str, fp8_dir: str) -> str:
     """Copy of ``bf16_dir`` whose PLE shards are F8_E4M3 with a global scale."""
     from safetensors.torch import load_file, save_file
 
-    from pleclient.checkpoint import SHARD_RE
+    from pleclient.families.qwen4_exp import SHARD_RE
 
     shutil.copytree(bf16_dir, fp8_dir)
     for name in os.listdir(fp8_dir):

@@ -1,0 +1,29 @@
+"""What a model family provides to find its tables (``TableFamily``)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+from pleclient.checkpoint import TableSpec, TensorEntry
+
+
+class TableFamily(ABC):
+    """One model family's table rules."""
+
+    name: str
+    """The family, in messages (``Qwen4Exp PLE``)."""
+    naming: str
+    """How its table tensors are named, in the message for a checkpoint
+    without tables."""
+
+    @abstractmethod
+    def owns(self, tensor: str) -> bool:
+        """Whether ``tensor`` (a checkpoint tensor name) is part of one of this
+        family's tables: the files holding one are read."""
+
+    @abstractmethod
+    def tables(self, entries: Iterable[TensorEntry]) -> tuple[list[TableSpec], list[str]]:
+        """This family's tables among ``entries`` (every tensor of every file,
+        in file order), each validated; and every problem found (a table with
+        one is not returned)."""
