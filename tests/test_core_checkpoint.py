@@ -384,7 +384,7 @@ def test_a_hugging_face_repo_id_is_its_snapshot_in_the_local_cache(
 
 # ----------------------------------------------- DeepSeek-V4.1 Engram tables
 ENGRAM = SyntheticTable(layer=14, rows=1511, cols=64, dtype="MXFP8", parts=1)
-ENGRAM_PREFIX = "model.layers.1.engram.embed"
+ENGRAM_PREFIX = "layers.1.engram.embed"
 
 
 def engram_tensors(rows: int = 7, cols: int = 64, values: str = "F8_E4M3", scale_width=None):
@@ -402,7 +402,7 @@ def test_an_engram_table_is_discovered_with_its_served_row_layout(tmp_path):
     fp8, engram = discover_tables(str(tmp_path))
     assert fp8.dtype == "F8_E4M3"  # beside a PLE table of the other family
     assert (engram.name, engram.layer, engram.dtype) == (
-        "model.layers.14.engram.embed",
+        "layers.14.engram.embed",
         14,
         "MXFP8",
     )
@@ -443,7 +443,7 @@ def test_an_engram_fingerprint_covers_values_and_scales(tmp_path, changed):
         (engram_tensors(scale_width=3), "has 3 scales per row, but 64-column rows need 2"),
         (
             engram_tensors()[:1] + engram_tensors(rows=6)[1:],
-            "engram.embed.scale has 6 rows, but model.layers.1.engram.embed.weight has 7",
+            "engram.embed.scale has 6 rows, but layers.1.engram.embed.weight has 7",
         ),
     ],
     ids=["no-scales", "no-values", "bf16-values", "partial-block", "scale-width", "rows"],

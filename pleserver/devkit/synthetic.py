@@ -12,7 +12,7 @@ NaN or Inf, so dequantized values compare exactly.
 values, then block scales.
 
 ``dtype="MXFP8"`` writes a DeepSeek-V4.1 Engram table instead
-(``pleclient.families.deepseek_v41``): ``model.layers.<L>.engram.embed.weight``
+(``pleclient.families.deepseek_v41``): ``layers.<L>.engram.embed.weight``
 (F8_E4M3 ``[rows, cols]``) and ``.scale`` (F8_E8M0 ``[rows, cols/32]``, UE8M0
 exponents near 2^0, so decoded values stay normal BF16), one part.
 """
@@ -33,7 +33,7 @@ from pleclient.families.deepseek_v41 import MXFP8, MXFP8_BLOCK
 from pleclient.families.qwen4_exp import NVFP4, NVFP4_BLOCK
 
 TABLE_PREFIX = "model.layers.{layer}.ple.ple_embedding.ngram_embedding"
-ENGRAM_PREFIX = "model.layers.{layer}.engram.embed"
+ENGRAM_PREFIX = "layers.{layer}.engram.embed"  # as DeepSeek-V4.1 names it, with no "model."
 CHUNK_BYTES = 64 << 20
 
 
