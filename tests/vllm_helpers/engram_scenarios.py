@@ -72,7 +72,67 @@ def vllm_engram_ids(args: dict) -> dict:
     }
 
 
-SCENARIOS = {"vllm_engram_ids": vllm_engram_ids}
+def decode_engram_rows(args: dict) -> dict:
+    """A table's rows looked up by vLLM's ``_engram_lookup_kernel`` as stock's
+    ``ParallelEngramEmbedding.lookup`` calls it (every head on one rank,
+    ``[tokens, heads]`` ids, BF16 out), against the same rows served (values
+    then scales) and decoded by ``pleclient.vllm_plugin.mxfp8``: through torch
+    and through the kernel. Returns whether each is bit-equal, and how many
+    values were compared."""
+    from vllm.models.deepseek_v41.common import engram
+
+    from pleclient.vllm_plugin import mxfp8
+
+    rows, cols, heads, tokens = args["rows"], args["cols"], args["heads"], args["tokens"]
+    gen = torch.Generator().manual_seed(args["seed"])
+    values = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=gen)
+    values[(values & 0x7F) == 0x7F] ^= 0x01  # no NaN
+    # Exponent bytes whose products stay in FP32's normal range, and 0 (a zero
+    # row block): Triton's interpreter rounds FP32 subnormals to BF16 unlike
+    # CUDA and torch (on CUDA the plugin decodes with the kernel itself).
+    scales = torch.randint(20, 255, (rows, cols // 32), dtype=torch.uint8, generator=gen)
+    scales[: rows // 4] = torch.tensor([0, 20, 127, 200, 254], dtype=torch.uint8).repeat(
+        rows // 4, cols // 32 // 5 + 1
+    )[:, : cols // 32]  # the edges: zero, small, one, large
+    ids = torch.randint(0, rows, (tokens, heads), dtype=torch.int64, generator=gen)
+    stock = torch.empty((tokens, heads, cols), dtype=torch.bfloat16)
+    n = tokens * heads
+    engram._engram_lookup_kernel[(triton_cdiv(n, 16),)](
+        values.view(torch.float8_e4m3fn),
+        scales,
+        ids,
+        None,
+        stock,
+        0,
+        rows,
+        n,
+        ids.stride(0),
+        ids.stride(1),
+        HEAD_START=0,
+        LOCAL_HEADS=heads,
+        TOTAL_HEADS=heads,
+        DIM=cols,
+        QUANT_BLOCK=32,
+        BLOCK_R=16,
+        GRID=triton_cdiv(n, 16),
+        SORTED=False,
+        PACKED=False,
+        OUT_STRIDE=stock.stride(0),
+    )
+    served = torch.cat([values, scales], dim=1)[ids.flatten()]  # as ple-server answers
+    equal = {}
+    for path in ("torch", "kernel"):
+        out = torch.empty((tokens, heads, cols), dtype=torch.bfloat16)
+        mxfp8.decode_into(served, out, kernel=path == "kernel")
+        equal[path] = bool(torch.equal(out.view(torch.int16), stock.view(torch.int16)))
+    return {"equal": equal, "values": stock.numel(), "zeros": int((stock == 0).sum())}
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+SCENARIOS = {"vllm_engram_ids": vllm_engram_ids, "decode_engram_rows": decode_engram_rows}
 
 
 if __name__ == "__main__":
