@@ -5,10 +5,11 @@ process: ``tests/vllm_helpers/engram_scenarios.py``)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from pleclient.vllm_plugin import mxfp8
+from pleclient.vllm_plugin import loader, mxfp8
 from tests.vllm_helpers import run_scenario
 
 TRITON_ON_CPU = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
@@ -32,3 +33,57 @@ def test_a_wrong_output_is_refused_naming_the_shapes():
         mxfp8.decode_into(raw, torch.empty((3, 65), dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"the output is torch\.float16"):
         mxfp8.decode_into(raw, torch.empty((3, 64), dtype=torch.float16))
+
+
+# ------------------------------------------------------ the Engram layers
+@pytest.fixture(scope="module")
+def engram_model(tmp_path_factory):
+    from pleserver.devkit.deepseek_v41 import write_tiny_deepseek_v41
+
+    return write_tiny_deepseek_v41(str(tmp_path_factory.mktemp("dsv41")))
+
+
+def run_layers(model, out, env=None) -> dict:
+    rng = np.random.default_rng(4)
+    batches = [rng.integers(0, 2_000, n).tolist() for n in (1, 7, 33)]
+    return run_scenario(
+        "engram_layers",
+        {"model": str(model), "out": str(out), "batches": batches},
+        module="tests.vllm_helpers.engram_scenarios",
+        env={**TRITON_ON_CPU, **(env or {})},
+        timeout=600,
+    )
+
+
+def test_engram_layers_read_their_rows_from_ple_server_as_stock_reads_its_table(
+    start_server, engram_model, tmp_path
+):
+    """vLLM's real ``Engram`` layers, stock and patched (every head's rows from a
+    real ple-server): the same rows, bit for bit, and the same outputs."""
+    server = start_server(engram_model)
+    stock = run_layers(engram_model, tmp_path / "stock.pt")
+    shm = run_layers(
+        engram_model,
+        tmp_path / "shm.pt",
+        {
+            "VLLM_PLE_BACKEND": "shm",
+            "VLLM_PLE_SHM_SOCKET": server.socket,
+            "VLLM_PLE_SHM_CHECKPOINT": str(engram_model),
+        },
+    )
+    assert stock["storages"] == ["ParallelEngramEmbedding"]
+    assert shm["storages"] == ["EngramShmStorage"]
+    want, got = torch.load(tmp_path / "stock.pt"), torch.load(tmp_path / "shm.pt")
+    assert sorted(want) == sorted(got) and len(want) == 3 * 2 * 2
+    for key in want:
+        assert torch.equal(got[key].view(torch.int16), want[key].view(torch.int16)), key
+    with server.client() as client:
+        tables = {t["name"]: t for t in client.stats()["tables"]}
+    assert all(t["requests"] >= 3 for t in tables.values()), tables  # every batch, each layer
+
+
+def test_the_loader_skips_the_engram_tables_and_keeps_the_rest():
+    assert loader.is_ple_shard("layers.1.engram.embed.weight")
+    assert loader.is_ple_shard("language_model.model.layers.14.engram.embed.scale")
+    assert not loader.is_ple_shard("layers.1.engram.wkv.weight")
+    assert not loader.is_ple_shard("layers.1.engram.q_weight")

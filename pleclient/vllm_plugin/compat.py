@@ -38,13 +38,18 @@ log = logging.getLogger("pleclient.vllm_plugin")
 
 QWEN4_EXP = "vllm.models.qwen4_exp"
 """vLLM 0.33's Qwen4Exp package (Qwen3.8-Flash-Next's architecture)."""
+DEEPSEEK_V41 = "vllm.models.deepseek_v41"
+"""vLLM 0.33's DeepSeek-V4.1 package (Engram layers)."""
 QWEN38_FLASH_NEXT = "vllm.models.qwen3_8_flash_next"
 """The qwen38-flash-next vLLM builds' package (the seed interface)."""
 
-SUPPORTED_SERIES = {QWEN4_EXP: ((0, 33),)}
+SUPPORTED_SERIES = {QWEN4_EXP: ((0, 33),), DEEPSEEK_V41: ((0, 33),)}
 """vLLM release series each family's targets were written against and tested
 with; a family not listed here (the builds) is judged by its layout alone."""
-SUPPORTED = "vLLM 0.33.x (Qwen4Exp, NVIDIA and AMD) and the qwen38-flash-next vLLM builds"
+SUPPORTED = (
+    "vLLM 0.33.x (Qwen4Exp and DeepSeek-V4.1's Engram, NVIDIA and AMD) and the "
+    "qwen38-flash-next vLLM builds"
+)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from pleclient.checkpoint import (
     discover_tables,
     local_model_dir,
 )
+from pleclient.families.deepseek_v41 import MXFP8, MXFP8_BLOCK
 from pleclient.families.qwen4_exp import NVFP4, NVFP4_BLOCK
 from pleclient.vllm_plugin.errors import IdentityMismatch, PleBackendError
 from pleclient.vllm_plugin.settings import ENV_ALLOW_DUMMY, ENV_CHECKPOINT
@@ -41,18 +42,23 @@ _LAYER_TABLE_RE = re.compile(r"(?:^|\.)(layers\.(\d+)\.ple\.ple_embedding)(?:\.|
 
 @dataclass(frozen=True)
 class Expected:
-    """What the model built around one PLE layer needs from its table."""
+    """What the model built around one layer needs from its table."""
 
-    prefix: str  # the module prefix of the n-gram embedding in vLLM
+    prefix: str  # the module prefix of the layer's embedding in vLLM
     rows: int
     cols: int
     dtypes: tuple[str, ...]  # row dtypes the model can use unchanged
     parts: int
+    table: str | None = None
+    """How the table's name ends, when the prefix does not say (an Engram
+    layer: ``layers.<L>.engram.embed``); None: a PLE layer's, from the prefix."""
 
     @property
     def table_suffix(self) -> str:
-        """``layers.<L>.ple.ple_embedding.ngram_embedding``: how checkpoint table
-        names end for this layer, whatever prefix the checkpoint uses."""
+        """How checkpoint table names end for this layer, whatever prefix the
+        checkpoint uses: ``table``, or ``layers.<L>.ple.ple_embedding.ngram_embedding``."""
+        if self.table is not None:
+            return self.table
         m = _LAYER_TABLE_RE.search(self.prefix)
         if m is None:
             raise PleBackendError(
@@ -65,11 +71,9 @@ class Expected:
         """Bytes of one served row of ``dtype`` for this layer's ``cols``."""
         if dtype == NVFP4:
             return self.cols // 2 + self.cols // NVFP4_BLOCK
+        if dtype == MXFP8:
+            return self.cols + self.cols // MXFP8_BLOCK
         return self.cols * ITEMSIZE[dtype]
-
-    @property
-    def layer(self) -> int:
-        return int(_LAYER_TABLE_RE.search(self.prefix).group(2))  # type: ignore[union-attr]
 
 
 _Table = TypeVar("_Table", TableInfo, TableSpec)

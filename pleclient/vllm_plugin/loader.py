@@ -30,11 +30,14 @@ import torch.nn as nn
 log = logging.getLogger("pleclient.vllm_plugin")
 
 SHARD_WEIGHT_RE = re.compile(
-    r"(?:^|\.)ple\.ple_embedding\.ngram_embedding\.shard_[0-9]+\.weight(?:_scale)?$"
+    r"(?:^|\.)(?:ple\.ple_embedding\.ngram_embedding\.shard_[0-9]+\.weight(?:_scale)?"
+    r"|engram\.embed\.(?:weight|scale))$"
 )
-"""A PLE shard tensor's name, as in the checkpoint and (relative) in the module:
-rows, or an NVFP4 table's block scales (``shard_<i>.weight_scale``, as large
-as an eighth of the table). The global scales are not shards: they load."""
+"""A served table's tensor name, as in the checkpoint and (relative) in the
+module: a PLE shard's rows, or an NVFP4 table's block scales
+(``shard_<i>.weight_scale``, as large as an eighth of the table); an Engram
+table's values or scales (``engram.embed.weight``, ``.scale``: vLLM's own
+instanttensor filter). The global scales are not shards: they load."""
 
 
 def is_ple_shard(name: str) -> bool:

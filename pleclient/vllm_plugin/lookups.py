@@ -166,7 +166,8 @@ class LayerLookups:
         assert route is not None  # (chosen first)
         if handle is None:
             raise RuntimeError(
-                f"{self.binding.expected.prefix}: shm PLE lookup requires a prior start_prefetch()"
+                f"{self.binding.expected.prefix}: no shm lookup was started for these rows "
+                "(vLLM's start_prefetch, or an Engram layer's prepare_embeddings, comes first)"
             )
         try:
             self._check(self._pending_count, out)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from pleclient.vllm_plugin import compat, settings
-from pleclient.vllm_plugin.compat import QWEN4_EXP, QWEN38_FLASH_NEXT, Target
+from pleclient.vllm_plugin.compat import DEEPSEEK_V41, QWEN4_EXP, QWEN38_FLASH_NEXT, Target
 from pleclient.vllm_plugin.errors import PleBackendError
 
 log = logging.getLogger("pleclient.vllm_plugin")
@@ -78,6 +78,47 @@ TARGETS: dict[str, Target] = {
         QWEN4_EXP,
         "amd",
         implies=(f"{QWEN4_EXP}.amd.ple_layer",),
+    ),
+    # DeepSeek-V4.1 (vLLM 0.33): the Engram layer (one class for both
+    # platforms): its storage, its lookup's start and its rows.
+    f"{DEEPSEEK_V41}.common.engram": Target(
+        f"{_ADAPTERS}.deepseek_v41:patch_engram_module",
+        (
+            "Engram._create_embedding",
+            "Engram.prepare_embeddings",
+            "Engram._ready_rows",
+            "Engram.embed",
+        ),
+        DEEPSEEK_V41,
+    ),
+    # Its model classes: the Engram tables declared unused, so the loader skips them.
+    f"{DEEPSEEK_V41}.nvidia.vl_model": Target(
+        f"{_ADAPTERS}.loader:patch_model_module",
+        ("DeepseekV41ForCausalLM",),
+        DEEPSEEK_V41,
+        "nvidia",
+        implies=(f"{DEEPSEEK_V41}.common.engram",),
+    ),
+    f"{DEEPSEEK_V41}.nvidia.model": Target(
+        f"{_ADAPTERS}.loader:patch_model_module",
+        ("DeepseekV41LLMForCausalLM",),
+        DEEPSEEK_V41,
+        "nvidia",
+        implies=(f"{DEEPSEEK_V41}.common.engram",),
+    ),
+    f"{DEEPSEEK_V41}.amd.vl_model": Target(
+        f"{_ADAPTERS}.loader:patch_model_module",
+        ("DeepseekV41ForCausalLM",),
+        DEEPSEEK_V41,
+        "amd",
+        implies=(f"{DEEPSEEK_V41}.common.engram",),
+    ),
+    f"{DEEPSEEK_V41}.amd.model": Target(
+        f"{_ADAPTERS}.loader:patch_model_module",
+        ("DeepseekV41LLMForCausalLM",),
+        DEEPSEEK_V41,
+        "amd",
+        implies=(f"{DEEPSEEK_V41}.common.engram",),
     ),
     # Shards in files shared with other tensors: skipped before they are read.
     "vllm.model_executor.model_loader.weight_utils": Target(

@@ -40,6 +40,7 @@ import torch
 from pleclient import PleClient, ProtocolMismatch, TableInfo, TooManyClients
 from pleclient.checkpoint import TableSpec
 from pleclient.fallback import CheckpointReader
+from pleclient.families.deepseek_v41 import MXFP8
 from pleclient.families.qwen4_exp import NVFP4
 from pleclient.vllm_plugin import discovery, identity
 from pleclient.vllm_plugin.errors import PleBackendError
@@ -62,6 +63,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
     "BF16": torch.bfloat16,
     NVFP4: torch.uint8,  # served rows: packed values, then block scales (``nvfp4``)
+    MXFP8: torch.uint8,  # served rows: FP8 values, then UE8M0 scales (``mxfp8``)
 }
 
 

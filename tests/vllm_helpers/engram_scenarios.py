@@ -132,7 +132,96 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-SCENARIOS = {"vllm_engram_ids": vllm_engram_ids, "decode_engram_rows": decode_engram_rows}
+def engram_layers(args: dict) -> dict:
+    """vLLM's real ``Engram`` layers of the tiny checkpoint, built by their own
+    constructor (stock, or patched when the caller's environment asks for the
+    plugin), driven as ``DeepseekV4Model.forward`` drives them: every layer's
+    ``prepare_embeddings`` at the step's start, then each layer's ``embed`` and
+    ``forward``. Stock's tables are loaded from the checkpoint by their own
+    weight loader; the rest of each layer (``wkv``, ``q_weight``, ``k_weight``)
+    is seeded alike in both. Writes every layer's rows and output of each
+    batch to ``args["out"]`` (torch.save); returns what it ran."""
+    import os
+
+    from safetensors import safe_open
+    from vllm.config.engram import EngramConfig as VllmEngramConfig
+    from vllm.models.deepseek_v41.common import engram
+
+    from pleclient.engram import EngramHasher
+    from tests.vllm_helpers.model import vllm_context
+
+    _cpu_standins()
+    if os.environ.get("VLLM_PLE_BACKEND") == "shm":
+        from pleclient.vllm_plugin import register
+
+        register()
+    model = args["model"]
+    with open(f"{model}/config.json") as f:
+        text = json.load(f)["text_config"]
+    config = SimpleNamespace(**text, rms_norm_eps=1e-6)
+    hasher = EngramHasher.from_checkpoint(model)
+    outputs: dict[str, torch.Tensor] = {}
+    with vllm_context() as vllm_config:
+        vllm_config.engram_config = VllmEngramConfig(cpu_offload=False)
+        layout = engram.EngramLayout(config)
+        layers = []
+        torch.set_default_dtype(torch.bfloat16)  # (vLLM builds a model in its dtype)
+        for index, layer_id in enumerate(layout.layer_ids):
+            layer = engram.Engram(config, None, layout, index, False, f"layers.{layer_id}.engram")
+            _load(layer, model, layer_id, safe_open)
+            layers.append(layer)
+        torch.set_default_dtype(torch.float32)
+        storages = sorted({type(layer.embed_tokens).__name__ for layer in layers})
+        gen = torch.Generator().manual_seed(7)
+        for b, tokens in enumerate(args["batches"]):
+            hashes = torch.stack(
+                [torch.from_numpy(h.row_ids(tokens)).to(torch.int32) for h in hasher.layers], 1
+            )  # [T, layers, heads], as vLLM's hash gives it
+            for i, layer in enumerate(layers):  # the step's start
+                layer.prepare_embeddings(hashes[:, i])
+            hidden = torch.randn((len(tokens), config.hc_mult, config.hidden_size), generator=gen)
+            mask = torch.ones(len(tokens), dtype=torch.bool)
+            mask[::5] = False  # (image positions: the gate shut)
+            for i, layer in enumerate(layers):  # (forward collects the rows: embed)
+                outputs[f"{b}/{i}/out"] = layer(hidden.to(torch.bfloat16), hashes[:, i], mask)
+                outputs[f"{b}/{i}/rows"] = layer.staged_rows[: len(tokens)].clone()
+    torch.save(outputs, args["out"])
+    return {"storages": storages, "tensors": len(outputs)}
+
+
+def _load(layer, model: str, layer_id: int, safe_open) -> None:
+    """Stock's table through its own weight loader (the shm storage has no
+    table); the rest of the layer seeded by its layer id, the same in both."""
+    storage = layer.embed_tokens
+    if hasattr(storage, "weight_scale_inv"):
+        with open(f"{model}/model.safetensors.index.json") as f:
+            files = json.load(f)["weight_map"]
+        for param, suffix in ((storage.weight, "weight"), (storage.weight_scale_inv, "scale")):
+            name = f"layers.{layer_id}.engram.embed.{suffix}"
+            with safe_open(f"{model}/{files[name]}", "pt") as f:
+                param.weight_loader(param, f.get_tensor(name))
+    gen = torch.Generator().manual_seed(layer_id)
+    for param in (layer.wkv.weight, layer.q_weight, layer.k_weight):
+        param.data.copy_(torch.randn(param.shape, generator=gen).to(param.dtype) * 0.05)
+    layer.wkv.quant_method.process_weights_after_loading(layer.wkv)
+
+
+def _cpu_standins() -> None:
+    """What vLLM's Engram asks of a GPU that a CPU run must answer: the SM
+    count (its lookup's grid) and the current device."""
+    import types
+
+    torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(  # type: ignore[assignment]
+        multi_processor_count=8
+    )
+    torch.accelerator.current_device_index = lambda: 0  # type: ignore[assignment]
+
+
+SCENARIOS = {
+    "vllm_engram_ids": vllm_engram_ids,
+    "decode_engram_rows": decode_engram_rows,
+    "engram_layers": engram_layers,
+}
 
 
 if __name__ == "__main__":
