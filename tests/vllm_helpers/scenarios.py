@@ -331,8 +331,12 @@ def plugin_off(args: dict) -> dict:
     load_general_plugins()
     from pleclient.vllm_plugin import registration
 
+    from pleclient.vllm_plugin import compat
+
     modules = {}
-    for name in registration.TARGETS:
+    for name, target in registration.TARGETS.items():
+        if target.platform not in (None, compat.platform()):
+            continue  # (vLLM here never imports another platform's: ROCm's need a GPU)
         try:
             modules[name] = importlib.import_module(name)
         except ImportError:
