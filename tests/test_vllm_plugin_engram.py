@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from pleclient import PleClient
+from pleclient.engram import EngramHasher
 from pleclient.vllm_plugin import loader, mxfp8
+from pleclient.vllm_plugin import prompt_ahead as pa
+from pleclient.vllm_plugin.settings import ShmSettings
+from tests.harness import server_launcher, wait_until
 from tests.vllm_helpers import run_scenario
 
 TRITON_ON_CPU = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
@@ -43,12 +48,12 @@ def engram_model(tmp_path_factory):
     return write_tiny_deepseek_v41(str(tmp_path_factory.mktemp("dsv41")))
 
 
-def run_layers(model, out, env=None) -> dict:
+def run_layers(model, out, env=None, *, expect_error: bool = False) -> dict:
     rng = np.random.default_rng(4)
     batches = [rng.integers(0, 2_000, n).tolist() for n in (1, 7, 33)]
     return run_scenario(
         "engram_layers",
-        {"model": str(model), "out": str(out), "batches": batches},
+        {"model": str(model), "out": str(out), "batches": batches, "expect_error": expect_error},
         module="tests.vllm_helpers.engram_scenarios",
         env={**TRITON_ON_CPU, **(env or {})},
         timeout=600,
@@ -87,3 +92,55 @@ def test_the_loader_skips_the_engram_tables_and_keeps_the_rest():
     assert loader.is_ple_shard("language_model.model.layers.14.engram.embed.scale")
     assert not loader.is_ple_shard("layers.1.engram.wkv.weight")
     assert not loader.is_ple_shard("layers.1.engram.q_weight")
+
+
+def test_a_prompts_engram_rows_hinted_at_arrival_are_the_rows_its_layers_look_up(engram_model):
+    """Prompt-ahead in the engine core picks the Engram hasher from the
+    config; the rows it hints are then every lookup's cache hits."""
+    prompt = np.random.default_rng(8).integers(0, 2_000, 150).tolist()
+    hasher = EngramHasher.from_checkpoint(engram_model)
+    assert isinstance(pa.hasher_for(engram_model), EngramHasher)
+    with server_launcher(engram_model, "--io", "buffered", "--cache-size", "4M").start() as server:
+        ahead = pa.PromptAhead(ShmSettings(socket=server.socket), engram_model, ("arrival",))
+        try:
+            ahead.arrived("r0", prompt)
+            assert ahead.idle(60)
+            assert ahead.stats.ids_sent > 0 and ahead.stats.errors == 0
+            with PleClient.connect(server.socket) as client:
+                for layer in hasher.layers:  # (the session open: its hints stay queued)
+
+                    def settled(name=layer.table):
+                        t = next(t for t in client.stats()["tables"] if t["name"] == name)
+                        return t["hints_read"] + t["hints_cached"] == t["hints_received"] > 0
+
+                    assert wait_until(settled, timeout=30), client.stats()["tables"]
+                    ids = layer.row_ids(prompt).reshape(-1)
+                    before = next(t for t in client.stats()["tables"] if t["name"] == layer.table)
+                    client.lookup(layer.table, ids)
+                    after = next(t for t in client.stats()["tables"] if t["name"] == layer.table)
+                    assert after["io"]["misses"] == before["io"]["misses"], layer.table
+                    assert after["hints_hits"] - before["hints_hits"] == len(np.unique(ids))
+        finally:
+            ahead.close()
+
+
+def test_an_engram_layer_against_a_server_of_another_checkpoint_is_refused(
+    start_server, engram_model, tmp_path
+):
+    from pleserver.devkit.deepseek_v41 import write_tiny_deepseek_v41
+
+    other = write_tiny_deepseek_v41(str(tmp_path / "other"), seed=1)
+    server = start_server(other)
+    result = run_layers(
+        engram_model,
+        tmp_path / "shm.pt",
+        {
+            "VLLM_PLE_BACKEND": "shm",
+            "VLLM_PLE_SHM_SOCKET": server.socket,
+            "VLLM_PLE_SHM_CHECKPOINT": str(engram_model),
+        },
+        expect_error=True,
+    )
+    assert result["error"] == "IdentityMismatch", result
+    assert "from another checkpoint than the one vLLM loads" in result["message"]
+    assert "fingerprint" in result["message"]

@@ -5,7 +5,9 @@ request reaches vLLM's engine, long before the chunks of a chunked prefill
 run. vLLM's scheduler (``vllm.v1.core.sched.scheduler.Scheduler``) runs in the
 engine-core process, which has no model; there the plugin computes every PLE
 layer's ids with ``pleclient.ngram.NgramHasher`` (the checkpoint's own hash
-buffers, tested equal bit for bit to vLLM's ``compute_ngram_ids``) and sends
+buffers, tested equal bit for bit to vLLM's ``compute_ngram_ids``), or every
+DeepSeek-V4.1 Engram layer's with ``pleclient.engram.EngramHasher`` (bit-equal
+to vLLM's ``_hash_ids_kernel``; ``hasher_for`` picks by the config), and sends
 them to the server as prefetch hints (``PleClient.hint``): the server reads
 the rows it does not hold into its row cache, below every lookup, and the
 workers' lookups of those rows are then cache hits.
@@ -51,6 +53,7 @@ import atexit
 import collections
 import dataclasses
 import functools
+import json
 import logging
 import os
 import threading
@@ -63,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from pleclient import PleClient
+from pleclient.engram import EngramConfigError, EngramHasher
 from pleclient.errors import PleError
 from pleclient.ngram import NgramConfigError, NgramHasher
 from pleclient.vllm_plugin import discovery, identity
@@ -136,7 +140,8 @@ class PromptAhead:
         self._wake = threading.Condition()
         self._closed = False
         self._client: PleClient | None = None
-        self._hasher: NgramHasher | None = None
+        self._hasher: NgramHasher | EngramHasher | None = None
+        self._tables: dict[str, str] = {}  # a layer's table, as the server names it
         self._off_until = 0.0  # monotonic; float("inf"): off for good
         self._busy = False  # the thread holds a prompt
         self._thread = threading.Thread(target=self._run, name="ple-prompt-ahead", daemon=True)
@@ -231,7 +236,7 @@ class PromptAhead:
             context = tokens[:begin] if begin else None
             for layer in self._hasher.layers:
                 ids = unique_in_order(layer.row_ids(piece, context).reshape(-1))
-                self._send(client, layer.table, ids)
+                self._send(client, self._tables[layer.table], ids)
 
     def _send(self, client: PleClient, table: str, ids: np.ndarray) -> None:
         """Every id; a slot not back within ``SLOT_WAIT_S`` skips the rest (the
@@ -255,9 +260,9 @@ class PromptAhead:
             return None
         try:
             if self._hasher is None:
-                self._hasher = NgramHasher.from_checkpoint(self.model_dir)
+                self._hasher = hasher_for(self.model_dir)
             self._client = self._connect(self._hasher)
-        except (NgramConfigError, IdentityMismatch, ValueError) as exc:
+        except (NgramConfigError, EngramConfigError, IdentityMismatch, ValueError) as exc:
             self._off_until = float("inf")  # this checkpoint, or its server: for good
             log.warning("PLE prompt-ahead is off: %s", exc)
             return None
@@ -272,7 +277,7 @@ class PromptAhead:
             return None
         return self._client
 
-    def _connect(self, hasher: NgramHasher) -> PleClient:
+    def _connect(self, hasher: NgramHasher | EngramHasher) -> PleClient:
         self.settings = s = discovery.with_socket(self.settings, self.model_dir)
         client = PleClient.connect(
             s.socket,
@@ -282,13 +287,12 @@ class PromptAhead:
             depth=HINT_DEPTH,
         )
         try:
-            check_tables(client, hasher, self.model_dir)
+            self._tables = check_tables(client, hasher, self.model_dir)
         except BaseException:
             client.close()
             raise
         log.info(
-            "PLE prompt-ahead: prompts' rows of %d PLE table(s) are hinted to ple-server at "
-            "%s (%s)",
+            "PLE prompt-ahead: prompts' rows of %d table(s) are hinted to ple-server at %s (%s)",
             len(hasher.layers),
             s.socket,
             ", ".join(sorted(self.stages)),
@@ -304,26 +308,46 @@ class PromptAhead:
         self._off_until = max(self._off_until, time.monotonic() + RETRY_S)
 
 
-def check_tables(client: PleClient, hasher: NgramHasher, model_dir: str) -> None:
+def hasher_for(model_dir: str) -> NgramHasher | EngramHasher:
+    """The hasher of the checkpoint's family: DeepSeek-V4.1's Engram when its
+    config names Engram layers, else Qwen4Exp's PLE."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        config = {}  # (the PLE hasher reports what it cannot read)
+    text = config.get("text_config") or config if isinstance(config, dict) else None
+    if isinstance(text, dict) and text.get("engram_layer_ids"):
+        return EngramHasher.from_checkpoint(model_dir)
+    return NgramHasher.from_checkpoint(model_dir)
+
+
+def check_tables(
+    client: PleClient, hasher: NgramHasher | EngramHasher, model_dir: str
+) -> dict[str, str]:
     """Every table the hasher hints must be served, from this checkpoint:
     hints of another checkpoint's rows would fill the cache with rows no
-    lookup asks for."""
-    specs = {spec.name: spec for spec in identity.checkpoint_tables(model_dir)}
-    served = {info.name: info for info in client.tables}
+    lookup asks for. Returns each layer's table as the server names it (an
+    Engram layer knows how the name ends)."""
+    specs = identity.checkpoint_tables(model_dir)
+    names = {}
     for layer in hasher.layers:
-        info = served.get(layer.table)
-        spec = specs.get(layer.table)
-        if info is None or spec is None:
+        try:
+            info = identity.select(client.tables, layer.table, "")
+            spec = identity.select(specs, layer.table, "")
+        except IdentityMismatch:
             raise IdentityMismatch(
                 f"ple-server at {client.socket_path} does not serve {layer.table} of "
                 f"{model_dir}; check that the server and vLLM use the same checkpoint"
-            )
+            ) from None
         if info.fingerprint != spec.fingerprint or info.rows < layer.rows:
             raise IdentityMismatch(
-                f"ple-server at {client.socket_path} serves {layer.table} with fingerprint "
+                f"ple-server at {client.socket_path} serves {info.name} with fingerprint "
                 f"{info.fingerprint} ({info.rows} rows), the checkpoint {model_dir} has "
                 f"{spec.fingerprint} ({layer.rows} rows): another checkpoint"
             )
+        names[layer.table] = info.name
+    return names
 
 
 def unique_in_order(ids: np.ndarray) -> np.ndarray:

@@ -113,10 +113,14 @@ TOKENIZERS = {"words": words_tokenizer, "text": text_tokenizer}
 
 
 def write_tiny_deepseek_v41(
-    model_dir: str, *, layer_ids: tuple[int, ...] = (1, 2), tokenizer: str = "words"
+    model_dir: str,
+    *,
+    layer_ids: tuple[int, ...] = (1, 2),
+    tokenizer: str = "words",
+    seed: int = 0,
 ) -> str:
     """Write the checkpoint into ``model_dir`` with the ``tokenizer`` named
-    (``TOKENIZERS``); returns it."""
+    (``TOKENIZERS``) and tables of ``seed``'s rows; returns it."""
     made = TOKENIZERS[tokenizer]()
     os.makedirs(model_dir, exist_ok=True)
     made.save_pretrained(model_dir)
@@ -127,7 +131,7 @@ def write_tiny_deepseek_v41(
         for layer, primes in zip(layer_ids, bucket_primes(config), strict=True)
     ]
     text["engram_num_embeddings"] = [t.rows for t in tables]
-    write_checkpoint(model_dir, tables, files=2)
+    write_checkpoint(model_dir, tables, files=2, seed=seed)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(
             {

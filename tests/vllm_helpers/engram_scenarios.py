@@ -167,7 +167,14 @@ def engram_layers(args: dict) -> dict:
         layers = []
         torch.set_default_dtype(torch.bfloat16)  # (vLLM builds a model in its dtype)
         for index, layer_id in enumerate(layout.layer_ids):
-            layer = engram.Engram(config, None, layout, index, False, f"layers.{layer_id}.engram")
+            try:
+                layer = engram.Engram(
+                    config, None, layout, index, False, f"layers.{layer_id}.engram"
+                )
+            except Exception as exc:  # (asked for: reported to the test)
+                if not args.get("expect_error"):
+                    raise
+                return {"error": type(exc).__name__, "message": str(exc)}
             _load(layer, model, layer_id, safe_open)
             layers.append(layer)
         torch.set_default_dtype(torch.float32)

@@ -329,9 +329,7 @@ def plugin_off(args: dict) -> dict:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    from pleclient.vllm_plugin import registration
-
-    from pleclient.vllm_plugin import compat
+    from pleclient.vllm_plugin import compat, registration
 
     modules = {}
     for name, target in registration.TARGETS.items():
