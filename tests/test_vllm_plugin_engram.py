@@ -5,6 +5,8 @@ process: ``tests/vllm_helpers/engram_scenarios.py``)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import numpy as np
 import pytest
 import torch
@@ -48,12 +50,20 @@ def engram_model(tmp_path_factory):
     return write_tiny_deepseek_v41(str(tmp_path_factory.mktemp("dsv41")))
 
 
-def run_layers(model, out, env=None, *, expect_error: bool = False) -> dict:
+def run_layers(model, out, env=None, *, expect_error: bool = False, **parallel) -> dict:
+    """The layers over three batches (1, 7 and 33 tokens); ``parallel``: the
+    scenario's ``world``, ``rank``, ``init_file``, ``sequence_parallel``."""
     rng = np.random.default_rng(4)
     batches = [rng.integers(0, 2_000, n).tolist() for n in (1, 7, 33)]
     return run_scenario(
         "engram_layers",
-        {"model": str(model), "out": str(out), "batches": batches, "expect_error": expect_error},
+        {
+            "model": str(model),
+            "out": str(out),
+            "batches": batches,
+            "expect_error": expect_error,
+            **parallel,
+        },
         module="tests.vllm_helpers.engram_scenarios",
         env={**TRITON_ON_CPU, **(env or {})},
         timeout=600,
@@ -144,3 +154,46 @@ def test_an_engram_layer_against_a_server_of_another_checkpoint_is_refused(
     assert result["error"] == "IdentityMismatch", result
     assert "from another checkpoint than the one vLLM loads" in result["message"]
     assert "fingerprint" in result["message"]
+
+
+def test_under_sequence_parallelism_each_rank_gets_its_own_tokens_rows(
+    start_server, engram_model, tmp_path
+):
+    """Tensor parallel 2 with sequence parallelism: stock splits the heads over
+    the ranks, gathers and picks each rank's chunk of tokens; the plugin reads
+    every head and slices. Rank 1 (and 0) get the same rows and outputs."""
+    server = start_server(engram_model)
+    shm = {
+        "VLLM_PLE_BACKEND": "shm",
+        "VLLM_PLE_SHM_SOCKET": server.socket,
+        "VLLM_PLE_SHM_CHECKPOINT": str(engram_model),
+    }
+
+    def both_ranks(name: str, env: dict | None) -> None:
+        init_file = str(tmp_path / f"{name}-init")
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(
+                pool.map(
+                    lambda rank: run_layers(
+                        engram_model,
+                        tmp_path / f"{name}-{rank}.pt",
+                        env,
+                        world=2,
+                        rank=rank,
+                        init_file=init_file,
+                        sequence_parallel=True,
+                    ),
+                    range(2),
+                )
+            )
+
+    both_ranks("stock", None)
+    both_ranks("shm", shm)
+    for rank in range(2):
+        want = torch.load(tmp_path / f"stock-{rank}.pt")
+        got = torch.load(tmp_path / f"shm-{rank}.pt")
+        assert sorted(want) == sorted(got)
+        for key in want:
+            assert torch.equal(got[key].view(torch.int16), want[key].view(torch.int16)), (rank, key)
+    rows = torch.load(tmp_path / "shm-1.pt")["2/0/rows"]
+    assert rows.shape[0] == -(-33 // 2)  # rank 1's chunk of the 33 tokens

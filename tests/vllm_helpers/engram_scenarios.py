@@ -139,8 +139,11 @@ def engram_layers(args: dict) -> dict:
     ``prepare_embeddings`` at the step's start, then each layer's ``embed`` and
     ``forward``. Stock's tables are loaded from the checkpoint by their own
     weight loader; the rest of each layer (``wkv``, ``q_weight``, ``k_weight``)
-    is seeded alike in both. Writes every layer's rows and output of each
-    batch to ``args["out"]`` (torch.save); returns what it ran."""
+    is seeded alike in both. With ``world`` > 1 it is one rank (``rank``,
+    rendezvous ``init_file``) of a tensor-parallel group, with or without
+    ``sequence_parallel``. Writes every layer's rows (what ``embed`` gave its
+    ``forward``) and output of each batch to ``args["out"]`` (torch.save);
+    returns what it ran."""
     import os
 
     from safetensors import safe_open
@@ -161,7 +164,9 @@ def engram_layers(args: dict) -> dict:
     config = SimpleNamespace(**text, rms_norm_eps=1e-6)
     hasher = EngramHasher.from_checkpoint(model)
     outputs: dict[str, torch.Tensor] = {}
-    with vllm_context() as vllm_config:
+    world, rank = args.get("world", 1), args.get("rank", 0)
+    sequence_parallel = bool(args.get("sequence_parallel"))
+    with vllm_context(world, rank, args.get("init_file")) as vllm_config:
         vllm_config.engram_config = VllmEngramConfig(cpu_offload=False)
         layout = engram.EngramLayout(config)
         layers = []
@@ -169,7 +174,7 @@ def engram_layers(args: dict) -> dict:
         for index, layer_id in enumerate(layout.layer_ids):
             try:
                 layer = engram.Engram(
-                    config, None, layout, index, False, f"layers.{layer_id}.engram"
+                    config, None, layout, index, sequence_parallel, f"layers.{layer_id}.engram"
                 )
             except Exception as exc:  # (asked for: reported to the test)
                 if not args.get("expect_error"):
@@ -186,12 +191,21 @@ def engram_layers(args: dict) -> dict:
             )  # [T, layers, heads], as vLLM's hash gives it
             for i, layer in enumerate(layers):  # the step's start
                 layer.prepare_embeddings(hashes[:, i])
-            hidden = torch.randn((len(tokens), config.hc_mult, config.hidden_size), generator=gen)
+            chunk = -(-len(tokens) // world) if sequence_parallel else len(tokens)
+            hidden = torch.randn(
+                (chunk * world, config.hc_mult, config.hidden_size), generator=gen
+            ).to(torch.bfloat16)
+            if sequence_parallel:  # this rank's chunk of the tokens
+                hidden = hidden[rank * chunk : (rank + 1) * chunk]
             mask = torch.ones(len(tokens), dtype=torch.bool)
             mask[::5] = False  # (image positions: the gate shut)
-            for i, layer in enumerate(layers):  # (forward collects the rows: embed)
-                outputs[f"{b}/{i}/out"] = layer(hidden.to(torch.bfloat16), hashes[:, i], mask)
-                outputs[f"{b}/{i}/rows"] = layer.staged_rows[: len(tokens)].clone()
+            for i, layer in enumerate(layers):
+                embed = layer.embed
+                layer.embed = lambda ids, b=b, i=i, embed=embed: outputs.setdefault(
+                    f"{b}/{i}/rows", embed(ids).clone()
+                )
+                outputs[f"{b}/{i}/out"] = layer(hidden, hashes[:, i], mask)
+                del layer.embed
     torch.save(outputs, args["out"])
     return {"storages": storages, "tensors": len(outputs)}
 
