@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pleclient.ngram import is_prime
+
 CONFIG_FILE = "config.json"
 DEAD_TOKEN_ID = 129_264
 """The image token (``vllm/models/deepseek_v41/common/mm_preprocess.py``): an
@@ -129,31 +131,6 @@ class EngramConfig:
         return (self.max_ngram_size - 1) * self.n_heads
 
 
-def _is_prime(n: int) -> bool:
-    """Deterministic Miller-Rabin below 2^32 (the bases vLLM's ``_is_prime``
-    uses: the same answers)."""
-    if n < 2:
-        return False
-    for p in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
-        if n % p == 0:
-            return n == p
-    d, r = n - 1, 0
-    while d % 2 == 0:
-        d //= 2
-        r += 1
-    for a in (2, 7, 61):
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(r - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
 def bucket_primes(config: EngramConfig) -> list[list[int]]:
     """Each layer's primes, order-major then head (``EngramLayout.primes``,
     flattened per layer)."""
@@ -165,7 +142,7 @@ def bucket_primes(config: EngramConfig) -> list[list[int]]:
             current = config.vocab_size - 1
             for _ in range(config.n_heads):
                 current += 1
-                while not _is_prime(current) or current in seen:
+                while not is_prime(current) or current in seen:
                     current += 1
                 seen.add(current)
                 flat.append(current)

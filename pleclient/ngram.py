@@ -223,7 +223,7 @@ def _splitmix64(value: int) -> int:
     return (value ^ (value >> 31)) & _MASK64
 
 
-def _is_prime(value: int) -> bool:
+def is_prime(value: int) -> bool:
     """Deterministic Miller-Rabin for 64-bit integers (the bases vLLM uses)."""
     if value < 2:
         return False
@@ -259,7 +259,7 @@ def _primes_after(start: int, count: int) -> list[int]:
             prime = 2
         else:
             candidate |= 1
-            while not _is_prime(candidate):
+            while not is_prime(candidate):
                 candidate += 2
             prime = candidate
         primes.append(prime)

@@ -27,3 +27,17 @@ class TableFamily(ABC):
         """This family's tables among ``entries`` (every tensor of every file,
         in file order), each validated; and every problem found (a table with
         one is not returned)."""
+
+
+def built(
+    results: Iterable[tuple[TableSpec | None, list[str]]],
+) -> tuple[list[TableSpec], list[str]]:
+    """A family's tables and problems from each table's build (a table, or
+    None and its problems)."""
+    tables: list[TableSpec] = []
+    problems: list[str] = []
+    for table, table_problems in results:
+        problems += table_problems
+        if table is not None:
+            tables.append(table)
+    return tables, problems

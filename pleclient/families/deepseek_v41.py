@@ -28,7 +28,7 @@ from pleclient.checkpoint import (
     rows_problems,
     tensor_problems,
 )
-from pleclient.families.base import TableFamily
+from pleclient.families.base import TableFamily, built
 
 VALUES_RE = re.compile(r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.engram\.embed)\.weight$")
 SCALES_RE = re.compile(r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.engram\.embed)\.scale$")
@@ -86,13 +86,8 @@ class EngramTables(TableFamily):
                         )
                     else:
                         segments[i][0] = entry
-        tables = []
-        for name, segments in sorted(found.items()):
-            table, table_problems = _build_table(name, segments)
-            problems += table_problems
-            if table is not None:
-                tables.append(table)
-        return tables, problems
+        tables, table_problems = built(_build_table(n, s) for n, s in sorted(found.items()))
+        return tables, problems + table_problems
 
 
 ENGRAM = EngramTables()

@@ -36,7 +36,7 @@ from pleclient.checkpoint import (
     segment_dtype,
     tensor_problems,
 )
-from pleclient.families.base import TableFamily
+from pleclient.families.base import TableFamily, built
 
 SHARD_RE = re.compile(
     r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.ple\.ple_embedding\.ngram_embedding)"
@@ -136,16 +136,16 @@ class Qwen4ExpTables(TableFamily):
                 f"{name}: block scales (shard_<i>.weight_scale) without any "
                 f"shard_<i>.weight tensors; the checkpoint is incomplete"
             )
-        tables = []
-        for name in sorted(shards):
-            segments = [shards[name]] + ([block_scales[name]] if name in block_scales else [])
-            table, table_problems = _build_table(
-                name, segments, scales.get(name), global_scales.get(name)
+        tables, table_problems = built(
+            _build_table(
+                name,
+                [shards[name]] + ([block_scales[name]] if name in block_scales else []),
+                scales.get(name),
+                global_scales.get(name),
             )
-            problems += table_problems
-            if table is not None:
-                tables.append(table)
-        return tables, problems
+            for name in sorted(shards)
+        )
+        return tables, problems + table_problems
 
 
 QWEN4_EXP = Qwen4ExpTables()
