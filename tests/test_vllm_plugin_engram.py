@@ -13,6 +13,7 @@ import torch
 
 from pleclient import PleClient
 from pleclient.engram import EngramHasher
+from pleclient.families import hasher_for
 from pleclient.vllm_plugin import loader, mxfp8
 from pleclient.vllm_plugin import prompt_ahead as pa
 from pleclient.vllm_plugin.settings import ShmSettings
@@ -109,7 +110,7 @@ def test_a_prompts_engram_rows_hinted_at_arrival_are_the_rows_its_layers_look_up
     config; the rows it hints are then every lookup's cache hits."""
     prompt = np.random.default_rng(8).integers(0, 2_000, 150).tolist()
     hasher = EngramHasher.from_checkpoint(engram_model)
-    assert isinstance(pa.hasher_for(engram_model), EngramHasher)
+    assert isinstance(hasher_for(engram_model), EngramHasher)
     with server_launcher(engram_model, "--io", "buffered", "--cache-size", "4M").start() as server:
         ahead = pa.PromptAhead(ShmSettings(socket=server.socket), engram_model, ("arrival",))
         try:

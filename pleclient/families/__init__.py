@@ -13,9 +13,19 @@ The families, in ``FAMILIES``:
   NVFP4), split into ``shard_<i>`` tensors;
 * ``deepseek_v41``: DeepSeek-V4.1's Engram tables (FP8 E4M3 values with a
   UE8M0 scale per 32 columns), one tensor of each a layer.
+
+Each family also names its hasher (``pleclient.ngram``, ``pleclient.engram``:
+a layer's row ids from token ids, without the model), which ``hasher_for``
+picks by the model's config; the vLLM plugin's per-family files
+(``pleclient/vllm_plugin/qwen4_exp.py``, ``deepseek_v41.py``) are the rest of
+each adapter.
 """
 
 from __future__ import annotations
+
+import json
+import os
+from typing import Any
 
 from pleclient.families.base import TableFamily
 from pleclient.families.deepseek_v41 import ENGRAM
@@ -23,3 +33,19 @@ from pleclient.families.qwen4_exp import QWEN4_EXP
 
 FAMILIES: tuple[TableFamily, ...] = (QWEN4_EXP, ENGRAM)
 """Every family ``pleclient.checkpoint.discover_tables`` looks for."""
+
+
+def hasher_for(model_dir: str) -> Any:
+    """The hasher of the checkpoint's family (``TableFamily.hasher``): the
+    family whose layers its config names, else Qwen4Exp's PLE (whose hasher
+    says what it cannot read)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        config = {}
+    text = config.get("text_config") or config if isinstance(config, dict) else {}
+    for family in FAMILIES:
+        if isinstance(text, dict) and family.configures(text):
+            return family.hasher(model_dir)
+    return QWEN4_EXP.hasher(model_dir)

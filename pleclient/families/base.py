@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from typing import Any
 
 from pleclient.checkpoint import TableSpec, TensorEntry
 
@@ -21,6 +22,17 @@ class TableFamily(ABC):
     def owns(self, tensor: str) -> bool:
         """Whether ``tensor`` (a checkpoint tensor name) is part of one of this
         family's tables: the files holding one are read."""
+
+    @abstractmethod
+    def configures(self, text_config: dict) -> bool:
+        """Whether a model's config (its ``text_config``, or the config
+        itself) is this family's: it names the family's hashed layers."""
+
+    @abstractmethod
+    def hasher(self, model_dir: str) -> Any:
+        """The family's hasher of the checkpoint: ``layers``, each with its
+        ``table`` (how its table's name ends), ``rows`` and ``row_ids(tokens,
+        context)``, computed from token ids alone."""
 
     @abstractmethod
     def tables(self, entries: Iterable[TensorEntry]) -> tuple[list[TableSpec], list[str]]:

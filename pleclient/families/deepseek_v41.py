@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from pleclient.checkpoint import (
     SegmentRule,
@@ -28,6 +29,7 @@ from pleclient.checkpoint import (
     rows_problems,
     tensor_problems,
 )
+from pleclient.engram import EngramHasher
 from pleclient.families.base import TableFamily, built
 
 VALUES_RE = re.compile(r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.engram\.embed)\.weight$")
@@ -71,6 +73,12 @@ class EngramTables(TableFamily):
 
     def owns(self, tensor: str) -> bool:
         return bool(VALUES_RE.match(tensor) or SCALES_RE.match(tensor))
+
+    def configures(self, text_config: dict) -> bool:
+        return bool(text_config.get("engram_layer_ids"))
+
+    def hasher(self, model_dir: str) -> Any:
+        return EngramHasher.from_checkpoint(model_dir)
 
     def tables(self, entries: Iterable[TensorEntry]) -> tuple[list[TableSpec], list[str]]:
         found: dict[str, list[dict[int, TensorEntry]]] = {}

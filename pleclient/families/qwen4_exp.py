@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from pleclient.checkpoint import (
     SegmentRule,
@@ -37,6 +38,7 @@ from pleclient.checkpoint import (
     tensor_problems,
 )
 from pleclient.families.base import TableFamily, built
+from pleclient.ngram import NgramHasher
 
 SHARD_RE = re.compile(
     r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.ple\.ple_embedding\.ngram_embedding)"
@@ -107,6 +109,12 @@ class Qwen4ExpTables(TableFamily):
 
     def owns(self, tensor: str) -> bool:
         return any(r.match(tensor) for r in TENSOR_RES)
+
+    def configures(self, text_config: dict) -> bool:
+        return bool(text_config.get("ple_layer_ids"))
+
+    def hasher(self, model_dir: str) -> Any:
+        return NgramHasher.from_checkpoint(model_dir)
 
     def tables(self, entries: Iterable[TensorEntry]) -> tuple[list[TableSpec], list[str]]:
         shards: dict[str, dict[int, TensorEntry]] = {}

@@ -7,7 +7,8 @@ engine-core process, which has no model; there the plugin computes every PLE
 layer's ids with ``pleclient.ngram.NgramHasher`` (the checkpoint's own hash
 buffers, tested equal bit for bit to vLLM's ``compute_ngram_ids``), or every
 DeepSeek-V4.1 Engram layer's with ``pleclient.engram.EngramHasher`` (bit-equal
-to vLLM's ``_hash_ids_kernel``; ``hasher_for`` picks by the config), and sends
+to vLLM's ``_hash_ids_kernel``; ``pleclient.families.hasher_for`` picks by
+the config), and sends
 them to the server as prefetch hints (``PleClient.hint``): the server reads
 the rows it does not hold into its row cache, below every lookup, and the
 workers' lookups of those rows are then cache hits.
@@ -53,7 +54,6 @@ import atexit
 import collections
 import dataclasses
 import functools
-import json
 import logging
 import os
 import threading
@@ -68,6 +68,7 @@ import numpy as np
 from pleclient import PleClient
 from pleclient.engram import EngramConfigError, EngramHasher
 from pleclient.errors import PleError
+from pleclient.families import hasher_for
 from pleclient.ngram import NgramConfigError, NgramHasher
 from pleclient.vllm_plugin import discovery, identity
 from pleclient.vllm_plugin.errors import IdentityMismatch, PleBackendError
@@ -306,20 +307,6 @@ class PromptAhead:
             self._client.close()
             self._client = None
         self._off_until = max(self._off_until, time.monotonic() + RETRY_S)
-
-
-def hasher_for(model_dir: str) -> NgramHasher | EngramHasher:
-    """The hasher of the checkpoint's family: DeepSeek-V4.1's Engram when its
-    config names Engram layers, else Qwen4Exp's PLE."""
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        config = {}  # (the PLE hasher reports what it cannot read)
-    text = config.get("text_config") or config if isinstance(config, dict) else None
-    if isinstance(text, dict) and text.get("engram_layer_ids"):
-        return EngramHasher.from_checkpoint(model_dir)
-    return NgramHasher.from_checkpoint(model_dir)
 
 
 def check_tables(
