@@ -11,7 +11,7 @@ ids as soon as a prompt's tokens are known. This module does, with numpy:
     for layer in hasher.layers:                        # one per Engram table
         ids = layer.row_ids(prompt)                    # int64 [tokens, 24]
         later = layer.row_ids(chunk, context=prompt[:start])
-        client.lookup(layer.table, ids)
+        client.lookup(layer.layer_id, ids)             # its table, by layer
 
 The hash, for the token at position ``p`` of a request (``N`` =
 ``engram_max_ngram_size``, ``H`` = ``engram_n_heads``)::
@@ -51,14 +51,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pleclient.families.deepseek_v41 import TABLE_NAME
 from pleclient.ngram import is_prime
 
 CONFIG_FILE = "config.json"
 DEAD_TOKEN_ID = 129_264
 """The image token (``vllm/models/deepseek_v41/common/mm_preprocess.py``): an
 n-gram does not reach back across one."""
-TABLE_NAME = "layers.{layer}.engram.embed"
-"""How an Engram table's name ends (``pleclient.families.deepseek_v41``)."""
 _KEYS = (
     "engram_layer_ids",
     "engram_max_ngram_size",

@@ -224,7 +224,9 @@ def _splitmix64(value: int) -> int:
 
 
 def is_prime(value: int) -> bool:
-    """Deterministic Miller-Rabin for 64-bit integers (the bases vLLM uses)."""
+    """Deterministic Miller-Rabin for 64-bit integers (the bases vLLM's PLE
+    code uses; its Engram code's, 2, 7 and 61, are exact below 4.7·10⁹, far
+    past any ``engram_vocab_size``'s primes, so both give the same primes)."""
     if value < 2:
         return False
     for prime in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):

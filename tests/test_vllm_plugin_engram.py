@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pleclient import PleClient
+from pleclient import PleClient, TableInfo
 from pleclient.engram import EngramHasher
 from pleclient.families import hasher_for
 from pleclient.vllm_plugin import loader, mxfp8
@@ -198,3 +198,48 @@ def test_under_sequence_parallelism_each_rank_gets_its_own_tokens_rows(
             assert torch.equal(got[key].view(torch.int16), want[key].view(torch.int16)), (rank, key)
     rows = torch.load(tmp_path / "shm-1.pt")["2/0/rows"]
     assert rows.shape[0] == -(-33 // 2)  # rank 1's chunk of the 33 tokens
+
+
+def test_rocm_with_an_engram_data_parallel_group_is_refused_naming_the_ways_out():
+    from pleclient.vllm_plugin.deepseek_v41 import refuse_amd_data_parallel
+    from pleclient.vllm_plugin.errors import PleBackendError
+
+    refuse_amd_data_parallel("nvidia", 4)  # NVIDIA's model asks the storage: no gather
+    refuse_amd_data_parallel("amd", 1)
+    with pytest.raises(PleBackendError, match=r"group of 2 replicas.*--data-parallel-size 1"):
+        refuse_amd_data_parallel("amd", 2)
+
+
+def test_a_checkpoint_table_longer_than_the_hash_addresses_is_accepted_as_stock_does(
+    engram_model,
+):
+    """vLLM's Engram loader reads the first rows (the primes' sum) of a table
+    that may hold more; fewer is refused."""
+    from pleclient.checkpoint import discover_tables
+    from pleclient.vllm_plugin import identity
+    from pleclient.vllm_plugin.errors import IdentityMismatch
+
+    spec = discover_tables(engram_model)[0]  # layers.1: 1 067 rows
+    info = TableInfo(**spec.info())
+
+    def expected(rows: int) -> identity.Expected:
+        return identity.Expected(
+            "…layers.1.engram.embed_tokens",
+            rows,
+            64,
+            ("MXFP8",),
+            1,
+            table="layers.1.engram.embed",
+            rows_at_least=True,
+        )
+
+    identity.verify(info, "sock", spec, engram_model, expected(1067))
+    identity.verify(info, "sock", spec, engram_model, expected(1000))
+    with pytest.raises(IdentityMismatch, match="rows: checkpoint 1067, model expects 1100"):
+        identity.verify(info, "sock", spec, engram_model, expected(1100))
+
+
+def test_served_rows_of_another_width_are_refused_naming_the_table():
+    raw = torch.zeros((3, 64), dtype=torch.uint8)  # no 32-column block fits 64 bytes
+    with pytest.raises(ValueError, match="is the table an Engram one"):
+        mxfp8.decode_into(raw, torch.empty((3, 62), dtype=torch.bfloat16))

@@ -29,12 +29,13 @@ from pleclient.checkpoint import (
     rows_problems,
     tensor_problems,
 )
-from pleclient.engram import EngramHasher
 from pleclient.families.base import TableFamily, built
 
 VALUES_RE = re.compile(r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.engram\.embed)\.weight$")
 SCALES_RE = re.compile(r"^(?P<table>(?:.*\.)?layers\.(?P<layer>\d+)\.engram\.embed)\.scale$")
 
+TABLE_NAME = "layers.{layer}.engram.embed"
+"""How an Engram table's name ends (any prefix before it), for a layer ``L``."""
 MXFP8 = "MXFP8"
 """The dtype name of an Engram table: FP8 E4M3 values + a UE8M0 scale a block."""
 MXFP8_BLOCK = 32
@@ -78,6 +79,8 @@ class EngramTables(TableFamily):
         return bool(text_config.get("engram_layer_ids"))
 
     def hasher(self, model_dir: str) -> Any:
+        from pleclient.engram import EngramHasher  # (it names tables: this module's)
+
         return EngramHasher.from_checkpoint(model_dir)
 
     def tables(self, entries: Iterable[TensorEntry]) -> tuple[list[TableSpec], list[str]]:
@@ -89,8 +92,8 @@ class EngramTables(TableFamily):
                     segments = found.setdefault(m["table"], [{}, {}])
                     if 0 in segments[i]:
                         problems.append(
-                            f"{entry.name}: in {segments[i][0].path} and {entry.path}; "
-                            "remove the stale copy"
+                            f"{entry.name}: duplicate tensor, in {segments[i][0].path} and "
+                            f"{entry.path}; remove the stale copy"
                         )
                     else:
                         segments[i][0] = entry

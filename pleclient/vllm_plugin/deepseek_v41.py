@@ -7,9 +7,11 @@ per Engram layer, made by ``Engram._create_embedding``. Patched here:
 * ``_create_embedding`` makes ``EngramShmStorage`` instead: no table in the
   process, bound at once to the server's ``layers.<L>.engram.embed`` (connect,
   identity check; startup fails here). It reports what makes vLLM skip its
-  own placements: ``dp_size = tp_size = 1`` (every head on every rank: no DP
-  hash gather, no head all-gather), ``cpu_offload = False`` (no prefetch
-  stream), and a no-op ``collapse_huge_pages``.
+  own placements: ``dp_size = tp_size = 1`` (every head on every rank: no head
+  all-gather, and on NVIDIA no DP hash gather; ROCm's model gathers the ids of
+  an Engram DP group whatever the storage says, so that is refused there),
+  ``cpu_offload = False`` (no prefetch stream), and a no-op
+  ``collapse_huge_pages``.
 * ``prepare_embeddings`` (called for every Engram layer at the start of the
   step, right after the hash) starts the layer's lookup: the ids go to the
   server before decoder layer 0 runs;
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
@@ -37,7 +38,9 @@ import torch
 import torch.nn as nn
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 
-from pleclient.families.deepseek_v41 import MXFP8, MXFP8_BLOCK
+from pleclient.families.deepseek_v41 import MXFP8, TABLE_NAME
+from pleclient.vllm_plugin import compat
+from pleclient.vllm_plugin.errors import PleBackendError
 from pleclient.vllm_plugin.identity import Expected
 from pleclient.vllm_plugin.lookups import LayerLookups
 from pleclient.vllm_plugin.mxfp8 import Mxfp8Rows
@@ -46,39 +49,34 @@ from pleclient.vllm_plugin.rows import TableBinding
 
 log = logging.getLogger("pleclient.vllm_plugin")
 
-TABLE = "layers.{layer}.engram.embed"
-"""How an Engram layer's table name ends (``pleclient.families.deepseek_v41``)."""
-
 
 class EngramShmStorage(nn.Module):
     """An Engram layer's rows served by ple-server; no table in this process.
-    Keeps the ``ParallelEngramEmbedding`` attributes vLLM reads."""
+    Has what vLLM reads of a ``ParallelEngramEmbedding``: ``dp_size``,
+    ``tp_size``, ``cpu_offload``, ``n_hash_cols``, ``part_n_hash_cols``,
+    ``dim``, ``lookup`` and ``collapse_huge_pages``."""
 
     dp_size = 1
     tp_size = 1
     cpu_offload = False
-    block_size = MXFP8_BLOCK
 
     def __init__(self, layout: Any, layer_hash_index: int, max_tokens: int) -> None:
         super().__init__()
         layer = layout.layer_ids[layer_hash_index]
         head_sizes = [size for order in layout.primes[layer_hash_index] for size in order]
-        self.layer = layer
         self.dim = layout.head_dim
         self.n_hash_cols = self.part_n_hash_cols = len(head_sizes)
-        self.num_embeddings = self.part_num_embeddings = sum(head_sizes)
-        self.head_start = self.vocab_start_idx = 0
-        self.vocab_end_idx = self.num_embeddings
-        self.peer_rows = 0
+        self.rows = sum(head_sizes)  # the rows the hash addresses
         routes = Routes.shared()
         binding = routes.service.bind(
             Expected(
-                prefix=f"layers.{layer}.engram.embed_tokens",
-                rows=self.num_embeddings,
+                prefix=f"…layers.{layer}.engram.embed_tokens",
+                rows=self.rows,
                 cols=self.dim,
                 dtypes=(MXFP8,),
                 parts=1,
-                table=TABLE.format(layer=layer),
+                table=TABLE_NAME.format(layer=layer),
+                rows_at_least=True,  # (stock reads the first rows of a longer one)
             ),
             max_ids=max_tokens * self.n_hash_cols,
         )
@@ -92,7 +90,7 @@ class EngramShmStorage(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"rows={self.num_embeddings}, cols={self.dim}, heads={self.n_hash_cols}, "
+            f"rows={self.rows}, cols={self.dim}, heads={self.n_hash_cols}, "
             f"dtype={MXFP8}, backend=ple-server"
         )
 
@@ -114,15 +112,19 @@ class EngramShmStorage(nn.Module):
     def collapse_huge_pages(self) -> None:
         """Nothing to collapse: the table is in ple-server."""
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Drop the table's tensors a whole-file loader read anyway."""
-        dropped = [name for name, _ in weights]
-        if dropped:
-            log.info(
-                "PLE backend shm: dropped %d Engram table tensor(s) the loader read anyway",
-                len(dropped),
-            )
-        return {f"{name}" for name in dropped}
+
+def refuse_amd_data_parallel(platform: str, engram_dp_size: int) -> None:
+    """ROCm's DeepSeek-V4.1 model gathers every replica's Engram ids into each
+    replica when the Engram DP group has several (it asks the config, not the
+    storage, as NVIDIA's does): the plugin's storage would look them all up and
+    hand replica 0's rows to every replica. Refused, with the ways out."""
+    if platform == "amd" and engram_dp_size > 1:
+        raise PleBackendError(
+            f"VLLM_PLE_BACKEND=shm: DeepSeek-V4.1's Engram layers on ROCm with an Engram "
+            f"data-parallel group of {engram_dp_size} replicas are not supported (vLLM's "
+            "ROCm model gathers every replica's Engram ids into each one). Run with "
+            "--data-parallel-size 1, on NVIDIA, or unset VLLM_PLE_BACKEND"
+        )
 
 
 def patch_engram_module(module: ModuleType) -> None:
@@ -140,7 +142,9 @@ def patch_engram(cls: Any) -> None:  # patched in place
 
     def _create_embedding(self, layout: Any, layer_hash_index: int) -> EngramShmStorage:
         from vllm.config import get_current_vllm_config
+        from vllm.distributed.parallel_state import get_engram_dp_size
 
+        refuse_amd_data_parallel(compat.platform(), get_engram_dp_size())
         max_tokens = get_current_vllm_config().scheduler_config.max_num_batched_tokens
         return EngramShmStorage(layout, layer_hash_index, max_tokens)
 

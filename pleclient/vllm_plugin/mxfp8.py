@@ -39,12 +39,12 @@ def decode_into(raw: torch.Tensor, out: torch.Tensor, *, kernel: bool | None = N
     only after they arrived."""
     n = raw.shape[0]
     cols = (raw.shape[1] * MXFP8_BLOCK) // (MXFP8_BLOCK + 1)
-    if (
-        raw.shape[1] != row_bytes(cols)
-        or out.dtype != torch.bfloat16
-        or out.numel() != n * cols
-        or not out.is_contiguous()
-    ):
+    if raw.shape[1] != row_bytes(cols):
+        raise ValueError(
+            f"served Engram rows of {raw.shape[1]} bytes are no {cols}-column row of FP8 "
+            f"values and their scales ({row_bytes(cols)} bytes); is the table an Engram one?"
+        )
+    if out.dtype != torch.bfloat16 or out.numel() != n * cols or not out.is_contiguous():
         raise ValueError(
             f"Engram rows of {raw.shape[1]} bytes decode into {n} x {cols} contiguous "
             f"BF16 elements; the output is {out.dtype} {tuple(out.shape)}"
@@ -54,7 +54,8 @@ def decode_into(raw: torch.Tensor, out: torch.Tensor, *, kernel: bool | None = N
     values = raw[:, :cols].contiguous()
     scales = raw[:, cols:].contiguous()
     rows = out.view(n, cols)
-    if raw.is_cuda if kernel is None else kernel:
+    through_kernel = raw.is_cuda if kernel is None else kernel
+    if through_kernel:
         from vllm.models.deepseek_v41.common.engram import _engram_lookup_kernel
         from vllm.triton_utils import triton
 

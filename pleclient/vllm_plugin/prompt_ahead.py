@@ -259,9 +259,18 @@ class PromptAhead:
             self._client = None
         if time.monotonic() < self._off_until:
             return None
-        try:
-            if self._hasher is None:
+        if self._hasher is None:
+            try:
                 self._hasher = hasher_for(self.model_dir)
+            except Exception as exc:  # the checkpoint's hashing: no retry mends it
+                self._off_until = float("inf")
+                log.warning(
+                    "PLE prompt-ahead is off: cannot hash this checkpoint's prompts (%s: %s)",
+                    type(exc).__name__,
+                    exc,
+                )
+                return None
+        try:
             self._client = self._connect(self._hasher)
         except (NgramConfigError, EngramConfigError, IdentityMismatch, ValueError) as exc:
             self._off_until = float("inf")  # this checkpoint, or its server: for good
@@ -320,12 +329,13 @@ def check_tables(
     names = {}
     for layer in hasher.layers:
         try:
-            info = identity.select(client.tables, layer.table, "")
-            spec = identity.select(specs, layer.table, "")
-        except IdentityMismatch:
+            spec = identity.select(specs, layer.table, model_dir)
+            info = identity.select(
+                client.tables, layer.table, f"ple-server at {client.socket_path}"
+            )
+        except IdentityMismatch as exc:
             raise IdentityMismatch(
-                f"ple-server at {client.socket_path} does not serve {layer.table} of "
-                f"{model_dir}; check that the server and vLLM use the same checkpoint"
+                f"{exc}; check that the server and vLLM use the same checkpoint"
             ) from None
         if info.fingerprint != spec.fingerprint or info.rows < layer.rows:
             raise IdentityMismatch(
