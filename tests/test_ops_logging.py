@@ -121,7 +121,9 @@ def test_a_missing_state_dir_is_a_warning_that_says_how_to_make_it(
 ):
     missing = tmp_path / "no-state"
     server = start_server(checkpoint, "--io", "direct", "--state-dir", str(missing))
-    line = next(x for x in server.log().splitlines() if "does not exist" in x)
+
+    # (The hot set starts after READY=1: its line may come after the start.)
+    line = wait_for_line(server, r"^.*does not exist.*$", timeout=30)
     assert " WARNING " in line and str(missing) in line and "StateDirectory=" in line, line
 
 
