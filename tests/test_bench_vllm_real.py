@@ -266,6 +266,8 @@ def test_cell_names_say_what_runs():
         "large-bf16",
     )
     assert (c.prompt_ahead, c.throughput_reps, c.exact_runs) == (False, 5, 2)
+    assert (vc.parse_cell("shm-default-ttft").ttft_reps, c.ttft_reps) == (3, 0)
+    assert vc.parse_cell("stock-default-noexact-ttft5").ttft_reps == 5
     assert c.env("/s") == {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
         "VLLM_PLE_BACKEND": "shm",
@@ -366,6 +368,12 @@ def test_prompts_are_real_text_and_new_for_every_measurement():
     ]
     assert len(windows) == 3 * sum(vc.CONCURRENCY) == len(set(windows))
     assert {len(w) for w in windows} == {vc.TP_PROMPT_TOKENS}
+    # the 8 000-token prompts: new text for each repetition, none of the others'
+    long = [vc.ttft_prompt(p, rep) for rep in range(3)]
+    assert {len(x) for x in long} == {vc.TTFT_PROMPT_TOKENS} and b" the " in bytes(long[0])
+    read = {bytes(x) for x in long}
+    assert len(read) == 3
+    assert not any(bytes(w) in r for w in windows + [tuple(e) for e in exact] for r in read)
 
 
 # ------------------------------------------------- the OpenAI client (serve cells)
@@ -769,11 +777,29 @@ def cell_json(name: str, order: int, outcomes: list[Outcome], tok_s: dict | None
                         "concurrency": c,
                         "tok_s": base * (0.9 + 0.1 * rep),
                         "ttft_s": [0.05] * c,
-                        "tpot_s": [0.004] * c,
+                        # each request decodes at tok/s ÷ c: Σ 1/TPOT = tok/s
+                        "tpot_s": [c / (base * (0.9 + 0.1 * rep))] * c,
                         "server": vc.server_delta(zero, after, 0.002, 2.0) if cell.shm else None,
                     }
                 )
         record["throughput"] = {"reps": reps}
+    if cell.ttft_reps:
+        scale = 1.0 if cell.stock else 1.5  # unread: 1.5 × stock's; read: 1.1 ×
+        record["ttft"] = {
+            "reps": [
+                {
+                    "rep": rep,
+                    "kind": kind,
+                    "ttft_s": 0.2 * (1.0 + 0.1 * rep) * (scale if kind == "unread" else 1.1),
+                    "server": None,
+                }
+                for rep in range(3)
+                for kind in ("unread", "read")
+            ]
+        }
+        if cell.stock:
+            for r in record["ttft"]["reps"]:
+                r["ttft_s"] = 0.2 * (1.0 + 0.1 * r["rep"])
     return record
 
 
@@ -793,6 +819,8 @@ def test_the_summary_judges_every_shm_cell_and_gives_each_figure_its_spread(tmp_
             "status": "skipped",
             "reason": "skipped: expected 124 s, 60 s left before the deadline",
         },
+        cell_json("stock-default-noexact-ttft", 6, []),
+        cell_json("shm-default-noexact-ttft", 7, []),
     ]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -820,7 +848,21 @@ def test_the_summary_judges_every_shm_cell_and_gives_each_figure_its_spread(tmp_
     # median of 4050, 4500, 4950 [min-max], × the stock median (5000), hit rate 90 %
     assert "4500" in c32 and "[4050-4950]" in c32 and "0.90" in c32 and "90.0" in c32
     brief = vc.cell_brief(cells[2])
-    assert brief.startswith("2 exact runs, 2 distinct; tok/s c1 240, c32 4500; server hit 87.5 %")
+    assert brief.startswith(
+        "2 exact runs, 2 distinct; tok/s c1 240, c32 4500; decode/s c1 240, c32 4500; "
+        "server hit 87.5 %"
+    )
+    # the decode rate: the sum of 1/TPOT, its spread and the first (cold) repetition
+    decode = text.split("== decode")[1].split("\n==")[0]
+    c32 = next(x for x in decode.splitlines() if x.startswith("shm-default-tp ") and " 32 " in x)
+    assert c32.split()[2:] == ["4500", "[4050-4950]", "0.90", "4050", "0.90"]
+    # the 8 000-token prompt: unread 1.5 × stock's TTFT, read 1.1 ×
+    ttft = text.split("== TTFT")[1]
+    rows = {tuple(x.split()[:2]): x.split() for x in ttft.splitlines()[2:] if x}
+    assert rows[("shm-default-noexact-ttft", "unread")][2:5] == ["330.0", "[300.0-360.0]", "1.50"]
+    assert rows[("shm-default-noexact-ttft", "read")][4] == "1.10"
+    assert rows[("stock-default-noexact-ttft", "read")][2] == "220.0"
+    assert "8k TTFT ms unread 330.0, read 242.0" in vc.cell_brief(cells[-1])
     fig = vc.throughput_figures(cells[2]["throughput"]["reps"])[32]
     assert fig["tok_s"]["n"] == 3 and math.isclose(fig["ttft_p99_s"], 0.05)
     assert fig["server"]["misses_per_s"] == 300 / 6.0

@@ -35,6 +35,11 @@ says what it is, words joined by ``-`` in any order:
   x<N>                      N exact runs (default 3)
   tp | tp<N>                throughput, N repetitions (default 3) of
                             concurrency 1, 8 and 32, interleaved
+  ttft | ttft<N>            the TTFT of an 8 000-token prompt alone, N
+                            repetitions (default 3): new text whose rows no
+                            lookup read yet, then the same text again (every row
+                            read before it: what prompt-ahead leaves a prompt
+                            that waited at least its read time)
   noexact                   no exact runs
   restart                   serve: 32 greedy streams of 3 584 tokens, three
                             runs; shm: ple-server killed, reloaded and
@@ -59,6 +64,10 @@ multiprocessing): the stock runs of every engine of it, in this call and in
 the host's earlier calls. Prefix caching is off in every engine, so a
 repetition computes its prompts again. The FP8 checkpoint holds the BF16 one's
 numbers, so BF16 stock runs are its references too.
+
+**Decode rate**: each request's decode speed is 1 / its TPOT; their sum over
+a repetition's concurrent requests is its decode tokens/s, the steady state
+without the prefill steps that the output tokens/s over the wall time carries.
 
 **Throughput**: repetition r of concurrency c submits c prompts of 256 tokens
 at once (new text each time), 512 tokens each with ``ignore_eos``; output
@@ -98,6 +107,8 @@ EXACT_PROMPTS = 8
 LONG_PROMPT_TOKENS = 2900  # chunked prefill over several 512-token steps
 TP_PROMPT_TOKENS = 256
 TP_OUTPUT_TOKENS = 512
+TTFT_PROMPT_TOKENS = 8000  # the checkpoint's 8 192 positions, less the output
+TTFT_OUTPUT_TOKENS = 8
 DIRECT_CACHE = "1G"
 RESTART_STREAMS = 32
 RESTART_TOKENS = 3584  # ≈ 20 s at concurrency 32 on the 4-layer trunk: every event inside
@@ -184,6 +195,7 @@ class Cell:
     multiproc: bool = True
     exact_runs: int = 3
     throughput_reps: int = 0
+    ttft_reps: int = 0
     restart: bool = False  # serve: the streams; shm: the server killed, reloaded, restarted
     verify: bool = False  # shm eager mp0: every PLE row checked against the checkpoint
     instance: int = 1
@@ -285,11 +297,13 @@ def parse_cell(name: str) -> Cell:
             fields["exact_runs"] = int(m[1])
         elif m := re.fullmatch(r"tp(\d*)", word):
             fields["throughput_reps"] = int(m[1] or 3)
+        elif m := re.fullmatch(r"ttft(\d*)", word):
+            fields["ttft_reps"] = int(m[1] or 3)
         else:
             raise CellError(
                 f"{name}: unknown word {word!r}; a cell name joins {BACKENDS}, {MODES}, "
                 "serve, host, direct, nopa, unordered, nospin, fp8/nvfp4/large/deep/deepsmall, "
-                "mp0, x<N>, tp[<N>], noexact, restart, verify (bench/real_vllm/cells.py)"
+                "mp0, x<N>, tp[<N>], ttft[<N>], noexact, restart, verify (bench/real_vllm/cells.py)"
             )
     if not seen_backend:
         raise CellError(f"{name}: no backend; name one of {BACKENDS}")
@@ -334,7 +348,7 @@ def cell_problem(cell: Cell) -> str | None:
         )
     if cell.restart and cell.backend == "offload":
         return "restart's references are stock's streams: use stock or shm"
-    if cell.exact_runs == 0 and cell.throughput_reps == 0 and not cell.restart:
+    if cell.exact_runs == 0 and not (cell.throughput_reps or cell.ttft_reps or cell.restart):
         return "neither exact runs nor throughput: it would measure nothing"
     return None
 
@@ -404,6 +418,16 @@ PLANS: dict[str, list[str]] = {
         "stock-default-deep-tp",
         "shm-default-direct-deep-tp",
     ],
+    # the deep trunk from disk with the loop's new spin, the decode rate and the
+    # 8 000-token prompt's TTFT (one call on a fresh host: the 10.5 GiB
+    # checkpoint, the compiles)
+    "deep-ttft": ["stock-default-deep-tp-ttft", "shm-default-direct-deep-tp-ttft"],
+    # the deep trunk on mmap, beside vLLM's offload (issue 33's second trunk)
+    "deep-mmap": [
+        "stock-default-deepsmall-tp",
+        "shm-default-deepsmall-tp",
+        "offload-default-deepsmall-tp",
+    ],
     # eager stock and shm on one host, and vllm serve's exact cells
     "close-33": [
         "stock-eager-mp0",
@@ -463,6 +487,9 @@ class Costs:
     # Concurrency 1, 8, 32 × 512 tokens, plus prefill: measured 5 s (4 layers)
     # and 8.5 s (16 layers from disk) a repetition on an H100.
     tp_rep_s: float = 8.0
+    # An 8 000-token prompt twice: 16 prefill chunks each, and from disk its
+    # 256 k-512 k rows read once (≈ 100 k reads/s at QD 128).
+    ttft_rep_s: float = 4.0
     disk_factor: float = 1.3  # --io direct decode: 0.79–1.0 × stock (H100, 1 GiB row cache)
     resident_s_per_gib: float = 2.0  # tables read into GPU or pinned memory at load
     verify_factor: float = 3.0  # an exact run with every row copied out and compared
@@ -527,6 +554,7 @@ def expected_seconds(cell: Cell, costs: Costs, history: History, table_gib: floa
         start
         + cell.exact_runs * costs.exact_run_s * (costs.verify_factor if cell.verify else 1.0)
         + cell.throughput_reps * rep
+        + cell.ttft_reps * costs.ttft_rep_s * (costs.disk_factor if cell.io == "direct" else 1.0)
         + cell.restart * costs.restart_s
         + costs.teardown_s
     )
@@ -654,6 +682,15 @@ def throughput_prompts(p: Prose, rep: int, concurrency: int) -> list[list[int]]:
         a = (start + i * TP_PROMPT_TOKENS) % max(1, len(ids) - TP_PROMPT_TOKENS)
         out.append(ids[a : a + TP_PROMPT_TOKENS])
     return out
+
+
+def ttft_prompt(p: Prose, rep: int) -> list[int]:
+    """An 8 000-token window of the text no throughput prompt of the run reads
+    (after 20 repetitions' worth of theirs), new for each repetition."""
+    ids = tokens_of(p.text)
+    start = 8 * LONG_PROMPT_TOKENS + 20 * sum(CONCURRENCY) * TP_PROMPT_TOKENS
+    a = (start + rep * TTFT_PROMPT_TOKENS) % max(1, len(ids) - TTFT_PROMPT_TOKENS)
+    return ids[a : a + TTFT_PROMPT_TOKENS]
 
 
 def prompts_digest(prompts: list[list[int]]) -> str:
@@ -787,6 +824,29 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
+def decode_tok_s(rep: dict) -> float | None:
+    """A repetition's decode tokens/s: the sum of its requests' 1 / TPOT (module
+    docstring), or None without one for every request."""
+    tpot = [x for x in rep.get("tpot_s") or [] if x]
+    if not tpot or len(tpot) < rep.get("concurrency", len(tpot)):
+        return None
+    return sum(1.0 / x for x in tpot)
+
+
+def ttft_figures(reps: list[dict]) -> dict[str, dict]:
+    """Per kind (``unread``, ``read``): the 8 000-token prompt's TTFT spread over
+    the repetitions, and the server's figures over them."""
+    out: dict[str, dict] = {}
+    for kind in ("unread", "read"):
+        rs = [r for r in reps if r["kind"] == kind and r.get("ttft_s")]
+        if rs:
+            out[kind] = {
+                "ttft_s": spread([r["ttft_s"] for r in rs]),
+                "server": server_figures(add_deltas([r.get("server") for r in rs])),
+            }
+    return out
+
+
 def throughput_figures(reps: list[dict]) -> dict[int, dict]:
     """Per concurrency: tokens/s spread over repetitions, TTFT and TPOT p50/p99
     over every request of them, server figures over their sum (and of the
@@ -796,9 +856,11 @@ def throughput_figures(reps: list[dict]) -> dict[int, dict]:
         rs = [r for r in reps if r["concurrency"] == c and r.get("tok_s") is not None]
         ttft = [x for r in rs for x in r.get("ttft_s") or [] if x is not None]
         tpot = [x for r in rs for x in r.get("tpot_s") or [] if x is not None]
+        decode = [decode_tok_s(r) for r in rs]
         out[c] = {
             "tok_s": spread([r["tok_s"] for r in rs]),
             "tok_s_each": [r["tok_s"] for r in rs],
+            "decode_tok_s": spread([d for d in decode if d is not None]),
             "ttft_p50_s": percentile(ttft, 0.5),
             "ttft_p99_s": percentile(ttft, 0.99),
             "tpot_p50_s": percentile(tpot, 0.5),
@@ -889,6 +951,19 @@ def cell_brief(c: dict) -> str:
             + ", ".join(
                 f"c{conc} {_num((f['tok_s'] or {}).get('median'))}" for conc, f in figures.items()
             )
+        )
+        parts.append(
+            "decode/s "
+            + ", ".join(
+                f"c{conc} {_num((f['decode_tok_s'] or {}).get('median'))}"
+                for conc, f in figures.items()
+            )
+        )
+    timed = ttft_figures((c.get("ttft") or {}).get("reps", []))
+    if timed:
+        parts.append(
+            "8k TTFT ms "
+            + ", ".join(f"{kind} {_ms(f['ttft_s']['median'])}" for kind, f in timed.items())
         )
     srv = (c.get("server") or {}).get("cell")
     if srv:
@@ -1062,8 +1137,82 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
                     f"{_ms(srv.get('lookup_p50_s')) + '/' + _ms(srv.get('lookup_p99_s')):>17} "
                     f"{_num(srv.get('cpu_us_per_miss'), '.1f'):>11}"
                 )
+        lines += decode_lines(tp)
         lines += vllm_steps.summary_lines(tp, _stock_tpot_ms(tp))
+    lines += ttft_lines(cells)
     return "\n".join(lines)
+
+
+def decode_lines(cells: list[dict]) -> list[str]:
+    """The decode rate (Σ 1 / TPOT) of each throughput cell, against stock's."""
+    stock: dict[tuple[str, int], list[float]] = {}
+    for c in cells:
+        if c["cell"]["backend"] == "stock":
+            for r in c["throughput"]["reps"]:
+                d = decode_tok_s(r)
+                if d is not None:
+                    stock.setdefault((c["cell"]["reference_key"], r["concurrency"]), []).append(d)
+    lines = [
+        "",
+        "== decode: tok/s as the sum of each request's 1 / TPOT (no prefill step in it), "
+        "median [min-max] over the repetitions, and the first one's",
+        f"{'cell':<34} {'c':>3} {'decode/s':>8} {'[min-max]':>13} {'×stock':>6} {'1st':>6} "
+        f"{'1st ×stock':>10}",
+    ]
+    for c in cells:
+        for conc, f in throughput_figures(c["throughput"]["reps"]).items():
+            sp = f["decode_tok_s"] or {}
+            base = stock.get((c["cell"]["reference_key"], conc))
+            firsts = [decode_tok_s(r) for r in c["throughput"]["reps"] if r["concurrency"] == conc]
+            first = firsts[0] if firsts else None
+            mine = c["cell"]["backend"] != "stock" and base
+            lines.append(
+                f"{c['name']:<34} {conc:>3} {_num(sp.get('median')):>8} "
+                f"{'[' + _num(sp.get('min')) + '-' + _num(sp.get('max')) + ']':>13} "
+                f"{_num(sp['median'] / statistics.median(base), '.2f') if mine and sp else '':>6} "
+                f"{_num(first):>6} "
+                f"{_num(first / base[0], '.2f') if mine and first else '':>10}"
+            )
+    return lines
+
+
+def ttft_lines(cells: list[dict]) -> list[str]:
+    """The ``ttft`` cells: the 8 000-token prompt's TTFT unread and read, against
+    stock's (the median of every stock engine of the reference)."""
+    timed = [c for c in cells if (c.get("ttft") or {}).get("reps")]
+    if not timed:
+        return []
+    stock: dict[tuple[str, str], list[float]] = {}
+    for c in timed:
+        if c["cell"]["backend"] == "stock":
+            for r in c["ttft"]["reps"]:
+                if r.get("ttft_s"):
+                    stock.setdefault((c["cell"]["reference_key"], r["kind"]), []).append(
+                        r["ttft_s"]
+                    )
+    lines = [
+        "",
+        f"== TTFT of a {TTFT_PROMPT_TOKENS}-token prompt alone, ms median [min-max]: "
+        "'unread' new text, 'read' the same text again (its rows read before it)",
+        f"{'cell':<34} {'kind':<7} {'TTFT ms':>8} {'[min-max]':>15} {'×stock':>6} "
+        f"{'hit %':>6} {'lookup p50/p99 ms':>17}",
+    ]
+    for c in timed:
+        for kind, f in ttft_figures(c["ttft"]["reps"]).items():
+            sp, srv = f["ttft_s"], f["server"]
+            base = stock.get((c["cell"]["reference_key"], kind))
+            ratio = (
+                f"{sp['median'] / statistics.median(base):.2f}"
+                if base and c["cell"]["backend"] != "stock"
+                else ""
+            )
+            lines.append(
+                f"{c['name']:<34} {kind:<7} {_ms(sp['median']):>8} "
+                f"{'[' + _ms(sp['min']) + '-' + _ms(sp['max']) + ']':>15} {ratio:>6} "
+                f"{_pct(srv.get('hit_rate')):>6} "
+                f"{_ms(srv.get('lookup_p50_s')) + '/' + _ms(srv.get('lookup_p99_s')):>17}"
+            )
+    return lines
 
 
 def streams_lines(cells: list[dict]) -> list[str]:

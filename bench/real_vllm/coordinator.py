@@ -77,6 +77,8 @@ from bench.real_vllm.cells import (
     RUN_FORMAT,
     TP_OUTPUT_TOKENS,
     TP_PROMPT_TOKENS,
+    TTFT_OUTPUT_TOKENS,
+    TTFT_PROMPT_TOKENS,
     Cell,
     CellError,
     Costs,
@@ -98,6 +100,7 @@ from bench.real_vllm.cells import (
     summary,
     table_gib_estimate,
     throughput_prompts,
+    ttft_prompt,
 )
 
 log = logging.getLogger("bench.real_vllm.coordinator")
@@ -108,7 +111,7 @@ ENGINE = {
     "max_num_seqs": 32,
     "max_num_batched_tokens": 512,
     "gpu_memory_utilization": 0.5,
-    "max_model_len": 4096,
+    "max_model_len": 8192,  # the ttft cells' 8 000-token prompt
 }
 LOGPROBS = 5
 GROUP_GRACE_S = 10.0  # SIGTERM to SIGKILL
@@ -1119,6 +1122,40 @@ def measure(
                 )
                 tp["reps"].append(r)
                 rec.save()
+    if cell.ttft_reps:
+        ttft_run(cell, engine, served, text, data, rec, end_at, costs)
+
+
+def ttft_run(
+    cell: Cell,
+    engine,
+    served: Served | None,
+    text,
+    data: dict,
+    rec: CellRecord,
+    end_at: float,
+    costs: Costs,
+) -> None:
+    """The 8 000-token prompt alone: new text (its rows unread), then the same
+    text again (every row read before it), each repetition."""
+    timed = data["ttft"] = {
+        "prompt_tokens": TTFT_PROMPT_TOKENS,
+        "output_tokens": TTFT_OUTPUT_TOKENS,
+        "reps": [],
+    }
+    each = costs.ttft_rep_s * (costs.disk_factor if cell.io == "direct" else 1.0) / 2
+    for rep in range(cell.ttft_reps):
+        prompt = ttft_prompt(text, rep)
+        for kind in ("unread", "read"):
+            if time.time() + each > end_at:
+                data["skipped_measurements"].append(f"ttft rep {rep + 1} {kind}: time")
+                continue
+            r = measured(served, lambda p=prompt: engine.throughput([p], TTFT_OUTPUT_TOKENS))
+            ttft = r.get("ttft_s") or [None]
+            timed["reps"].append(
+                {"rep": rep, "kind": kind, "ttft_s": ttft[0], "server": r.get("server")}
+            )
+            rec.save()
 
 
 def restart_run(
