@@ -336,6 +336,15 @@ class ServerConfig:
     cache_mlock: bool = _setting(
         False, "bool", "Lock the row cache in memory (needs LimitMEMLOCK= above cache_size)."
     )
+    resident_scales: bool = _setting(
+        True,
+        "bool",
+        "In direct and buffered io, keep a table's scale segments (an NVFP4 table's block "
+        "scales, an MXFP8 Engram table's UE8M0 scales: every segment of a row after its "
+        "values) in memory, read once at start: a missed row then costs one disk read, not "
+        "two. They are 1/9 of an NVFP4 table's bytes and 1/33 of an Engram table's; the "
+        "default row cache is sized from the memory left beside them.",
+    )
     queue_depth: int = _setting(
         128, "int", "Disk reads in flight at most (the miss engine's queue depth).", minimum=1
     )

@@ -4,6 +4,8 @@ it leaves the channels."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pleclient.checkpoint import Segment, TableSpec, discover_tables
@@ -21,6 +23,7 @@ from pleserver.data.budget import (
     read_buffer_budget,
     table_cache_bytes,
 )
+from pleserver.data.tables import scale_bytes
 from pleserver.devkit.synthetic import SyntheticTable, write_checkpoint
 from pleserver.host import MEMINFO_ENV, MemoryRoom, cgroup_limit
 
@@ -71,6 +74,49 @@ def test_on_unified_memory_the_default_cache_leaves_vllm_its_share():
         "and the system leave, (1 − 0.9) × 121.69 GiB − 6.00 GiB = 6.17 GiB"
     )
     assert budget.io == "direct" and "3.08 GiB budget (unified memory" in budget.io_reason
+
+
+# DeepSeek-V4.1-Flash's two Engram tables: 256 B of FP8 values + 8 B of scales a row.
+ENGRAM_TABLES = [
+    TableSpec(
+        f"layers.{layer}.engram.embed",
+        layer,
+        "MXFP8",
+        256,
+        rows,
+        1,
+        rows,
+        [Segment("values", 256, [], "F8_E4M3"), Segment("scales", 8, [], "F8_E8M0")],
+    )
+    for layer, rows in ((1, 384_006_168), (14, 384_016_682))
+]
+
+
+def test_resident_scales_are_taken_before_the_default_cache_but_not_the_io_choice():
+    """6.1 GB of scales read into memory at start: the default cache is a share
+    of what they leave (of the room, of the box, of unified memory's room), and
+    auto chooses the io mode as it would without them (mmap keeps none)."""
+    scales = scale_bytes(ENGRAM_TABLES)
+    assert scales == (384_006_168 + 384_016_682) * 8  # 6.1 GB
+    box = Box(256 * GIB, None, False, "stated")
+    room = MemoryRoom(None, None, 100 * GIB)
+    plain = plan(ENGRAM_TABLES, "auto", None, 4 * GIB, box, room)
+    kept = plan(ENGRAM_TABLES, "auto", None, 4 * GIB, box, room, resident=scales)
+    assert kept.cache_bytes == int((100 * GIB - 4 * GIB - scales) * CACHE_SHARE)
+    assert abs(plain.cache_bytes - kept.cache_bytes - scales * CACHE_SHARE) <= 1
+    assert "and the tables' 5.72 GiB of resident scales (resident_scales)" in kept.cache_reason
+    assert (kept.io, kept.io_reason) == (plain.io, plain.io_reason)
+    assert kept.io == "direct"
+    spark = Box(DGX_SPARK, None, True, "detected: NVIDIA GB10")
+    on_spark = plan(
+        ENGRAM_TABLES, "direct", None, 4 * GIB, spark, MemoryRoom(None, None, 115 * GIB), scales
+    )
+    left = DGX_SPARK - int(0.9 * DGX_SPARK) - SYSTEM_RESERVE - scales
+    assert on_spark.cache_bytes == int(left * UNIFIED_CACHE_SHARE)
+    assert "− 5.72 GiB of resident scales = " in on_spark.cache_reason
+    # tables that fit the budget are served from the page cache: nothing resident
+    small = [dataclasses.replace(FP8_TABLE, rows=1_000_000)]
+    assert plan(small, "auto", None, 0, box, room, resident=GIB).io == "mmap"
 
 
 def test_auto_chooses_by_the_box_whatever_is_free_at_start():

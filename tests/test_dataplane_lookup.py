@@ -87,14 +87,24 @@ COMPOSED = {
 bytes of the row, its global scale."""
 
 
+SCALES = [
+    ("direct", "--resident-scales"),
+    ("direct", "--no-resident-scales"),
+    ("buffered", "--resident-scales"),
+    ("buffered", "--no-resident-scales"),
+    ("mmap", "--resident-scales"),  # (mmap keeps nothing resident: the page cache serves)
+]
+"""Io modes, and whether a row cache's tables keep their scales in memory."""
+
+
 @pytest.mark.parametrize("dtype", COMPOSED)
-@pytest.mark.parametrize("io", MODES)
+@pytest.mark.parametrize("io, scales", SCALES)
 def test_a_composed_row_is_each_segments_bytes_from_the_files(
-    start_server, model, tmp_path, io, dtype
+    start_server, model, tmp_path, io, scales, dtype
 ):
     if io == "direct":
         require_o_direct(model)
-    server = start_server(model, "--io", io, "--state-dir", str(tmp_path))
+    server = start_server(model, "--io", io, scales, "--state-dir", str(tmp_path))
     table, spans, scale = COMPOSED[dtype]
     spec = next(t for t in discover_tables(str(model)) if t.dtype == dtype)
     with server.client() as client:
@@ -102,6 +112,11 @@ def test_a_composed_row_is_each_segments_bytes_from_the_files(
         info = client.table(table.layer)
         assert (info.dtype, info.cols, info.row_bytes) == (dtype, table.cols, spans[-1][1])
         assert info.scale == scale and info.fingerprint == spec.fingerprint
+        resident = next(t for t in client.stats()["tables"] if t["layer"] == table.layer)
+        kept = io != "mmap" and scales == "--resident-scales"
+        assert resident["io"]["resident_bytes"] == (
+            spec.rows * spec.segments[1].row_bytes if kept else 0
+        )
         ids = np.array([0, spec.shard_size - 1, spec.rows - 1, 7, 7], dtype=np.int64)
         for attempt in ("cold", "warm"):
             rows = client.lookup(info.layer, ids)
@@ -112,6 +127,31 @@ def test_a_composed_row_is_each_segments_bytes_from_the_files(
                     with open(part.path, "rb") as f:  # the bytes of each tensor's row
                         f.seek(part.offset + r * segment.row_bytes)
                         assert row[lo:hi].tobytes() == f.read(segment.row_bytes), (io, attempt)
+
+
+@pytest.mark.parametrize("dtype", COMPOSED)
+def test_resident_scales_make_a_missed_row_one_read(start_server, model, tmp_path, dtype):
+    """The same cold rows through two servers, scales resident and not: each
+    row's scales are a read of their own without (its ids lie far enough apart
+    that no two scale rows share a block), and none with."""
+    require_o_direct(model)
+    table = COMPOSED[dtype][0]
+    spec = next(t for t in discover_tables(str(model)) if t.dtype == dtype)
+    ids = np.arange(0, spec.rows, 2003, dtype=np.int64)  # > 4 KiB of scales apart
+    ref = read_reference(str(model), spec.name)
+    reads = {}
+    for scales in ("--resident-scales", "--no-resident-scales"):
+        server = start_server(
+            model, "--io", "direct", scales, "--state-dir", str(tmp_path / scales.strip("-"))
+        )
+        with server.client() as client:
+            assert np.array_equal(client.lookup(table.layer, ids), ref[ids])
+            io = next(t for t in client.stats()["tables"] if t["layer"] == table.layer)["io"]
+            assert io["misses"] == len(ids) and io["read_errors"] == 0
+            reads[scales] = io["reads"]
+        server.stop()
+    assert reads["--no-resident-scales"] - reads["--resident-scales"] >= len(ids), reads
+    assert reads["--resident-scales"] <= 2 * len(ids)  # values only (a row may straddle)
 
 
 CONCURRENT_CLIENT = """

@@ -64,6 +64,7 @@ class Opened:
         cache: nat.RowCache | None = None,
         engine: nat.ReadEngine | None = None,
         cache_bytes: int = 64 << 20,
+        resident: tuple[int, ...] = (),
     ) -> None:
         self.maps: list[mmap.mmap] = []
         self.views: list[np.ndarray] = []
@@ -99,6 +100,7 @@ class Opened:
                 self.engine,
                 mode == "direct",
                 segments=[segment.row_bytes for segment in spec.segments],
+                resident=resident,
             )
         finally:
             for fd in fds.values():  # the source keeps duplicates of its own
@@ -541,6 +543,49 @@ def test_nvfp4_rows_are_cached_whole_only_after_both_segments_arrive(specs, open
     out = np.zeros((ids.size, spec.row_bytes), np.uint8)
     assert o.source.gather_hits(ids, out) == 0
     np.testing.assert_array_equal(out, expected[ids])
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered"])
+def test_resident_scales_answer_exact_rows_with_one_read_a_miss(specs, opened, mode):
+    """NVFP4's block scales kept in memory: every row (cold, warm, straddling a
+    block, split over threads) is the files' bytes, and a miss reads only its
+    values where the same ids cost two reads a row from the files."""
+    spec = specs["NVFP4"]
+    expected = file_rows(spec)
+    kept = opened(spec, mode, resident=(1,))
+    plain = opened(spec, mode, key=2)
+    assert kept.source.stats()["resident_bytes"] == spec.rows * 10
+    assert plain.source.stats()["resident_bytes"] == 0
+    far = np.arange(0, spec.rows, 1001, dtype=np.int64)  # scale rows > 2 blocks apart
+    for o in (kept, plain):
+        np.testing.assert_array_equal(o.gather(far), expected[far])
+    reads = kept.source.stats()["reads"], plain.source.stats()["reads"]
+    assert reads[1] - reads[0] >= far.size and reads[0] <= 2 * far.size, reads
+    rng = np.random.default_rng(11)
+    for ids in (
+        straddling_ids(spec, 50),
+        rng.integers(0, spec.rows, 3000).astype(np.int64),
+        np.repeat(rng.integers(0, spec.rows, 40).astype(np.int64), 5),
+    ):
+        for _ in ("cold", "warm"):
+            np.testing.assert_array_equal(kept.gather(ids), expected[ids])
+    big = rng.integers(0, spec.rows, 9000).astype(np.int64)
+    np.testing.assert_array_equal(kept.gather(big, threads=4), expected[big])
+    assert kept.source.fill(rng.integers(0, spec.rows, 500).astype(np.int64)) >= 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "resident", "message"),
+    [
+        ("mmap", (1,), "io mmap.*nothing to keep resident"),
+        ("direct", (0, 1), "keeps at least one segment on disk"),
+        ("direct", (7,), "segment 7 of a row of 2 segment"),
+        ("direct", ("1",), "integer"),
+    ],
+)
+def test_resident_segments_that_cannot_be_kept_are_refused(specs, mode, resident, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        Opened(specs["NVFP4"], mode, resident=resident).close()
 
 
 @pytest.mark.parametrize(

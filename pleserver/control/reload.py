@@ -110,6 +110,10 @@ RESTART_ONLY: dict[str, str] = {
     ),
     "cache_hugepages": "the row cache's memory is mapped once, at start",
     "cache_mlock": "the row cache's memory is mapped (and locked) once, at start",
+    "resident_scales": (
+        "the tables' scales are read into memory when they are opened, at start, and the "
+        "default row cache is sized beside them"
+    ),
     "queue_depth": "the miss engine's ring is sized at start",
     "read_engine": "the miss engine is chosen and built at start",
     "read_threads": "the miss engine's pread threads are started at start",

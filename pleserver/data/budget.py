@@ -107,27 +107,37 @@ def unified_room(
     return max(0, total - int(utilization * total) - system)
 
 
-def box_cache_budget(box: Box, reserve: int) -> tuple[int | None, str]:
+def resident_words(resident: int) -> str:
+    """How a budget's reason names the tables' resident scales."""
+    if not resident:
+        return ""
+    return f" and the tables' {format_bytes(resident)} of resident scales (resident_scales)"
+
+
+def box_cache_budget(box: Box, reserve: int, resident: int = 0) -> tuple[int | None, str]:
     """The default row cache's budget from the box alone (bytes, or None when
     its memory is not known; and why): ``CACHE_SHARE`` of its memory less
-    ``reserve``, on unified memory at most ``UNIFIED_CACHE_SHARE`` of what
-    vLLM's default share and the system leave."""
+    ``reserve`` and the ``resident`` scales, on unified memory at most
+    ``UNIFIED_CACHE_SHARE`` of what vLLM's default share, the system and the
+    resident scales leave."""
     memory = box.memory
     if memory is None:
         return None, "the box's memory is not readable"
-    quarter = int(max(0, memory - reserve) * CACHE_SHARE)
+    quarter = int(max(0, memory - reserve - resident) * CACHE_SHARE)
     quarter_why = (
         f"{CACHE_SHARE:.0%} of the box's memory ({box.describe_memory()}) less the "
-        f"{format_bytes(reserve)} reserve (prewarm_reserve)"
+        f"{format_bytes(reserve)} reserve (prewarm_reserve){resident_words(resident)}"
     )
     if not box.unified or box.total is None:
         return quarter, quarter_why
-    left = unified_room(box.total)
+    left = max(0, unified_room(box.total) - resident)
     share = int(left * UNIFIED_CACHE_SHARE)
+    scales = f" − {format_bytes(resident)} of resident scales" if resident else ""
     why = (
         f"unified memory ({box.why}): {UNIFIED_CACHE_SHARE:.0%} of what vLLM's default "
         f"share and the system leave, (1 − {VLLM_GPU_MEMORY_UTILIZATION}) × "
-        f"{format_bytes(box.total)} − {format_bytes(SYSTEM_RESERVE)} = {format_bytes(left)}"
+        f"{format_bytes(box.total)} − {format_bytes(SYSTEM_RESERVE)}{scales} = "
+        f"{format_bytes(left)}"
     )
     if quarter < share:
         return quarter, f"{quarter_why}, below {why}"
@@ -141,24 +151,46 @@ def plan(
     reserve: int,
     box: Box | None = None,
     memory: MemoryRoom | None = None,
+    resident: int = 0,
 ) -> Budget:
     """The cache size (``cache_size``, else the default described above) and
     the io mode (``io``; for ``auto`` mmap when the tables fit in
     ``cache_size``, else in the box's budget) for ``box`` (default: this one,
-    detected)."""
+    detected). ``resident``: bytes a row cache's tables keep in memory besides
+    (``resident_scales``), counted with the reserve when the default row
+    cache is sized; the io mode is chosen as without them (mmap keeps none)."""
     box = box or this_box()
+    if cache_size is None:
+        memory = memory or memory_room()  # one reading for both plans
+    without = _plan(specs, io, cache_size, reserve, box, memory, 0)
+    if not resident or without.io == "mmap":
+        return without
+    sized = _plan(specs, without.io, cache_size, reserve, box, memory, resident)
+    return Budget(sized.cache_bytes, sized.cache_reason, without.io, without.io_reason, box)
+
+
+def _plan(
+    specs: list[TableSpec],
+    io: str,
+    cache_size: int | None,
+    reserve: int,
+    box: Box,
+    memory: MemoryRoom | None,
+    resident: int,
+) -> Budget:
+    """``plan`` for ``resident`` bytes beside the row cache."""
     tables_bytes = sum(s.nbytes for s in specs)
     needed = table_cache_bytes(specs)
-    fixed, fixed_reason = box_cache_budget(box, reserve)
+    fixed, fixed_reason = box_cache_budget(box, reserve, resident)
     if cache_size is not None:
         cache_bytes = weighed = cache_size
         cache_reason = weighed_reason = "cache_size setting"
     else:
         memory = memory or memory_room()
-        at_start = int(max(0, memory.available - reserve) * CACHE_SHARE)
+        at_start = int(max(0, memory.available - reserve - resident) * CACHE_SHARE)
         start_reason = (
             f"{CACHE_SHARE:.0%} of the memory available at start ({memory.describe()}) "
-            f"less the {format_bytes(reserve)} reserve (prewarm_reserve)"
+            f"less the {format_bytes(reserve)} reserve (prewarm_reserve){resident_words(resident)}"
         )
         if fixed is None:  # nothing known of the box: the room at start, as it is
             weighed, weighed_reason = at_start, start_reason

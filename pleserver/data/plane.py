@@ -37,6 +37,7 @@ from pleserver.data.tables import (
     MappedTable,
     Table,
     nat,
+    scale_bytes,
 )
 from pleserver.host import MemoryRoom
 from pleserver.observe.snapshot import CacheSnapshot, DataplaneSnapshot
@@ -62,6 +63,7 @@ class PlaneOptions:
     gpu_memory: str
     cache_hugepages: bool
     cache_mlock: bool
+    resident_scales: bool
     queue_depth: int
     read_engine: str
     read_threads: int
@@ -102,7 +104,10 @@ class DataPlane:
 
     @classmethod
     def open(cls, specs: list[TableSpec], o: PlaneOptions) -> DataPlane:
-        budget = plan(specs, o.io, o.cache_size, o.prewarm_reserve, this_box(o.gpu_memory))
+        resident = scale_bytes(specs) if o.resident_scales else 0
+        budget = plan(
+            specs, o.io, o.cache_size, o.prewarm_reserve, this_box(o.gpu_memory), resident=resident
+        )
         mode, reason = budget.io, budget.io_reason
         paths = list(dict.fromkeys(p for s in specs for p in s.files))
         files: dict[str, CheckpointFile] = {}
@@ -156,6 +161,7 @@ class DataPlane:
                         engine=engine,
                         threads=o.gather_workers,
                         parallel_min_rows=o.parallel_min_rows,
+                        resident_scales=o.resident_scales,
                     )
                     for key, spec in enumerate(specs)
                 ]

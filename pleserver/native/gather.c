@@ -53,6 +53,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -73,6 +74,7 @@
 #define BLOCK_BITS 40             /* key of a block: fd << 40 | block number */
 #define FD_MAX ((1 << 23) - 1)
 #define OFFSET_MAX (1ULL << 52)   /* block numbers < 2^40 */
+#define RESIDENT_CHUNK (8u << 20) /* bytes a read of a resident segment asks at most */
 
 typedef struct inflight {
     uint64_t key;               /* fd << 40 | block number */
@@ -88,6 +90,12 @@ typedef struct src_shard {
     uint64_t file_offset, rows;
     char *path;
     const unsigned char *map;
+    /* A resident segment (ple_source_keep_resident): its rows in memory of
+     * the source's own, row 0 at `resident`, in a mapping of `resident_len`
+     * bytes at `resident_map`; NULL when its rows are read from the file. */
+    const unsigned char *resident;
+    void *resident_map;
+    size_t resident_len;
 } src_shard;
 
 struct ple_source {
@@ -99,6 +107,9 @@ struct ple_source {
     uint32_t seg_bytes[PLE_SEGMENTS_MAX];
     uint32_t seg_off[PLE_SEGMENTS_MAX];  /* of each segment in the served row */
     src_shard *shards;                   /* [nshards * nsegs]: shard s, segment g at s*nsegs+g */
+    unsigned resident_segs;              /* bit g: segment g is served from memory */
+    unsigned lead_seg;                   /* the first segment read from the file */
+    uint64_t resident_bytes;             /* the resident segments' rows */
     ple_cache *cache;
     ple_engine *engine;
     pthread_mutex_t inflight_lock;
@@ -613,7 +624,9 @@ static int gather_piece(ple_source *src, const int64_t *ids, size_t n, unsigned 
     uint32_t rb = src->row_bytes;
     unsigned nsegs = src->nsegs;
     miss *m = NULL;
-    size_t nm = 0;
+    /* Reads from the front of `m`, resident segments' copies from its back:
+     * a missed row adds nsegs entries in all, so they never meet. */
+    size_t nm = 0, nr = 0, cap = n * nsegs;
     if (src->engine && (n > SIZE_MAX / nsegs / sizeof *m || !(m = malloc(n * nsegs * sizeof *m)))) {
         ple_error_set(err, PLE_ERR_NOMEM, ENOMEM, "no memory for %zu misses", n);
         return -1;
@@ -652,6 +665,14 @@ static int gather_piece(ple_source *src, const int64_t *ids, size_t n, unsigned 
                 uint32_t flat = loc[k].shard * nsegs + g;
                 const src_shard *sh = &src->shards[flat];
                 uint64_t offset = sh->file_offset + loc[k].row * src->seg_bytes[g];
+                if (src->engine && sh->resident) {
+                    /* From the back of `m`, copied once `composed` exists:
+                     * its byte in the resident rows instead of the file. */
+                    m[cap - 1 - nr++] = (miss){.offset = loc[k].row * src->seg_bytes[g],
+                                               .pos = (uint32_t)i, .shard = flat,
+                                               .row = missed};
+                    continue;
+                }
                 if (src->engine) {
                     m[nm++] = (miss){.sort_key = (uint64_t)sh->fd << BLOCK_BITS
                                                  | offset / PLE_BLOCK,
@@ -691,13 +712,21 @@ static int gather_piece(ple_source *src, const int64_t *ids, size_t n, unsigned 
     }
     if (rc == 0 && nm)
         rc = read_misses(src, m, nm, out, composed, t, err);
+    /* The resident segments of the missed rows, from memory. */
+    if (rc == 0 && composed)
+        for (size_t j = 0; j < nr; j++) {
+            const miss *r = &m[cap - 1 - j];
+            unsigned g = miss_seg(src, r);
+            memcpy(composed + (size_t)r->row * rb + src->seg_off[g],
+                   src->shards[r->shard].resident + r->offset, src->seg_bytes[g]);
+        }
     /* Rows of several segments: every segment is in its private row now
-     * (rc == 0); each row once, through its first segment's miss, into `out`
-     * and from the private row into the cache. A failed request caches
-     * nothing of its rows. */
+     * (rc == 0); each row once, through its first segment read from the
+     * file, into `out` and from the private row into the cache. A failed
+     * request caches nothing of its rows. */
     if (rc == 0 && composed)
         for (size_t j = 0; j < nm; j++) {
-            if (miss_seg(src, &m[j]) != 0)
+            if (miss_seg(src, &m[j]) != src->lead_seg)
                 continue;
             const unsigned char *row = composed + (size_t)m[j].row * rb;
             memcpy(out + (size_t)m[j].pos * rb, row, rb);
@@ -1057,6 +1086,95 @@ ple_source *ple_source_open(uint32_t table_key, uint32_t row_bytes, uint64_t sha
     return src;
 }
 
+/* Segment `seg` of shard entry `sh` (`len` bytes at its file offset) read
+ * into a mapping of its own: whole aligned blocks, so that an O_DIRECT fd
+ * reads it as well as a buffered one. */
+static int read_resident(src_shard *sh, size_t len, int direct, ple_error *err)
+{
+    uint64_t first = sh->file_offset - sh->file_offset % PLE_BLOCK;
+    uint64_t end = sh->file_offset + len;
+    end += (PLE_BLOCK - end % PLE_BLOCK) % PLE_BLOCK;
+    size_t size = (size_t)(end - first);
+    void *map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (map == MAP_FAILED) {
+        ple_error_set(err, PLE_ERR_NOMEM, errno, "no memory for the %zu resident bytes of %s "
+                      "(resident_scales): %s", len, sh->path, strerror(errno));
+        return -1;
+    }
+    size_t done = 0, need = (size_t)(sh->file_offset + len - first);
+    while (done < need) {
+        size_t ask = size - done < RESIDENT_CHUNK ? size - done : RESIDENT_CHUNK;
+        ssize_t got = pread(sh->fd, (unsigned char *)map + done, ask, (off_t)(first + done));
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0) {
+            int code = got < 0 ? errno : EIO;
+            ple_error_set(err, PLE_ERR_READ, code, "reading the %zu resident bytes at offset "
+                          "%llu of %s: %s", len, (unsigned long long)sh->file_offset, sh->path,
+                          got < 0 ? strerror(code) : "the file ends before them (truncated?)");
+            munmap(map, size);
+            return -1;
+        }
+        done += (size_t)got;
+    }
+    /* Nothing writes them again; a buffered fd's pages are dropped, so that
+     * the rows are not held twice (here and in the page cache). */
+    mprotect(map, size, PROT_READ);
+    if (!direct)
+        posix_fadvise(sh->fd, (off_t)first, (off_t)size, POSIX_FADV_DONTNEED);
+    sh->resident_map = map;
+    sh->resident_len = size;
+    sh->resident = (const unsigned char *)map + (sh->file_offset - first);
+    return 0;
+}
+
+int ple_source_keep_resident(ple_source *src, unsigned seg, ple_error *err)
+{
+    if (!src->engine) {
+        ple_error_set(err, PLE_ERR_VALUE, 0, "a table without a read engine (io mmap) reads "
+                      "every segment from its mapping: nothing to keep resident");
+        return -1;
+    }
+    if (seg >= src->nsegs) {
+        ple_error_set(err, PLE_ERR_VALUE, 0, "segment %u of a row of %u segment(s)", seg,
+                      src->nsegs);
+        return -1;
+    }
+    unsigned all = (1u << src->nsegs) - 1, mask = src->resident_segs | 1u << seg;
+    if (mask == all) {
+        ple_error_set(err, PLE_ERR_VALUE, 0, "segment %u is the last of the row read from the "
+                      "file: a table keeps at least one segment on disk (all in memory is io "
+                      "mmap's page cache, or a row cache of every row)", seg);
+        return -1;
+    }
+    if (src->resident_segs & 1u << seg)
+        return 0;
+    int direct = 0;
+    for (unsigned s = 0; s < src->nshards; s++) {
+        src_shard *sh = &src->shards[s * src->nsegs + seg];
+        if (!sh->rows)
+            continue;
+        int fl = fcntl(sh->fd, F_GETFL);
+        direct = fl >= 0 && (fl & O_DIRECT);
+        if (read_resident(sh, (size_t)sh->rows * src->seg_bytes[seg], direct, err) != 0) {
+            for (unsigned t = 0; t < s; t++) {  /* this segment's shards read so far */
+                src_shard *done = &src->shards[t * src->nsegs + seg];
+                if (done->resident_map)
+                    munmap(done->resident_map, done->resident_len);
+                done->resident_map = NULL;
+                done->resident = NULL;
+            }
+            return -1;
+        }
+    }
+    for (unsigned s = 0; s < src->nshards; s++)
+        src->resident_bytes += src->shards[s * src->nsegs + seg].rows * src->seg_bytes[seg];
+    src->resident_segs = mask;
+    while (src->resident_segs & 1u << src->lead_seg)
+        src->lead_seg++;
+    return 0;
+}
+
 uint64_t ple_source_rows(const ple_source *src)
 {
     return src->rows;
@@ -1131,6 +1249,7 @@ void ple_source_get_stats(ple_source *src, ple_source_stats *st)
     st->evictions = ple_counted(&src->evictions);
     st->read_ns_p50 = ple_latency_quantile(h, total, 0.50);
     st->read_ns_p99 = ple_latency_quantile(h, total, 0.99);
+    st->resident_bytes = src->resident_bytes;  /* set before the source was shared */
 }
 
 void ple_source_ref(ple_source *src)
@@ -1147,6 +1266,8 @@ void ple_source_unref(ple_source *src)
     for (unsigned i = 0; i < src->nshards * src->nsegs; i++) {
         if (src->shards[i].fd >= 0)
             close(src->shards[i].fd);
+        if (src->shards[i].resident_map)
+            munmap(src->shards[i].resident_map, src->shards[i].resident_len);
         free(src->shards[i].path);
     }
     free(src->shards);

@@ -37,6 +37,7 @@ typedef struct ple_source_stats {
     uint64_t read_ns_p50, read_ns_p99;
     uint64_t read_ns_sum;                           /* of every timed read */
     uint64_t read_ns_hist[PLE_READ_HIST_BUCKETS];   /* counts, not cumulative */
+    uint64_t resident_bytes;                        /* rows of its resident segments */
 } ple_source_stats;
 
 typedef struct ple_source ple_source;
@@ -50,6 +51,13 @@ ple_source *ple_source_open(uint32_t table_key, uint32_t row_bytes, uint64_t sha
                             const uint32_t *seg_bytes, unsigned nsegs,
                             ple_cache *cache, ple_engine *engine, int direct,
                             ple_error *err);
+/* Serve segment `seg` of every shard from memory: read once here into
+ * mappings the source owns (freed with it), so that a missed row costs the
+ * reads of its other segments only. A table with a read engine only, and at
+ * least one segment left on disk. Only before the source is shared with
+ * another thread (it writes what gathers read without a lock): the binding
+ * calls it from its constructor. 0, or -1 with err set (nothing kept). */
+int ple_source_keep_resident(ple_source *src, unsigned seg, ple_error *err);
 uint64_t ple_source_rows(const ple_source *src);
 /* Rows of ids into out ([n, row_bytes]); 0, or -1 with err set. Every id is
  * checked against the table here, where it is used. */

@@ -541,15 +541,41 @@ fail:
 static int Source_init(SourceObject *self, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"table_key", "row_bytes", "shard_size", "shards", "cache",
-                            "engine", "direct", "segments", NULL};
+                            "engine", "direct", "segments", "resident", NULL};
     unsigned int table_key, row_bytes;
     unsigned long long shard_size;
     PyObject *shards_obj, *cache_obj, *engine_obj, *segments_obj = Py_None;
+    PyObject *resident_obj = Py_None;
     int direct;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "IIKOOOp|O", names, &table_key, &row_bytes,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "IIKOOOp|OO", names, &table_key, &row_bytes,
                                      &shard_size, &shards_obj, &cache_obj, &engine_obj, &direct,
-                                     &segments_obj))
+                                     &segments_obj, &resident_obj))
         return -1;
+    /* Segments served from memory (ple_source_keep_resident), by index. */
+    unsigned resident[PLE_SEGMENTS_MAX];
+    unsigned nresident = 0;
+    if (resident_obj != Py_None) {
+        PyObject *items = items_of(resident_obj, "resident must be a sequence of segment "
+                                   "indices");
+        if (!items)
+            return -1;
+        Py_ssize_t nr = PyTuple_Size(items);
+        if (nr > (Py_ssize_t)PLE_SEGMENTS_MAX) {
+            PyErr_Format(PyExc_ValueError, "at most %u resident segments, not %zd",
+                         PLE_SEGMENTS_MAX, nr);
+            Py_DECREF(items);
+            return -1;
+        }
+        for (Py_ssize_t g = 0; g < nr; g++) {
+            unsigned long v = PyLong_AsUnsignedLong(PyTuple_GetItem(items, g));
+            if (v == (unsigned long)-1 && PyErr_Occurred()) {
+                Py_DECREF(items);
+                return -1;
+            }
+            resident[nresident++] = v > UINT_MAX ? UINT_MAX : (unsigned)v;  /* checked there */
+        }
+        Py_DECREF(items);
+    }
     /* Row segments: byte widths, in row order (None: one segment). */
     uint32_t seg_bytes[PLE_SEGMENTS_MAX];
     unsigned nsegs = 0;
@@ -611,6 +637,20 @@ static int Source_init(SourceObject *self, PyObject *args, PyObject *kw)
                           nsegs ? seg_bytes : NULL, nsegs, cache, engine, direct, &err);
     free_shards(specs, n);
     if (!src) {
+        raise_error(&err);
+        goto out;
+    }
+    /* Before anyone else can see the source (keep_resident's rule); the
+     * reads of a resident segment can take seconds: without the GIL. */
+    int kept = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (unsigned k = 0; k < nresident && kept == 0; k++)
+        kept = ple_source_keep_resident(src, resident[k], &err);
+    Py_END_ALLOW_THREADS
+    if (kept != 0) {
+        Py_BEGIN_ALLOW_THREADS
+        ple_source_unref(src);
+        Py_END_ALLOW_THREADS
         raise_error(&err);
         goto out;
     }
@@ -753,11 +793,12 @@ static PyObject *Source_stats(SourceObject *self, PyObject *unused)
             return NULL;
         }
     }
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:N}", "hits", st.hits,
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:N,s:K}", "hits", st.hits,
                          "misses", st.misses, "reads", st.reads, "read_bytes", st.read_bytes,
                          "read_errors", st.read_errors, "read_ns_p50", st.read_ns_p50,
                          "read_ns_p99", st.read_ns_p99, "evictions", st.evictions,
-                         "read_ns_sum", st.read_ns_sum, "read_ns_buckets", hist);
+                         "read_ns_sum", st.read_ns_sum, "read_ns_buckets", hist,
+                         "resident_bytes", st.resident_bytes);
 }
 
 static PyObject *Source_get_rows(SourceObject *self, void *closure)

@@ -52,6 +52,7 @@ class TableIo(TypedDict):
     read_p99_s: float
     read_latency: ReadLatency
     evictions: int | None
+    resident_bytes: int  # its segments kept in memory (resident_scales)
 
 
 class TableCounts(TypedDict):

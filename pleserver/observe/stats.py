@@ -139,6 +139,7 @@ def io_snapshot(source: dict, misses_per_s: float) -> TableIo:
         "read_p99_s": source.get("read_ns_p99", 0) * 1e-9,
         "read_latency": read_latency(source),
         "evictions": source.get("evictions"),
+        "resident_bytes": source.get("resident_bytes", 0),
     }
 
 
