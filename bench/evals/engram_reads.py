@@ -3,23 +3,26 @@
 
 An Engram table is served as 264-byte rows composed of two tensors: 256 bytes
 of FP8 values and, about 98 GB away in the real checkpoint, 8 bytes of UE8M0
-scales (``pleclient.families.deepseek_v41``). A missed row therefore costs two
-random 4 KiB reads. Keeping the 6.1 GB of scales in the server's memory
-instead would make it one. This benchmark measures what the second read
-costs, on this machine's disk, through a real ``pleserver serve --io direct``
-with a row cache too small to hit:
+scales (``pleclient.families.deepseek_v41``). A missed row read from both
+costs two random 4 KiB reads; with the 6.1 GB of scales kept in the server's
+memory (``resident_scales``, the default) it costs one. This benchmark
+measures both, on this machine's disk, through a real ``pleserver serve --io
+direct`` with a row cache too small to hit:
 
 - ``engram``: an Engram table (``--rows`` rows × 256 columns, MXFP8), its
-  values in one file and its scales in another: two reads a missed row;
+  values in one file and its scales in another, served with
+  ``--no-resident-scales``: two reads a missed row;
+- ``resident``: the same table with its scales in memory (``--resident-scales``);
 - ``one-read``: an FP8 table of as many 264-byte rows, one tensor: one read a
-  missed row, what scales held in memory (or stored beside the values) give;
+  missed row, the bound the resident scales should reach;
 - the disk's own 4 KiB ``O_DIRECT`` random-read rate at queue depths 1 and
   128 (``pleserver._native.probe_random_reads``), on the same files.
 
 Each table gets a fresh server and is timed with random ids in decode-sized
 lookups (``--decode-tokens`` 32 tokens × 24 heads) and prefill-sized ones
 (2 048 tokens × 24 heads), for ``--seconds`` each; reported: rows/s, the
-server's disk reads per missed row, and the ratio engram / one-read.
+server's disk reads per missed row, and the ratios of engram and resident to
+one-read.
 
     python -m bench.evals.engram_reads --rows 4000000 --seconds 10
 """
@@ -50,6 +53,13 @@ def tables(rows: int) -> dict[str, SyntheticTable]:
             layer=1, rows=rows, cols=COLS + COLS // 32, dtype="F8_E4M3", parts=1
         ),
     }
+
+
+CONTENDERS = {  # name: (its table, the server's flags)
+    "engram": ("engram", ("--no-resident-scales",)),
+    "resident": ("engram", ("--resident-scales",)),
+    "one-read": ("one-read", ()),
+}
 
 
 def timed(client: PleClient, table: int, rows: int, ids_per_lookup: int, seconds: float) -> dict:
@@ -89,24 +99,24 @@ def main() -> None:
     result.update({"rows": args.rows, "cases": {}})
     cases = {"decode": args.decode_tokens * HEADS, "prefill": PREFILL_TOKENS * HEADS}
     with work_dir("engram-reads-", args.dir) as root:
-        paths = []
+        paths = {}
         for name, table in tables(args.rows).items():
-            model = f"{root}/{name}"
-            write_checkpoint(model, [table], files=2, extra_tensor=False)
-            paths.append(model)
+            paths[name] = f"{root}/{name}"
+            write_checkpoint(paths[name], [table], files=2, extra_tensor=False)
         print(f"disk ceiling on {args.rows:,}-row tables:")
-        files = [f"{p}/model-0000{i}-of-00002.safetensors" for p in paths for i in (1, 2)]
+        files = [f"{p}/model-0000{i}-of-00002.safetensors" for p in paths.values() for i in (1, 2)]
         result["ceiling"] = ceiling(files, args.probe_seconds, "auto", (1, 128))
         others = []
-        for name, model in zip(tables(args.rows), paths, strict=True):
+        for name, (table, flags) in CONTENDERS.items():
             launched = ServerLauncher(
-                model,
+                paths[table],
                 "--io",
                 "direct",
                 "--cache-size",
                 "1M",
                 "--max-capacity",
                 "65536",
+                *flags,
                 log_level="WARNING",
             ).start()
             client = None
@@ -128,9 +138,11 @@ def main() -> None:
                 launched.close()
         result["others_cpu"] = max(others)
     for case in cases:
-        two, one = result["cases"][f"engram/{case}"], result["cases"][f"one-read/{case}"]
-        result[f"ratio_{case}"] = round(two["rows_per_s"] / one["rows_per_s"], 3)
-        print(f"{case}: engram / one-read = {result[f'ratio_{case}']:.3f}")
+        one = result["cases"][f"one-read/{case}"]["rows_per_s"]
+        for name in ("engram", "resident"):
+            ratio = round(result["cases"][f"{name}/{case}"]["rows_per_s"] / one, 3)
+            result[f"ratio_{name}_{case}"] = ratio
+            print(f"{case}: {name} / one-read = {ratio:.3f}")
     print(f"others' CPU {result['others_cpu']:.1%}; {footer(result)}")
     save_json(result, args.json)
 
