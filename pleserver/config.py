@@ -259,6 +259,16 @@ class ServerConfig:
         "read only while no lookup waits for the disk.",
         minimum=1,
     )
+    hint_rate: int = _setting(
+        4000,
+        "int",
+        "Prefetch hints: hint requests the serving loop takes at most a second, all "
+        "clients together, each channel's in turn (a hint of more than 1 024 ids counts "
+        "once more for each further 1 024); past it a hint waits in its slot. vLLM's "
+        "prompt-ahead sends a few a prompt; a flood of hints waits instead of keeping "
+        "the loop from lookups.",
+        minimum=1,
+    )
     hello_timeout_s: float = _setting(
         5.0,
         "duration",

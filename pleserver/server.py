@@ -888,6 +888,8 @@ class Server:
             self._watchdog = bool(interval)
         if "hint_queue_rows" in names:
             loop.hints.set_queue_rows(cfg.hint_queue_rows)
+        if "hint_rate" in names:
+            loop.hint_rate = cfg.hint_rate
         for table in self.tables:
             if "parallel_min_rows" in names:
                 table.parallel_min_rows = cfg.parallel_min_rows
@@ -992,7 +994,7 @@ class Server:
             "abandoned_channel_opens": (
                 self.sessions.abandoned_opens if self.sessions is not None else 0
             ),
-            "hints": self.loop.hints.snapshot() if self.loop else None,
+            "hints": self.loop.hints.snapshot(self.loop.held_hints) if self.loop else None,
             # Built on the control thread, replaced whole by a reload: read as one.
             "config": self._config_report,
             "tables": tables,

@@ -251,6 +251,55 @@ def test_a_client_flooding_hints_does_not_starve_a_bystander(start_server, model
     assert server.running and "Traceback" not in server.log()
 
 
+TINY_FLOODER = """
+socket, stop = sys.argv[1], sys.argv[2]
+rng = np.random.default_rng(8)
+with PleClient.connect(socket, capacity=1, depth=64, name="tiny-flooder") as client:
+    while not os.path.exists(stop):
+        client.hint(1, rng.integers(0, 200_000, 64))  # every free slot, one id each
+        time.sleep(0.0005)
+    print(json.dumps({"sent": client.hints_sent, "skipped": client.hints_skipped}))
+"""
+
+
+def test_hints_past_the_hint_rate_wait_in_their_slots_each_channel_in_turn(
+    start_server, model, refs, tmp_path
+):
+    """A flood of one-id hints past ``hint_rate``: the loop takes at most the
+    rate (and its burst), holds the rest in their slots, still gives another
+    channel's hints their turn and answers every lookup, and answers every
+    held hint once the flood stops."""
+    rate = 200
+    server = serve(start_server, model, tmp_path, "24M", "--hint-rate", str(rate))
+    stop = tmp_path / "stop"
+    flooder = python_child(TINY_FLOODER, server.socket, str(stop))
+    try:
+        with server.client(capacity=16, depth=4) as other:
+            hints = lambda: other.stats()["hints"]  # noqa: E731
+            assert wait_until(lambda: hints()["held_requests"] > 0, 60), hints()
+            start = table_stats(other, 1)["hints_received"]
+            t0 = time.monotonic()
+            for k in range(5):  # another channel's hints, each waited for
+                sent = other.hints_sent
+                other.hint(1, np.array([190_000 + k]), wait=30.0)
+                assert other.hints_sent == sent + 1 and other.hints_skipped == 0
+            ids = np.arange(160_000, 160_016)
+            assert np.array_equal(other.lookup(1, ids), refs[1][ids])
+            taken = table_stats(other, 1)["hints_received"] - start
+            # the bucket: its rate over the time, and its burst
+            assert taken <= rate * (time.monotonic() - t0) + 64 + 64, taken
+    finally:
+        stop.touch()
+        out, err = flooder.communicate(timeout=60)
+    import subprocess
+
+    report = child_report(subprocess.CompletedProcess(flooder.args, flooder.returncode, out, err))
+    assert flooder.returncode == 0 and report["sent"] > 0, err
+    with server.client() as watcher:  # every held hint answered once the flood ended
+        assert wait_until(lambda: watcher.stats()["hints"]["held_requests"] == 0, 60)
+    assert server.running and "Traceback" not in server.log()
+
+
 OLD_CLIENT = """
 # A client of the protocol before hints: it writes no kind word, ever.
 socket = sys.argv[1]

@@ -71,6 +71,7 @@ RELOADABLE: dict[str, str] = {
         "applies to hints offered from now on; rows queued already stay queued "
         "(a higher bound needs a restart)"
     ),
+    "hint_rate": "applies from the serving loop's next pass",
     "parallel_min_rows": "applies to requests gathered from now on",
     "dedup_min_rows": "applies to requests gathered from now on",
     "gather_in_order": "applies to requests handed off from now on",

@@ -357,14 +357,17 @@ class HintReader:
     def queued_rows(self) -> int:
         return self._queued
 
-    def snapshot(self) -> HintsSnapshot:
-        """The server-wide part of the stats (per table: ``counts[key].snapshot``)."""
+    def snapshot(self, held_requests: int = 0) -> HintsSnapshot:
+        """The server-wide part of the stats (per table: ``counts[key].snapshot``);
+        ``held_requests``: hints the serving loop holds in their slots (past
+        its ``hint_rate``)."""
         with self._cond:
             return {
                 "queued_rows": self._queued,
                 "queue_rows": self.queue_rows,
                 "cache_rows": self.cache_rows,
                 "bad_table": self.bad_table,
+                "held_requests": held_requests,
             }
 
     def _take(self) -> tuple[int, np.ndarray] | None:

@@ -36,7 +36,12 @@ with work, one *turn* at a time. A turn serves at most ``chunk_rows`` rows of
 one channel (a large request takes several turns, a chunk each); between two
 turns the loop admits what was submitted meanwhile, at most
 ``ADMIT_PASS_ARRIVALS`` requests shared out among the channels with work (a
-channel with more keeps them for the next pass). A channel that becomes
+channel with more keeps them for the next pass). Hints are below lookups
+there too: a hint is held in its slot when admitted, and the loop validates
+and answers at most ``hint_rate`` of them a second, a channel's held hints in
+turn with the others' (``_offer_hints``). A flood of tiny hints, each
+resubmitted as soon as it is answered, then waits in its slots instead of
+keeping the loop (and the flooder) busy. A channel that becomes
 busy goes to the front (the ``fresh`` list, as in FQ-CoDel), so a small request
 waits for at most the one chunk being gathered when it arrives, however much
 the other channels have queued. A hand-off costs the channel's turn
@@ -105,6 +110,14 @@ ADMIT_PASS_ARRIVALS = 64
 among the channels with work, each at least one: the pass between two turns
 stays ≈ 0.6 ms of validation however many slots a flood of tiny requests
 keeps full, and every channel with work is admitted in every pass."""
+HINT_KIND = int(p.RequestKind.HINT)
+"""A plain int: every arrival's kind is compared with it (an enum member is slower)."""
+HINT_BURST = 64
+"""Hints the loop may offer at once after a quiet spell (the ``hint_rate``
+bucket's size): one admission pass's worth."""
+HINT_ROWS_PER_TOKEN = 1024
+"""A hint costs ``hint_rate`` one token, and one more per this many ids: a
+16 384-id hint costs 17."""
 SMALL_REQUEST_ROWS = 64
 """Up to this many ids, the bounds check reads them as a Python list: a NumPy
 reduction costs ≈ 2 µs however few the ids (a fifth of a 16-row request's
@@ -155,6 +168,7 @@ class Channel:
         self.opened_ns = time.monotonic_ns()  # older submit times are not believed
         self.last_arrival = -POLL_ACTIVE_S  # when the loop last admitted a request here
         self.queued: deque[Request] = deque()  # admitted, served by the loop's turns
+        self.held_hints: deque[Arrival] = deque()  # admitted hints, offered in turn
         self.handed = 0  # requests with a gather worker (guarded by the loop's lock)
         self.deficit = 0  # rows this channel may still be served in its turn
         self.scheduled = False  # in the loop's fresh or old list
@@ -235,6 +249,7 @@ class ServingLoop:
         gpu_poll_s: float,
         hint_queue_rows: int,
         hint_cache_rows: int,
+        hint_rate: float,
         trace: LookupTrace | None,
         heartbeat: Callable[[], None] | None = None,
         heartbeat_every_s: float = 1.0,
@@ -297,6 +312,13 @@ class ServingLoop:
             tables, hint_queue_rows, hint_cache_rows, lambda: self._inflight, len(self.workers)
         )
         self._kinds = self._slot_kinds()
+        # Hints held in their slots (``_offer_hints``): the channels holding
+        # some, in turn, and a token bucket of ``hint_rate`` a second.
+        self.hint_rate = hint_rate  # read by the loop; set by a reload
+        self._hinting: deque[Channel] = deque()
+        self._hint_tokens = float(HINT_BURST)
+        self._hint_refill = time.monotonic()
+        self.held_hints = 0  # (read by the stats)
 
     @classmethod
     def from_config(
@@ -323,6 +345,7 @@ class ServingLoop:
             gpu_poll_s=cfg.gpu_poll_us * 1e-6,
             hint_queue_rows=cfg.hint_queue_rows,
             hint_cache_rows=hint_cache_rows,
+            hint_rate=cfg.hint_rate,
             trace=LookupTrace(cfg.lookup_trace) if cfg.lookup_trace else None,
             heartbeat=heartbeat,
             heartbeat_every_s=heartbeat_every_s,
@@ -425,6 +448,7 @@ class ServingLoop:
             wake_seen = self._wake_words.load(0)
             did = self._admit_all()
             did |= self._serve_turn()
+            did |= self._offer_hints()
             now = time.monotonic()
             if self._retired:
                 self._reap()
@@ -454,6 +478,8 @@ class ServingLoop:
                 if not self._draining
                 else 0.002
             )
+            if self._hinting:  # held hints: awake for the bucket's next token
+                timeout = min(timeout, self._next_hint_s())
             self._sleep(wake_seen, timeout, now)
 
     def _spinning(self, now: float, idle_since: float) -> bool:
@@ -530,6 +556,12 @@ class ServingLoop:
                 if ch.admission.spin_after:
                     self._spin_arrival = ch.last_arrival
                 for arrival in arrivals:
+                    if arrival.kind == HINT_KIND:  # below lookups: offered after them
+                        if not ch.held_hints:
+                            self._hinting.append(ch)
+                        ch.held_hints.append(arrival)
+                        self.held_hints += 1
+                        continue
                     request = self._validate(ch, arrival)
                     if request is not None:
                         ch.queued.append(request)
@@ -544,6 +576,53 @@ class ServingLoop:
                 )
                 self._drop(ch, "internal error while serving this channel")
         return did
+
+    def _offer_hints(self) -> bool:
+        """Validate and offer held hints (each answered as it is offered), as
+        many as the ``hint_rate`` bucket allows (a large hint may take it
+        below zero: the next waits until it refilled), one channel's at a
+        time in turn; True if any was. A closing channel's hints are left: its client
+        is gone or being disconnected."""
+        if not self._hinting:
+            return False
+        now = time.monotonic()
+        self._hint_tokens = min(
+            float(HINT_BURST), self._hint_tokens + (now - self._hint_refill) * self.hint_rate
+        )
+        self._hint_refill = now
+        did = False
+        while self._hinting and self._hint_tokens >= 1.0:
+            ch = self._hinting.popleft()
+            if ch.closing:
+                self.held_hints -= len(ch.held_hints)
+                ch.held_hints.clear()
+                continue
+            arrival = ch.held_hints.popleft()
+            self.held_hints -= 1
+            # One token, and one more per HINT_ROWS_PER_TOKEN ids (the client's
+            # count, bounded: the copy is validated below): a bucket of rows
+            # too, so large cached hints cannot keep the hint reader busy.
+            count = min(arrival.slot.words[p.SL_COUNT], ch.map.layout.capacity)
+            self._hint_tokens -= 1.0 + count // HINT_ROWS_PER_TOKEN
+            did = True
+            if ch.held_hints:
+                self._hinting.append(ch)
+            try:
+                self._validate(ch, arrival)  # (a hint is never queued)
+            except HostileChannel as exc:
+                self._drop(ch, str(exc))
+            except Exception:  # one channel never stops the loop
+                log.exception(
+                    "session %d (%s): a hint of its channel failed; dropping the channel",
+                    ch.session_id,
+                    ch.peer,
+                )
+                self._drop(ch, "internal error while serving this channel")
+        return did
+
+    def _next_hint_s(self) -> float:
+        """Seconds until the bucket holds a hint's token, while hints are held."""
+        return max(0.0, (1.0 - self._hint_tokens) / self.hint_rate)
 
     def _schedule_fresh(self, ch: Channel) -> None:
         """A channel with queued work that was idle goes to the front (``fresh``)."""

@@ -196,6 +196,7 @@ class HintsSnapshot(TypedDict):
     queue_rows: int
     cache_rows: int
     bad_table: int
+    held_requests: int  # hint slots the serving loop holds past its hint_rate
 
 
 class ChannelMemory(TypedDict):
