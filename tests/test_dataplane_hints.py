@@ -16,6 +16,7 @@ import pytest
 from pleclient import PleClient
 from pleclient import protocol as p
 from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
+from pleserver.observe.stats import format_human
 from tests.harness import Bystander, child_report, python_child, wait_until
 
 TABLES = (
@@ -277,6 +278,7 @@ def test_hints_past_the_hint_rate_wait_in_their_slots_each_channel_in_turn(
         with server.client(capacity=16, depth=4) as other:
             hints = lambda: other.stats()["hints"]  # noqa: E731
             assert wait_until(lambda: hints()["held_requests"] > 0, 60), hints()
+            assert "hint requests held past hint_rate" in format_human(other.stats())
             start = table_stats(other, 1)["hints_received"]
             t0 = time.monotonic()
             for k in range(5):  # another channel's hints, each waited for

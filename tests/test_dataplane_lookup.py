@@ -14,6 +14,7 @@ import pytest
 
 from pleclient.checkpoint import discover_tables
 from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
+from pleserver.observe.stats import format_human
 from tests.conftest import SMALL_TABLES
 from tests.harness import child_report, python_child
 from tests.host import require_o_direct
@@ -117,6 +118,7 @@ def test_a_composed_row_is_each_segments_bytes_from_the_files(
         assert resident["io"]["resident_bytes"] == (
             spec.rows * spec.segments[1].row_bytes if kept else 0
         )
+        assert ("resident scales" in format_human(client.stats())) == kept
         ids = np.array([0, spec.shard_size - 1, spec.rows - 1, 7, 7], dtype=np.int64)
         for attempt in ("cold", "warm"):
             rows = client.lookup(info.layer, ids)

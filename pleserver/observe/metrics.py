@@ -51,6 +51,7 @@ Every mode:
   ``ple_hints_dropped_total{reason}`` (``no_cache``: io = mmap;
   ``disk_busy``; ``queue_full``; ``cache_full``; ``refused``: bad count or
   ids; ``read_error``); and ``ple_hints_queued_rows``,
+  ``ple_hints_held_requests`` (hint slots waiting past ``hint_rate``),
   ``ple_hints_bad_table_total`` (a table index the server does not have);
 - ``ple_metrics_connections_rejected_total{reason}`` (``connection_cap``,
   ``evicted``: closed while sending its request head to make room for a new
@@ -73,7 +74,7 @@ Every mode:
   ``ple_disk_read_errors_total``, and the histogram
   ``ple_disk_read_latency_seconds`` (the miss engine's own, one bucket per
   power of two of nanoseconds, 4 µs to 17 s; a bound counts the reads under
-  it);
+  it), ``ple_table_resident_scales_bytes`` (``resident_scales``);
 - ``ple_hotset_target_rows``, ``ple_hotset_done_rows``,
   ``ple_hotset_progress_ratio``, ``ple_hotset_state{state}``,
   ``ple_hotset_saved_rows`` — the refill of the cache from the saved hot set;
@@ -433,6 +434,11 @@ def _table_io(tables: list[TableSnapshot]) -> Iterator[Metric]:
         "Seconds from submitting a disk read to its completion.",
         labels=TABLE_LABELS,
     )
+    scales = GaugeMetricFamily(
+        "ple_table_resident_scales_bytes",
+        "Bytes of the table's scales kept in memory (resident_scales), read at start.",
+        labels=TABLE_LABELS,
+    )
     for t in tables:
         io = t.get("io")
         if not io:
@@ -445,7 +451,8 @@ def _table_io(tables: list[TableSnapshot]) -> Iterator[Metric]:
         read_errors.add_metric(labels, io["read_errors"])
         hist = io["read_latency"]
         latency.add_metric(labels, _buckets(hist, READ_BUCKETS_S, 1), hist["sum_s"])
-    yield from (hits, misses, reads, read_bytes, read_errors, latency)
+        scales.add_metric(labels, io["resident_bytes"])
+    yield from (hits, misses, reads, read_bytes, read_errors, latency, scales)
 
 
 def _hints(snap: Snapshot) -> Iterator[Metric]:
@@ -497,6 +504,11 @@ def _hints(snap: Snapshot) -> Iterator[Metric]:
             "ple_hints_queued_rows",
             "Hinted rows queued to be read (at most hint_queue_rows).",
             value=hints["queued_rows"],
+        )
+        yield GaugeMetricFamily(
+            "ple_hints_held_requests",
+            "Hint requests waiting in their slots, past hint_rate.",
+            value=hints["held_requests"],
         )
         yield CounterMetricFamily(
             "ple_hints_bad_table",

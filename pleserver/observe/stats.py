@@ -289,6 +289,12 @@ def format_human(stats: Snapshot) -> str:
             f"huge pages {'yes' if cache.get('hugepages') else 'no'}, "
             f"mlock {'yes' if cache.get('mlocked') else 'no'}"
         )
+        scales = sum((t.get("io") or {}).get("resident_bytes", 0) for t in stats["tables"])
+        if scales:
+            lines.append(
+                f"resident scales {format_bytes(scales)} (resident_scales: a missed row is "
+                "one disk read)"
+            )
     if engine:
         lines.append(
             f"miss engine {engine['kind']}, queue depth {engine['queue_depth']}"
@@ -365,6 +371,11 @@ def format_human(stats: Snapshot) -> str:
             f"prefetch hints (rows): queued {reader['queued_rows'] if reader else 0} / "
             f"{reader['queue_rows'] if reader else 0}"
             + (f", {reader['bad_table']} naming no table" if reader and reader["bad_table"] else "")
+            + (
+                f"; {reader['held_requests']} hint requests held past hint_rate"
+                if reader and reader.get("held_requests")
+                else ""
+            )
         )
         lines.append(
             f"{'layer':>5} {'received':>10} {'read':>10} {'cached':>10} {'hits':>10} "
