@@ -5,7 +5,12 @@
 #   T0=$(date +%s); . .gpu-bundle/site.sh && T0=$T0 CELLS=exact-1 bash bench/device_vllm.sh
 #
 # Send the bundle's first part alone: a call that starts no machine still costs
-# device time, and so does every later call refused while none is to be had. Once
+# device time (about 90 s a refused start), and so does every later call
+# refused while none is to be had. A transfer carries 64 MiB with the working
+# tree: where the tree and a 60 MiB part pass it, cut the parts smaller (site.sh
+# joins /tmp/parts/b.* in name order), e.g.
+#   cat .gpu-bundle/b.* > /tmp/all && rm .gpu-bundle/b.* \
+#     && split -b 58000000 -d -a 2 /tmp/all .gpu-bundle/b. && rm /tmp/all Once
 # the first part has a machine, send the other 25 and this script's call in one
 # message, so that the host never idles (it resets after 30 s).
 #
