@@ -62,14 +62,15 @@ def test_a_lookup_behind_100000_hinted_misses_does_not_wait_for_them(
         rows = client.lookup(1, demand)  # submitted after every hint slot
         after = table_stats(client, 1)
         assert np.array_equal(rows, refs[1][demand])
-        # Every hint was admitted before the lookup (submit order), queued,
-        # not dropped; the lookup was answered with most of them still unread.
-        assert after["hints_received"] == HINTED, after
-        assert after["hints_dropped"] == 0, after["hints_dropped_by"]
+        # The lookup was answered with most hinted rows still unread (hints are
+        # offered after a pass's lookups, within hint_rate: 7 hints of up to
+        # 16 384 ids cost 105 tokens, past the bucket's 64, so the last may
+        # still wait in its slot); every hint is then taken, none dropped.
         done = after["hints_read"] + after["hints_cached"]
         assert done < HINTED // 2, after
-        assert client.stats()["hints"]["queued_rows"] > 0
         assert after["io"]["misses"] == len(np.unique(demand))  # hints count no lookups
+        assert wait_until(lambda: table_stats(client, 1)["hints_received"] == HINTED, 30)
+        assert table_stats(client, 1)["hints_dropped"] == 0, table_stats(client, 1)
         # The reader goes on once the disk is free of lookups: every hinted
         # row is read, and a lookup of them is all hits.
         assert wait_until(
