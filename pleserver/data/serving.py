@@ -566,23 +566,28 @@ class ServingLoop:
                     if request is not None:
                         ch.queued.append(request)
                 self._schedule_fresh(ch)
-            except HostileChannel as exc:
-                self._drop(ch, str(exc))
-            except Exception:  # one channel never stops the loop
-                log.exception(
-                    "session %d (%s): serving its channel failed; dropping the channel",
-                    ch.session_id,
-                    ch.peer,
-                )
-                self._drop(ch, "internal error while serving this channel")
+            except Exception as exc:  # one channel never stops the loop
+                self._channel_failed(ch, exc, "serving its channel")
         return did
+
+    def _channel_failed(self, ch: Channel, exc: Exception, what: str) -> None:
+        """Drop ``ch`` after ``exc`` (called in its ``except`` block): with its
+        own words for a channel no protocol-following client could make, with
+        the traceback logged for anything else."""
+        if isinstance(exc, HostileChannel):
+            self._drop(ch, str(exc))
+            return
+        log.exception(
+            "session %d (%s): %s failed; dropping the channel", ch.session_id, ch.peer, what
+        )
+        self._drop(ch, "internal error while serving this channel")
 
     def _offer_hints(self) -> bool:
         """Validate and offer held hints (each answered as it is offered), as
         many as the ``hint_rate`` bucket allows (a large hint may take it
         below zero: the next waits until it refilled), one channel's at a
-        time in turn; True if any was. A closing channel's hints are left: its client
-        is gone or being disconnected."""
+        time in turn; True if any was. A closing channel's hints are left:
+        its client is gone or being disconnected."""
         if not self._hinting:
             return False
         now = time.monotonic()
@@ -609,15 +614,8 @@ class ServingLoop:
                 self._hinting.append(ch)
             try:
                 self._validate(ch, arrival)  # (a hint is never queued)
-            except HostileChannel as exc:
-                self._drop(ch, str(exc))
-            except Exception:  # one channel never stops the loop
-                log.exception(
-                    "session %d (%s): a hint of its channel failed; dropping the channel",
-                    ch.session_id,
-                    ch.peer,
-                )
-                self._drop(ch, "internal error while serving this channel")
+            except Exception as exc:  # one channel never stops the loop
+                self._channel_failed(ch, exc, "a hint of its channel")
         return did
 
     def _next_hint_s(self) -> float:
