@@ -665,19 +665,17 @@ static int gather_piece(ple_source *src, const int64_t *ids, size_t n, unsigned 
                 uint32_t flat = loc[k].shard * nsegs + g;
                 const src_shard *sh = &src->shards[flat];
                 uint64_t offset = sh->file_offset + loc[k].row * src->seg_bytes[g];
-                if (src->engine && sh->resident) {
-                    /* From the back of `m`, copied once `composed` exists:
-                     * its byte in the resident rows instead of the file. */
-                    m[cap - 1 - nr++] = (miss){.offset = loc[k].row * src->seg_bytes[g],
-                                               .pos = (uint32_t)i, .shard = flat,
-                                               .row = missed};
-                    continue;
-                }
                 if (src->engine) {
-                    m[nm++] = (miss){.sort_key = (uint64_t)sh->fd << BLOCK_BITS
-                                                 | offset / PLE_BLOCK,
-                                     .offset = offset, .pos = (uint32_t)i, .shard = flat,
-                                     .row = missed};
+                    if (sh->resident)  /* from the back of `m`, copied once `composed`
+                                        * exists: its byte in the resident rows */
+                        m[cap - 1 - nr++] = (miss){.offset = loc[k].row * src->seg_bytes[g],
+                                                   .pos = (uint32_t)i, .shard = flat,
+                                                   .row = missed};
+                    else
+                        m[nm++] = (miss){.sort_key = (uint64_t)sh->fd << BLOCK_BITS
+                                                     | offset / PLE_BLOCK,
+                                         .offset = offset, .pos = (uint32_t)i, .shard = flat,
+                                         .row = missed};
                     continue;
                 }
                 copies[nc] = (ple_copy){into + src->seg_off[g], sh->map + offset,

@@ -538,6 +538,27 @@ fail:
     return -1;
 }
 
+/* The ints of a sequence of at most PLE_SEGMENTS_MAX into out: their number
+ * (past PLE_SEGMENTS_MAX: the number, none read, for the caller's words), or
+ * -1 with an exception set (`what`: the TypeError's message). */
+static Py_ssize_t segment_ints(PyObject *obj, const char *what,
+                               unsigned long out[PLE_SEGMENTS_MAX])
+{
+    PyObject *items = items_of(obj, what);
+    if (!items)
+        return -1;
+    Py_ssize_t n = PyTuple_Size(items);
+    for (Py_ssize_t i = 0; n <= (Py_ssize_t)PLE_SEGMENTS_MAX && i < n; i++) {
+        out[i] = PyLong_AsUnsignedLong(PyTuple_GetItem(items, i));
+        if (out[i] == (unsigned long)-1 && PyErr_Occurred()) {
+            n = -1;
+            break;
+        }
+    }
+    Py_DECREF(items);
+    return n;
+}
+
 static int Source_init(SourceObject *self, PyObject *args, PyObject *kw)
 {
     static char *names[] = {"table_key", "row_bytes", "shard_size", "shards", "cache",
@@ -552,60 +573,41 @@ static int Source_init(SourceObject *self, PyObject *args, PyObject *kw)
                                      &segments_obj, &resident_obj))
         return -1;
     /* Segments served from memory (ple_source_keep_resident), by index. */
-    unsigned resident[PLE_SEGMENTS_MAX];
-    unsigned nresident = 0;
+    unsigned long resident[PLE_SEGMENTS_MAX];
+    Py_ssize_t nresident = 0;
     if (resident_obj != Py_None) {
-        PyObject *items = items_of(resident_obj, "resident must be a sequence of segment "
-                                   "indices");
-        if (!items)
+        nresident = segment_ints(resident_obj, "resident must be a sequence of segment "
+                                 "indices", resident);
+        if (nresident < 0)
             return -1;
-        Py_ssize_t nr = PyTuple_Size(items);
-        if (nr > (Py_ssize_t)PLE_SEGMENTS_MAX) {
+        if (nresident > (Py_ssize_t)PLE_SEGMENTS_MAX) {
             PyErr_Format(PyExc_ValueError, "at most %u resident segments, not %zd",
-                         PLE_SEGMENTS_MAX, nr);
-            Py_DECREF(items);
+                         PLE_SEGMENTS_MAX, nresident);
             return -1;
         }
-        for (Py_ssize_t g = 0; g < nr; g++) {
-            unsigned long v = PyLong_AsUnsignedLong(PyTuple_GetItem(items, g));
-            if (v == (unsigned long)-1 && PyErr_Occurred()) {
-                Py_DECREF(items);
-                return -1;
-            }
-            resident[nresident++] = v > UINT_MAX ? UINT_MAX : (unsigned)v;  /* checked there */
-        }
-        Py_DECREF(items);
     }
     /* Row segments: byte widths, in row order (None: one segment). */
     uint32_t seg_bytes[PLE_SEGMENTS_MAX];
     unsigned nsegs = 0;
     if (segments_obj != Py_None) {
-        PyObject *items = items_of(segments_obj, "segments must be a sequence of ints");
-        if (!items)
+        unsigned long widths[PLE_SEGMENTS_MAX];
+        Py_ssize_t ns = segment_ints(segments_obj, "segments must be a sequence of ints", widths);
+        if (ns < 0)
             return -1;
-        Py_ssize_t ns = PyTuple_Size(items);
         if (ns < 1 || ns > (Py_ssize_t)PLE_SEGMENTS_MAX) {
             PyErr_Format(PyExc_ValueError, "a row has 1..%u segments, not %zd",
                          PLE_SEGMENTS_MAX, ns);
-            Py_DECREF(items);
             return -1;
         }
         for (Py_ssize_t g = 0; g < ns; g++) {
-            unsigned long v = PyLong_AsUnsignedLong(PyTuple_GetItem(items, g));
-            if (v == (unsigned long)-1 && PyErr_Occurred()) {
-                Py_DECREF(items);
-                return -1;
-            }
-            if (v == 0 || v > PLE_ROW_BYTES_MAX) {
-                PyErr_Format(PyExc_ValueError, "segment %zd: %lu bytes (1..%u)", g, v,
+            if (widths[g] == 0 || widths[g] > PLE_ROW_BYTES_MAX) {
+                PyErr_Format(PyExc_ValueError, "segment %zd: %lu bytes (1..%u)", g, widths[g],
                              PLE_ROW_BYTES_MAX);
-                Py_DECREF(items);
                 return -1;
             }
-            seg_bytes[g] = (uint32_t)v;
+            seg_bytes[g] = (uint32_t)widths[g];
         }
         nsegs = (unsigned)ns;
-        Py_DECREF(items);
     }
     if (cache_obj != Py_None && !PyObject_TypeCheck(cache_obj, (PyTypeObject *)CacheType)) {
         PyErr_SetString(PyExc_TypeError, "cache must be a RowCache or None");
@@ -644,8 +646,10 @@ static int Source_init(SourceObject *self, PyObject *args, PyObject *kw)
      * reads of a resident segment can take seconds: without the GIL. */
     int kept = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (unsigned k = 0; k < nresident && kept == 0; k++)
-        kept = ple_source_keep_resident(src, resident[k], &err);
+    for (Py_ssize_t k = 0; k < nresident && kept == 0; k++)  /* (an index past it: refused) */
+        kept = ple_source_keep_resident(src, resident[k] > UINT_MAX ? UINT_MAX
+                                                                    : (unsigned)resident[k],
+                                        &err);
     Py_END_ALLOW_THREADS
     if (kept != 0) {
         Py_BEGIN_ALLOW_THREADS
