@@ -93,9 +93,10 @@ import math
 import re
 import statistics
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.real_vllm import steps as vllm_steps
 
@@ -1145,13 +1146,7 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
 
 def decode_lines(cells: list[dict]) -> list[str]:
     """The decode rate (Σ 1 / TPOT) of each throughput cell, against stock's."""
-    stock: dict[tuple[str, int], list[float]] = {}
-    for c in cells:
-        if c["cell"]["backend"] == "stock":
-            for r in c["throughput"]["reps"]:
-                d = decode_tok_s(r)
-                if d is not None:
-                    stock.setdefault((c["cell"]["reference_key"], r["concurrency"]), []).append(d)
+    stock = _stock_pool(cells, "throughput", _concurrency, lambda r: [decode_tok_s(r)])
     lines = [
         "",
         "== decode: tok/s as the sum of each request's 1 / TPOT (no prefill step in it), "
@@ -1182,14 +1177,7 @@ def ttft_lines(cells: list[dict]) -> list[str]:
     timed = [c for c in cells if (c.get("ttft") or {}).get("reps")]
     if not timed:
         return []
-    stock: dict[tuple[str, str], list[float]] = {}
-    for c in timed:
-        if c["cell"]["backend"] == "stock":
-            for r in c["ttft"]["reps"]:
-                if r.get("ttft_s"):
-                    stock.setdefault((c["cell"]["reference_key"], r["kind"]), []).append(
-                        r["ttft_s"]
-                    )
+    stock = _stock_pool(timed, "ttft", lambda r: r["kind"], lambda r: [r.get("ttft_s")])
     lines = [
         "",
         f"== TTFT of a {TTFT_PROMPT_TOKENS}-token prompt alone, ms median [min-max]: "
@@ -1269,28 +1257,39 @@ def streams_lines(cells: list[dict]) -> list[str]:
     return lines
 
 
-def _stock_tpot_ms(cells: list[dict]) -> dict[tuple[str, int], float]:
+def _stock_pool(
+    cells: list[dict],
+    section: str,
+    key: Callable[[dict], object],
+    values: Callable[[dict], Iterable[float | None]],
+) -> dict[tuple[str, Any], list[float]]:
+    """The figures ``values(rep)`` of every repetition in ``section`` of every
+    stock cell, pooled per (reference key, ``key(rep)``), in order (a key's
+    first figure is the first repetition of its first stock engine)."""
+    pooled: dict[tuple[str, Any], list[float]] = {}
+    for c in cells:
+        if c["cell"]["backend"] != "stock":
+            continue
+        for r in (c.get(section) or {}).get("reps", []):
+            figures = [v for v in values(r) if v is not None]
+            if figures:
+                pooled.setdefault((c["cell"]["reference_key"], key(r)), []).extend(figures)
+    return pooled
+
+
+def _concurrency(rep: dict) -> int:
+    return rep["concurrency"]
+
+
+def _stock_tpot_ms(cells: list[dict]) -> dict[tuple[str, Any], float]:
     """Stock's TPOT p50 (ms) per (reference key, concurrency), over every
     request of every stock engine of that key."""
-    pooled: dict[tuple[str, int], list[float]] = {}
-    for c in cells:
-        if c["cell"]["backend"] != "stock":
-            continue
-        for r in c["throughput"]["reps"]:
-            key = (c["cell"]["reference_key"], r["concurrency"])
-            pooled.setdefault(key, []).extend(x for x in r.get("tpot_s") or [] if x is not None)
-    return {k: 1e3 * percentile(v, 0.5) for k, v in pooled.items() if v}
+    pooled = _stock_pool(cells, "throughput", _concurrency, lambda r: r.get("tpot_s") or [])
+    return {k: 1e3 * percentile(v, 0.5) for k, v in pooled.items()}
 
 
-def _stock_medians(cells: list[dict]) -> dict[tuple[str, int], float]:
+def _stock_medians(cells: list[dict]) -> dict[tuple[str, Any], float]:
     """Median tok/s of the stock cells per (reference key, concurrency), over
     every repetition of every stock engine of that key."""
-    pooled: dict[tuple[str, int], list[float]] = {}
-    for c in cells:
-        if c["cell"]["backend"] != "stock":
-            continue
-        for r in c["throughput"]["reps"]:
-            if r.get("tok_s") is not None:
-                key = (c["cell"]["reference_key"], r["concurrency"])
-                pooled.setdefault(key, []).append(r["tok_s"])
+    pooled = _stock_pool(cells, "throughput", _concurrency, lambda r: [r.get("tok_s")])
     return {k: statistics.median(v) for k, v in pooled.items()}
