@@ -462,6 +462,69 @@ def test_the_serve_cells_client_reads_tokens_logprobs_and_times_from_the_stream(
         assert r["tokens"] == [p[i % 3] for i in range(5)]
         assert r["logprobs"][0] == {str(p[0]): -0.25, "3": -2.5}
         assert len(r["logprobs"]) == 5 and r["ttft_s"] > 0 and r["tpot_s"] >= 0
+        assert len(r["arrivals"]) == 5 and r["arrivals"] == sorted(r["arrivals"])
+
+
+def test_the_decode_window_holds_only_steps_where_every_request_decodes():
+    # three requests: their first tokens at 1.0, 1.5 and 2.0 (prefills beside
+    # the others' decode), one token every 0.1 s after; the first ends at 4.0
+    def request(first: float, last: float) -> list[float]:
+        return [first + 0.1 * i for i in range(round((last - first) / 0.1) + 1)]
+
+    times = [request(1.0, 4.0), request(1.5, 4.5), request(2.0, 5.0)]
+    window = vc.steady_window(times)
+    # from 2.0 (the last first token) to 4.0 (the first last one): 20 steps
+    # of the three requests, the tokens made after 2.0 up to 4.0
+    assert window["requests"] == 3 and math.isclose(window["window_s"], 2.0)
+    assert window["tokens"] == 60
+    assert math.isclose(vc.decode_tok_s({"steady": window}), 30.0)
+    # one request: its tokens after the first over their span, 1 / TPOT
+    one = vc.steady_window([request(0.0, 5.0)])
+    assert one["tokens"] == 50 and math.isclose(50 / one["window_s"], 10.0)
+    # no window: a request ended before another's first token, or made one token
+    assert vc.steady_window([request(0.0, 1.0), request(2.0, 3.0)]) is None
+    assert vc.steady_window([[1.0], request(0.0, 3.0)]) is None
+    assert vc.steady_window([]) is None
+    assert vc.decode_tok_s({"tpot_s": [0.01]}) is None
+
+
+def test_the_engine_cores_token_times_come_from_its_outputs_timestamps():
+    """The wrap of the engine-core client's ``get_output`` (vLLM's own output
+    classes), and the client left as it was after."""
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+
+    from bench.real_vllm import coordinator as vllm_real
+
+    def step(at: float, *made: tuple[str, int]) -> EngineCoreOutputs:
+        return EngineCoreOutputs(
+            outputs=[EngineCoreOutput(request_id=r, new_token_ids=list(range(n))) for r, n in made],
+            timestamp=at,
+        )
+
+    class CoreClient:  # vLLM's clients' one method the engine's step calls
+        def __init__(self, steps: list[EngineCoreOutputs]) -> None:
+            self.steps = steps
+
+        def get_output(self) -> EngineCoreOutputs:
+            return self.steps.pop(0)
+
+    steps = [
+        step(10.0, ("a", 1)),  # a's prefill ends
+        step(10.5, ("a", 1), ("b", 1)),  # b's prefill ends beside a's decode
+        step(11.0, ("a", 1), ("b", 1)),
+        step(11.5, ("a", 1), ("b", 0)),  # b made nothing this step
+        step(12.0, ("b", 2)),  # a ended; b took two tokens (a draft accepted)
+        EngineCoreOutputs(outputs=[], timestamp=12.5),  # no outputs at all
+    ]
+    client = CoreClient(list(steps))
+    with vllm_real.EngineTokenTimes(client) as times:
+        for _ in steps:
+            client.get_output()
+    assert "get_output" not in vars(client)  # the class's method again
+    assert times.times == {"a": [10.0, 10.5, 11.0, 11.5], "b": [10.5, 11.0, 12.0, 12.0]}
+    # from b's first token (10.5) to a's last (11.5): a's at 11.0 and 11.5, b's at 11.0
+    window = vc.steady_window(times.of_requests())
+    assert window == {"requests": 2, "tokens": 3, "window_s": 1.0}
 
 
 def test_a_serve_cell_waits_for_health_and_says_when_vllm_serve_died():
@@ -777,8 +840,13 @@ def cell_json(name: str, order: int, outcomes: list[Outcome], tok_s: dict | None
                         "concurrency": c,
                         "tok_s": base * (0.9 + 0.1 * rep),
                         "ttft_s": [0.05] * c,
-                        # each request decodes at tok/s ÷ c: Σ 1/TPOT = tok/s
                         "tpot_s": [c / (base * (0.9 + 0.1 * rep))] * c,
+                        # decoding at the repetition's tok/s in its steady window
+                        "steady": {
+                            "requests": c,
+                            "tokens": 1000,
+                            "window_s": 1000 / (base * (0.9 + 0.1 * rep)),
+                        },
                         "server": vc.server_delta(zero, after, 0.002, 2.0) if cell.shm else None,
                     }
                 )
@@ -852,7 +920,7 @@ def test_the_summary_judges_every_shm_cell_and_gives_each_figure_its_spread(tmp_
         "2 exact runs, 2 distinct; tok/s c1 240, c32 4500; decode/s c1 240, c32 4500; "
         "server hit 87.5 %"
     )
-    # the decode rate: the sum of 1/TPOT, its spread and the first (cold) repetition
+    # the decode rate: the steady window's, its spread and the first (cold) repetition
     decode = text.split("== decode")[1].split("\n==")[0]
     c32 = next(x for x in decode.splitlines() if x.startswith("shm-default-tp ") and " 32 " in x)
     assert c32.split()[2:] == ["4500", "[4050-4950]", "0.90", "4050", "0.90"]

@@ -65,9 +65,14 @@ the host's earlier calls. Prefix caching is off in every engine, so a
 repetition computes its prompts again. The FP8 checkpoint holds the BF16 one's
 numbers, so BF16 stock runs are its references too.
 
-**Decode rate**: each request's decode speed is 1 / its TPOT; their sum over
-a repetition's concurrent requests is its decode tokens/s, the steady state
-without the prefill steps that the output tokens/s over the wall time carries.
+**Decode rate**: the steady state inside a repetition, without the prefill
+steps that the output tokens/s over the wall time carries. Each token's time
+is taken where the engine made it (``LLM.generate``: the engine core's
+timestamp on the step's outputs; ``vllm serve``: the chunk's arrival at the
+client). From the last request's first token to the first request's last,
+every request of the repetition is decoding and no prompt is being filled:
+the tokens made in that window over its length are the decode tokens/s
+(``steady_window``). At concurrency 1 that is 1 / TPOT.
 
 **Throughput**: repetition r of concurrency c submits c prompts of 256 tokens
 at once (new text each time), 512 tokens each with ``ignore_eos``; output
@@ -87,13 +92,14 @@ its generated tokens, and so its decode's n-grams, are the random model's.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
 import re
 import statistics
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -825,13 +831,30 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
-def decode_tok_s(rep: dict) -> float | None:
-    """A repetition's decode tokens/s: the sum of its requests' 1 / TPOT (module
-    docstring), or None without one for every request."""
-    tpot = [x for x in rep.get("tpot_s") or [] if x]
-    if not tpot or len(tpot) < rep.get("concurrency", len(tpot)):
+def steady_window(token_times: Iterable[Sequence[float]]) -> dict | None:
+    """The window where every request decodes (module docstring, "Decode
+    rate"): from the last request's first token to the first request's last,
+    and the tokens made in it (after its start, up to its end). None when the
+    window is empty: a request ended before another's first token, or one
+    request made fewer than two tokens."""
+    times = [sorted(t) for t in token_times]
+    if not times or any(len(t) < 2 for t in times):
         return None
-    return sum(1.0 / x for x in tpot)
+    start = max(t[0] for t in times)
+    end = min(t[-1] for t in times)
+    if end <= start:
+        return None
+    tokens = sum(bisect.bisect_right(t, end) - bisect.bisect_right(t, start) for t in times)
+    return {"requests": len(times), "tokens": tokens, "window_s": end - start}
+
+
+def decode_tok_s(rep: dict) -> float | None:
+    """A repetition's decode tokens/s (``steady_window``), or None without a
+    window."""
+    window = rep.get("steady")
+    if not window or not window.get("window_s"):
+        return None
+    return window["tokens"] / window["window_s"]
 
 
 def ttft_figures(reps: list[dict]) -> dict[str, dict]:
@@ -1145,12 +1168,13 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
 
 
 def decode_lines(cells: list[dict]) -> list[str]:
-    """The decode rate (Σ 1 / TPOT) of each throughput cell, against stock's."""
+    """The decode rate (``steady_window``) of each throughput cell, against stock's."""
     stock = _stock_pool(cells, "throughput", _concurrency, lambda r: [decode_tok_s(r)])
     lines = [
         "",
-        "== decode: tok/s as the sum of each request's 1 / TPOT (no prefill step in it), "
-        "median [min-max] over the repetitions, and the first one's",
+        "== decode: tok/s while every request decodes (from the last first token to the "
+        "first last one: no prefill step in it), median [min-max] over the repetitions, "
+        "and the first one's",
         f"{'cell':<34} {'c':>3} {'decode/s':>8} {'[min-max]':>13} {'×stock':>6} {'1st':>6} "
         f"{'1st ×stock':>10}",
     ]

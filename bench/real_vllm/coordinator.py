@@ -97,6 +97,7 @@ from bench.real_vllm.cells import (
     resident_load_s,
     server_counters,
     server_delta,
+    steady_window,
     summary,
     table_gib_estimate,
     throughput_prompts,
@@ -763,7 +764,8 @@ class GenerateEngine:
 
     def throughput(self, prompts: list[list[int]], max_tokens: int) -> dict:
         t = time.perf_counter()
-        outputs = self._generate(prompts, max_tokens, None)
+        with EngineTokenTimes(self.llm.llm_engine.engine_core) as times:
+            outputs = self._generate(prompts, max_tokens, None)
         wall = time.perf_counter() - t
         ttft, tpot, generated = [], [], 0
         for o in outputs:
@@ -774,10 +776,49 @@ class GenerateEngine:
                 ttft.append(m.first_token_latency)
                 if n > 1 and m.last_token_ts > m.first_token_ts:
                     tpot.append((m.last_token_ts - m.first_token_ts) / (n - 1))
-        return {"wall_s": wall, "output_tokens": generated, "ttft_s": ttft, "tpot_s": tpot}
+        return {
+            "wall_s": wall,
+            "output_tokens": generated,
+            "ttft_s": ttft,
+            "tpot_s": tpot,
+            "steady": steady_window(times.of_requests()),
+        }
 
     def close(self) -> None:
         pass  # the process group's end frees the engine
+
+
+class EngineTokenTimes:
+    """Each request's token times as the engine core made them, for the decode
+    rate's window (``cells.steady_window``): while in use, the engine-core
+    client's ``get_output`` (one call a step's outputs, V1 multiprocessing or
+    not) is wrapped to note every output's request and its new tokens, at the
+    timestamp the engine core put on the step's outputs. Only the instance's
+    attribute is set, and removed after."""
+
+    def __init__(self, engine_core) -> None:
+        self.engine_core = engine_core
+        self.times: dict[str, list[float]] = {}
+
+    def __enter__(self) -> EngineTokenTimes:
+        get_output = self.engine_core.get_output  # the class's, bound
+
+        def noted_get_output(*args, **kwargs):
+            outputs = get_output(*args, **kwargs)
+            for out in outputs.outputs or ():
+                n = len(out.new_token_ids or ())
+                if n:
+                    self.times.setdefault(out.request_id, []).extend([outputs.timestamp] * n)
+            return outputs
+
+        self.engine_core.get_output = noted_get_output
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine_core.get_output
+
+    def of_requests(self) -> list[list[float]]:
+        return list(self.times.values())
 
 
 def free_port() -> int:
@@ -855,7 +896,13 @@ async def stream_completion(client, prompt: list[int], max_tokens: int, logprobs
                     positions.append(pos)
     ttft = arrivals[0] - t0 if arrivals else None
     tpot = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) if len(arrivals) > 1 else None
-    return {"tokens": tokens, "logprobs": positions, "ttft_s": ttft, "tpot_s": tpot}
+    return {
+        "tokens": tokens,
+        "logprobs": positions,
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "arrivals": arrivals,
+    }
 
 
 async def stream_each(base_url: str, prompts: list[list[int]], max_tokens: int) -> list:
@@ -934,6 +981,7 @@ class ServeEngine:
             "output_tokens": sum(len(r["tokens"]) for r in results),
             "ttft_s": [r["ttft_s"] for r in results if r["ttft_s"] is not None],
             "tpot_s": [r["tpot_s"] for r in results if r["tpot_s"] is not None],
+            "steady": steady_window(r["arrivals"] for r in results),
         }
 
     def streams(self, prompts: list[list[int]], max_tokens: int) -> list:
