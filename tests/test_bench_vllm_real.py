@@ -13,6 +13,7 @@ Qwen4Exp's hyper-connection and PLE kernels are Triton-only."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -463,6 +464,33 @@ def test_the_serve_cells_client_reads_tokens_logprobs_and_times_from_the_stream(
         assert r["logprobs"][0] == {str(p[0]): -0.25, "3": -2.5}
         assert len(r["logprobs"]) == 5 and r["ttft_s"] > 0 and r["tpot_s"] >= 0
         assert len(r["arrivals"]) == 5 and r["arrivals"] == sorted(r["arrivals"])
+
+
+def test_the_serve_cells_exact_runs_stream_one_prompt_at_a_time():
+    import asyncio
+
+    from bench.real_vllm import coordinator as vllm_real
+
+    VllmStreamStandIn.most_in_flight = 0
+    VllmStreamStandIn.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), VllmStreamStandIn)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        prompts = [[70 + i, 66, 67] for i in range(4)]
+        results = asyncio.run(vllm_real.stream_in_turn(url, prompts, 5, vllm_real.LOGPROBS))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert VllmStreamStandIn.most_in_flight == 1  # each alone
+    assert [r["prompt"] for r in VllmStreamStandIn.requests] == prompts  # in order
+    for p, r in zip(prompts, results, strict=True):
+        assert r["tokens"] == [p[i % 3] for i in range(5)] and len(r["logprobs"]) == 5
+    # each prompt began after the last one's final token
+    for before, after in itertools.pairwise(results):
+        assert before["arrivals"][-1] <= after["arrivals"][0]
 
 
 def test_the_decode_window_holds_only_steps_where_every_request_decodes():

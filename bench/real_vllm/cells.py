@@ -57,7 +57,9 @@ cells for one device call each.
 
 **Exact runs**: 8 prompts of real English text (one of 2 900 tokens, chunked
 at 512), 32 greedy tokens, ``logprobs=5``, ``ignore_eos``, every prompt
-submitted at once; the token ids and logprobs are the outcome
+submitted at once (``vllm serve``: one after another, each streamed alone,
+since concurrent HTTP arrivals change the steps' batches and stock's output
+from run to run: 5 outcomes in 6 runs); the token ids and logprobs are the outcome
 (``exact.Outcome``). A shm (or offload) run is judged against every
 stock run of the same reference (API, graphs mode, trunk and table size,
 multiprocessing): the stock runs of every engine of it, in this call and in
@@ -1162,7 +1164,7 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
                     f"{_num(srv.get('cpu_us_per_miss'), '.1f'):>11}"
                 )
         lines += decode_lines(tp)
-        lines += vllm_steps.summary_lines(tp, _stock_tpot_ms(tp))
+        lines += vllm_steps.summary_lines(tp, _stock_step_ms(tp))
     lines += ttft_lines(cells)
     return "\n".join(lines)
 
@@ -1305,11 +1307,14 @@ def _concurrency(rep: dict) -> int:
     return rep["concurrency"]
 
 
-def _stock_tpot_ms(cells: list[dict]) -> dict[tuple[str, Any], float]:
-    """Stock's TPOT p50 (ms) per (reference key, concurrency), over every
-    request of every stock engine of that key."""
-    pooled = _stock_pool(cells, "throughput", _concurrency, lambda r: r.get("tpot_s") or [])
-    return {k: 1e3 * percentile(v, 0.5) for k, v in pooled.items()}
+def _stock_step_ms(cells: list[dict]) -> dict[tuple[str, Any], float]:
+    """Stock's decode step (ms) per (reference key, concurrency): the
+    concurrency over its median decode rate (``steady_window``), every
+    repetition of every stock engine of that key. A request's TPOT is no
+    measure of the step: it carries the prefill steps of the prompts that came
+    after its own (5.2 ms where the decode step took 4.3)."""
+    pooled = _stock_pool(cells, "throughput", _concurrency, lambda r: [decode_tok_s(r)])
+    return {k: 1e3 * k[1] / statistics.median(v) for k, v in pooled.items()}
 
 
 def _stock_medians(cells: list[dict]) -> dict[tuple[str, Any], float]:

@@ -934,6 +934,16 @@ async def stream_each(base_url: str, prompts: list[list[int]], max_tokens: int) 
         return await asyncio.gather(*(one(client, p) for p in prompts), return_exceptions=True)
 
 
+async def stream_in_turn(base_url: str, prompts: list[list[int]], max_tokens: int, logprobs):
+    """Every prompt streamed alone, the next once the last has ended."""
+    import openai
+
+    async with openai.AsyncOpenAI(
+        base_url=base_url, api_key="unused", max_retries=0, timeout=600.0
+    ) as client:
+        return [await stream_completion(client, p, max_tokens, logprobs) for p in prompts]
+
+
 async def stream_all(base_url: str, prompts: list[list[int]], max_tokens: int, logprobs):
     """Every prompt as its own concurrent stream, on a client of this event loop."""
     import openai
@@ -966,7 +976,9 @@ class ServeEngine:
         wait_healthy(f"http://127.0.0.1:{port}/health", self.proc, end_at)
 
     def exact(self, prompts: list[list[int]], max_tokens: int) -> dict:
-        results = asyncio.run(stream_all(self.base_url, prompts, max_tokens, LOGPROBS))
+        # One prompt after another: under concurrent HTTP arrivals the steps'
+        # batches, and so stock's own output, change from run to run.
+        results = asyncio.run(stream_in_turn(self.base_url, prompts, max_tokens, LOGPROBS))
         return {
             "tokens": [r["tokens"] for r in results],
             "logprobs": [r["logprobs"] for r in results],

@@ -109,10 +109,11 @@ def _ms(q: dict | None, key: str) -> str:
     return "-" if not q else f"{q[key] / 1e3:.2f}"
 
 
-def summary_lines(cells: list[dict], stock_tpot_ms: dict[tuple[str, int], float]) -> list[str]:
+def summary_lines(cells: list[dict], stock_step_ms: dict[tuple[str, int], float]) -> list[str]:
     """The steps of every throughput repetition that has a timeline, beside
-    stock's TPOT p50 of the same reference and concurrency (``stock_tpot_ms``):
-    a step's length over stock's is the time it lost."""
+    stock's decode step of the same reference and concurrency
+    (``stock_step_ms``: concurrency over its decode rate): a step's length
+    over stock's is the time it lost."""
     rows = [
         (c, rep)
         for c in cells
@@ -124,7 +125,8 @@ def summary_lines(cells: list[dict], stock_tpot_ms: dict[tuple[str, int], float]
     lines = [
         "",
         "== steps, from the server's lookup trace (ms): the step's length (first admission "
-        "to the next step's) against stock's TPOT p50; when its last PLE row was ready; "
+        "to the next step's) against stock's decode step (c over its decode tok/s); when "
+        "its last PLE row was ready; "
         "the server's queue, and a miss's time at a gather worker (disk and gather)",
         f"{'cell':<34} {'rep':>3} {'c':>3} {'steps':>6} {'stock':>6} {'period p50/p99':>15} "
         f"{'ready p50/p99/max':>20} {'queue p99':>9} {'worker p50/p99':>15} "
@@ -132,7 +134,7 @@ def summary_lines(cells: list[dict], stock_tpot_ms: dict[tuple[str, int], float]
     ]
     for c, rep in rows:
         s = rep["steps"]
-        stock = stock_tpot_ms.get((c["cell"]["reference_key"], rep["concurrency"]))
+        stock = stock_step_ms.get((c["cell"]["reference_key"], rep["concurrency"]))
         lines.append(
             f"{c['name']:<34} {rep['rep']:>3} {rep['concurrency']:>3} {s['steps']:>6} "
             f"{'-' if stock is None else f'{stock:.2f}':>6} "
