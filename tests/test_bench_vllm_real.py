@@ -294,6 +294,8 @@ def test_cell_names_say_what_runs():
     assert nvfp4 == vc.parse_cell("stock-default-nvfp4-mp0").reference_key()
     assert nvfp4 != vc.parse_cell("stock-default-mp0").reference_key()
     assert vc.parse_cell("stock-default#2").instance == 2
+    prof = vc.parse_cell("shm-default-deepsmall-noexact-prof")
+    assert prof.profile and prof.exact_runs == 0 and prof.checkpoint == "deepsmall-bf16"
 
 
 @pytest.mark.parametrize(
@@ -310,11 +312,126 @@ def test_cell_names_say_what_runs():
         ("serve-offload-default-restart", "use stock or shm"),
         ("shm-default-mp0-verify", "needs shm, eager"),
         ("shm-eager-verify", "and mp0"),
+        ("serve-shm-default-prof", "drop serve"),
     ],
 )
 def test_a_cell_that_cannot_run_is_refused_with_its_reason(name, problem):
     with pytest.raises(vc.CellError, match=problem):
         vc.parse_cell(name)
+
+
+def _trace_event(cat: str, name: str, ts: float, dur: float, correlation: int | None = None):
+    event = {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur}
+    if correlation is not None:
+        event["args"] = {"correlation": correlation}
+    return event
+
+
+def test_the_gpu_trace_gives_each_decode_steps_span_busy_idle_and_copies(tmp_path):
+    from bench.real_vllm import gpu_trace
+
+    decode = "execute_context_0(0)_generation_2(2)"
+    events = [
+        # a prefill step, then two decode steps of 2 requests (host annotations)
+        _trace_event("user_annotation", "execute_context_1(256)_generation_1(1)", 0, 50),
+        _trace_event("user_annotation", decode, 100, 20),
+        _trace_event("user_annotation", decode, 300, 20),
+        _trace_event("cpu_op", "aten::mm", 100, 5),  # no GPU work of its own here
+        # the steps' launches: a graph replay each, a driver call before it
+        _trace_event("cuda_runtime", "cudaLaunchKernel", 10, 1, correlation=1),
+        _trace_event("cuda_driver", "cuMemcpyAsync", 105, 1, correlation=2),
+        _trace_event("cuda_runtime", "cudaGraphLaunch", 110, 2, correlation=3),
+        _trace_event("cuda_runtime", "cudaGraphLaunch", 310, 2, correlation=4),
+        _trace_event("cuda_runtime", "cudaGraphLaunch", 500, 2, correlation=5),  # no step
+        # GPU work of the prefill step
+        _trace_event("kernel", "prefill", 20, 40, correlation=1),
+        # step 2: an ids copy out, kernels, a wait (idle), the rows' copy in,
+        # a kernel overlapping the next on another stream
+        _trace_event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 120, 2, correlation=2),
+        _trace_event("kernel", "layer0", 125, 10, correlation=3),
+        _trace_event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 150, 3, correlation=3),
+        _trace_event("kernel", "layer1", 153, 20, correlation=3),
+        _trace_event("kernel", "side", 160, 20, correlation=3),
+        _trace_event("gpu_memset", "Memset (Device)", 180, 1, correlation=3),
+        # step 3: one kernel
+        _trace_event("kernel", "layer0", 320, 30, correlation=4),
+        _trace_event("kernel", "orphan", 510, 5, correlation=5),
+    ]
+    path = tmp_path / "w.pt.trace.json.gz"
+    import gzip
+
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    steps = gpu_trace.steps(gpu_trace.load(path))
+    assert [(s["context"], s["generation"]) for s in steps] == [(1, 1), (0, 2), (0, 2)]
+    first, second, third = steps
+    assert first["activities"] == 1 and first["period_us"] == 100
+    # 120..181: busy 2 + 10 + 3 + 27 (153..180 over two streams) + 1, idle the rest
+    assert second["span_us"] == 61 and second["busy_us"] == 43 and second["idle_us"] == 18
+    assert second["idle_before_htod_us"] == 15  # 135 → 150: the wait for the rows
+    assert (second["kernel_n"], second["kernel_us"]) == (3, 50)
+    assert (second["memcpy_HtoD_n"], second["memcpy_DtoH_n"], second["gpu_memset_n"]) == (1, 1, 1)
+    assert third["period_us"] is None and third["span_us"] == 30 and third["idle_us"] == 0
+    figures = gpu_trace.decode_figures(steps, 2)
+    assert figures["steps"] == 2 and figures["all_steps"] == 3
+    assert figures["span_us"] == 45.5 and figures["period_us"] == 200
+    assert figures["memcpy_HtoD_n"] == 0.5  # a step without one counts 0
+    assert gpu_trace.decode_figures(steps, 32)["steps"] == 0
+
+
+def test_the_summary_gives_each_profiled_cells_gpu_step_and_its_difference_from_stock():
+    def cell(name: str, span: float, htod: float) -> dict:
+        f = dict.fromkeys(("kernel_n", "memcpy_HtoD_n", "memcpy_DtoH_n"), 1.0)
+        f.update(steps=120, all_steps=130, period_us=3000.0, span_us=span, busy_us=2500.0)
+        f.update(idle_us=span - 2500.0, idle_before_htod_us=htod)
+        return {
+            "format": vc.CELL_FORMAT,
+            "run_id": "r",
+            "name": name,
+            "cell": vc.parse_cell(name).to_json(),
+            "status": "done",
+            "profile": {"1": f, "32": {"error": "no trace under /w"}},
+        }
+
+    text = vc.summary(
+        [
+            cell("stock-default-deepsmall-noexact-prof", 2600.0, 0.0),
+            cell("shm-default-deepsmall-noexact-prof", 2950.0, 250.0),
+        ]
+    )
+    table = text.split("== GPU per decode step")[1]
+    rows = [line.split() for line in table.splitlines()[2:] if line]
+    stock = ["stock-default-deepsmall-noexact-prof", "1", "120", "3000", "2600", "2500"]
+    assert rows[0][:6] == stock
+    assert rows[1][:2] == ["shm-default-deepsmall-noexact-prof", "1"]
+    # shm minus stock: 350 µs longer, all of it idle, 250 of it before the rows' copies
+    assert rows[2][:9] == ["Δ", "against", "stock", "1", "0", "350", "0", "350", "250"]
+    assert len(rows) == 3  # concurrency 32 had no trace: no row
+
+
+def test_the_gpu_trace_reads_vllms_step_annotations_from_a_real_torch_profiler_trace(tmp_path):
+    """The host side of the format as torch's profiler writes it (on CPU: no
+    GPU activity, so each step has none)."""
+    import torch
+
+    from bench.real_vllm import gpu_trace
+
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU],
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(
+            str(tmp_path), worker_name="c1_dp0_pp0_tp0", use_gzip=True
+        ),
+    ):
+        for n in (4, 1, 1):
+            ctx = 1 if n == 4 else 0
+            name = f"execute_context_{ctx}({ctx * 4})_generation_{1 - ctx}({1 - ctx})"
+            with torch.profiler.record_function(name):
+                torch.ones(8) @ torch.ones(8)
+    (trace,) = tmp_path.glob("*.pt.trace.json.gz")
+    steps = gpu_trace.steps(gpu_trace.load(trace))
+    assert [(s["context"], s["generation"]) for s in steps] == [(1, 0), (0, 1), (0, 1)]
+    assert all(s["activities"] == 0 for s in steps) and steps[0]["period_us"] > 0
+    assert gpu_trace.decode_figures(steps, 1)["steps"] == 0  # no GPU work on CPU
 
 
 def test_plans_expand_to_cells_and_their_checkpoints():

@@ -40,6 +40,9 @@ says what it is, words joined by ``-`` in any order:
                             lookup read yet, then the same text again (every row
                             read before it: what prompt-ahead leaves a prompt
                             that waited at least its read time)
+  prof                      decode under vLLM's torch profiler (``profiler_config``):
+                            ``PROFILE_TOKENS`` tokens at concurrency 1 and 32,
+                            what the GPU did in each decode step (``gpu_trace``)
   noexact                   no exact runs
   restart                   serve: 32 greedy streams of 3 584 tokens, three
                             runs; shm: ple-server killed, reloaded and
@@ -106,6 +109,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.real_vllm import gpu_trace
 from bench.real_vllm import steps as vllm_steps
 
 CELL_FORMAT = "vllm-real-cell/1"
@@ -118,6 +122,9 @@ TP_PROMPT_TOKENS = 256
 TP_OUTPUT_TOKENS = 512
 TTFT_PROMPT_TOKENS = 8000  # the checkpoint's 8 192 positions, less the output
 TTFT_OUTPUT_TOKENS = 8
+PROFILE_CONCURRENCY = (1, 32)
+PROFILE_TOKENS = 128  # decode steps enough for medians; a trace of a few MB
+PROFILE_TEXT_REP = 10  # the throughput text windows of repetition 10 on: unread
 DIRECT_CACHE = "1G"
 RESTART_STREAMS = 32
 RESTART_TOKENS = 3584  # ≈ 20 s at concurrency 32 on the 4-layer trunk: every event inside
@@ -207,6 +214,7 @@ class Cell:
     ttft_reps: int = 0
     restart: bool = False  # serve: the streams; shm: the server killed, reloaded, restarted
     verify: bool = False  # shm eager mp0: every PLE row checked against the checkpoint
+    profile: bool = False  # generate: decode steps under vLLM's torch profiler
     instance: int = 1
 
     @property
@@ -302,6 +310,8 @@ def parse_cell(name: str) -> Cell:
             fields["restart"] = True
         elif word == "verify":
             fields["verify"] = True
+        elif word == "prof":
+            fields["profile"] = True
         elif m := re.fullmatch(r"x(\d+)", word):
             fields["exact_runs"] = int(m[1])
         elif m := re.fullmatch(r"tp(\d*)", word):
@@ -312,7 +322,8 @@ def parse_cell(name: str) -> Cell:
             raise CellError(
                 f"{name}: unknown word {word!r}; a cell name joins {BACKENDS}, {MODES}, "
                 "serve, host, direct, nopa, unordered, nospin, fp8/nvfp4/large/deep/deepsmall, "
-                "mp0, x<N>, tp[<N>], ttft[<N>], noexact, restart, verify (bench/real_vllm/cells.py)"
+                "mp0, x<N>, tp[<N>], ttft[<N>], noexact, restart, verify, prof "
+                "(bench/real_vllm/cells.py)"
             )
     if not seen_backend:
         raise CellError(f"{name}: no backend; name one of {BACKENDS}")
@@ -355,9 +366,13 @@ def cell_problem(cell: Cell) -> str | None:
             "verify checks each lookup in Python: it needs shm, eager (a replayed CUDA graph "
             "never reaches Python) and mp0 (the check is installed in the engine's process)"
         )
+    if cell.profile and cell.api != "generate":
+        return "prof profiles LLM.generate's worker (LLM.start_profile): drop serve"
     if cell.restart and cell.backend == "offload":
         return "restart's references are stock's streams: use stock or shm"
-    if cell.exact_runs == 0 and not (cell.throughput_reps or cell.ttft_reps or cell.restart):
+    if cell.exact_runs == 0 and not (
+        cell.throughput_reps or cell.ttft_reps or cell.restart or cell.profile
+    ):
         return "neither exact runs nor throughput: it would measure nothing"
     return None
 
@@ -437,6 +452,16 @@ PLANS: dict[str, list[str]] = {
         "shm-default-deepsmall-tp",
         "offload-default-deepsmall-tp",
     ],
+    # what the GPU does in a decode step, stock against shm, under vLLM's torch
+    # profiler: the deep trunk on mmap, where no row is read from disk
+    # (a fresh host's call holds the first pair), then the 4-layer trunk: the
+    # cost per PLE layer from 4 layers against 2
+    "prof": [
+        "stock-default-deepsmall-noexact-prof",
+        "shm-default-deepsmall-noexact-prof",
+        "stock-default-noexact-prof",
+        "shm-default-noexact-prof",
+    ],
     # eager stock and shm on one host, and vllm serve's exact cells
     "close-33": [
         "stock-eager-mp0",
@@ -503,6 +528,7 @@ class Costs:
     resident_s_per_gib: float = 2.0  # tables read into GPU or pinned memory at load
     verify_factor: float = 3.0  # an exact run with every row copied out and compared
     restart_s: float = 110.0  # 3 runs of 32 streams × 3 072 tokens, the events, the starts
+    profile_s: float = 40.0  # 2 profiled generates, the traces written and read
     teardown_s: float = 10.0  # ending the process group, writing the JSON
     margin_s: float = 15.0  # kept free before the deadline
 
@@ -565,6 +591,7 @@ def expected_seconds(cell: Cell, costs: Costs, history: History, table_gib: floa
         + cell.throughput_reps * rep
         + cell.ttft_reps * costs.ttft_rep_s * (costs.disk_factor if cell.io == "direct" else 1.0)
         + cell.restart * costs.restart_s
+        + cell.profile * costs.profile_s
         + costs.teardown_s
     )
 
@@ -1166,6 +1193,7 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
         lines += decode_lines(tp)
         lines += vllm_steps.summary_lines(tp, _stock_step_ms(tp))
     lines += ttft_lines(cells)
+    lines += gpu_trace.summary_lines(cells)
     return "\n".join(lines)
 
 

@@ -51,6 +51,7 @@ import logging
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -65,11 +66,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.harness.checkout import bench_only, installed_first
+from bench.real_vllm import gpu_trace
 from bench.real_vllm import steps as vllm_steps
 from bench.real_vllm.cells import (
     CELL_FORMAT,
     CONCURRENCY,
     EXACT_TOKENS,
+    PROFILE_CONCURRENCY,
+    PROFILE_TEXT_REP,
+    PROFILE_TOKENS,
     RESTART_AWAY_S,
     RESTART_EVENTS,
     RESTART_STREAMS,
@@ -119,6 +124,7 @@ GROUP_GRACE_S = 10.0  # SIGTERM to SIGKILL
 GPU_FREE_WAIT_S = 20.0
 GPU_FREE_SLACK_MIB = 1024  # given back: within this much of the use before the first cell
 LOG_TAIL_CHARS = 4000
+PROFILE_TRACE_OUT_BYTES = 5 * 1024 * 1024  # a trace this small goes to $OUT (64 MiB come back a call)
 OUT_LOG_BYTES = 256 * 1024  # the part of a cell's log that goes to $OUT
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -678,8 +684,9 @@ def measured(served: Served | None, fn: Callable[[], dict]) -> dict:
     return result
 
 
-def engine_kwargs(cell: Cell) -> dict:
-    """``LLM(...)``'s arguments for a cell (besides the model)."""
+def engine_kwargs(cell: Cell, profile_dir: Path | None = None) -> dict:
+    """``LLM(...)``'s arguments for a cell (besides the model); ``profile_dir``:
+    where a ``prof`` cell's worker writes its traces."""
     kwargs: dict = {
         **ENGINE,
         "enable_prefix_caching": False,  # every repetition computes its prompts
@@ -691,7 +698,25 @@ def engine_kwargs(cell: Cell) -> dict:
         kwargs["enforce_eager"] = True
     elif cell.mode == "piecewise":
         kwargs["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+    if profile_dir is not None:
+        kwargs["profiler_config"] = profiler_config(profile_dir)
     return kwargs
+
+
+def profiler_config(directory: Path) -> dict:
+    """vLLM's torch profiler for a ``prof`` cell: the worker's CPU activity (its
+    step annotations, the launching calls) and CUDA's, without stacks, shapes
+    or the front end's trace (``gpu_trace`` reads what is left)."""
+    return {
+        "profiler": "torch",
+        "torch_profiler_dir": str(directory),
+        "torch_profiler_activities": ["CPU", "CUDA"],
+        "torch_profiler_with_stack": False,
+        "torch_profiler_record_shapes": False,
+        "torch_profiler_use_gzip": True,
+        "torch_profiler_dump_cuda_time_total": False,
+        "ignore_frontend": True,
+    }
 
 
 def serve_argv(cell: Cell, model_dir: Path, port: int) -> list[str]:
@@ -732,10 +757,11 @@ def serve_argv(cell: Cell, model_dir: Path, port: int) -> list[str]:
 class GenerateEngine:
     """``LLM.generate``: the offline engine, prompts as token ids."""
 
-    def __init__(self, cell: Cell, model_dir: Path) -> None:
+    def __init__(self, cell: Cell, model_dir: Path, profile_dir: Path | None = None) -> None:
         from vllm import LLM
 
-        self.llm = LLM(model=str(model_dir), **engine_kwargs(cell))
+        self.profile_dir = profile_dir
+        self.llm = LLM(model=str(model_dir), **engine_kwargs(cell, profile_dir))
 
     def _generate(self, prompts: list[list[int]], max_tokens: int, logprobs: int | None):
         from vllm import SamplingParams
@@ -1062,7 +1088,8 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
                 cell, model_dir, work / "logs" / f"{run_id}-{stem}.serve.log", end_at
             )
         else:
-            engine = GenerateEngine(cell, model_dir)
+            profile_dir = work / "prof" / f"{run_id}-{stem}" if cell.profile else None
+            engine = GenerateEngine(cell, model_dir, profile_dir)
         data["times"]["engine_start_s"] = round(time.monotonic() - t, 1)
         data["versions"] = versions()
         if cell.verify:  # (mp0: the worker is in this process)
@@ -1184,6 +1211,47 @@ def measure(
                 rec.save()
     if cell.ttft_reps:
         ttft_run(cell, engine, served, text, data, rec, end_at, costs)
+    if cell.profile:
+        profile_run(engine, text, data, rec, end_at, costs)
+
+
+def profile_run(
+    engine: GenerateEngine, text, data: dict, rec: CellRecord, end_at: float, costs: Costs
+) -> None:
+    """Decode under vLLM's torch profiler at each of ``PROFILE_CONCURRENCY``
+    (new text), the worker's trace read into its decode steps' GPU figures
+    (``gpu_trace``); the traces go to ``$OUT/prof`` where they are small."""
+    assert engine.profile_dir is not None  # a prof cell's engine
+    found = data["profile"] = {}
+    out = rec.path.parent.parent / "prof"
+    for k, c in enumerate(PROFILE_CONCURRENCY):
+        if time.time() + costs.profile_s / len(PROFILE_CONCURRENCY) > end_at:
+            data["skipped_measurements"].append(f"profile c {c}: time")
+            continue
+        prompts = throughput_prompts(text, PROFILE_TEXT_REP + k, c)
+        before = set(engine.profile_dir.rglob("*.pt.trace.json*"))
+        engine.llm.start_profile(profile_prefix=f"c{c}")
+        try:
+            engine._generate(prompts, PROFILE_TOKENS, None)
+        finally:
+            engine.llm.stop_profile()
+        traces: list[Path] = []
+        deadline = time.monotonic() + 60  # the worker writes it as it stops
+        while not traces and time.monotonic() < deadline:
+            traces = sorted(set(engine.profile_dir.rglob("*.pt.trace.json*")) - before)
+            if not traces:
+                time.sleep(0.5)
+        if not traces:
+            found[str(c)] = {"error": f"no trace under {engine.profile_dir}"}
+            continue
+        trace = traces[0]  # the one worker (no tensor or pipeline parallelism)
+        figures = gpu_trace.decode_figures(gpu_trace.steps(gpu_trace.load(trace)), c)
+        figures["trace"] = trace.name
+        found[str(c)] = figures
+        if trace.stat().st_size <= PROFILE_TRACE_OUT_BYTES:
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copy(trace, out / f"{rec.path.stem}-c{c}{''.join(trace.suffixes[-2:])}")
+        rec.save()
 
 
 def ttft_run(
