@@ -124,7 +124,7 @@ GROUP_GRACE_S = 10.0  # SIGTERM to SIGKILL
 GPU_FREE_WAIT_S = 20.0
 GPU_FREE_SLACK_MIB = 1024  # given back: within this much of the use before the first cell
 LOG_TAIL_CHARS = 4000
-PROFILE_TRACE_OUT_BYTES = 5 * 1024 * 1024  # a trace this small goes to $OUT (64 MiB come back a call)
+PROFILE_TRACE_OUT_BYTES = 5 * 1024 * 1024  # a trace this small goes to $OUT (64 MiB a call)
 OUT_LOG_BYTES = 256 * 1024  # the part of a cell's log that goes to $OUT
 _PR_SET_CHILD_SUBREAPER = 36
 
