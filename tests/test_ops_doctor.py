@@ -103,6 +103,7 @@ def test_doctor_checks_this_host_and_recommends_settings(checkpoint):
     disk = checks["disk"]["results"]
     assert [r["queue_depth"] for r in disk] == [1, 64, 128]
     assert all(r["reads"] > 0 and r["reads_per_s"] > 0 for r in disk)
+    assert all(r["cpu_us_per_read"] > 0 for r in disk)  # the kernel's cost, the server's floor
     # Memory: what is available against the planned cache.
     memory = checks["memory"]
     assert memory["available_bytes"] > 0 and memory["planned_cache_bytes"] > 0

@@ -470,11 +470,13 @@ def native_module():
 
 
 PROBE = textwrap.dedent("""
-    import json, sys
+    import json, sys, time
     from pleserver import _native
     paths, qd, seconds, kind = json.loads(sys.argv[1])
+    cpu = time.process_time()  # the probe's threads: its own CPU for its reads
     r = _native.probe_random_reads(paths, block=4096, queue_depth=qd, seconds=seconds,
                                    direct=True, kind=kind)
+    r["cpu_s"] = time.process_time() - cpu
     print(json.dumps(r))
 """)
 
@@ -514,8 +516,16 @@ def ceiling(
             say(f"  QD {qd:>3}: probe failed: {out[str(qd)]['error']}")
             continue
         r = json.loads(done.stdout)
-        out[str(qd)] = {"reads_per_s": r["reads_per_s"], "kind": r.get("kind")}
-        say(f"  QD {qd:>3}: {r['reads_per_s']:,.0f} reads/s ({r.get('kind')})")
+        cpu_us = 1e6 * r["cpu_s"] / r["reads"] if r.get("reads") else None
+        out[str(qd)] = {
+            "reads_per_s": r["reads_per_s"],
+            "kind": r.get("kind"),
+            "cpu_us_per_read": cpu_us,
+        }
+        say(
+            f"  QD {qd:>3}: {r['reads_per_s']:,.0f} reads/s ({r.get('kind')}), "
+            f"{'-' if cpu_us is None else f'{cpu_us:.2f}'} µs of CPU a read"
+        )
     return out
 
 

@@ -1087,11 +1087,12 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
     for run in runs:
         disk = run.get("disk") or {}
         for r in disk.get("results", []):
-            lat = r.get("mean_latency_s")
+            lat, cpu = r.get("mean_latency_s"), r.get("cpu_us_per_read")
             lines.append(
                 f"== disk ({run.get('run_id')}): QD {r['queue_depth']}: "
                 f"{r['reads_per_s']:,.0f} reads/s of {r.get('block', 4096)} B, mean latency "
                 f"{'-' if lat is None else f'{1e6 * lat:.0f} µs'}"
+                f"{'' if cpu is None else f', {cpu:.1f} µs of CPU a read'}"
                 f"{'' if r.get('direct') else ' (page cache, not O_DIRECT)'}"
             )
         if disk.get("error"):
