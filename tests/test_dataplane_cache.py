@@ -216,7 +216,7 @@ def test_anonymous_memory_comes_back_after_a_load_of_misses(start_server, tmp_pa
     """Rounds of misses read into buffers of up to 16 MiB. Freed to malloc,
     glibc kept them in its per-thread arenas: here RssAnon stayed 70-76 MiB
     over its baseline after the load. The server's own pool keeps a few
-    buffers warm, one of them large, and returns the pages of the others."""
+    buffers warm, two of them large, and returns the pages of the others."""
     model = write_checkpoint(
         str(tmp_path / "model"),
         (

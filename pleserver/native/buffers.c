@@ -24,6 +24,7 @@ static free_buffer pool[PLE_BUFFERS_KEPT];  /* [0, pooled): bottom to top */
 static unsigned pooled;
 static size_t limit, charged, peak;         /* limit 0: no bound */
 static uint64_t waits;
+static uint64_t returned_total;             /* bytes of pages given back to the kernel */
 
 /* Under the lock: take entry k out of the list. */
 static free_buffer remove_at(unsigned k)
@@ -63,6 +64,15 @@ static void charge_sub(size_t n)
     pthread_cond_broadcast(&pool_changed);
 }
 
+/* Under the lock: `n` bytes of a buffer's pages went back to the kernel
+ * (emptied or unmapped): its charge goes, and the count of pages returned
+ * (pages a later round must fault in again) grows. */
+static void charge_returned(size_t n)
+{
+    returned_total += n;
+    charge_sub(n);
+}
+
 /* Out of the list: return its pages, keep the mapping. */
 static void empty(free_buffer *b)
 {
@@ -88,7 +98,7 @@ void ple_buffers_set_limit(size_t bytes)
         size_t returned = v.touched;
         empty(&v);
         pthread_mutex_lock(&pool_lock);
-        charge_sub(returned);
+        charge_returned(returned);
         if (!list(v, 0)) {
             pthread_mutex_unlock(&pool_lock);
             munmap(v.mem, v.size);
@@ -103,7 +113,8 @@ void ple_buffers_set_limit(size_t bytes)
 void ple_buffers_get_stats(ple_buffers_stats *st)
 {
     pthread_mutex_lock(&pool_lock);
-    *st = (ple_buffers_stats){.limit = limit, .charged = charged, .peak = peak, .waits = waits};
+    *st = (ple_buffers_stats){.limit = limit, .charged = charged, .peak = peak, .waits = waits,
+                              .returned = returned_total};
     pthread_mutex_unlock(&pool_lock);
 }
 
@@ -157,7 +168,7 @@ void *ple_buffer_take(size_t size, size_t need, size_t *charge)
             size_t returned = v.touched;
             empty(&v);
             pthread_mutex_lock(&pool_lock);
-            charge_sub(returned);
+            charge_returned(returned);
             if (!list(v, 0)) {  /* the pool filled up meanwhile */
                 pthread_mutex_unlock(&pool_lock);
                 munmap(v.mem, v.size);
@@ -177,42 +188,57 @@ void *ple_buffer_take(size_t size, size_t need, size_t *charge)
 
 void ple_buffer_give(void *mem, size_t size, size_t charge)
 {
-    free_buffer b = {mem, size, charge < size ? charge : size}, cold = {0};
+    free_buffer b = {mem, size, charge < size ? charge : size}, cold = {0}, old_big = {0};
     pthread_mutex_lock(&pool_lock);
     if (pooled == PLE_BUFFERS_KEPT) {
         pthread_mutex_unlock(&pool_lock);
         munmap(mem, size);
         pthread_mutex_lock(&pool_lock);
-        charge_sub(b.touched);
+        charge_returned(b.touched);
         pthread_mutex_unlock(&pool_lock);
         return;
     }
-    unsigned big = 0;
-    for (unsigned k = 0; k < pooled; k++)
-        big += pool[k].touched > PLE_BUFFER_BIG_BYTES;
+    /* A large buffer given back stays warm: past PLE_BUFFERS_BIG_WARM large
+     * ones, the one given back longest ago returns its pages. (Emptying the
+     * one given back instead kept a stale large buffer warm for good while
+     * the buffers in use faulted their pages in anew at every request.) */
+    if (b.touched > PLE_BUFFER_BIG_BYTES) {
+        unsigned big = 0, oldest = 0;
+        for (unsigned k = pooled; k-- > 0;)
+            if (pool[k].touched > PLE_BUFFER_BIG_BYTES) {
+                oldest = k;
+                big++;
+            }
+        if (big >= PLE_BUFFERS_BIG_WARM)
+            old_big = remove_at(oldest);
+    }
     /* The buffer this one pushes out of the warm ones, if it has pages. */
     if (pooled >= PLE_BUFFERS_WARM && pool[pooled - PLE_BUFFERS_WARM].touched)
         cold = remove_at(pooled - PLE_BUFFERS_WARM);
     pthread_mutex_unlock(&pool_lock);
     size_t returned = 0;
-    if (b.touched > PLE_BUFFER_BIG_BYTES && big >= PLE_BUFFERS_BIG_WARM) {
-        returned += b.touched;
-        empty(&b);
+    if (old_big.mem) {
+        returned += old_big.touched;
+        empty(&old_big);
     }
     if (cold.mem) {
         returned += cold.touched;
         empty(&cold);
     }
     pthread_mutex_lock(&pool_lock);
-    charge_sub(returned);  /* (and a waiting taker may reuse this buffer's pages) */
+    charge_returned(returned);  /* (and a waiting taker may reuse this buffer's pages) */
+    /* (emptied ones at the bottom: nothing charged, unmapped if no room) */
+    int old_listed = !old_big.mem || list(old_big, 0);
     int cold_listed = !cold.mem || list(cold, 0), listed = list(b, 1);
     pthread_mutex_unlock(&pool_lock);
-    if (!cold_listed)  /* the pool filled up meanwhile (cold is empty: nothing charged) */
+    if (!old_listed)
+        munmap(old_big.mem, old_big.size);
+    if (!cold_listed)
         munmap(cold.mem, cold.size);
     if (!listed) {
         munmap(mem, size);
         pthread_mutex_lock(&pool_lock);
-        charge_sub(b.touched);
+        charge_returned(b.touched);
         pthread_mutex_unlock(&pool_lock);
     }
 }

@@ -13,10 +13,14 @@
  *     buffer pushed further down returns its pages to the kernel
  *     (MADV_DONTNEED) and stays mapped, empty;
  *   - of those, at most PLE_BUFFERS_BIG_WARM with more than
- *     PLE_BUFFER_BIG_BYTES of pages (a large round's): another one returns
- *     its pages when given back.
+ *     PLE_BUFFER_BIG_BYTES of pages (a large round's): when another is
+ *     given back, the one given back longest ago returns its pages. Two: a
+ *     request of more misses than a round holds reads two rounds at once
+ *     (gather.c, ROUNDS_AT_ONCE), each in a large buffer; with one kept
+ *     warm, the other's pages were faulted in again by every such request,
+ *     about one zeroed page per missed row.
  * So a stream of requests keeps reusing warm buffers, and what stays after
- * a load is a few small buffers and one large one.
+ * a load is a few small buffers and two large ones.
  *
  * The bound (ple_buffers_set_limit): every buffer, taken or free, carries a
  * *charge*, the bytes from its start that may be in memory (what its taker
@@ -36,7 +40,7 @@
 
 #define PLE_BUFFERS_KEPT 8u
 #define PLE_BUFFERS_WARM 4u
-#define PLE_BUFFERS_BIG_WARM 1u
+#define PLE_BUFFERS_BIG_WARM 2u
 #define PLE_BUFFER_BIG_BYTES (4u << 20)
 
 typedef struct ple_buffers_stats {
@@ -44,6 +48,7 @@ typedef struct ple_buffers_stats {
     size_t charged;    /* the charges now, buffers taken and free */
     size_t peak;       /* the highest `charged` since the bound was set */
     uint64_t waits;    /* takes that had to wait for a buffer given back */
+    uint64_t returned; /* bytes of pages given back to the kernel, since the start */
 } ple_buffers_stats;
 
 /* The bound on the charges, in bytes (0: none). Free buffers return their

@@ -255,6 +255,8 @@ typedef struct round_mem {
  * PLE_ROW_BYTES_MAX that straddles spans 257): planning always advances. */
 _Static_assert(ROUND_BLOCKS_MIN >= PLE_ROW_BYTES_MAX / PLE_BLOCK + 2, "a row must fit a round");
 _Static_assert(ROUND_BLOCKS_MIN <= ROUND_BLOCKS, "the fewest blocks of a round");
+_Static_assert(PLE_BUFFERS_BIG_WARM >= ROUNDS_AT_ONCE,
+               "a stream of requests of several rounds keeps every round's buffer warm");
 
 /* Blocks a round may read at most: ROUND_BLOCKS, or what the read buffers'
  * bound leaves (ple_set_read_memory). Relaxed: a number read once per
@@ -1228,7 +1230,7 @@ void ple_get_read_memory(ple_read_memory *st)
     ple_buffers_stats b;
     ple_buffers_get_stats(&b);
     *st = (ple_read_memory){.limit = b.limit, .charged = b.charged, .peak = b.peak,
-                            .waits = b.waits,
+                            .waits = b.waits, .returned = b.returned,
                             .round_blocks = atomic_load_explicit(&round_cap,
                                                                  memory_order_relaxed)};
 }

@@ -93,6 +93,7 @@ int ple_set_read_memory(size_t bytes, ple_error *err);
 typedef struct ple_read_memory {
     size_t limit, charged, peak;  /* bytes; limit 0: no bound */
     uint64_t waits;               /* rounds that waited for a buffer given back */
+    uint64_t returned;            /* bytes of buffer pages given back to the kernel */
     size_t round_blocks;          /* blocks a round may read at most */
 } ple_read_memory;
 void ple_get_read_memory(ple_read_memory *st);

@@ -978,9 +978,10 @@ static PyObject *read_memory(PyObject *module, PyObject *unused)
     Py_BEGIN_ALLOW_THREADS  /* (the pool's lock is taken by gathering threads) */
     ple_get_read_memory(&st);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("{s:n,s:n,s:n,s:K,s:n}", "limit_bytes", (Py_ssize_t)st.limit,
+    return Py_BuildValue("{s:n,s:n,s:n,s:K,s:K,s:n}", "limit_bytes", (Py_ssize_t)st.limit,
                          "charged_bytes", (Py_ssize_t)st.charged, "peak_bytes",
                          (Py_ssize_t)st.peak, "waits", (unsigned long long)st.waits,
+                         "returned_bytes", (unsigned long long)st.returned,
                          "round_blocks", (Py_ssize_t)st.round_blocks);
 }
 
@@ -1000,8 +1001,8 @@ static PyMethodDef module_methods[] = {
     {"read_memory", read_memory, METH_NOARGS,
      "read_memory() -> dict: the read buffers' limit_bytes (0: none), charged_bytes (what "
      "they may hold in memory now), peak_bytes (since the bound was set), waits (rounds "
-     "that waited for room) and "
-     "round_blocks (blocks a round may read)."},
+     "that waited for room), returned_bytes (pages given back to the kernel since the "
+     "start, which later rounds fault in again) and round_blocks (blocks a round may read)."},
     {NULL, NULL, 0, NULL},
 };
 

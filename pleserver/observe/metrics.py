@@ -369,6 +369,11 @@ def _dataplane(plane: DataplaneSnapshot) -> Iterator[Metric]:
             "Rounds of disk reads that waited for room under the read buffers' bound.",
             value=reads["waits"],
         )
+        yield CounterMetricFamily(
+            "ple_read_buffer_returned_bytes",
+            "Bytes of read-buffer pages given back to the kernel (later rounds fault them in).",
+            value=reads["returned_bytes"],
+        )
 
 
 def _hotset(hotset: HotsetSnapshot | None) -> Iterator[Metric]:
