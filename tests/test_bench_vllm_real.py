@@ -337,12 +337,14 @@ def test_the_gpu_trace_gives_each_decode_steps_span_busy_idle_and_copies(tmp_pat
         _trace_event("user_annotation", decode, 100, 20),
         _trace_event("user_annotation", decode, 300, 20),
         _trace_event("cpu_op", "aten::mm", 100, 5),  # no GPU work of its own here
-        # the steps' launches: a graph replay each, a driver call before it
+        # the steps' launches: a graph replay each, a driver call before it,
+        # step 2's sampling after its annotation (before step 3's)
         _trace_event("cuda_runtime", "cudaLaunchKernel", 10, 1, correlation=1),
         _trace_event("cuda_driver", "cuMemcpyAsync", 105, 1, correlation=2),
         _trace_event("cuda_runtime", "cudaGraphLaunch", 110, 2, correlation=3),
+        _trace_event("cuda_runtime", "cudaLaunchKernel", 200, 1, correlation=6),
         _trace_event("cuda_runtime", "cudaGraphLaunch", 310, 2, correlation=4),
-        _trace_event("cuda_runtime", "cudaGraphLaunch", 500, 2, correlation=5),  # no step
+        _trace_event("cuda_runtime", "cudaGraphLaunch", -50, 2, correlation=5),  # no step
         # GPU work of the prefill step
         _trace_event("kernel", "prefill", 20, 40, correlation=1),
         # step 2: an ids copy out, kernels, a wait (idle), the rows' copy in,
@@ -353,9 +355,10 @@ def test_the_gpu_trace_gives_each_decode_steps_span_busy_idle_and_copies(tmp_pat
         _trace_event("kernel", "layer1", 153, 20, correlation=3),
         _trace_event("kernel", "side", 160, 20, correlation=3),
         _trace_event("gpu_memset", "Memset (Device)", 180, 1, correlation=3),
+        _trace_event("kernel", "sample", 201, 4, correlation=6),
         # step 3: one kernel
         _trace_event("kernel", "layer0", 320, 30, correlation=4),
-        _trace_event("kernel", "orphan", 510, 5, correlation=5),
+        _trace_event("kernel", "orphan", -40, 5, correlation=5),
     ]
     path = tmp_path / "w.pt.trace.json.gz"
     import gzip
@@ -366,15 +369,16 @@ def test_the_gpu_trace_gives_each_decode_steps_span_busy_idle_and_copies(tmp_pat
     assert [(s["context"], s["generation"]) for s in steps] == [(1, 1), (0, 2), (0, 2)]
     first, second, third = steps
     assert first["activities"] == 1 and first["period_us"] == 100
-    # 120..181: busy 2 + 10 + 3 + 27 (153..180 over two streams) + 1, idle the rest
-    assert second["span_us"] == 61 and second["busy_us"] == 43 and second["idle_us"] == 18
+    # 120..205: busy 2 + 10 + 3 + 27 (153..180 over two streams) + 1 + 4 (the
+    # sampling, launched after the annotation), idle the rest
+    assert second["span_us"] == 85 and second["busy_us"] == 47 and second["idle_us"] == 38
     assert second["idle_before_htod_us"] == 15  # 135 → 150: the wait for the rows
-    assert (second["kernel_n"], second["kernel_us"]) == (3, 50)
+    assert (second["kernel_n"], second["kernel_us"]) == (4, 54)
     assert (second["memcpy_HtoD_n"], second["memcpy_DtoH_n"], second["gpu_memset_n"]) == (1, 1, 1)
     assert third["period_us"] is None and third["span_us"] == 30 and third["idle_us"] == 0
     figures = gpu_trace.decode_figures(steps, 2)
     assert figures["steps"] == 2 and figures["all_steps"] == 3
-    assert figures["span_us"] == 45.5 and figures["period_us"] == 200
+    assert figures["span_us"] == 57.5 and figures["period_us"] == 200
     assert figures["memcpy_HtoD_n"] == 0.5  # a step without one counts 0
     assert gpu_trace.decode_figures(steps, 32)["steps"] == 0
 
@@ -1381,3 +1385,21 @@ def test_a_cell_runs_on_the_cpu_as_far_as_vllms_cpu_build_lets_an_engine_start(c
                 continue
             assert str(work).encode() not in cmdline, cmdline
     assert "== cells" in (out / "summary.txt").read_text()
+
+
+def test_serve_runs_sent_in_turn_are_judged_only_against_stock_runs_sent_alike():
+    """Stock sent its prompts concurrently over HTTP gave several outcomes;
+    in turn it gives one. An in-turn shm run that matches only a concurrent
+    stock outcome is not identical to stock sent alike: it fails, where the
+    pooled references would have passed it."""
+    concurrent = cell_json("serve-stock-default", 0, [outcome(A), outcome(B)])
+    in_turn = cell_json("serve-stock-default#2", 1, [outcome(A), outcome(A)])
+    shm = cell_json("serve-shm-default", 2, [outcome(B)])
+    for c in (in_turn, shm):
+        c["exact"]["submission"] = "in_turn"
+    verdicts = vc.judgments([concurrent, in_turn, shm])
+    assert verdicts["r1/serve-shm-default"]["line"].startswith("FAIL 0/1")
+    assert "2 stock runs, 1 distinct" in verdicts["r1/serve-shm-default"]["line"]
+    refs = vc.references([concurrent, in_turn, shm])
+    assert any("in_turn" in r and "2 runs, 1 distinct" in r for r in refs)
+    assert any("in_turn" not in r and "2 runs, 2 distinct" in r for r in refs)

@@ -946,13 +946,14 @@ def judgments(cells: list[dict]) -> dict[str, dict]:
     one-line result."""
     from bench.real_vllm.exact import Outcome, distinct_outcomes, judge
 
-    stock: dict[tuple[str, str], list[Outcome]] = {}
+    stock: dict[tuple[str, str, str], list[Outcome]] = {}
     for c in cells:
         if c["cell"]["backend"] == "stock":
             exact = c.get("exact") or {}
             for run in exact.get("runs", []):
                 o = Outcome.from_json(run)
-                stock.setdefault((c["cell"]["reference_key"], o.prompts_digest), []).append(o)
+                key = (c["cell"]["reference_key"], o.prompts_digest, submission(c))
+                stock.setdefault(key, []).append(o)
     out: dict[str, dict] = {}
     for c in cells:
         key = _cell_key(c)
@@ -966,7 +967,7 @@ def judgments(cells: list[dict]) -> dict[str, dict]:
                 "verdicts": [],
             }
             continue
-        refs = stock.get((c["cell"]["reference_key"], runs[0].prompts_digest), [])
+        refs = stock.get((c["cell"]["reference_key"], runs[0].prompts_digest, submission(c)), [])
         if len(refs) < 2:
             out[key] = {
                 "line": f"no verdict: {len(refs)} stock run(s) of "
@@ -1057,26 +1058,35 @@ def load_runs(dirs: Iterable[Path]) -> list[dict]:
     return [runs[k] for k in sorted(runs)]
 
 
+def submission(c: dict) -> str:
+    """How a cell's exact runs submitted their prompts: ``at_once`` (every
+    prompt queued together; cells written before the field) or ``in_turn``
+    (``vllm serve``: one after another). Runs are judged only against stock
+    runs submitted alike: stock sent its prompts concurrently over HTTP gave 5
+    outcomes in 6 runs, a spread no in-turn run should be judged by."""
+    return (c.get("exact") or {}).get("submission", "at_once")
+
+
 def references(cells: list[dict]) -> list[str]:
     """Per reference key: the stock engines, their exact runs and how many
     distinct outcomes they gave (1: stock reproduced itself)."""
     from bench.real_vllm.exact import Outcome, distinct_outcomes
 
-    by_key: dict[tuple[str, str], tuple[set, list]] = {}
+    by_key: dict[tuple[str, str, str], tuple[set, list]] = {}
     for c in cells:
         if c["cell"]["backend"] != "stock":
             continue
         for run in (c.get("exact") or {}).get("runs", []):
             o = Outcome.from_json(run)
             engines, runs = by_key.setdefault(
-                (c["cell"]["reference_key"], o.prompts_digest), (set(), [])
+                (c["cell"]["reference_key"], o.prompts_digest, submission(c)), (set(), [])
             )
             engines.add(_cell_key(c))
             runs.append(o)
     return [
-        f"{key:<34} {len(engines)} engine(s), {len(runs)} runs, "
-        f"{distinct_outcomes(runs)} distinct outcome(s)"
-        for (key, _), (engines, runs) in sorted(by_key.items())
+        f"{key + ('' if sent == 'at_once' else ' ' + sent):<34} {len(engines)} engine(s), "
+        f"{len(runs)} runs, {distinct_outcomes(runs)} distinct outcome(s)"
+        for (key, _, sent), (engines, runs) in sorted(by_key.items())
     ]
 
 

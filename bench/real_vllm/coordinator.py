@@ -757,6 +757,8 @@ def serve_argv(cell: Cell, model_dir: Path, port: int) -> list[str]:
 class GenerateEngine:
     """``LLM.generate``: the offline engine, prompts as token ids."""
 
+    EXACT_SUBMISSION = "at_once"  # every prompt queued at once (cells.submission)
+
     def __init__(self, cell: Cell, model_dir: Path, profile_dir: Path | None = None) -> None:
         from vllm import LLM
 
@@ -985,6 +987,8 @@ async def stream_all(base_url: str, prompts: list[list[int]], max_tokens: int, l
 class ServeEngine:
     """``vllm serve`` in the cell's process group, driven by the ``openai`` client."""
 
+    EXACT_SUBMISSION = "in_turn"  # one prompt after another (cells.submission)
+
     def __init__(self, cell: Cell, model_dir: Path, log_path: Path, end_at: float) -> None:
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}/v1"
@@ -1164,6 +1168,7 @@ def measure(
         digest = prompts_digest(prompts)
         exact = data["exact"] = {
             "prompts_digest": digest,
+            "submission": engine.EXACT_SUBMISSION,
             "prompt_tokens": [len(p) for p in prompts],
             "max_tokens": EXACT_TOKENS,
             "logprobs": LOGPROBS,

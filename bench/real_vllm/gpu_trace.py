@@ -6,7 +6,10 @@ naming its requests (``execute_context_<n>(<tokens>)_generation_<n>(<tokens>)``)
 Every GPU activity of the trace (kernel, memcpy, memset) carries the
 correlation id of the host call that launched it, and under a CUDA graph every
 activity of a replay carries its ``cudaGraphLaunch``'s. So a step's GPU work is
-the activities whose launching call fell inside its annotation. Per step:
+the activities whose launching call came after its annotation began and
+before the next step's did: the forward inside the annotation, and the
+sampling and the sampled tokens' copy to the host that ``sample_tokens``
+launches after it. Per step:
 
 * ``span``: from its first GPU activity's start to its last one's end;
 * ``busy``: the union of its activities; ``idle`` = span − busy: where the
@@ -75,10 +78,10 @@ def steps(events: list[dict]) -> list[dict]:
         if at is None:
             continue
         i = bisect.bisect_right(starts, at) - 1
-        if i >= 0 and at <= spans[i][1]:
+        if i >= 0:  # (launched before the first step: not a step's)
             work[i].append(e)
     out = []
-    for i, ((begin, _end, name), acts) in enumerate(zip(spans, work, strict=True)):
+    for i, ((begin, _, name), acts) in enumerate(zip(spans, work, strict=True)):
         ctx, ctx_tokens, gen, gen_tokens = (int(x) for x in STEP.fullmatch(name).groups())
         step = {
             "context": ctx,

@@ -24,7 +24,7 @@ static free_buffer pool[PLE_BUFFERS_KEPT];  /* [0, pooled): bottom to top */
 static unsigned pooled;
 static size_t limit, charged, peak;         /* limit 0: no bound */
 static uint64_t waits;
-static uint64_t returned_total;             /* bytes of pages given back to the kernel */
+static uint64_t returned_total;             /* charges of buffers given back to the kernel */
 
 /* Under the lock: take entry k out of the list. */
 static free_buffer remove_at(unsigned k)
@@ -64,9 +64,9 @@ static void charge_sub(size_t n)
     pthread_cond_broadcast(&pool_changed);
 }
 
-/* Under the lock: `n` bytes of a buffer's pages went back to the kernel
- * (emptied or unmapped): its charge goes, and the count of pages returned
- * (pages a later round must fault in again) grows. */
+/* Under the lock: a buffer charged `n` bytes went back to the kernel
+ * (emptied or unmapped): its charge goes, and the bytes returned (pages a
+ * later round must fault in again, at most `n` of them) grow. */
 static void charge_returned(size_t n)
 {
     returned_total += n;
@@ -227,9 +227,11 @@ void ple_buffer_give(void *mem, size_t size, size_t charge)
     }
     pthread_mutex_lock(&pool_lock);
     charge_returned(returned);  /* (and a waiting taker may reuse this buffer's pages) */
-    /* (emptied ones at the bottom: nothing charged, unmapped if no room) */
+    /* The warm one first: if other gives filled the pool meanwhile, an
+     * emptied one (at the bottom, nothing charged) is unmapped instead. */
+    int listed = list(b, 1);
     int old_listed = !old_big.mem || list(old_big, 0);
-    int cold_listed = !cold.mem || list(cold, 0), listed = list(b, 1);
+    int cold_listed = !cold.mem || list(cold, 0);
     pthread_mutex_unlock(&pool_lock);
     if (!old_listed)
         munmap(old_big.mem, old_big.size);

@@ -48,7 +48,8 @@ typedef struct ple_buffers_stats {
     size_t charged;    /* the charges now, buffers taken and free */
     size_t peak;       /* the highest `charged` since the bound was set */
     uint64_t waits;    /* takes that had to wait for a buffer given back */
-    uint64_t returned; /* bytes of pages given back to the kernel, since the start */
+    uint64_t returned; /* charges of buffers given back to the kernel since the start:
+                          at most what later rounds fault in again */
 } ple_buffers_stats;
 
 /* The bound on the charges, in bytes (0: none). Free buffers return their

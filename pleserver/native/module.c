@@ -1001,8 +1001,9 @@ static PyMethodDef module_methods[] = {
     {"read_memory", read_memory, METH_NOARGS,
      "read_memory() -> dict: the read buffers' limit_bytes (0: none), charged_bytes (what "
      "they may hold in memory now), peak_bytes (since the bound was set), waits (rounds "
-     "that waited for room), returned_bytes (pages given back to the kernel since the "
-     "start, which later rounds fault in again) and round_blocks (blocks a round may read)."},
+     "that waited for room), returned_bytes (the charges of buffers given back to the "
+     "kernel since the start: at most the pages later rounds fault in again) and "
+     "round_blocks (blocks a round may read)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -371,7 +371,8 @@ def _dataplane(plane: DataplaneSnapshot) -> Iterator[Metric]:
         )
         yield CounterMetricFamily(
             "ple_read_buffer_returned_bytes",
-            "Bytes of read-buffer pages given back to the kernel (later rounds fault them in).",
+            "Read buffers given back to the kernel, bytes of their charge (pages later "
+            "rounds fault in again, at most).",
             value=reads["returned_bytes"],
         )
 

@@ -165,7 +165,7 @@ class ReadBuffers(TypedDict):
     charged_bytes: int
     peak_bytes: int
     waits: int
-    returned_bytes: int  # pages given back to the kernel, faulted in again by later rounds
+    returned_bytes: int  # charges of buffers given back to the kernel (≥ the pages returned)
     round_blocks: int
 
 
