@@ -138,3 +138,53 @@ def test_in_order_requests_are_not_held_once_their_channel_is_idle():
     queue.put(b, in_order=True)  # a new step: nothing of the channel is out
     second = queue.take()
     assert second is not None and second.job.request is b
+
+
+def test_the_express_worker_takes_small_requests_whole_and_never_a_large_ones_piece():
+    """Every worker gathers a large request's piece; a 16-row request of
+    another channel is taken at once by the express worker, whole. The
+    express worker leaves large requests to the workers, waits while only
+    they are queued, and ends at stop; an in-order channel's next small
+    request waits for its earlier one there too."""
+    queue: HandOffs[Handed] = HandOffs(piece_rows=4096, workers=2)
+    large = [Handed("attacker-1", 262_144), Handed("attacker-2", 262_144)]
+    for r in large:
+        queue.put(r)
+    assert queue.take() is not None and queue.take() is not None  # both workers busy
+    small = Handed("bystander", 16, done_rows=3)
+    queue.put(small)
+    piece = queue.take_express()
+    assert (
+        piece is not None
+        and piece.express
+        and (piece.job.request, piece.start, piece.stop)
+        == (
+            small,
+            3,
+            16,
+        )
+    )
+    assert queue.finish(piece) is piece.job  # its only piece: answered now
+    # Only the large request is queued: the express worker waits for a small one.
+    taken: list = []
+    express = threading.Thread(target=lambda: taken.append(queue.take_express()))
+    express.start()
+    express.join(0.2)
+    assert express.is_alive() and not taken
+    layer1, layer2 = Handed("gpu", 16), Handed("gpu", 16)
+    queue.put(layer1, in_order=True)
+    queue.put(layer2, in_order=True)
+    express.join(5)
+    assert taken[0].job.request is layer1
+    express = threading.Thread(target=lambda: taken.append(queue.take_express()))
+    express.start()
+    express.join(0.2)
+    assert express.is_alive()  # layer2 waits for layer1 to end
+    assert queue.finish(taken[0]) is taken[0].job
+    express.join(5)
+    assert taken[1] is not None and taken[1].job.request is layer2
+    queue.finish(taken[1])
+    queue.stop()
+    assert queue.take_express() is None
+    workers_left = queue.take()  # the workers still drain the large requests
+    assert workers_left is not None and workers_left.job.request in large

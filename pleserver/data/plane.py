@@ -217,14 +217,15 @@ class DataPlane:
         read buffers' bound in the native module, and return the figures.
         ``cache_pending``: row cache bytes not in memory yet (they come).
 
-        The threads that gather at once: the gather workers, the native pool's
-        (which grows to one fewer than the workers, at least one: split
-        requests and their second round) and ``FILL_THREADS``. Each holds one
+        The threads that gather at once: the gather workers and the express
+        worker (small requests), the native pool's (which grows to one fewer
+        than the workers, at least one: split requests and their second
+        round) and ``FILL_THREADS``. Each holds one
         read buffer at a time and its scratch, gathering a piece at a time; in
         mmap mode the workers and the serving loop also deduplicate a piece at
         a time."""
         workers = self.gather_workers
-        threads = workers + max(workers - 1, 1) + FILL_THREADS
+        threads = workers + 1 + max(workers - 1, 1) + FILL_THREADS
         scratch = threads * max(t.scratch_bytes for t in self.tables)
         scratch += (workers + 1) * max(t.dedup_scratch_bytes for t in self.tables)
         widest = max(t.row_bytes for t in self.tables)

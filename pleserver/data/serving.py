@@ -305,6 +305,11 @@ class ServingLoop:
             threading.Thread(target=self._worker, args=(i,), name=f"gather-{i}", daemon=True)
             for i in range(max(1, workers))
         ]
+        # Small requests' own worker (``HandOffs.take_express``): never behind
+        # a large request's piece.
+        self.express = threading.Thread(
+            target=self._express_worker, name="gather-express", daemon=True
+        )
         self.thread = threading.Thread(target=self._run, name="serving", daemon=True)
         # Prefetch hints: read into the row cache (``hint_cache_rows`` rows;
         # 0: no cache) while no handed-off demand request waits.
@@ -402,6 +407,7 @@ class ServingLoop:
         try:
             for worker in self.workers:
                 worker.start()
+            self.express.start()
             self.hints.start()
             self.thread.start()
         except RuntimeError:
@@ -422,7 +428,7 @@ class ServingLoop:
             self.thread.join()
         self.hints.stop()
         self._handoffs.stop()  # (the workers end once what is queued is taken)
-        for worker in self.workers:
+        for worker in (*self.workers, self.express):
             if worker.is_alive():
                 worker.join()
         for ch in self.channels:
@@ -818,6 +824,12 @@ class ServingLoop:
             # The piece's views of its channel die here, not when the next
             # piece comes: a held view would keep a closed channel mapped.
             del piece
+
+    def _express_worker(self) -> None:
+        name_thread(b"ple-gather-x")  # (ple-gather-*: the gather workers' CPU in benchmarks)
+        while (piece := self._handoffs.take_express()) is not None:
+            self._gather_piece(piece)
+            del piece  # (as in _worker)
 
     def _gather_piece(self, piece: Piece[Request]) -> None:
         """Gather one piece of a handed-off request (may block on disk reads,
