@@ -91,8 +91,18 @@ class Helpers:
         return [proc.communicate(timeout=timeout)[0] for proc in self.procs]
 
     def reports(self, timeout: float = 60) -> list[dict]:
-        """Each helper's last line of output, as JSON."""
-        return [json.loads(out.strip().splitlines()[-1]) for out in self.outputs(timeout)]
+        """Each helper's last line of output, as JSON; a helper that ended
+        without one (its error is on the benchmark's stderr) stops the case."""
+        found = []
+        for proc, out in zip(self.procs, self.outputs(timeout), strict=True):
+            lines = out.strip().splitlines()  # (after "ready", read by wait_ready)
+            if not lines:
+                raise RuntimeError(
+                    f"a {self.what} ended (exit status {proc.returncode}) without its report: "
+                    "its error is above"
+                )
+            found.append(json.loads(lines[-1]))
+        return found
 
     def close(self) -> None:
         for proc in self.procs:
