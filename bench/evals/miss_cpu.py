@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from bench.evals.cold import ceiling
-from bench.harness.provenance import OthersMeter, envelope, footer
+from bench.harness.provenance import OthersMeter, envelope, footer, thread_cpu_s
 from bench.harness.scaffold import add_json, parser, save_json, work_dir
 from bench.harness.servers import close_client
 from pleclient import PleClient
@@ -42,23 +42,13 @@ COLS = 160  # BF16: 320-byte rows, as Qwen3.8-Flash-Next's
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of a process's threads, summed by kind:
-    ``gather`` (``ple-gather-N``) and ``total``."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {"gather": 0.0, "total": 0.0}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue  # (a thread that ended meanwhile)
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        cpu = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        out["total"] += cpu
-        if comm.startswith("ple-gather-"):
-            out["gather"] += cpu
-    return out
+    """CPU seconds of the server's threads: the gather workers'
+    (``ple-gather-*``) and the ``total``."""
+    threads = thread_cpu_s(pid)
+    return {
+        "gather": sum(cpu for name, cpu in threads.items() if name.startswith("ple-gather-")),
+        "total": sum(threads.values()),
+    }
 
 
 def timed(client: PleClient, pid: int, rows: int, size: int, seconds: float) -> dict:

@@ -132,6 +132,26 @@ def proc_ticks(pid: int) -> int:
         return 0
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) process ``pid``'s threads used so far, by
+    thread name (threads of one name summed; one that ended meanwhile is left
+    out). The server names its own (``ple-serving``, ``ple-gather-N``, …)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The name may hold spaces and parentheses: the fields follow its last ")".
+        head, rest = stat.rsplit(")", 1)
+        fields = rest.split()
+        name = head.split("(", 1)[1]
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 class OthersMeter:
     """CPU used by processes other than the benchmark and its servers, as a
     fraction of the machine, between ``start`` and ``stop``: the check that

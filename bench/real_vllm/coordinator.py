@@ -66,6 +66,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.harness.checkout import bench_only, installed_first
+from bench.harness.provenance import thread_cpu_s
 from bench.real_vllm import gpu_trace
 from bench.real_vllm import steps as vllm_steps
 from bench.real_vllm.cells import (
@@ -634,16 +635,8 @@ class Served:
         """User + system CPU of the gather workers (``ple-gather-N``): the
         miss path's probe, reads and copies, without the serving loop's spin
         (``spin_us``), which at hundreds of steps a second never ends."""
-        total = 0.0
-        for tid in os.listdir(f"/proc/{self.pid}/task"):
-            try:
-                with open(f"/proc/{self.pid}/task/{tid}/stat") as f:
-                    comm, cpu = _stat_cpu(f.read())
-            except OSError:
-                continue  # (a thread that ended meanwhile)
-            if comm.startswith("ple-gather-"):
-                total += cpu
-        return total
+        threads = thread_cpu_s(self.pid)
+        return sum(cpu for name, cpu in threads.items() if name.startswith("ple-gather-"))
 
     def stop_for_trace(self):
         """Stop the server (SIGTERM: it writes its trace), and its lookup trace,
