@@ -13,6 +13,7 @@ Qwen4Exp's hyper-connection and PLE kernels are Triton-only."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -23,6 +24,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import ClassVar
@@ -558,24 +560,37 @@ class VllmStreamStandIn(BaseHTTPRequestHandler):
                 cls.in_flight -= 1
 
 
+@contextlib.contextmanager
+def stream_standin() -> Iterator[int]:
+    """``VllmStreamStandIn`` on a port of its own (yielded), its counts reset;
+    shut down after."""
+    VllmStreamStandIn.most_in_flight = 0
+    VllmStreamStandIn.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), VllmStreamStandIn)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
 def test_the_serve_cells_client_reads_tokens_logprobs_and_times_from_the_stream():
     import asyncio
 
     from bench.real_vllm import coordinator as vllm_real
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), VllmStreamStandIn)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    with stream_standin() as port:
         prompts = [[65 + i, 66, 67] for i in range(8)]
         VllmStreamStandIn.all_in = threading.Barrier(len(prompts), timeout=30)
-        results = asyncio.run(vllm_real.stream_all(url, prompts, 5, vllm_real.LOGPROBS))
-    finally:
-        VllmStreamStandIn.all_in = None
-        server.shutdown()
-        server.server_close()
-        thread.join()
+        try:
+            results = asyncio.run(
+                vllm_real.stream_all(f"http://127.0.0.1:{port}/v1", prompts, 5, vllm_real.LOGPROBS)
+            )
+        finally:
+            VllmStreamStandIn.all_in = None
     assert VllmStreamStandIn.most_in_flight == len(prompts)  # concurrent streams
     sent = VllmStreamStandIn.requests[0]
     assert sent["ignore_eos"] and sent["return_token_ids"] and sent["return_tokens_as_token_ids"]
@@ -592,19 +607,11 @@ def test_the_serve_cells_exact_runs_stream_one_prompt_at_a_time():
 
     from bench.real_vllm import coordinator as vllm_real
 
-    VllmStreamStandIn.most_in_flight = 0
-    VllmStreamStandIn.requests = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), VllmStreamStandIn)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    with stream_standin() as port:
         prompts = [[70 + i, 66, 67] for i in range(4)]
-        results = asyncio.run(vllm_real.stream_in_turn(url, prompts, 5, vllm_real.LOGPROBS))
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+        results = asyncio.run(
+            vllm_real.stream_in_turn(f"http://127.0.0.1:{port}/v1", prompts, 5, vllm_real.LOGPROBS)
+        )
     assert VllmStreamStandIn.most_in_flight == 1  # each alone
     assert [r["prompt"] for r in VllmStreamStandIn.requests] == prompts  # in order
     for p, r in zip(prompts, results, strict=True):
@@ -679,25 +686,19 @@ def test_the_engine_cores_token_times_come_from_its_outputs_timestamps():
 def test_a_serve_cell_waits_for_health_and_says_when_vllm_serve_died():
     from bench.real_vllm import coordinator as vllm_real
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), VllmStreamStandIn)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
-    try:
-        port = server.server_address[1]
-        vllm_real.wait_healthy(f"http://127.0.0.1:{port}/health", alive, time.time() + 10)
-        dead.wait()
-        with pytest.raises(RuntimeError, match="exited with status 3"):
-            vllm_real.wait_healthy(f"http://127.0.0.1:{port}/nothing", dead, time.time() + 10)
-        with pytest.raises(TimeoutError, match="not up"):
-            vllm_real.wait_healthy(f"http://127.0.0.1:{port}/nothing", alive, time.time() + 1)
-    finally:
-        alive.kill()
-        alive.wait()
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with stream_standin() as port:
+        alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        try:
+            vllm_real.wait_healthy(f"http://127.0.0.1:{port}/health", alive, time.time() + 10)
+            dead.wait()
+            with pytest.raises(RuntimeError, match="exited with status 3"):
+                vllm_real.wait_healthy(f"http://127.0.0.1:{port}/nothing", dead, time.time() + 10)
+            with pytest.raises(TimeoutError, match="not up"):
+                vllm_real.wait_healthy(f"http://127.0.0.1:{port}/nothing", alive, time.time() + 1)
+        finally:
+            alive.kill()
+            alive.wait()
 
 
 # ------------------------------------------------------- the server's figures

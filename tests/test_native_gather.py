@@ -7,10 +7,12 @@ Expected rows are read from the checkpoint files with plain Python I/O."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import resource
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -430,6 +432,35 @@ def test_request_read_in_several_rounds_is_exact(tmp_path, kind):
         engine.close()
 
 
+@contextlib.contextmanager
+def one_file_table(
+    tmp_path, rows: int, row_bytes: int, seed: int, cache_bytes: int, threads: int, direct: bool
+) -> Iterator[tuple[nat.TableSource, np.ndarray]]:
+    """A source over one file of random rows (one shard), a row cache of
+    ``cache_bytes`` and a miss engine of ``threads``, and the rows it holds;
+    closed after."""
+    data = np.random.default_rng(seed).integers(0, 256, rows * row_bytes, np.uint8)
+    path = tmp_path / "rows.bin"
+    data.tofile(path)
+    cache = nat.RowCache(cache_bytes, row_bytes)
+    engine = nat.ReadEngine(queue_depth=32, kind="auto", threads=threads)
+    if direct:
+        require_o_direct(tmp_path)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    try:
+        src = nat.TableSource(
+            0, row_bytes, rows, [(fd, 0, rows, str(path), 0)], cache, engine, direct
+        )
+    finally:
+        os.close(fd)
+    try:
+        yield src, data.reshape(rows, row_bytes)
+    finally:
+        src.close()
+        cache.close()
+        engine.close()
+
+
 def test_a_split_request_whose_ranges_read_in_rounds_never_deadlocks(tmp_path):
     """A large request split over the pool's threads, each range with more
     distinct blocks than one round holds: every range reads its misses through
@@ -437,21 +468,8 @@ def test_a_split_request_whose_ranges_read_in_rounds_never_deadlocks(tmp_path):
     reach the head of the queue, behind the split job that could not finish
     without it, and the server hung on the first cold prefill."""
     rows, row_bytes = 400_000, 160
-    data = np.random.default_rng(8).integers(0, 256, rows * row_bytes, np.uint8)
-    path = tmp_path / "rows.bin"
-    data.tofile(path)
-    table = data.reshape(rows, row_bytes)
-    cache = nat.RowCache(2 << 20, row_bytes)  # every pass misses again
-    engine = nat.ReadEngine(queue_depth=32, kind="auto", threads=4)
-    require_o_direct(tmp_path)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        src = nat.TableSource(
-            0, row_bytes, rows, [(fd, 0, rows, str(path), 0)], cache, engine, True
-        )
-    finally:
-        os.close(fd)
-    try:
+    # (a row cache of 2 MiB: every pass misses again)
+    with one_file_table(tmp_path, rows, row_bytes, 8, 2 << 20, 4, True) as (src, table):
         rng = np.random.default_rng(9)
         failures: list[BaseException] = []
 
@@ -470,10 +488,6 @@ def test_a_split_request_whose_ranges_read_in_rounds_never_deadlocks(tmp_path):
         worker.join(120)
         assert not worker.is_alive(), "a split gather with nested read rounds hung"
         assert not failures, failures
-    finally:
-        src.close()
-        cache.close()
-        engine.close()
 
 
 def test_the_read_buffers_bound_holds_under_concurrent_split_cold_requests(tmp_path):
@@ -484,53 +498,39 @@ def test_the_read_buffers_bound_holds_under_concurrent_split_cold_requests(tmp_p
     waits only while it holds no buffer), every row is exact, and what the
     buffers held never passed the bound."""
     rows, row_bytes = 150_000, 320
-    data = np.random.default_rng(10).integers(0, 256, rows * row_bytes, np.uint8)
-    path = tmp_path / "rows.bin"
-    data.tofile(path)
-    table = data.reshape(rows, row_bytes)
-    cache = nat.RowCache(2 << 20, row_bytes)  # every pass misses again
-    engine = nat.ReadEngine(queue_depth=32, kind="auto", threads=4)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        src = nat.TableSource(
-            0, row_bytes, rows, [(fd, 0, rows, str(path), 0)], cache, engine, False
-        )
-    finally:
-        os.close(fd)
-    with pytest.raises(ValueError, match="below the smallest round"):
-        nat.set_read_memory(nat.READ_MEMORY_MIN - 1)
-    nat.set_read_memory(nat.READ_ROUND_BYTES)
-    assert nat.read_memory()["round_blocks"] == 4096  # one whole round fits
-    nat.set_read_memory(nat.READ_MEMORY_MIN)
-    try:
-        assert nat.read_memory()["round_blocks"] == 512
-        failures: list[BaseException] = []
+    # (a row cache of 2 MiB: every pass misses again)
+    with one_file_table(tmp_path, rows, row_bytes, 10, 2 << 20, 4, False) as (src, table):
+        with pytest.raises(ValueError, match="below the smallest round"):
+            nat.set_read_memory(nat.READ_MEMORY_MIN - 1)
+        nat.set_read_memory(nat.READ_ROUND_BYTES)
+        assert nat.read_memory()["round_blocks"] == 4096  # one whole round fits
+        nat.set_read_memory(nat.READ_MEMORY_MIN)
+        try:
+            assert nat.read_memory()["round_blocks"] == 512
+            failures: list[BaseException] = []
 
-        def passes(seed: int) -> None:
-            try:
-                rng = np.random.default_rng(seed)
-                for _ in range(3):
-                    ids = rng.integers(0, rows, 20_000).astype(np.int64)
-                    out = np.empty((ids.size, row_bytes), np.uint8)
-                    src.gather(ids, out, 4)
-                    np.testing.assert_array_equal(out, table[ids])
-            except BaseException as exc:  # reported below, from the test's thread
-                failures.append(exc)
+            def passes(seed: int) -> None:
+                try:
+                    rng = np.random.default_rng(seed)
+                    for _ in range(3):
+                        ids = rng.integers(0, rows, 20_000).astype(np.int64)
+                        out = np.empty((ids.size, row_bytes), np.uint8)
+                        src.gather(ids, out, 4)
+                        np.testing.assert_array_equal(out, table[ids])
+                except BaseException as exc:  # reported below, from the test's thread
+                    failures.append(exc)
 
-        callers = [threading.Thread(target=passes, args=(k,), daemon=True) for k in range(4)]
-        for t in callers:
-            t.start()
-        for t in callers:
-            t.join(300)
-        assert not any(t.is_alive() for t in callers), "a gather waiting for a buffer hung"
-        assert not failures, failures
-        reads = nat.read_memory()
-        assert 0 < reads["peak_bytes"] <= reads["limit_bytes"] == nat.READ_MEMORY_MIN, reads
-    finally:
-        nat.set_read_memory(0)
-        src.close()
-        cache.close()
-        engine.close()
+            callers = [threading.Thread(target=passes, args=(k,), daemon=True) for k in range(4)]
+            for t in callers:
+                t.start()
+            for t in callers:
+                t.join(300)
+            assert not any(t.is_alive() for t in callers), "a gather waiting for a buffer hung"
+            assert not failures, failures
+            reads = nat.read_memory()
+            assert 0 < reads["peak_bytes"] <= reads["limit_bytes"] == nat.READ_MEMORY_MIN, reads
+        finally:
+            nat.set_read_memory(0)
 
 
 def test_nvfp4_rows_are_cached_whole_only_after_both_segments_arrive(specs, opened):
@@ -636,20 +636,8 @@ def test_a_stream_of_two_round_requests_reuses_warm_read_buffers(tmp_path):
     where the allocator is glibc's: a sanitizer's keeps freed memory aside,
     and faults it in anew)."""
     rows, row_bytes = 400_000, 320  # 4 600 random rows: about as many 4 KiB blocks
-    data = np.random.default_rng(11).integers(0, 256, rows * row_bytes, np.uint8)
-    path = tmp_path / "rows.bin"
-    data.tofile(path)
-    table = data.reshape(rows, row_bytes)
-    cache = nat.RowCache(1 << 20, row_bytes)  # far below a request: every row a miss
-    engine = nat.ReadEngine(queue_depth=32, kind="auto", threads=1)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        src = nat.TableSource(
-            0, row_bytes, rows, [(fd, 0, rows, str(path), 0)], cache, engine, False
-        )
-    finally:
-        os.close(fd)
-    try:
+    # (a row cache of 1 MiB, far below a request: every row a miss)
+    with one_file_table(tmp_path, rows, row_bytes, 11, 1 << 20, 1, False) as (src, table):
         rng = np.random.default_rng(12)
         out = np.empty((4_600, row_bytes), np.uint8)
         faults, returned = [], []
@@ -664,7 +652,3 @@ def test_a_stream_of_two_round_requests_reuses_warm_read_buffers(tmp_path):
         assert returned[3:] == [0] * 5, f"bytes of buffer pages returned a request: {returned}"
         if "libasan" not in os.environ.get("LD_PRELOAD", ""):
             assert max(faults[3:]) < 200, f"page faults per request of 4 600 misses: {faults}"
-    finally:
-        src.close()
-        cache.close()
-        engine.close()
