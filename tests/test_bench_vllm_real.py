@@ -370,7 +370,7 @@ def test_the_gpu_trace_gives_each_decode_steps_span_busy_idle_and_copies(tmp_pat
     steps = gpu_trace.steps(gpu_trace.load(path))
     assert [(s["context"], s["generation"]) for s in steps] == [(1, 1), (0, 2), (0, 2)]
     first, second, third = steps
-    assert first["activities"] == 1 and first["period_us"] == 100
+    assert first["activities"] == 1 and first["period_us"] == 100 and first["host_us"] == 50
     # 120..205: busy 2 + 10 + 3 + 27 (153..180 over two streams) + 1 + 4 (the
     # sampling, launched after the annotation), idle the rest
     assert second["span_us"] == 85 and second["busy_us"] == 47 and second["idle_us"] == 38
@@ -378,11 +378,26 @@ def test_the_gpu_trace_gives_each_decode_steps_span_busy_idle_and_copies(tmp_pat
     assert (second["kernel_n"], second["kernel_us"]) == (4, 54)
     assert (second["memcpy_HtoD_n"], second["memcpy_DtoH_n"], second["gpu_memset_n"]) == (1, 1, 1)
     assert third["period_us"] is None and third["span_us"] == 30 and third["idle_us"] == 0
+    # the forward's graph alone (correlation 3): 125..181, its one wait 135 → 150;
+    # the ids' copy before it and the sampling after it are the step's, not the graph's
+    assert second["graph_activities"] == 5
+    graph = (second["graph_span_us"], second["graph_busy_us"], second["graph_idle_us"])
+    assert graph == (56, 41, 15)
+    assert second["graph_idle_before_htod_us"] == 15 and second["graph_wait_max_us"] == 15
+    assert (third["graph_span_us"], third["graph_idle_us"]) == (30, 0)
     figures = gpu_trace.decode_figures(steps, 2)
     assert figures["steps"] == 2 and figures["all_steps"] == 3
     assert figures["span_us"] == 57.5 and figures["period_us"] == 200
     assert figures["memcpy_HtoD_n"] == 0.5  # a step without one counts 0
+    assert figures["graph_span_us"] == 43 and figures["mean_graph_idle_us"] == 7.5
+    assert figures["mean_period_us"] == 200 and figures["mean_graph_wait_max_us"] == 7.5
     assert gpu_trace.decode_figures(steps, 32)["steps"] == 0
+    # the compact trace keeps every figure, without the CPU side
+    small = tmp_path / "small.json.gz"
+    gpu_trace.compact(gpu_trace.load(path), small)
+    kept = gpu_trace.load(small)
+    assert not [e for e in kept if e["cat"] == "cpu_op"]
+    assert gpu_trace.steps(kept) == steps
 
 
 def test_the_summary_gives_each_profiled_cells_gpu_step_and_its_difference_from_stock():
@@ -390,6 +405,11 @@ def test_the_summary_gives_each_profiled_cells_gpu_step_and_its_difference_from_
         f = dict.fromkeys(("kernel_n", "memcpy_HtoD_n", "memcpy_DtoH_n"), 1.0)
         f.update(steps=120, all_steps=130, period_us=3000.0, span_us=span, busy_us=2500.0)
         f.update(idle_us=span - 2500.0, idle_before_htod_us=htod)
+        f.update(host_us=200.0, mean_host_us=210.0)
+        f.update(mean_period_us=3100.0, graph_span_us=span - 100, mean_graph_span_us=span - 90)
+        f.update(graph_idle_us=htod + 20, mean_graph_idle_us=htod + 30)
+        f.update(graph_idle_before_htod_us=htod, graph_wait_max_us=htod / 4)
+        f.update(mean_graph_wait_max_us=htod / 2)
         return {
             "format": vc.CELL_FORMAT,
             "run_id": "r",
@@ -405,7 +425,7 @@ def test_the_summary_gives_each_profiled_cells_gpu_step_and_its_difference_from_
             cell("shm-default-deepsmall-noexact-prof", 2950.0, 250.0),
         ]
     )
-    table = text.split("== GPU per decode step")[1]
+    table, graph = text.split("== GPU per decode step")[1].split("== The forward's CUDA graph")
     rows = [line.split() for line in table.splitlines()[2:] if line]
     stock = ["stock-default-deepsmall-noexact-prof", "1", "120", "3000", "2600", "2500"]
     assert rows[0][:6] == stock
@@ -413,6 +433,12 @@ def test_the_summary_gives_each_profiled_cells_gpu_step_and_its_difference_from_
     # shm minus stock: 350 µs longer, all of it idle, 250 of it before the rows' copies
     assert rows[2][:9] == ["Δ", "against", "stock", "1", "0", "350", "0", "350", "250"]
     assert len(rows) == 3  # concurrency 32 had no trace: no row
+    rows = [line.split() for line in graph.splitlines()[2:] if line]
+    assert rows[0] == [*stock[:3], "3100", "200/210", "2500/2510", "20/30", "0", "0/0"]
+    # inside the graph: 350 µs longer, 250 of it idle (all before the rows' copies)
+    delta = ["0", "0/0", "350/350", "250/250", "250", "62/125"]
+    assert rows[2] == ["Δ", "against", "stock", "1", *delta]
+    assert len(rows) == 3
 
 
 def test_the_gpu_trace_reads_vllms_step_annotations_from_a_real_torch_profiler_trace(tmp_path):

@@ -10,6 +10,7 @@ import platform
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -48,7 +49,33 @@ def machine() -> dict:
             info["thp"] = f.read().strip()
     except OSError:
         pass
+    info.update(cpu_topology())
     return info
+
+
+def cpu_topology() -> dict:
+    """Hardware threads per core and packages, where sysfs says: on a host with
+    two threads a core, a busy thread slows its sibling's."""
+    out: dict = {}
+    try:
+        with open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list") as f:
+            out["threads_per_core"] = len(_cpu_list(f.read()))
+        packages = set()
+        for path in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology/physical_package_id"):
+            packages.add(path.read_text().strip())
+        out["packages"] = len(packages)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def _cpu_list(text: str) -> list[int]:
+    """A sysfs CPU list ("0-3,8") as its numbers."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def source() -> dict:

@@ -66,7 +66,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.harness.checkout import bench_only, installed_first
-from bench.harness.provenance import thread_cpu_s
+from bench.harness.provenance import cpu_topology, thread_cpu_s
 from bench.real_vllm import gpu_trace
 from bench.real_vllm import steps as vllm_steps
 from bench.real_vllm.cells import (
@@ -125,7 +125,7 @@ GROUP_GRACE_S = 10.0  # SIGTERM to SIGKILL
 GPU_FREE_WAIT_S = 20.0
 GPU_FREE_SLACK_MIB = 1024  # given back: within this much of the use before the first cell
 LOG_TAIL_CHARS = 4000
-PROFILE_TRACE_OUT_BYTES = 5 * 1024 * 1024  # a trace this small goes to $OUT (64 MiB a call)
+PROFILE_TRACE_OUT_BYTES = 8 * 1024 * 1024  # a compact trace this small goes to $OUT (64 MiB a call)
 OUT_LOG_BYTES = 256 * 1024  # the part of a cell's log that goes to $OUT
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -149,6 +149,7 @@ def machine() -> dict:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "cores": os.cpu_count(),
+        **cpu_topology(),
     }
     try:
         with open("/proc/meminfo") as f:
@@ -650,8 +651,6 @@ class Served:
         try:
             self.server.close()
         finally:
-            import shutil
-
             shutil.rmtree(self._state, ignore_errors=True)
 
 
@@ -1218,7 +1217,7 @@ def profile_run(
 ) -> None:
     """Decode under vLLM's torch profiler at each of ``PROFILE_CONCURRENCY``
     (new text), the worker's trace read into its decode steps' GPU figures
-    (``gpu_trace``); the traces go to ``$OUT/prof`` where they are small."""
+    (``gpu_trace``); their GPU side (``gpu_trace.compact``) goes to ``$OUT/prof``."""
     assert engine.profile_dir is not None  # a prof cell's engine
     found = data["profile"] = {}
     out = rec.path.parent.parent / "prof"
@@ -1243,12 +1242,18 @@ def profile_run(
             found[str(c)] = {"error": f"no trace under {engine.profile_dir}"}
             continue
         trace = traces[0]  # the one worker (no tensor or pipeline parallelism)
-        figures = gpu_trace.decode_figures(gpu_trace.steps(gpu_trace.load(trace)), c)
+        events = gpu_trace.load(trace)
+        figures = gpu_trace.decode_figures(gpu_trace.steps(events), c)
         figures["trace"] = trace.name
         found[str(c)] = figures
-        if trace.stat().st_size <= PROFILE_TRACE_OUT_BYTES:
-            out.mkdir(parents=True, exist_ok=True)
-            shutil.copy(trace, out / f"{rec.path.stem}-c{c}{''.join(trace.suffixes[-2:])}")
+        out.mkdir(parents=True, exist_ok=True)
+        small = out / f"{rec.path.stem}-c{c}.gpu.json.gz"
+        gpu_trace.compact(events, small)
+        if small.stat().st_size > PROFILE_TRACE_OUT_BYTES:
+            small.unlink()
+            figures["trace_not_kept"] = "its GPU activities alone were too large for $OUT"
+        else:
+            figures["trace_kept"] = small.name
         rec.save()
 
 

@@ -20,11 +20,21 @@ launches after it. Per step:
 * ``idle_before_htod``: the idle time just before each host-to-device memcpy,
   where the GPU-driven route's wait for a lookup's rows ends (its rows' copy
   follows the wait);
-* ``period``: from its annotation's start to the next step's.
+* ``period``: from its annotation's start to the next step's; ``host``: the
+  annotation's own length, the host's ``execute_model`` (with a CUDA graph,
+  its launch, not its run);
+* ``graph_*``: the same figures over the activities of the step's largest
+  launch alone (the forward's CUDA graph replay): its idle is the GPU's own
+  (stream waits, stream memory operations, the gaps between a graph's
+  nodes), never the host's, which a profiler slows; the step's idle beyond
+  it is launch gaps around the graph (input copies, sampling); and
+  ``graph_wait_max``, its longest gap before a host-to-device copy (the
+  PLE layer that waited longest).
 
-``decode_figures`` gives their medians over the steps that decode every
-request and fill no prompt. Pure Python: the CPU test reads a trace written
-the same way.
+``decode_figures`` gives their medians and means over the steps that decode
+every request and fill no prompt; ``compact`` keeps what ``steps`` reads, so a
+trace travels back small. Pure Python: the CPU test reads a trace written the
+same way.
 """
 
 from __future__ import annotations
@@ -81,7 +91,7 @@ def steps(events: list[dict]) -> list[dict]:
         if i >= 0:  # (launched before the first step: not a step's)
             work[i].append(e)
     out = []
-    for i, ((begin, _, name), acts) in enumerate(zip(spans, work, strict=True)):
+    for i, ((begin, end, name), acts) in enumerate(zip(spans, work, strict=True)):
         ctx, ctx_tokens, gen, gen_tokens = (int(x) for x in STEP.fullmatch(name).groups())
         step = {
             "context": ctx,
@@ -89,52 +99,74 @@ def steps(events: list[dict]) -> list[dict]:
             "generation": gen,
             "generation_tokens": gen_tokens,
             "period_us": spans[i + 1][0] - begin if i + 1 < len(spans) else None,
+            "host_us": end - begin,
             **activity_figures(acts),
         }
         out.append(step)
     return out
 
 
-def activity_figures(acts: list[dict]) -> dict:
-    """Span, busy, idle and the kinds of one step's GPU activities (µs)."""
-    if not acts:
-        return {"activities": 0}
-    acts = sorted(acts, key=lambda e: e["ts"])
-    busy = idle = idle_before_htod = 0.0
+def _kind(e: dict) -> str:
+    return "memcpy_" + memcpy_direction(e["name"]) if e["cat"] == "gpu_memcpy" else e["cat"]
+
+
+def timeline(acts: list[dict]) -> dict:
+    """Span, busy, idle, the idle before host-to-device copies (summed, and
+    the longest) of activities sorted by start (µs)."""
+    busy = idle = before_htod = longest_before_htod = 0.0
     reach = acts[0]["ts"]
-    kinds: dict[str, list[float]] = {}
     for e in acts:
         begin, end = e["ts"], e["ts"] + e.get("dur", 0)
         gap = max(0.0, begin - reach)
         idle += gap
-        if e["cat"] == "gpu_memcpy":
-            kind = "memcpy_" + memcpy_direction(e["name"])
-            if kind == "memcpy_HtoD":
-                idle_before_htod += gap
-        else:
-            kind = e["cat"]
-        kinds.setdefault(kind, []).append(e.get("dur", 0))
+        if _kind(e) == "memcpy_HtoD":
+            before_htod += gap
+            longest_before_htod = max(longest_before_htod, gap)
         busy += max(0.0, end - max(begin, reach))
         reach = max(reach, end)
-    figures = {
-        "activities": len(acts),
+    return {
         "span_us": reach - acts[0]["ts"],
         "busy_us": busy,
         "idle_us": idle,
-        "idle_before_htod_us": idle_before_htod,
+        "idle_before_htod_us": before_htod,
+        "wait_max_us": longest_before_htod,
     }
+
+
+def activity_figures(acts: list[dict]) -> dict:
+    """Span, busy, idle and the kinds of one step's GPU activities, and the
+    same of its largest launch (``graph_*``), µs."""
+    if not acts:
+        return {"activities": 0}
+    acts = sorted(acts, key=lambda e: e["ts"])
+    whole = timeline(acts)
+    figures: dict = {"activities": len(acts), **whole}
+    del figures["wait_max_us"]
+    kinds: dict[str, list[float]] = {}
+    launches: dict[object, list[dict]] = {}
+    for e in acts:
+        kinds.setdefault(_kind(e), []).append(e.get("dur", 0))
+        launches.setdefault(e.get("args", {}).get("correlation"), []).append(e)
     for kind, durs in kinds.items():
         figures[f"{kind}_n"] = len(durs)
         figures[f"{kind}_us"] = sum(durs)
+    graph = max(launches.values(), key=len)  # (sorted: a group keeps the order)
+    figures["graph_activities"] = len(graph)
+    figures.update({f"graph_{k}": v for k, v in timeline(graph).items()})
     return figures
 
 
 FIGURES = (
     "period_us",
+    "host_us",
     "span_us",
     "busy_us",
     "idle_us",
     "idle_before_htod_us",
+    "graph_span_us",
+    "graph_idle_us",
+    "graph_idle_before_htod_us",
+    "graph_wait_max_us",
     "kernel_n",
     "kernel_us",
     "memcpy_HtoD_n",
@@ -156,12 +188,52 @@ def decode_figures(all_steps: list[dict], concurrency: int) -> dict:
     for key in FIGURES:
         values = [s.get(key) or 0 for s in decode if key != "period_us" or s.get(key)]
         out[key] = round(statistics.median(values), 1) if values else None
+        if key in MEANS:
+            out["mean_" + key] = round(statistics.fmean(values), 1) if values else None
     return out
+
+
+MEANS = (
+    "period_us",
+    "host_us",
+    "span_us",
+    "idle_us",
+    "graph_span_us",
+    "graph_idle_us",
+    "graph_wait_max_us",
+)
+"""The figures whose means ``decode_figures`` gives too: a decode rate is a
+mean step, and a few long waits move it where a median does not show them."""
+
+
+def compact(events: list[dict], path: Path) -> None:
+    """Write to ``path`` (gzip JSON) only what ``steps`` reads: the step
+    annotations, the launches of GPU work, and the GPU activities, with
+    short names and no other arguments. A decode trace's CPU side (every
+    Python and aten call) is most of its bytes."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
+    used = {e.get("args", {}).get("correlation") for e in gpu}
+    kept = []
+    for e in events:
+        cat = e.get("cat")
+        step = cat == "user_annotation" and STEP.fullmatch(e["name"])
+        launch = cat in LAUNCH_CATEGORIES and e.get("args", {}).get("correlation") in used
+        if e.get("ph") != "X" or not (step or launch or cat in GPU_CATEGORIES):
+            continue
+        slim = {k: e[k] for k in ("ph", "cat", "ts", "dur") if k in e}
+        slim["name"] = e["name"][:80]
+        if "correlation" in e.get("args", {}):
+            slim["args"] = {"correlation": e["args"]["correlation"]}
+        kept.append(slim)
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": kept}, f, separators=(",", ":"))
 
 
 def summary_lines(cells: list[dict]) -> list[str]:
     """The ``prof`` cells' decode steps, and each shm cell's difference from the
-    stock cell of its reference at the same concurrency."""
+    stock cell of its reference at the same concurrency: the whole step, then
+    the forward's graph alone (the GPU's own idle, which the profiler's host
+    overhead does not move)."""
     rows = [(c, int(conc), f) for c in cells for conc, f in (c.get("profile") or {}).items()]
     rows = [(c, conc, f) for c, conc, f in rows if f.get("steps")]
     if not rows:
@@ -171,35 +243,58 @@ def summary_lines(cells: list[dict]) -> list[str]:
         for c, conc, f in rows
         if c["cell"]["backend"] == "stock"
     }
-    lines = [
-        "",
-        "== GPU per decode step (torch profiler, medians, µs): span, busy, idle (stream waits "
-        "and gaps), idle just before host-to-device copies, kernels and memcpys; "
-        "'Δ' rows: shm or offload minus stock",
-        f"{'cell':<34} {'c':>3} {'steps':>5} {'period':>7} {'span':>7} {'busy':>7} {'idle':>7} "
-        f"{'idle>HtoD':>9} {'kernels':>12} {'HtoD':>11} {'DtoH':>11}",
-    ]
+    tables = (
+        (
+            "== GPU per decode step (torch profiler, medians, µs): span, busy, idle (stream "
+            "waits and gaps), idle just before host-to-device copies, kernels and memcpys; "
+            "'Δ' rows: shm or offload minus stock",
+            (
+                ("period", 7, ("period_us",)),
+                ("span", 7, ("span_us",)),
+                ("busy", 7, ("busy_us",)),
+                ("idle", 7, ("idle_us",)),
+                ("idle>HtoD", 9, ("idle_before_htod_us",)),
+                ("kernels", 12, ("kernel_n", "kernel_us")),
+                ("HtoD", 11, ("memcpy_HtoD_n", "memcpy_HtoD_us")),
+                ("DtoH", 11, ("memcpy_DtoH_n", "memcpy_DtoH_us")),
+            ),
+        ),
+        (
+            "== The forward's CUDA graph alone (µs; median/mean): its span, its idle (the GPU's "
+            "own: stream waits, stream memory operations, gaps between nodes), the idle before "
+            "its host-to-device copies, its longest such wait; the step's mean period and its "
+            "host execute_model (median/mean)",
+            (
+                ("period mean", 11, ("mean_period_us",)),
+                ("host", 11, ("host_us", "mean_host_us")),
+                ("graph span", 11, ("graph_span_us", "mean_graph_span_us")),
+                ("graph idle", 11, ("graph_idle_us", "mean_graph_idle_us")),
+                ("idle>HtoD", 9, ("graph_idle_before_htod_us",)),
+                ("wait max", 9, ("graph_wait_max_us", "mean_graph_wait_max_us")),
+            ),
+        ),
+    )
+    lines: list[str] = []
+    for title, columns in tables:
 
-    def row(label: str, conc: int, n, f: dict) -> str:
-        def v(key: str) -> str:
-            x = f.get(key)
-            return "-" if x is None else f"{x:.0f}"
+        def row(label: str, conc: int, n, f: dict, columns=columns) -> str:
+            def v(key: str) -> str:
+                x = f.get(key)
+                return "-" if x is None else f"{x:.0f}"
 
-        return (
-            f"{label:<34} {conc:>3} {n:>5} {v('period_us'):>7} {v('span_us'):>7} "
-            f"{v('busy_us'):>7} {v('idle_us'):>7} {v('idle_before_htod_us'):>9} "
-            f"{v('kernel_n') + '/' + v('kernel_us'):>12} "
-            f"{v('memcpy_HtoD_n') + '/' + v('memcpy_HtoD_us'):>11} "
-            f"{v('memcpy_DtoH_n') + '/' + v('memcpy_DtoH_us'):>11}"
-        )
+            cols = " ".join(f"{'/'.join(v(k) for k in keys):>{w}}" for _, w, keys in columns)
+            return f"{label:<34} {conc:>3} {n:>5} {cols}"
 
-    for c, conc, f in rows:
-        lines.append(row(c["name"], conc, f["steps"], f))
-        base = stock.get((c["cell"]["reference_key"], conc))
-        if base is not None and c["cell"]["backend"] != "stock":
-            delta = {
-                k: (f[k] - base[k]) if f.get(k) is not None and base.get(k) is not None else None
-                for k in FIGURES
-            }
-            lines.append(row("  Δ against stock", conc, "", delta))
+        head = " ".join(f"{name:>{w}}" for name, w, _ in columns)
+        lines += ["", title, f"{'cell':<34} {'c':>3} {'steps':>5} {head}"]
+        for c, conc, f in rows:
+            lines.append(row(c["name"], conc, f["steps"], f))
+            base = stock.get((c["cell"]["reference_key"], conc))
+            if base is not None and c["cell"]["backend"] != "stock":
+                delta = {
+                    k: f[k] - base[k] if base.get(k) is not None else None
+                    for k in f
+                    if isinstance(f.get(k), (int, float))
+                }
+                lines.append(row("  Δ against stock", conc, "", delta))
     return lines
