@@ -298,6 +298,11 @@ def test_cell_names_say_what_runs():
     assert vc.parse_cell("stock-default#2").instance == 2
     prof = vc.parse_cell("shm-default-deepsmall-noexact-prof")
     assert prof.profile and prof.exact_runs == 0 and prof.checkpoint == "deepsmall-bf16"
+    assert vc.parse_cell("shm-default-deepsmall-pin-tp").pin
+    assert vc.parse_cell("stock-default-deepsmall-pin-tp").pin  # (the engine's CPUs alike)
+    assert vc.pin_cpus(range(16)) == (list(range(14)), [14, 15])
+    with pytest.raises(vc.CellError, match="none for the engine"):
+        vc.pin_cpus([0, 1])
 
 
 @pytest.mark.parametrize(
@@ -728,6 +733,36 @@ def test_a_serve_cell_waits_for_health_and_says_when_vllm_serve_died():
 
 
 # ------------------------------------------------------- the server's figures
+def test_a_pinned_server_runs_every_thread_on_its_cpus_also_after_a_restart(tiny):
+    import signal
+
+    from bench.real_vllm import coordinator as vllm_real
+
+    cpu = max(os.sched_getaffinity(0))
+    served = vllm_real.Served(
+        tiny / "bf16", vc.parse_cell("shm-default-pin"), tiny / "server-pin.log", cpus=[cpu]
+    )
+
+    def allowed() -> set[str]:
+        tasks = Path(f"/proc/{served.pid}/task")
+        return {
+            next(
+                line.split()[1]
+                for line in (task / "status").read_text().splitlines()
+                if line.startswith("Cpus_allowed_list:")
+            )
+            for task in tasks.iterdir()
+        }
+
+    try:
+        assert allowed() == {str(cpu)}
+        served.kill(signal.SIGTERM)
+        served.start()
+        assert allowed() == {str(cpu)}
+    finally:
+        served.close()
+
+
 def test_server_figures_come_from_a_real_ple_server(tiny):
     """A real ple-server as a ``direct`` cell starts it: cold, its row cache
     filled by the first lookups; hits, misses, lookup time and CPU per row

@@ -27,6 +27,9 @@ says what it is, words joined by ``-`` in any order:
   nospin                    shm: ple-server's ``--spin-us 0`` (its serving loop
                             sleeps at once after a request: no core spun beside
                             vLLM's own)
+  pin                       the engine on every CPU but the last ``PIN_SERVER_CPUS``,
+                            ple-server (shm) on those: whether the server's
+                            threads slow vLLM's host side where they share CPUs
   fp8 | nvfp4 | large | deep | deepsmall
                             the checkpoint (else ``small-bf16``): ``CHECKPOINTS``
   mp0                       ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core
@@ -126,6 +129,7 @@ PROFILE_CONCURRENCY = (1, 32)
 PROFILE_TOKENS = 128  # decode steps enough for medians; a trace of a few MB
 PROFILE_TEXT_REP = 10  # the throughput text windows of repetition 10 on: unread
 DIRECT_CACHE = "1G"
+PIN_SERVER_CPUS = 2  # pin: the CPUs kept for ple-server, the last ones
 RESTART_STREAMS = 32
 RESTART_TOKENS = 3584  # ≈ 20 s at concurrency 32 on the 4-layer trunk: every event inside
 RESTART_EVENTS = (  # (seconds into the disturbed run, what is done to ple-server)
@@ -208,6 +212,7 @@ class Cell:
     prompt_ahead: bool = True
     gather_in_order: bool = True  # shm: ple-server's gather_in_order
     spin: bool = True  # shm: ple-server's spin_us as configured (False: 0)
+    pin: bool = False  # the engine and ple-server on CPUs apart (``pin_cpus``)
     multiproc: bool = True
     exact_runs: int = 3
     throughput_reps: int = 0
@@ -265,6 +270,16 @@ class Cell:
         return {**asdict(self), "reference_key": self.reference_key()}
 
 
+def pin_cpus(cpus: Sequence[int]) -> tuple[list[int], list[int]]:
+    """A ``pin`` cell's CPUs, from those it may use: (the engine's, ple-server's)."""
+    cpus = sorted(cpus)
+    if len(cpus) <= PIN_SERVER_CPUS:
+        raise CellError(
+            f"pin: {len(cpus)} CPUs leave none for the engine beside ple-server's {PIN_SERVER_CPUS}"
+        )
+    return cpus[:-PIN_SERVER_CPUS], cpus[-PIN_SERVER_CPUS:]
+
+
 MODES = ("eager", "piecewise", "default")
 BACKENDS = ("stock", "offload", "shm")
 
@@ -300,6 +315,8 @@ def parse_cell(name: str) -> Cell:
             fields["gather_in_order"] = False
         elif word == "nospin":
             fields["spin"] = False
+        elif word == "pin":
+            fields["pin"] = True
         elif word in CHECKPOINT_WORDS:
             fields["checkpoint"] = CHECKPOINT_WORDS[word]
         elif word == "mp0":
@@ -321,8 +338,9 @@ def parse_cell(name: str) -> Cell:
         else:
             raise CellError(
                 f"{name}: unknown word {word!r}; a cell name joins {BACKENDS}, {MODES}, "
-                "serve, host, direct, nopa, unordered, nospin, fp8/nvfp4/large/deep/deepsmall, "
-                "mp0, x<N>, tp[<N>], ttft[<N>], noexact, restart, verify, prof "
+                "serve, host, direct, nopa, unordered, nospin, pin, "
+                "fp8/nvfp4/large/deep/deepsmall, mp0, x<N>, tp[<N>], ttft[<N>], noexact, "
+                "restart, verify, prof "
                 "(bench/real_vllm/cells.py)"
             )
     if not seen_backend:

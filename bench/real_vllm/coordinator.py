@@ -97,6 +97,7 @@ from bench.real_vllm.cells import (
     load_cells,
     load_runs,
     parse_cell,
+    pin_cpus,
     plan_text,
     prompts_digest,
     prose,
@@ -554,11 +555,23 @@ def _stat_cpu(stat: str) -> tuple[str, float]:
     return head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def pin_process(pid: int, cpus: list[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (threads it starts later inherit
+    their starter's)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(task), cpus)
+
+
 class Served:
     """The cell's ple-server, and what the figures need of it."""
 
-    def __init__(self, model_dir: Path, cell: Cell, log_path: Path) -> None:
+    def __init__(
+        self, model_dir: Path, cell: Cell, log_path: Path, cpus: list[int] | None = None
+    ) -> None:
+        """``cpus``: the CPUs its threads run on (``pin``), else any."""
         from pleserver.devkit.launcher import ServerLauncher
+
+        self.cpus = cpus
 
         self._state = tempfile.mkdtemp(prefix="vllm-real-state-")
         # A state directory that does not exist: no hot set is loaded or saved,
@@ -584,7 +597,13 @@ class Served:
             cwd=self._state,
             die_with_parent=True,  # (started from the main thread, as every restart is)
         )
-        self.server = self.launcher.start()
+        self.server = self._start()
+
+    def _start(self):
+        server = self.launcher.start()
+        if self.cpus:
+            pin_process(server.pid, self.cpus)
+        return server
 
     def kill(self, sig: int) -> None:
         """End the server with ``sig`` (SIGKILL: a crash; SIGTERM: a stop)."""
@@ -594,7 +613,7 @@ class Served:
     def start(self) -> float:
         """Start it again on the same socket; the seconds until it was ready."""
         t = time.perf_counter()
-        self.server = self.launcher.start()
+        self.server = self._start()
         return time.perf_counter() - t
 
     @property
@@ -1070,9 +1089,19 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
         data["checkpoint"] = json.loads(marker.read_text())
         text = prose()
         data["prompts"] = {"source": text.source}
+        if cell.pin:
+            engine_cpus, server_cpus = pin_cpus(os.sched_getaffinity(0))
+            # (vLLM's processes are this one's children: they inherit it)
+            os.sched_setaffinity(0, engine_cpus)
+            data["cpus"] = {"engine": engine_cpus, "server": server_cpus}
         if cell.shm:
             t = time.monotonic()
-            served = Served(model_dir, cell, work / "logs" / f"{run_id}-{stem}.server.log")
+            served = Served(
+                model_dir,
+                cell,
+                work / "logs" / f"{run_id}-{stem}.server.log",
+                cpus=server_cpus if cell.pin else None,
+            )
             data["server"] = {"args": served.args, "pid": served.pid}
             data["times"]["server_start_s"] = round(time.monotonic() - t, 2)
         env = cell.env(served.socket if served else None)
