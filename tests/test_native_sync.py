@@ -125,6 +125,59 @@ def test_futex_waitv_returns_at_once_when_a_word_differs_and_times_out_otherwise
     assert time.monotonic() - started >= 0.05
 
 
+def test_futex_waitv_returns_when_a_polled_word_leaves_its_idle_value(shared):
+    """A word no one wakes a futex on (a GPU stream's rung word), written by
+    another process without a wake: found by the native polls alone."""
+    require_futex_waitv()
+    fd, words = shared
+    own = _sync.Words(bytearray(8))
+    writer = child(
+        """
+        time.sleep(0.05)
+        words.store(16, 1)  # no wake: as a stream writes it
+    """,
+        fd,
+    )
+    polled = [(words, 12, 0), (words, 16, 0)]
+    started = time.monotonic()
+    assert _sync.futex_waitv([(own, 0, 0)], 30.0, polled=polled, poll=0.0005) == 1 + 1
+    assert time.monotonic() - started < 10.0 and writer.wait(30) == 0
+    # a polled word that already differs returns at once; none: the timeout
+    assert _sync.futex_waitv([(own, 0, 0)], 30.0, polled=polled, poll=0.001) == 2
+    words.store(16, 0)
+    started = time.monotonic()
+    assert _sync.futex_waitv([(own, 0, 0)], 0.05, polled=polled, poll=0.001) == -1
+    assert time.monotonic() - started >= 0.05
+    # the futex words still wake it between polls
+    waker = child(
+        """
+        time.sleep(0.05)
+        words.store(0, 1)
+        words.wake(0)
+    """,
+        fd,
+    )
+    assert _sync.futex_waitv([(own, 0, 0), (words, 0, 0)], 30.0, polled=polled, poll=1.0) in (
+        1,
+        -1,
+    )
+    assert waker.wait(30) == 0 and words.load(0) == 1
+
+
+def test_futex_waitv_refuses_polled_words_without_a_poll_interval_or_of_bad_shape(shared):
+    _, words = shared
+    own = _sync.Words(bytearray(8))
+    with pytest.raises(ValueError, match="poll must be > 0"):
+        _sync.futex_waitv([(own, 0, 0)], 1.0, polled=[(words, 0, 0)])
+    with pytest.raises(TypeError, match="polled words: entry 0"):
+        _sync.futex_waitv([(own, 0, 0)], 1.0, polled=[(words, 0)], poll=0.001)
+    with pytest.raises(ValueError, match="word offset"):
+        _sync.futex_waitv([(own, 0, 0)], 1.0, polled=[(words, 4096, 0)], poll=0.001)
+    too_many = [(words, 0, 0)] * (_sync.FUTEX_WAITV_MAX + 1)
+    with pytest.raises(ValueError, match="polled words"):
+        _sync.futex_waitv([(own, 0, 0)], 1.0, polled=too_many, poll=0.001)
+
+
 def test_futex_waitv_is_available_on_this_kernel():
     """CI runs a kernel ≥ 5.16; the serving loop's fallback is tested in
     tests/test_core_lookup.py with idle_wait = poll."""

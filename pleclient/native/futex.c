@@ -75,6 +75,36 @@ int ple_futex_waitv(const ple_futex_wait_entry *entries, size_t n, int64_t timeo
     return rc >= 0 ? (int)rc : -errno;
 }
 
+static int64_t monotonic_ns(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
+}
+
+int ple_futex_waitv_polling(const ple_futex_wait_entry *entries, size_t n,
+                            const ple_polled_word *polled, size_t m, int64_t poll_ns,
+                            int64_t timeout_ns)
+{
+    if (poll_ns <= 0)
+        return -EINVAL;
+    int64_t deadline = timeout_ns < 0 ? INT64_MAX : monotonic_ns() + timeout_ns;
+    for (;;) {
+        for (size_t j = 0; j < m; j++) {
+            /* E2: a peek; pairs with the writer's release (a stream's fenced
+             * write, G2). The reader's exchange (X1) orders what it reads. */
+            if (atomic_load_explicit(polled[j].word, memory_order_acquire) != polled[j].idle)
+                return (int)(n + j);
+        }
+        int64_t left = deadline - monotonic_ns();
+        if (left <= 0)
+            return -ETIMEDOUT;
+        int rc = ple_futex_waitv(entries, n, left < poll_ns ? left : poll_ns);
+        if (rc != -ETIMEDOUT)
+            return rc; /* woken, a word that differed, a signal, or an error */
+    }
+}
+
 int ple_futex_waitv_available(void)
 {
     /* -1 unknown, 0 no, 1 yes. Relaxed: every thread computes the same answer. */

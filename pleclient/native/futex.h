@@ -29,6 +29,24 @@ int ple_futex_wake(const uint32_t *word, int n);
  * older than 5.16, or the call refused by a seccomp filter), -EINVAL. */
 int ple_futex_waitv(const ple_futex_wait_entry *entries, size_t n, int64_t timeout_ns);
 
+/* A word no one can wake a futex on (a GPU stream writes it): looked at,
+ * not slept on. */
+typedef struct {
+    const _Atomic uint32_t *word;
+    uint32_t idle;
+} ple_polled_word;
+
+/* ple_futex_waitv on entries while every polled word holds its idle value,
+ * the polled words looked at before each sleep and every poll_ns (> 0): a
+ * poll without a return to the caller costs one system call. The index of
+ * the entry woken (< n), n + j where polled word j differs from its idle
+ * value, or -EAGAIN, -ETIMEDOUT (timeout_ns passed; < 0: no limit), -EINTR,
+ * -ENOSYS, -EINVAL as ple_futex_waitv. Each polled word is read with an
+ * acquire load (E2): a peek; its reader takes the word itself after. */
+int ple_futex_waitv_polling(const ple_futex_wait_entry *entries, size_t n,
+                            const ple_polled_word *polled, size_t m, int64_t poll_ns,
+                            int64_t timeout_ns);
+
 /* Whether this kernel offers futex_waitv (probed once, cached). */
 int ple_futex_waitv_available(void);
 

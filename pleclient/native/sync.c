@@ -350,60 +350,97 @@ static PyObject *fast_item(PyObject *fast, Py_ssize_t i)
 
 /* ---------------------------------------------------------- futex_waitv */
 
-static PyObject *sync_futex_waitv(PyObject *Py_UNUSED(module), PyObject *args)
+/* Parse up to max (Words, offset, value) tuples of seq into words[] and
+ * values[], each Words kept in owners[]; the count, or -1 with an exception. */
+static Py_ssize_t parse_word_tuples(PyObject *seq, const char *what, Py_ssize_t min,
+                                    Py_ssize_t max, atomic_uint **words, unsigned int *values,
+                                    Words **owners)
 {
-    PyObject *seq;
-    double timeout_s;
-    if (!PyArg_ParseTuple(args, "Od:futex_waitv", &seq, &timeout_s))
-        return NULL;
-    int64_t timeout_ns;
-    if (to_timeout_ns(timeout_s, "timeout", &timeout_ns) != 0)
-        return NULL;
-    PyObject *fast = PySequence_Fast(seq, "futex_waitv needs a sequence of "
-                                          "(Words, offset, expected) tuples");
+    PyObject *fast = PySequence_Fast(seq, what);
     if (!fast)
-        return NULL;
+        return -1;
     Py_ssize_t n = PySequence_Size(fast);
-    if (n < 1 || n > PLE_FUTEX_WAITV_MAX) {
+    if (n < min || n > max) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd to %zd words, not %zd", what, min, max, n);
         Py_DECREF(fast);
-        return PyErr_Format(PyExc_ValueError, "futex_waitv takes 1 to %d words, not %zd",
-                            PLE_FUTEX_WAITV_MAX, n);
+        return -1;
     }
-    ple_futex_wait_entry entries[PLE_FUTEX_WAITV_MAX];
-    Words *owners[PLE_FUTEX_WAITV_MAX];
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = fast_item(fast, i);
-        PyObject *words;
+        PyObject *obj;
         Py_ssize_t offset;
-        unsigned int expected;
+        unsigned int value;
         if (!PyTuple_Check(item)
-            || !PyArg_ParseTuple(item, "O!nI", (PyTypeObject *)WordsType, &words, &offset,
-                                 &expected)) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_TypeError, "futex_waitv entry %zd is not a "
-                             "(Words, offset, expected) tuple", i);
+            || !PyArg_ParseTuple(item, "O!nI", (PyTypeObject *)WordsType, &obj, &offset,
+                                 &value)) {
+            PyErr_Clear(); /* (a parse error names no entry) */
+            PyErr_Format(PyExc_TypeError, "%s: entry %zd is not a "
+                         "(Words, offset, value) tuple", what, i);
             Py_DECREF(fast);
-            return NULL;
+            return -1;
         }
-        atomic_uint *w = word_at((Words *)words, offset);
-        if (!w) {
+        words[i] = word_at((Words *)obj, offset);
+        if (!words[i]) {
             Py_DECREF(fast);
-            return NULL;
+            return -1;
         }
-        entries[i].word = (const uint32_t *)w;
-        entries[i].expected = expected;
-        owners[i] = (Words *)words;
+        values[i] = value;
+        owners[i] = (Words *)obj;
     }
-    /* The sequence keeps every Words alive; busy keeps their buffers held. */
-    for (Py_ssize_t i = 0; i < n; i++)
+    Py_DECREF(fast); /* the caller's sequences keep every Words alive */
+    return n;
+}
+
+static PyObject *sync_futex_waitv(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"", "", "polled", "poll", NULL};
+    PyObject *seq, *polled_seq = NULL;
+    double timeout_s, poll_s = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Od|$Od:futex_waitv", kwlist, &seq,
+                                     &timeout_s, &polled_seq, &poll_s))
+        return NULL;
+    int64_t timeout_ns, poll_ns = 0;
+    if (to_timeout_ns(timeout_s, "timeout", &timeout_ns) != 0)
+        return NULL;
+    atomic_uint *words[2 * PLE_FUTEX_WAITV_MAX];
+    unsigned int values[2 * PLE_FUTEX_WAITV_MAX];
+    Words *owners[2 * PLE_FUTEX_WAITV_MAX];
+    Py_ssize_t n = parse_word_tuples(seq, "futex_waitv's entries", 1, PLE_FUTEX_WAITV_MAX,
+                                     words, values, owners);
+    if (n < 0)
+        return NULL;
+    Py_ssize_t m = 0;
+    if (polled_seq && polled_seq != Py_None) {
+        m = parse_word_tuples(polled_seq, "futex_waitv's polled words", 0, PLE_FUTEX_WAITV_MAX,
+                              words + n, values + n, owners + n);
+        if (m < 0)
+            return NULL;
+        if (to_timeout_ns(poll_s, "poll", &poll_ns) != 0)
+            return NULL;
+        if (m > 0 && poll_ns <= 0)
+            return PyErr_Format(PyExc_ValueError, "poll must be > 0 s with polled words");
+    }
+    ple_futex_wait_entry entries[PLE_FUTEX_WAITV_MAX];
+    ple_polled_word polled[PLE_FUTEX_WAITV_MAX];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        entries[i].word = (const uint32_t *)words[i];
+        entries[i].expected = values[i];
+    }
+    for (Py_ssize_t j = 0; j < m; j++) {
+        polled[j].word = (const _Atomic uint32_t *)words[n + j];
+        polled[j].idle = values[n + j];
+    }
+    /* busy keeps every buffer held while the GIL is released. */
+    for (Py_ssize_t i = 0; i < n + m; i++)
         owners[i]->busy++;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = ple_futex_waitv(entries, (size_t)n, timeout_ns);
+    rc = m > 0 ? ple_futex_waitv_polling(entries, (size_t)n, polled, (size_t)m, poll_ns,
+                                         timeout_ns)
+               : ple_futex_waitv(entries, (size_t)n, timeout_ns);
     Py_END_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++)
+    for (Py_ssize_t i = 0; i < n + m; i++)
         owners[i]->busy--;
-    Py_DECREF(fast);
     if (rc >= 0)
         return PyLong_FromLong(rc);
     if (rc == -EAGAIN || rc == -ETIMEDOUT || rc == -EINTR)
@@ -413,11 +450,15 @@ static PyObject *sync_futex_waitv(PyObject *Py_UNUSED(module), PyObject *args)
 }
 
 static PyMethodDef sync_methods[] = {
-    {"futex_waitv", sync_futex_waitv, METH_VARARGS,
-     "futex_waitv(entries, timeout) -> int: sleep until one of the words, given as "
-     "(Words, offset, expected) tuples, differs from its expected value or is woken, at "
-     "most timeout seconds. The index woken, or -1 (timeout, a word already differed, or "
-     "a signal: check the words). OSError(ENOSYS) where the kernel lacks the call "
+    {"futex_waitv", (PyCFunction)(void (*)(void))sync_futex_waitv,
+     METH_VARARGS | METH_KEYWORDS,
+     "futex_waitv(entries, timeout, *, polled=(), poll=0.0) -> int: sleep until one of "
+     "the words, given as (Words, offset, expected) tuples, differs from its expected "
+     "value or is woken, at most timeout seconds. polled: (Words, offset, idle) words no "
+     "one wakes a futex on (a GPU stream writes them), looked at every poll seconds "
+     "without a return to Python; len(entries) + j when polled word j left its idle "
+     "value. The index woken, or -1 (timeout, a word already differed, or a signal: "
+     "check the words). OSError(ENOSYS) where the kernel lacks the call "
      "(see HAVE_FUTEX_WAITV). Releases the GIL."},
     {NULL, NULL, 0, NULL},
 };

@@ -104,6 +104,11 @@ class Admission(Protocol):
 
     def futex_word(self) -> tuple[Words, int, int] | None: ...
 
+    def polled_word(self) -> tuple[Words, int, int] | None:
+        """Where ``futex_word`` is None: the word the sleeping loop looks at
+        instead, and its idle value."""
+        ...
+
     def announce_sleep(self, sleeping: bool) -> None: ...
 
     def waiting(self) -> bool: ...
@@ -177,6 +182,10 @@ class CounterAdmission:
         since ends the sleep at once, a publish after it wakes it."""
         return (self.map.sync, COUNTER_AT, self.seen)
 
+    def polled_word(self) -> None:
+        """None: the counter wakes the loop (``futex_word``)."""
+        return None
+
     def announce_sleep(self, sleeping: bool) -> None:
         self.map.set_server_sleeping(sleeping)
 
@@ -234,6 +243,11 @@ class DoorbellAdmission:
     def futex_word(self) -> None:
         """None: a stream cannot make a futex call, so the loop polls."""
         return None
+
+    def polled_word(self) -> tuple[Words, int, int]:
+        """The word the loop polls instead (``futex_waitv``'s ``polled``): the
+        rung word, idle until the stream rings."""
+        return (self.map.sync, RUNG_AT, IDLE)
 
     def announce_sleep(self, sleeping: bool) -> None:
         """Nothing to announce: no client reads it (futex_word is None)."""

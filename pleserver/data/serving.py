@@ -504,32 +504,47 @@ class ServingLoop:
 
     def _sleep(self, wake_seen: int, timeout: float, now: float) -> None:
         """Sleep until an admission's futex word moves, the wake word moves
-        from ``wake_seen`` (``wake``), a channel that cannot wake the loop is
-        due for a look, or ``timeout`` passes (in poll mode: ``POLL_S``). A
-        retired channel a gather worker still holds does not keep the loop
-        awake: the worker's answer wakes it."""
+        from ``wake_seen`` (``wake``), the rung word of a channel that cannot
+        wake the loop leaves IDLE, or ``timeout`` passes (in poll mode:
+        ``POLL_S``). Rung words are looked at inside the native call (a look
+        that finds nothing costs no pass of this loop): every ``gpu_poll_s``
+        while a channel rings, every ``POLL_IDLE_S`` after. A retired channel
+        a gather worker still holds does not keep the loop awake: the
+        worker's answer wakes it."""
         words = [(self._wake_words, 0, wake_seen)]
+        polled: list[tuple[_sync.Words, int, int]] = []
         sleepers: list[Admission] = []
+        poll = POLL_IDLE_S
         for ch in self.channels:
             if ch.closing:
                 continue
             word = ch.admission.futex_word()
             if word is None:  # its client cannot wake us: look again soon, sooner while active
-                active = now - ch.last_arrival < POLL_ACTIVE_S
-                timeout = min(timeout, self.gpu_poll_s if active else POLL_IDLE_S)
+                if now - ch.last_arrival < POLL_ACTIVE_S:
+                    poll = self.gpu_poll_s
+                polled_word = ch.admission.polled_word()
+                if polled_word is None:  # nothing to look at but a pass
+                    timeout = min(timeout, poll)
+                else:
+                    polled.append(polled_word)
             else:
                 words.append(word)
                 sleepers.append(ch.admission)
         # One call takes at most FUTEX_WAITV_MAX words, the loop's own among
-        # them: past 127 channels (max_clients) the loop polls instead.
-        if self.idle_wait == "futex_waitv" and len(words) <= _sync.FUTEX_WAITV_MAX:
+        # them, and as many polled words: past 127 channels (max_clients) the
+        # loop polls instead.
+        if (
+            self.idle_wait == "futex_waitv"
+            and len(words) <= _sync.FUTEX_WAITV_MAX
+            and len(polled) <= _sync.FUTEX_WAITV_MAX
+        ):
             # Announce, then wait on each word at the value last read: a word
             # that moved since makes the call return at once, and a client
             # that publishes after our announcement sees it and wakes us.
             for admission in sleepers:
                 admission.announce_sleep(True)
             try:
-                _sync.futex_waitv(words, timeout)
+                _sync.futex_waitv(words, timeout, polled=polled, poll=poll)
             except OSError as exc:  # ENOSYS/EPERM: refused after all (seccomp)
                 log.warning(
                     "futex_waitv failed (%s): the serving loop polls its channels "
@@ -542,6 +557,8 @@ class ServingLoop:
                 for admission in sleepers:
                     admission.announce_sleep(False)
             return
+        if polled:
+            timeout = min(timeout, poll)
         self._wake_words.wait_while(0, wake_seen, 4, min(timeout, POLL_S))
 
     def _admit_all(self) -> bool:
