@@ -480,6 +480,18 @@ PLANS: dict[str, list[str]] = {
         "stock-default-noexact-prof",
         "shm-default-noexact-prof",
     ],
+    # where shm's unprofiled decode loss goes (docs/BENCHMARKS.md, "What the GPU
+    # does in a decode step"): shm's forward graph against stock's (a fresh
+    # host's first call), then the decode rate with the engine and ple-server
+    # on CPUs apart or shared (the next call)
+    "split": [
+        "shm-default-deepsmall-noexact-prof",
+        "stock-default-deepsmall-noexact-prof",
+        "stock-default-deepsmall-noexact-tp2",
+        "shm-default-deepsmall-noexact-tp2",
+        "stock-default-deepsmall-pin-noexact-tp2",
+        "shm-default-deepsmall-pin-noexact-tp2",
+    ],
     # eager stock and shm on one host, and vllm serve's exact cells
     "close-33": [
         "stock-eager-mp0",
@@ -529,9 +541,9 @@ class Costs:
         default_factory=lambda: {"eager": 70.0, "piecewise": 80.0, "default": 80.0}
     )
     # A fresh host's first start, every kernel compiled: 174–182 s on the H100,
-    # 224 s on the H200 (a deadline that overruns ends the cell, what it
-    # measured kept).
-    first_start_extra_s: float = 110.0
+    # 224 s on the H200, 257–266 s on the H100 for the deep trunk's (a deadline
+    # that overruns ends the cell, what it measured kept).
+    first_start_extra_s: float = 180.0
     first_compile_extra_s: float = 30.0  # a later first start with torch.compile (not eager)
     serve_extra_s: float = 15.0  # vllm serve's API server and readiness
     server_start_s: float = 5.0  # ple-server, nothing prewarmed
