@@ -356,7 +356,12 @@ class ServerConfig:
         "default row cache is sized from the memory left beside them.",
     )
     queue_depth: int = _setting(
-        128, "int", "Disk reads in flight at most (the miss engine's queue depth).", minimum=1
+        128,
+        "int",
+        "Disk reads in flight at most, every request together (the miss engine's queue "
+        "depth); requests of at most 64 reads may put up to 64 more in flight (at most "
+        "queue_depth), so a small lookup's reads never wait for a large one's to finish.",
+        minimum=1,
     )
     read_engine: str = _setting(
         "auto",

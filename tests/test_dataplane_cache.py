@@ -24,6 +24,7 @@ from pleserver.devkit.synthetic import (
     write_checkpoint,
     write_safetensors,
 )
+from pleserver.observe.stats import format_human
 from tests.conftest import SMALL_TABLES
 from tests.harness import REPO, child_env, child_report, python_child, wait_until
 
@@ -60,6 +61,41 @@ def run_clients(code: str, *args: str, count: int) -> list[dict]:
             child_report(subprocess.CompletedProcess(child.args, child.returncode, out, err))
         )
     return reports
+
+
+def test_the_reads_in_flight_of_every_request_together_stay_within_the_queue_depth(
+    start_server, model, tmp_path
+):
+    """Four client processes' cold lookups, each split over four gather workers:
+    many batches read at once, and their reads in flight, all rings together,
+    stay within queue_depth and the small requests' reserve (each ring kept
+    queue_depth of its own before: four workers, four times the depth)."""
+    server = start_server(
+        model,
+        "--io",
+        "direct",
+        "--cache-size",
+        "256K",
+        "--queue-depth",
+        "8",
+        "--gather-workers",
+        "4",
+        "--parallel-min-rows",
+        "64",
+        "--state-dir",
+        str(tmp_path),
+    )
+    reports = run_clients(PRESSURE_CLIENT, str(model), server.socket, count=4)
+    assert all(r["requests"] == 80 and r["bad"] == 0 for r in reports), reports
+    with server.client() as client:
+        stats = client.stats()
+    engine = stats["dataplane"]["engine"]
+    assert engine["kind"] == "io_uring", engine  # (the credits are io_uring's)
+    assert engine["queue_depth"] == 8 and engine["small_reserve"] == 8, engine
+    assert engine["in_flight"] == 0, engine  # every credit given back
+    # reached (the clients kept the disk busy) and never passed
+    assert 8 <= engine["peak_in_flight"] <= 8 + 8, engine
+    assert "reads in flight 0, peak" in format_human(stats)
 
 
 def test_a_tiny_cache_evicts_and_stays_exact_under_parallel_clients(start_server, model, tmp_path):

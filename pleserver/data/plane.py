@@ -270,10 +270,14 @@ class DataPlane:
                     ),
                 },
             )
+            flight = self.engine.in_flight()
             out["engine"] = {
                 "kind": self.engine.kind,
                 "fallback_reason": self.engine.fallback_reason,
                 "queue_depth": self.queue_depth,
+                "small_reserve": flight["small_reserve"],
+                "in_flight": flight["in_flight"],
+                "peak_in_flight": flight["peak_in_flight"],
             }
             # (limit_bytes 0: no bound was set, as before limit_request_memory)
             out["read_buffers"] = nat.read_memory()

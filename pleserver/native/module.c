@@ -249,6 +249,19 @@ static PyObject *Engine_get_reason(EngineObject *self, void *closure)
     return Py_NewRef(self->fallback_reason ? self->fallback_reason : Py_None);
 }
 
+static PyObject *Engine_in_flight(EngineObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!self->eng) {
+        PyErr_SetString(PyExc_ValueError, "the ReadEngine is closed");
+        return NULL;
+    }
+    unsigned now, peak, reserve;
+    ple_engine_in_flight(self->eng, &now, &peak, &reserve);
+    return Py_BuildValue("{sIsIsI}", "in_flight", now, "peak_in_flight", peak,
+                         "small_reserve", reserve);
+}
+
 static PyObject *Engine_get_depth(EngineObject *self, void *closure)
 {
     (void)closure;
@@ -256,6 +269,9 @@ static PyObject *Engine_get_depth(EngineObject *self, void *closure)
 }
 
 static PyMethodDef Engine_methods[] = {
+    {"in_flight", (PyCFunction)Engine_in_flight, METH_NOARGS,
+     "Reads in flight now, every batch together, their peak since the engine opened, and "
+     "the reserve small batches (≤ 64 reads) may use beyond queue_depth, as a dict."},
     {"close", (PyCFunction)Engine_close, METH_NOARGS,
      "Release the engine (its rings or threads go when the last table using it goes)."},
     {NULL, NULL, 0, NULL},
@@ -265,7 +281,8 @@ static PyGetSetDef Engine_getset[] = {
     {"kind", (getter)Engine_get_kind, NULL, "\"io_uring\" or \"threads\": what is in use", NULL},
     {"fallback_reason", (getter)Engine_get_reason, NULL,
      "None, or why io_uring is not used", NULL},
-    {"queue_depth", (getter)Engine_get_depth, NULL, "reads in flight per request", NULL},
+    {"queue_depth", (getter)Engine_get_depth, NULL,
+     "reads in flight at most, every request together (small ones: and the reserve)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -1,6 +1,18 @@
 /* The miss engine (see reads.h): batches run on io_uring rings (ring.c),
  * or on a pool of pread threads where io_uring is missing or refused.
  *
+ * The engine's reads in flight, all rings together, are bounded by its
+ * queue_depth: each ring takes credits for the reads it submits and gives
+ * them back as they complete. Without the bound every running batch kept
+ * queue_depth reads in flight of its own (four gather workers on one large
+ * request: 512 at the device), and a small request's reads queued behind
+ * all of them. A batch of at most SMALL_BATCH reads (a decode step's
+ * lookup, a bystander's) may also take credits of a reserve of SMALL_BATCH
+ * (at most queue_depth) that larger batches never use: it never waits for a
+ * large one's credits, and has all its reads in flight at once (a smaller
+ * reserve would send them in waves behind a busy engine); at the device it
+ * waits behind at most queue_depth reads and the other small batches'.
+ *
  * Syscalls here: pread64 in the fallback; the rings' own are in ring.c. */
 #include <errno.h>
 #include <pthread.h>
@@ -13,6 +25,7 @@
 #include "reads.h"
 
 #define PLE_MAX_RINGS 32
+#define SMALL_BATCH 64   /* reads: a batch this small may use the reserve */
 
 void ple_pread_full(ple_read *rd)
 {
@@ -43,8 +56,14 @@ struct ple_engine {
     int kind;
     unsigned queue_depth;
     ple_pool *pool;              /* threads kind */
-    pthread_mutex_t lock;        /* io_uring kind: the ring pool */
+    pthread_mutex_t lock;        /* io_uring kind: the ring pool and the credits */
     pthread_cond_t ring_freed;
+    pthread_cond_t credits_freed;
+    unsigned credits;            /* reads that may still be put in flight (of queue_depth) */
+    unsigned reserve;            /* and of the reserve, for small batches only */
+    unsigned reserve_size;
+    unsigned in_flight;          /* reads in flight, every ring together */
+    unsigned peak_in_flight;     /* its highest since the engine opened */
     ple_ring *free_rings[PLE_MAX_RINGS];  /* a stack: the last one given back first */
     unsigned nfree;
     unsigned nrings;             /* made, free or in use */
@@ -60,8 +79,12 @@ ple_engine *ple_engine_open(unsigned queue_depth, int kind, unsigned threads,
     }
     atomic_init(&eng->refs, 1);
     eng->queue_depth = queue_depth;
+    eng->credits = queue_depth;
+    eng->reserve = queue_depth < SMALL_BATCH ? queue_depth : SMALL_BATCH;
+    eng->reserve_size = eng->reserve;
     pthread_mutex_init(&eng->lock, NULL);
     pthread_cond_init(&eng->ring_freed, NULL);
+    pthread_cond_init(&eng->credits_freed, NULL);
     reason[0] = '\0';
     if (kind != PLE_KIND_THREADS) {
         /* The first ring proves io_uring works here; it is kept for use. */
@@ -100,6 +123,15 @@ ple_engine *ple_engine_open(unsigned queue_depth, int kind, unsigned threads,
 int ple_engine_kind(const ple_engine *eng)
 {
     return eng->kind;
+}
+
+void ple_engine_in_flight(ple_engine *eng, unsigned *now, unsigned *peak, unsigned *reserve)
+{
+    pthread_mutex_lock(&eng->lock);
+    *now = eng->in_flight;
+    *peak = eng->peak_in_flight;
+    *reserve = eng->kind == PLE_KIND_IO_URING ? eng->reserve_size : 0;
+    pthread_mutex_unlock(&eng->lock);
 }
 
 /* A ring of our own for one batch: a free one, a new one, or wait. */
@@ -143,6 +175,56 @@ static void count_done(void *ctx, ple_read *rd)
     (*(size_t *)ctx)++;
 }
 
+/* What one batch holds of the engine's credits. */
+typedef struct {
+    unsigned common;
+    unsigned reserve;
+} held_credits;
+
+/* Take up to `want` credits (≥ 1) for a batch; with `block`, wait until at
+ * least one is free (the batch has nothing in flight to reap meanwhile).
+ * A small batch takes the reserve's first. The number taken. */
+static unsigned take_credits(ple_engine *eng, unsigned want, int small, int block,
+                             held_credits *held)
+{
+    pthread_mutex_lock(&eng->lock);
+    while (block && eng->credits == 0 && !(small && eng->reserve > 0))
+        pthread_cond_wait(&eng->credits_freed, &eng->lock);
+    unsigned got = 0;
+    if (small) {
+        unsigned r = want < eng->reserve ? want : eng->reserve;
+        eng->reserve -= r;
+        held->reserve += r;
+        got += r;
+    }
+    unsigned c = want - got < eng->credits ? want - got : eng->credits;
+    eng->credits -= c;
+    held->common += c;
+    got += c;
+    eng->in_flight += got;
+    if (eng->in_flight > eng->peak_in_flight)
+        eng->peak_in_flight = eng->in_flight;
+    pthread_mutex_unlock(&eng->lock);
+    return got;
+}
+
+/* Give back `n` credits of a batch's (reads completed, or never submitted):
+ * the reserve's first, so that small batches find it free. */
+static void give_credits(ple_engine *eng, unsigned n, held_credits *held)
+{
+    if (n == 0)
+        return;
+    pthread_mutex_lock(&eng->lock);
+    unsigned r = n < held->reserve ? n : held->reserve;
+    held->reserve -= r;
+    eng->reserve += r;
+    held->common -= n - r;
+    eng->credits += n - r;
+    eng->in_flight -= n;
+    pthread_cond_broadcast(&eng->credits_freed);
+    pthread_mutex_unlock(&eng->lock);
+}
+
 static void fail_reads(ple_read *reads, size_t n, int code)
 {
     for (size_t i = 0; i < n; i++) {
@@ -151,15 +233,25 @@ static void fail_reads(ple_read *reads, size_t n, int code)
     }
 }
 
-static void run_on_ring(ple_ring *ring, ple_read *reads, size_t n)
+static void run_on_ring(ple_engine *eng, ple_ring *ring, ple_read *reads, size_t n)
 {
     size_t queued = 0, completed = 0;
     unsigned depth = ple_ring_entries(ring);
+    int small = n <= SMALL_BATCH;
+    held_credits held = {0, 0};
     while (completed < n) {
-        /* Keep the queue full: refill up to the depth, then wait for one. */
-        while (queued < n && queued - completed < depth)
+        /* Keep the queue full, within the ring's depth and the engine's
+         * credits (waited for only with nothing of ours to reap), then wait
+         * for one completion. */
+        size_t room = depth - (queued - completed);
+        if (room > n - queued)
+            room = n - queued;
+        unsigned got = room ? take_credits(eng, (unsigned)room, small, queued == completed,
+                                           &held) : 0;
+        for (unsigned i = 0; i < got; i++)
             ple_ring_prep_read(ring, &reads[queued++]);
         unsigned taken_back = 0;
+        size_t before = completed;
         int rc = ple_ring_submit_and_reap(ring, 1, count_done, &completed, &taken_back);
         if (rc < 0) {
             /* The kernel refused the submission: the SQEs it had not consumed
@@ -167,10 +259,13 @@ static void run_on_ring(ple_ring *ring, ple_read *reads, size_t n)
              * not queued yet fail with that error. Reads already in flight
              * are still reaped by this loop before the buffers are handed
              * back to the caller. */
+            give_credits(eng, taken_back, &held);
             fail_reads(reads + queued - taken_back, n - (queued - taken_back), -rc);
             completed += n - (queued - taken_back);
             queued = n;
+            continue;
         }
+        give_credits(eng, (unsigned)(completed - before), &held);
     }
 }
 
@@ -193,7 +288,7 @@ void ple_engine_run(ple_engine *eng, ple_read *reads, size_t n)
             ple_pread_full(&reads[i]);
         return;
     }
-    run_on_ring(ring, reads, n);
+    run_on_ring(eng, ring, reads, n);
     release_ring(eng, ring);
 }
 
@@ -214,6 +309,7 @@ void ple_engine_unref(ple_engine *eng)
     if (eng->pool)
         ple_pool_close(eng->pool);
     pthread_cond_destroy(&eng->ring_freed);
+    pthread_cond_destroy(&eng->credits_freed);
     pthread_mutex_destroy(&eng->lock);
     free(eng);
 }

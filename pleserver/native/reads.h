@@ -19,12 +19,16 @@ enum ple_engine_kind { PLE_KIND_AUTO, PLE_KIND_IO_URING, PLE_KIND_THREADS };
 
 typedef struct ple_engine ple_engine;
 
-/* queue_depth: reads in flight per batch (io_uring) ; threads: pread workers
- * (fallback). kind AUTO falls back to threads when io_uring_setup fails and
+/* queue_depth: reads in flight at most, every batch together (io_uring; a
+ * batch of at most 64 reads may also use a reserve of 64, at most
+ * queue_depth); threads: pread workers (fallback). kind AUTO falls back to threads when io_uring_setup fails and
  * writes why into `reason` (empty when io_uring is used). */
 ple_engine *ple_engine_open(unsigned queue_depth, int kind, unsigned threads,
                             char *reason, size_t reason_size, ple_error *err);
 int ple_engine_kind(const ple_engine *eng);
+/* io_uring: the reads in flight now, every batch together, their highest
+ * since the engine opened, and the small batches' reserve (0 with threads). */
+void ple_engine_in_flight(ple_engine *eng, unsigned *now, unsigned *peak, unsigned *reserve);
 /* Run every read of the batch; each read's res/ns are set on return.
  * Thread-safe. Never fails as a whole: a failure is in the reads' res. */
 void ple_engine_run(ple_engine *eng, ple_read *reads, size_t n);

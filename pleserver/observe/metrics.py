@@ -354,7 +354,18 @@ def _dataplane(plane: DataplaneSnapshot) -> Iterator[Metric]:
     info.add_metric([engine["kind"], engine.get("fallback_reason") or ""], 1)
     yield info
     yield GaugeMetricFamily(
-        "ple_read_queue_depth", "Disk reads in flight at most.", value=engine["queue_depth"]
+        "ple_read_queue_depth",
+        "Disk reads in flight at most, every request together.",
+        value=engine["queue_depth"],
+    )
+    yield GaugeMetricFamily(
+        "ple_reads_in_flight", "Disk reads in flight now.", value=engine.get("in_flight", 0)
+    )
+    yield GaugeMetricFamily(
+        "ple_reads_in_flight_peak",
+        "The most disk reads in flight at once since start (at most queue_depth, and the "
+        "small requests' reserve beyond it).",
+        value=engine.get("peak_in_flight", 0),
     )
     reads = plane.get("read_buffers")
     if reads is not None:

@@ -155,7 +155,10 @@ class CacheSnapshot(TypedDict):
 class EngineSnapshot(TypedDict):
     kind: str
     fallback_reason: str | None
-    queue_depth: int
+    queue_depth: int  # reads in flight at most, every request together
+    small_reserve: int  # and beyond it, for requests of at most 64 reads (io_uring)
+    in_flight: int
+    peak_in_flight: int  # since start
 
 
 class ReadBuffers(TypedDict):

@@ -299,6 +299,12 @@ def format_human(stats: Snapshot) -> str:
         lines.append(
             f"miss engine {engine['kind']}, queue depth {engine['queue_depth']}"
             + (
+                f" (+{engine['small_reserve']} for small requests), reads in flight "
+                f"{engine['in_flight']}, peak {engine['peak_in_flight']}"
+                if engine.get("small_reserve")
+                else ""
+            )
+            + (
                 f" (io_uring not used: {engine['fallback_reason']})"
                 if engine.get("fallback_reason")
                 else ""
