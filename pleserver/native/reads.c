@@ -12,6 +12,10 @@
  * large one's credits, and has all its reads in flight at once (a smaller
  * reserve would send them in waves behind a busy engine); at the device it
  * waits behind at most queue_depth reads and the other small batches'.
+ * Large batches share queue_depth evenly: each keeps at most its share
+ * (queue_depth over the large batches running) in flight, so one long round
+ * cannot take every credit back as fast as it gives them up while another
+ * batch waits.
  *
  * Syscalls here: pread64 in the fallback; the rings' own are in ring.c. */
 #include <errno.h>
@@ -63,6 +67,7 @@ struct ple_engine {
     unsigned reserve;            /* and of the reserve, for small batches only */
     unsigned reserve_size;
     unsigned in_flight;          /* reads in flight, every ring together */
+    unsigned large_batches;      /* large batches running: they share queue_depth */
     unsigned peak_in_flight;     /* its highest since the engine opened */
     ple_ring *free_rings[PLE_MAX_RINGS];  /* a stack: the last one given back first */
     unsigned nfree;
@@ -190,6 +195,16 @@ static unsigned take_credits(ple_engine *eng, unsigned want, int small, int bloc
     pthread_mutex_lock(&eng->lock);
     while (block && eng->credits == 0 && !(small && eng->reserve > 0))
         pthread_cond_wait(&eng->credits_freed, &eng->lock);
+    if (!small) {  /* at most its share (≥ 1: a batch with none in flight progresses) */
+        unsigned share = eng->queue_depth / (eng->large_batches ? eng->large_batches : 1);
+        if (share < 1)
+            share = 1;
+        unsigned room = held->common < share ? share - held->common : 0;
+        if (room == 0 && block)
+            room = 1;
+        if (want > room)
+            want = room;
+    }
     unsigned got = 0;
     if (small) {
         unsigned r = want < eng->reserve ? want : eng->reserve;
@@ -233,12 +248,25 @@ static void fail_reads(ple_read *reads, size_t n, int code)
     }
 }
 
+/* A large batch begins or ends: the large batches' shares change. */
+static void count_large(ple_engine *eng, int begins)
+{
+    pthread_mutex_lock(&eng->lock);
+    if (begins)
+        eng->large_batches++;
+    else
+        eng->large_batches--;
+    pthread_mutex_unlock(&eng->lock);
+}
+
 static void run_on_ring(ple_engine *eng, ple_ring *ring, ple_read *reads, size_t n)
 {
     size_t queued = 0, completed = 0;
     unsigned depth = ple_ring_entries(ring);
     int small = n <= SMALL_BATCH;
     held_credits held = {0, 0};
+    if (!small)
+        count_large(eng, 1);
     while (completed < n) {
         /* Keep the queue full, within the ring's depth and the engine's
          * credits (waited for only with nothing of ours to reap), then wait
@@ -267,6 +295,8 @@ static void run_on_ring(ple_engine *eng, ple_ring *ring, ple_read *reads, size_t
         }
         give_credits(eng, (unsigned)(completed - before), &held);
     }
+    if (!small)
+        count_large(eng, 0);
 }
 
 static void pread_task(void *ctx, size_t index)
