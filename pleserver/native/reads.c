@@ -281,6 +281,8 @@ static void run_on_ring(ple_engine *eng, ple_ring *ring, ple_read *reads, size_t
         unsigned taken_back = 0;
         size_t before = completed;
         int rc = ple_ring_submit_and_reap(ring, 1, count_done, &completed, &taken_back);
+        /* The reads reaped, also by a call that then failed a submission. */
+        give_credits(eng, (unsigned)(completed - before), &held);
         if (rc < 0) {
             /* The kernel refused the submission: the SQEs it had not consumed
              * were taken back (the newest queued reads); they and the reads
@@ -291,9 +293,7 @@ static void run_on_ring(ple_engine *eng, ple_ring *ring, ple_read *reads, size_t
             fail_reads(reads + queued - taken_back, n - (queued - taken_back), -rc);
             completed += n - (queued - taken_back);
             queued = n;
-            continue;
         }
-        give_credits(eng, (unsigned)(completed - before), &held);
     }
     if (!small)
         count_large(eng, 0);
