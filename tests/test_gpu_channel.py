@@ -408,9 +408,9 @@ def test_many_gpu_driven_channels_cost_the_loop_by_their_rings_not_their_number(
     word per channel and scans only a channel that rang, so a bystander that
     alternates between the two servers is served about as fast beside 120
     channels as beside one (alternating, the machine's load weighs on both
-    alike), and the serving thread beside 120 mostly sleeps. (Reading all
-    7 680 doorbells on every pass multiplied the bystander's p50 and kept the
-    thread busy most of the time.)"""
+    alike), and the serving thread beside 120 uses about what it uses beside
+    one. (Reading all 7 680 doorbells on every pass multiplied the bystander's
+    p50 and kept the thread busy most of the time.)"""
     flags = ("--max-clients", str(MANY_CHANNELS + 8))
     flags += ("--max-gpu-slots-per-uid", str(MANY_CHANNELS * MANY_SLOTS))
     few, many = start_server(checkpoint, *flags), start_server(checkpoint, *flags)
@@ -439,9 +439,14 @@ def test_many_gpu_driven_channels_cost_the_loop_by_their_rings_not_their_number(
                     assert np.array_equal(rows, references[1][ids])
                     time.sleep(0.001)
         time.sleep(0.3)  # the loop stops spinning after the bystander's last lookup
-        before, started = serving_thread_cpu_seconds(many.pid), time.monotonic()
-        time.sleep(4.5)  # 5 rings
-        cpu = (serving_thread_cpu_seconds(many.pid) - before) / (time.monotonic() - started)
+        # Both servers' serving threads over the same seconds: a loaded machine
+        # weighs on both alike.
+        pids = {"few": few.pid, "many": many.pid}
+        before = {k: serving_thread_cpu_seconds(pid) for k, pid in pids.items()}
+        started = time.monotonic()
+        time.sleep(4.5)  # 5 rings each
+        took = time.monotonic() - started
+        cpu = {k: (serving_thread_cpu_seconds(pid) - before[k]) / took for k, pid in pids.items()}
     finally:
         for ringer in ringers:
             ringer.stop()
@@ -456,7 +461,13 @@ def test_many_gpu_driven_channels_cost_the_loop_by_their_rings_not_their_number(
         f"the bystander's p50 was {beside_many * 1e3:.2f} ms beside {MANY_CHANNELS} "
         f"GPU-driven channels, {beside_one * 1e3:.2f} ms beside one"
     )
-    assert cpu < 0.2, f"the serving thread used {cpu:.0%} of a core for a ring every 0.9 s"
+    # ≈ 13 % and 13 % of a core on a quiet machine (the polls of rung words,
+    # one a millisecond, and every 50 µs for 0.1 s after each ring); a scan of
+    # every doorbell on every pass took the thread beside 120 channels to 42 %.
+    assert cpu["many"] < 0.05 + 2 * cpu["few"], (
+        f"the serving thread used {cpu['many']:.0%} of a core beside {MANY_CHANNELS} "
+        f"GPU-driven channels rung every 0.9 s, {cpu['few']:.0%} beside one"
+    )
 
 
 SCRIBBLER = """
