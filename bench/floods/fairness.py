@@ -35,17 +35,31 @@ bystander's table (1 M rows) is not warmed and does not fit the cache: its
 lookups are misses, handed to the gather workers beside the submitters'.
 
     python -m bench.floods.fairness --attack large-cold --submitters 0,1,3
+
+The control (``--disk-load QD,…``): after the submitters' cases, the
+bystander beside a process that reads the checkpoint's file itself, 4 KiB
+``O_DIRECT`` random reads at each queue depth given (``DISK_LOAD``: the disk
+probe of ``pleserver doctor``), sending the server nothing. With
+``--cold-bystander`` the bystander's reads then queue at the disk behind that
+many reads of another process: the floor under what a submitter's cold reads
+through the server (at most ``queue_depth``, 128, in flight) can cost it.
+
+    python -m bench.floods.fairness --attack large-cold --cold-bystander --submitters 0,1 \
+        --disk-load 32,128
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import json
+import os
 import sys
 import time
 
 import numpy as np
 
-from bench.harness.load import Helpers, bystander, latency_ms
+from bench.harness.load import DISK_LOAD, Helpers, bystander, latency_ms
 from bench.harness.provenance import OthersMeter, footer, loadavg, machine, source
 from bench.harness.scaffold import add_json, add_load, add_server_args, parser, save_json, work_dir
 from bench.harness.servers import Server, hist_quantiles, write_model
@@ -106,6 +120,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="large-cold: the bystander's table (1 M rows) is not warmed and does not fit the "
         "cache: its lookups are misses, handed to the gather workers beside the submitters'",
     )
+    ap.add_argument(
+        "--disk-load",
+        default="",
+        help="comma-separated queue depths: a case beside another process's random reads of "
+        "the checkpoint at each depth, no submitter (the control of --cold-bystander)",
+    )
     add_json(ap)
     return ap.parse_args(argv)
 
@@ -113,27 +133,58 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_case(server: Server, n: int, args) -> dict:
     argv = [server.socket, str(args.seconds + 2), str(args.request_rows), str(args.depth)]
     with Helpers("submitter", SUBMITTER, [argv] * n) as submitters:
-        submitters.wait_ready(server.log_tail)
-        time.sleep(1.0)  # every submitter in its steady state
-        rng = np.random.default_rng(7)
-        meter = OthersMeter([server.proc.pid, *submitters.pids])
-        with PleClient.connect(server.socket, name="bystander", capacity=16, depth=1) as client:
-            before = PleClient.query_stats(server.socket)["tables"][1]
-            meter.start()
-            ms = bystander(client, 1, args.seconds, args.gap_ms, rng)
-            others = meter.stop()
-            after = PleClient.query_stats(server.socket)["tables"][1]
+        case = measure(server, submitters, args)
         reports = submitters.reports()
     submitted_rows = sum(r["rows"] for r in reports)
     return {
+        "case": f"{n} submitter{'s' if n != 1 else ''}",
         "submitters": n,
+        **case,
+        "submitter_rows_per_s": round(submitted_rows / (args.seconds + 2)),
+    }
+
+
+def disk_load_case(server: Server, model: str, queue_depth: int, args) -> dict:
+    """The bystander beside another process's random reads of the checkpoint's
+    files at ``queue_depth`` (``DISK_LOAD``), no submitter."""
+    paths = sorted(glob.glob(os.path.join(model, "*.safetensors")))
+    argv = [json.dumps([paths, queue_depth, args.seconds + 2])]
+    with Helpers("disk load", DISK_LOAD, [argv]) as load:
+        case = measure(server, load, args)
+        report = load.reports(timeout=args.seconds + 60)[0]
+    return {
+        "case": f"disk QD {queue_depth}",
+        "submitters": 0,
+        "disk_load_queue_depth": queue_depth,
+        **case,
+        "disk_load_reads_per_s": round(report["reads_per_s"]),
+    }
+
+
+def measure(server: Server, load: Helpers, args) -> dict:
+    """The bystander's lookups beside ``load`` (ready, then a second to settle),
+    with the server's queue and server time of its table over them."""
+    load.wait_ready(server.log_tail)
+    time.sleep(1.0)  # every helper in its steady state
+    rng = np.random.default_rng(7)
+    meter = OthersMeter([server.proc.pid, *load.pids])
+    with PleClient.connect(server.socket, name="bystander", capacity=16, depth=1) as client:
+        before = PleClient.query_stats(server.socket)["tables"][1]
+        meter.start()
+        ms = bystander(client, 1, args.seconds, args.gap_ms, rng)
+        others = meter.stop()
+        after = PleClient.query_stats(server.socket)["tables"][1]
+    return {
         **latency_ms(ms),
         "server_queue": hist_quantiles(before["queue_time"], after["queue_time"]),
         "server_time": hist_quantiles(before["server_time"], after["server_time"]),
-        "submitter_rows_per_s": round(submitted_rows / (args.seconds + 2)),
         "others_cpu": others,
         "loadavg": loadavg(),
     }
+
+
+def numbers(spec: str) -> list[int]:
+    return [int(x) for x in spec.split(",") if x.strip()]
 
 
 def _pair(q: dict) -> str:
@@ -164,18 +215,24 @@ def main(argv=None) -> int:
                     client.lookup(1, np.arange(100_000))
             result = {"machine": machine(), "source": source(), "args": vars(args), "cases": []}
             print(
-                f"{'submitters':>10} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} "
+                f"{'case':>13} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} "
                 f"{'p99.9 ms':>9} {'max ms':>8} {'queue p50/p99 µs':>17} "
-                f"{'server p50/p99 µs':>18} {'submitter rows/s':>17} {'others cpu':>10}"
+                f"{'server p50/p99 µs':>18} {'rows|reads/s':>12} {'others cpu':>10}"
             )
-            for n in [int(x) for x in args.submitters.split(",") if x.strip()]:
-                case = run_case(server, n, args)
+            plan = [("submitters", n) for n in numbers(args.submitters)]
+            plan += [("disk load", depth) for depth in numbers(args.disk_load)]
+            for kind, n in plan:
+                if kind == "submitters":
+                    case = run_case(server, n, args)
+                else:
+                    case = disk_load_case(server, model, n, args)
                 result["cases"].append(case)
+                load = case.get("submitter_rows_per_s", case.get("disk_load_reads_per_s"))
                 print(
-                    f"{case['submitters']:>10} {case['bystander_lookups']:>8} "
+                    f"{case['case']:>13} {case['bystander_lookups']:>8} "
                     f"{case['p50_ms']:>8.3f} {case['p99_ms']:>8.3f} {case['p999_ms']:>9.3f} "
                     f"{case['max_ms']:>8.3f} {_pair(case['server_queue']):>17} "
-                    f"{_pair(case['server_time']):>18} {case['submitter_rows_per_s']:>17,} "
+                    f"{_pair(case['server_time']):>18} {load or 0:>12,} "
                     f"{100 * case['others_cpu']:>9.1f}%",
                     flush=True,
                 )

@@ -7,12 +7,19 @@ Writes one synthetic FP8 table (default 4 M rows × 160 cols = 160-byte rows,
 a row cache of ``--cache-size`` (default 64M: the table is ≈ 10 × the cache,
 so random rows miss and go to disk). A *bystander* — capacity 16, depth 1 —
 looks up 16 random ids, one lookup every ``--gap-ms``, for ``--seconds``, in
-three cases:
+four cases:
 
   alone    nobody else;
   flood    beside a *flooder*, a process that hints 8 × 16 384 random ids of
            the same table as fast as ``PleClient.hint`` takes them (every
            free slot, again and again): the disk is as busy as hints can make it;
+  burn     beside as many processes as the flood has, each keeping a core
+           busy and sending the server nothing (at the flooder's nice): the
+           control. On a machine of few cores a flood's processes take CPU the
+           server and the bystander would use; what the bystander loses here
+           is what sharing the cores costs it alone, the floor under the
+           flood's figures, and ``flood / burn`` what the server's handling
+           of the flood adds to that;
   alone    again, after the flood (what the flood left behind in the cache
            and the disk, and the machine's drift).
 
@@ -35,7 +42,8 @@ doorbell rung again and again with 1 id, beside the cached bystander.
 
 For each case it reports the bystander's p50 / p99 / p99.9 / max (the whole
 ``lookup`` call), the server's misses per lookup, and, for the flood, the
-hints received, read, cached and dropped by reason; then the ratio of the
+hints received, read, cached and dropped by reason, the cores the flood's
+or the burners' processes kept busy (``load cores``); then the ratio of the
 flood's p50 and p99 to the first ``alone`` case's. Hints are read only while
 no lookup is with a gather worker, so the ratio's distance from 1 is what a
 flood costs a lookup (one batch of hint reads ahead of its own in the miss
@@ -57,8 +65,8 @@ import time
 
 import numpy as np
 
-from bench.harness.load import Helpers, bystander, latency_ms
-from bench.harness.provenance import OthersMeter, footer, loadavg, machine, source
+from bench.harness.load import CPU_BURNER, Helpers, bystander, cores_used, latency_ms
+from bench.harness.provenance import OthersMeter, footer, loadavg, machine, proc_ticks, source
 from bench.harness.scaffold import add_json, add_load, add_server_args, parser, save_json, work_dir
 from bench.harness.servers import write_model
 from pleclient import PleClient
@@ -105,6 +113,11 @@ for client in clients:
     client.close()
 print(json.dumps({"sent": sent, "skipped": skipped}), flush=True)
 """
+
+
+FLOODER_PROCESSES = 1
+"""Every flood is one process (its sessions or channels in one loop); the burn
+case runs as many burners."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -227,11 +240,31 @@ def flood_case(server, args, workdir: str) -> dict:
     with Helpers("flooder", flooder[0], [flooder[1:]], nice=args.flooder_nice) as flooders:
         flooders.wait_ready(server.log_tail)
         time.sleep(1.0)  # the flood in its steady state
+        ticks, t0 = [proc_ticks(p) for p in flooders.pids], time.monotonic()
         case = measure_bystander(
             server.socket, args.seconds, args.gap_ms, [server.pid, *flooders.pids], 2, hot
         )
+        case["load_cores"] = cores_used(flooders.pids, ticks, time.monotonic() - t0)
         open(stop, "w").close()
         case["flooder"] = flooders.reports()[0]
+        return case
+
+
+def burn_case(server, args, workdir: str, processes: int) -> dict:
+    """The bystander beside ``processes`` processes that keep a core busy each
+    and send the server nothing (``CPU_BURNER``), at the flooder's nice: what
+    the flood's processes cost the bystander by sharing the cores alone."""
+    stop = os.path.join(workdir, "stop-burn")
+    argvs = [[stop]] * processes
+    with Helpers("burner", CPU_BURNER, argvs, nice=args.flooder_nice) as burners:
+        burners.wait_ready(server.log_tail)
+        ticks, t0 = [proc_ticks(p) for p in burners.pids], time.monotonic()
+        case = measure_bystander(
+            server.socket, args.seconds, args.gap_ms, [server.pid, *burners.pids], 4, hot_rows(args)
+        )
+        case["load_cores"] = cores_used(burners.pids, ticks, time.monotonic() - t0)
+        open(stop, "w").close()
+        burners.reports()
         return case
 
 
@@ -263,6 +296,7 @@ def main(argv=None) -> int:
                 server.socket, args.seconds, args.gap_ms, pids, 1, hot
             )
             result["flood"] = flood_case(server, args, workdir)
+            result["burn"] = burn_case(server, args, workdir, FLOODER_PROCESSES)
             result["alone_after"] = measure_bystander(
                 server.socket, args.seconds, args.gap_ms, pids, 3, hot
             )
@@ -272,21 +306,26 @@ def main(argv=None) -> int:
 
 
 def report(result: dict) -> None:
-    base, flood = result["alone"], result["flood"]
+    base, flood, burn = result["alone"], result["flood"], result["burn"]
     result["flood_over_alone"] = {
         "p50": round(flood["p50_ms"] / base["p50_ms"], 3),
         "p99": round(flood["p99_ms"] / base["p99_ms"], 3),
     }
+    result["flood_over_burn"] = {
+        "p50": round(flood["p50_ms"] / burn["p50_ms"], 3),
+        "p99": round(flood["p99_ms"] / burn["p99_ms"], 3),
+    }
     print(
         f"{'case':>12} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} {'p99.9 ms':>9} "
-        f"{'max ms':>8} {'misses/lookup':>14} {'others cpu':>10}"
+        f"{'max ms':>8} {'misses/lookup':>14} {'load cores':>10} {'others cpu':>10}"
     )
-    for name in ("alone", "flood", "alone_after"):
+    for name in ("alone", "flood", "burn", "alone_after"):
         c = result[name]
+        load = f"{c['load_cores']:.2f}" if "load_cores" in c else "-"
         print(
             f"{name:>12} {c['bystander_lookups']:>8} {c['p50_ms']:>8.3f} {c['p99_ms']:>8.3f} "
             f"{c['p999_ms']:>9.3f} {c['max_ms']:>8.3f} {c['misses_per_lookup']!s:>14} "
-            f"{100 * c['others_cpu']:>9.1f}%"
+            f"{load:>10} {100 * c['others_cpu']:>9.1f}%"
         )
     h = flood["hints"]
     print(
@@ -296,6 +335,11 @@ def report(result: dict) -> None:
     )
     ratio = result["flood_over_alone"]
     print(f"flood / alone: p50 {ratio['p50']:.3f}, p99 {ratio['p99']:.3f}")
+    ratio = result["flood_over_burn"]
+    print(
+        f"flood / burn (the flood against its processes' CPU alone): "
+        f"p50 {ratio['p50']:.3f}, p99 {ratio['p99']:.3f}"
+    )
     print(footer(result))
 
 

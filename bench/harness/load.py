@@ -17,6 +17,46 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from bench.harness.checkout import REPO
+from bench.harness.provenance import OthersMeter, proc_ticks
+
+CPU_BURNER = """
+import json, os, sys, time
+stop = sys.argv[1]
+print("ready", flush=True)
+while not os.path.exists(stop):
+    for _ in range(100_000):  # the stop file looked at every few ms
+        pass
+print(json.dumps({"cpu_s": round(time.process_time(), 3)}), flush=True)
+"""
+"""A control load: a process that keeps a core busy and asks the server for
+nothing, until its stop file exists. Beside the bystander it shows what
+sharing the machine's cores with a busy process costs a lookup by itself, the
+floor under what a flood of the same processes can cost it."""
+
+DISK_LOAD = """
+import json, sys, time
+from pleserver import _native
+paths, queue_depth, seconds = json.loads(sys.argv[1])
+print("ready", flush=True)
+cpu = time.process_time()
+r = _native.probe_random_reads(paths, block=4096, queue_depth=queue_depth, seconds=seconds,
+                               direct=True, kind="io_uring")
+r["cpu_s"] = round(time.process_time() - cpu, 3)
+print(json.dumps(r), flush=True)
+"""
+"""A control load: 4 KiB ``O_DIRECT`` random reads over ``paths`` at
+``queue_depth`` for ``seconds`` (the disk probe of ``pleserver doctor``), from
+a process of its own that asks the server for nothing. Beside a bystander
+whose lookups read the disk it shows what the disk's own queue costs a read
+at that depth: the floor under what a client's large cold reads through the
+server can cost it."""
+
+
+def cores_used(pids: Sequence[int], ticks0: Sequence[int], wall_s: float) -> float:
+    """The cores ``pids`` kept busy since their CPU ticks were ``ticks0``, over
+    ``wall_s`` seconds."""
+    used = sum(proc_ticks(p) - t for p, t in zip(pids, ticks0, strict=True))
+    return round(used / OthersMeter.HZ / wall_s, 2) if wall_s > 0 else 0.0
 
 
 def bystander(client, table, seconds: float, gap_ms: float, rng: np.random.Generator) -> np.ndarray:
