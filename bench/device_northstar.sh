@@ -7,6 +7,7 @@
 #   bash bench/device_northstar.sh 1    # decode at ≈ 7 ms (1 000 steps) and prefill: ≈ 7 min
 #   bash bench/device_northstar.sh 2    # decode at ≈ 40 ms (250 steps): ≈ 6 min
 #   bash bench/device_northstar.sh 1 --batches 32 --paths a,e,d    # a part of a part
+#   TRACE=bench/traces/engram-text.npz bash bench/device_northstar.sh 1   # Engram (3 MiB trace)
 #
 # Environment (all optional):
 #   PYTHON      interpreter with torch (CUDA), numpy, msgpack (default python3)
@@ -30,7 +31,8 @@ DEADLINE_S=${DEADLINE_S:-480}
 OUT=${OUT:-.}
 
 if [ ! -f "$TRACE" ]; then
-    echo "no trace at $TRACE: build it with python -m bench.sim.text_trace and carry bench/traces" >&2
+    echo "no trace at $TRACE: build it with python -m bench.sim.text_trace (or engram_trace)" \
+         "and carry it" >&2
     exit 2
 fi
 echo "== build the native modules"

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,6 +163,20 @@ def compressed_token_map(tokenizer) -> tuple[np.ndarray, int]:
     transformers tokenizer with a Rust backend (``build_compressed_token_map``:
     each token decoded alone, its text normalized; a partial UTF-8 token keyed
     by its raw form)."""
+    backend = tokenizer.backend_tokenizer
+
+    def spelled(token: int) -> tuple[str, str]:
+        return backend.decode([token], skip_special_tokens=False), backend.id_to_token(token)
+
+    return compressed_map_of(spelled(token) for token in range(len(tokenizer)))
+
+
+def compressed_map_of(tokens: Iterable[tuple[str, str]]) -> tuple[np.ndarray, int]:
+    """``(token_map, size)`` of tokens given in id order as ``(text, raw)``:
+    the token decoded alone, and its raw form (the key of a partial UTF-8
+    token, whose decoded text holds U+FFFD). Tokens whose normalized texts
+    are equal share a compressed id, numbered in order of first appearance
+    (vLLM's ``build_compressed_token_map``)."""
     from tokenizers import Regex, normalizers
 
     sentinel = "\ue000"  # keeps a token of exactly one space apart from ""
@@ -178,16 +192,14 @@ def compressed_token_map(tokenizer) -> tuple[np.ndarray, int]:
             normalizers.Replace(sentinel, " "),
         ]
     )
-    backend = tokenizer.backend_tokenizer
     ids: dict[str, int] = {}
-    token_map = np.zeros(len(tokenizer), dtype=np.int64)
-    for token in range(len(tokenizer)):
-        text = backend.decode([token], skip_special_tokens=False)
+    found: list[int] = []
+    for text, raw in tokens:
         # A partial UTF-8 token has nothing to normalize: keyed by its raw form.
         partial = "\ufffd" in text
-        key = backend.id_to_token(token) if partial else normalizer.normalize_str(text) or text
-        token_map[token] = ids.setdefault(key, len(ids))
-    return token_map, len(ids)
+        key = raw if partial else normalizer.normalize_str(text) or text
+        found.append(ids.setdefault(key, len(ids)))
+    return np.array(found, dtype=np.int64), len(ids)
 
 
 @dataclass(frozen=True, eq=False)

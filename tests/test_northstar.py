@@ -1,7 +1,9 @@
 """``bench/evals/northstar.py`` at a small size on the CPU: a real cold server per
 path, the GPU-driven channel's CPU stand-in, the report. The trace here is a
 small one made for the test (Zipf-distributed ids, so that rows repeat as in
-text); the benchmark itself runs on ``bench/sim/text_trace.py``'s real text.
+text), of one PLE layer or of two Engram layers (tokens, hashed by the
+benchmark as it loads the trace); the benchmark itself runs on
+``bench/sim/text_trace.py``'s and ``bench/sim/engram_trace.py``'s real text.
 
 What must hold: every path that ran returned the table's rows; a server path's
 misses are exactly the trace's first-touch ids (a row cache that starts empty
@@ -16,8 +18,10 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
-from bench.sim.text_trace import HEADS, write_npz
+from bench.sim.text_trace import ENGRAM_FORMAT, HEADS, write_npz
+from pleclient.engram import EngramConfig, bucket_primes
 from tests.harness import REPO, shm_entries
 
 TRACE_ROWS = 320_001_536  # the trace's geometry: ids are scaled from it onto the table
@@ -42,9 +46,59 @@ def small_trace(path, tokens: int = 20_000) -> None:
     )
 
 
-def test_northstar_on_the_cpu_checks_rows_and_counts_every_cold_miss(tmp_path):
+def small_engram_trace(path, tokens: int = 20_000) -> None:
+    """An Engram trace (``bench.sim.engram_trace``'s format: tokens and a
+    compressed map, hashed when loaded) of Zipf-ranked tokens, two layers."""
+    rng = np.random.default_rng(7)
+    vocab = 600
+    config = EngramConfig(
+        layer_ids=ENGRAM_LAYERS,
+        max_ngram_size=3,
+        n_heads=2,
+        compressed_vocab_size=400,
+        pad_token_id=0,
+        vocab_size=50_000,
+    )
+    rows = [sum(p) for p in bucket_primes(config)]
+    meta = {
+        "format": ENGRAM_FORMAT,
+        "tokens": tokens,
+        "geometry": {
+            "layer_ids": list(ENGRAM_LAYERS),
+            "max_ngram_size": config.max_ngram_size,
+            "n_heads": config.n_heads,
+            "compressed_vocab_size": config.compressed_vocab_size,
+            "pad_token_id": config.pad_token_id,
+            "engram_vocab_size": config.vocab_size,
+            "heads": config.hash_cols * len(ENGRAM_LAYERS),
+            "ids_per_layer": config.hash_cols,
+            "layer_rows": rows,
+            "rows": sum(rows),
+        },
+    }
+    write_npz(
+        str(path),
+        {
+            "tokens": (rng.zipf(1.3, size=tokens) % vocab).astype(np.int32),
+            "doc_starts": np.array([0, tokens // 2, tokens], np.int64),
+            "token_map": (np.arange(vocab) % config.compressed_vocab_size).astype(np.int32),
+            "meta": np.array(json.dumps(meta)),
+        },
+    )
+
+
+ENGRAM_LAYERS = (1, 3)
+
+
+@pytest.mark.parametrize("family", ["ple", "engram"])
+def test_northstar_on_the_cpu_checks_rows_and_counts_every_cold_miss(tmp_path, family):
     trace, out = tmp_path / "trace.npz", tmp_path / "northstar.json"
-    small_trace(trace)
+    if family == "ple":
+        small_trace(trace)
+        layers = ["--ple-at", "2"]
+    else:  # every case has the trace's two Engram layers
+        small_engram_trace(trace)
+        layers = []
     argv = [
         sys.executable,
         "-m",
@@ -56,8 +110,7 @@ def test_northstar_on_the_cpu_checks_rows_and_counts_every_cold_miss(tmp_path):
         str(tmp_path),
         "--layers",
         "4",
-        "--ple-at",
-        "2",
+        *layers,
         "--batches",
         "8",
         "--steps",
@@ -75,6 +128,9 @@ def test_northstar_on_the_cpu_checks_rows_and_counts_every_cold_miss(tmp_path):
     print(run.stdout[-4000:])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
+    want = {"ple": [[2]], "engram": [list(ENGRAM_LAYERS)]}[family]
+    assert [c["ple_at"] for c in report["cases"]] == want * 2, [c["key"] for c in report["cases"]]
+    assert report["table"]["row_bytes"] == {"ple": 160, "engram": 256}[family]
     assert report["disk"]["1"]["reads_per_s"] > 0 and report["disk"]["128"]["reads_per_s"] > 0
     runs = {(c["kind"], r["path"]): r for c in report["cases"] for r in c["runs"]}
     assert set(runs) == {("decode", p) for p in ("a", "b", "e", "d")} | {

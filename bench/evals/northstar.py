@@ -31,6 +31,17 @@ One run, in this order (``bench/device_northstar.sh`` wraps it for the GPU host)
    all three steps on the warm-up text: the timed text's rows are never
    touched before they are timed.
 
+**Engram** (``--trace bench/traces/engram-text.npz``, from
+``bench/sim/engram_trace.py``: DeepSeek-V4.1-Flash's hash of the same text):
+every case has the trace's two Engram layers (1 and 14; ``--ple-at`` does not
+apply), each reading 24 rows a token (48 in all), and the table's rows are
+256 bytes, an Engram row's FP8 values, which is what a cold Engram row reads
+from disk (the server keeps its 8 bytes of scales resident). Both layers' ids
+index one table (layer 14's past layer 1's rows, scaled together onto the
+table): the reads are those of two tables of that size. The targets
+(issue 30): steady decode ≤ 1.03 × a, and the step's stall (layer 1, one
+layer of compute ahead of it) ≤ 1.2 × its physical bound.
+
 The emulated model (``bench/gpu/decode.py``): ``--layers`` (32) decoder layers
 ``x = tanh(x @ W)``, W [H, H] BF16, H chosen so that one layer's matmul at
 batch 32 takes ``step / layers`` (``--step-ms`` 7 → 219 µs, 40 → 1 250 µs, a
@@ -130,6 +141,7 @@ same cold server, steps timed on the host clock; b is unavailable.
   python -m bench.evals.northstar --part 1 --json ns1.json       # GPU: decode ≈ 7 ms + prefill
   python -m bench.evals.northstar --part 2 --json ns2.json       # GPU: decode ≈ 40 ms
   python -m bench.evals.northstar --cpu                          # this box: ≈ 1 min
+  python -m bench.evals.northstar --cpu --trace bench/traces/engram-text.npz
   bash bench/device_northstar.sh 1                         # on the GPU host
 """
 
@@ -155,7 +167,6 @@ import torch
 
 from bench.evals.cold import ceiling
 from bench.gpu.decode import (
-    IDS_PER_TOKEN,
     Batch,
     GpuDriven,
     Model,
@@ -170,7 +181,7 @@ from bench.gpu.lookup import make_uva_kernel
 from bench.harness.checkout import REPO, TRACE
 from bench.harness.provenance import OthersMeter, machine, source
 from bench.harness.servers import hist_quantiles
-from bench.sim.text_trace import HEADS, load_trace
+from bench.sim.text_trace import load_trace, trace_geometry
 from pleclient import PleClient
 from pleclient.checkpoint import INDEX_FILE, TableSpec, discover_tables
 from pleclient.vllm_plugin.prompt_ahead import SLOT_WAIT_S, unique_in_order
@@ -184,7 +195,8 @@ HINT_PATHS = ("prompt-ahead-arrival", "prompt-ahead")
 AT_STEP_START = ("prompt-ahead-arrival", "prompt-ahead", "e")
 WINDOWS = ("first 50", "warming", "steady", "whole")
 WARMUP_STEPS = 3  # two eager steps before the graph capture, one replay after it
-ROW_BYTES = 160  # FP8, 160 columns: Qwen3.8-Flash-Next's rows
+PLE_ROW_BYTES = 160  # FP8, 160 columns: Qwen3.8-Flash-Next's rows
+ENGRAM_ROW_BYTES = 256  # an Engram row's FP8 values: what a cold row reads (scales resident)
 CHUNK_WORDS = 1 << 20  # 64-bit words of table content per generator stream (8 MiB)
 TABLE_FORMAT = "northstar-table/1"
 TARGET_BATCH = 32
@@ -202,17 +214,21 @@ class Case:
 
     kind: str  # decode | prefill
     step_ms: float  # the target step (sets H); CPU: 0
-    ple_at: int
+    ple_at: tuple[int, ...]  # its PLE (or Engram) layers
     batch: int  # decode: sequences; prefill: tokens per chunk
     steps: int  # decode: steps; prefill: chunks per prompt
     prompts: int = 1  # prefill: prompts, one after the other
 
     @property
+    def layers(self) -> str:
+        return "+".join(str(i) for i in self.ple_at)
+
+    @property
     def key(self) -> str:
         step = f"{self.step_ms:g} ms" if self.step_ms else "cpu"
         if self.kind == "decode":
-            return f"decode L{self.ple_at} b{self.batch} {step} {self.steps} steps"
-        return f"prefill L{self.ple_at} {self.steps}x{self.batch} {step} {self.prompts} prompts"
+            return f"decode L{self.layers} b{self.batch} {step} {self.steps} steps"
+        return f"prefill L{self.layers} {self.steps}x{self.batch} {step} {self.prompts} prompts"
 
     @property
     def tokens(self) -> int:
@@ -358,11 +374,13 @@ def sample_rows_match(spec: TableSpec, data: np.ndarray, count: int, seed: int) 
 def prepare_table(args, workdir: str) -> tuple[TableSpec, np.ndarray, dict]:
     """The table on disk and in memory, written or reused; what happened."""
     rows = args.rows
-    spec = SyntheticTable(layer=0, rows=rows, cols=ROW_BYTES, dtype="F8_E4M3", parts=args.parts)
+    spec = SyntheticTable(
+        layer=0, rows=rows, cols=args.row_bytes, dtype="F8_E4M3", parts=args.parts
+    )
     manifest = {
         "format": TABLE_FORMAT,
         "rows": rows,
-        "row_bytes": ROW_BYTES,
+        "row_bytes": args.row_bytes,
         "dtype": spec.dtype,
         "parts": args.parts,
         "files": args.files,
@@ -371,7 +389,7 @@ def prepare_table(args, workdir: str) -> tuple[TableSpec, np.ndarray, dict]:
     }
     model_dir = os.path.join(args.table_dir or workdir, "model")
     t0 = time.monotonic()
-    data = table_content(rows, ROW_BYTES, args.seed, os.cpu_count() or 1)
+    data = table_content(rows, args.row_bytes, args.seed, os.cpu_count() or 1)
     info: dict = {"content_s": round(time.monotonic() - t0, 1), "dir": model_dir}
     manifest_path = os.path.join(model_dir, "northstar.json")
     try:
@@ -492,27 +510,49 @@ class Text:
             cursor += case.tokens
 
     def timed(self, case: Case) -> np.ndarray:
-        """int64 [steps, ids per step] of the case's window. Decode: ``batch``
-        sequences of ``steps`` tokens in lock step; prefill: the chunks."""
+        """int64 [steps, the case's layers, ids per step and layer] of the case's
+        window. Decode: ``batch`` sequences of ``steps`` tokens in lock step;
+        prefill: the chunks."""
         a = self.start[case]
-        ids = self.ids[a : a + case.tokens]
-        if case.kind == "prefill":
-            return np.ascontiguousarray(ids.reshape(case.steps * case.prompts, -1))
-        lanes = ids.reshape(case.batch, case.steps, HEADS)
-        return np.ascontiguousarray(lanes.transpose(1, 0, 2).reshape(case.steps, -1))
+        steps = case.steps * case.prompts if case.kind == "prefill" else case.steps
+        return self.layered(self.ids[a : a + case.tokens], case, steps)
 
     def warmup(self, case: Case) -> np.ndarray:
-        """int64 [WARMUP_STEPS, ids per step] from the warm-up text."""
+        """int64 [WARMUP_STEPS, layers, ids] from the warm-up text."""
         ids = self.ids[self.end : self.end + WARMUP_STEPS * case.batch]
+        return self.layered(ids, case, WARMUP_STEPS)
+
+    def layered(self, ids: np.ndarray, case: Case, steps: int) -> np.ndarray:
+        """Consecutive tokens' ids [tokens, heads] as [steps, layers, ids]: each
+        of the case's layers its own block of the trace's columns (a PLE
+        trace's one block serves any PLE layer), a decode step a token of each
+        of ``batch`` sequences, a prefill step a chunk."""
+        per = self.trace.heads // self.trace.layers
+        blocks = [self.block_of(layer) for layer in case.ple_at]
+        cols = np.concatenate([np.arange(b * per, (b + 1) * per) for b in blocks])
+        x = ids[:, cols].reshape(-1, len(blocks), per)  # [tokens, layers, ids]
         if case.kind == "prefill":
-            return np.ascontiguousarray(ids.reshape(WARMUP_STEPS, -1))
-        lanes = ids.reshape(case.batch, WARMUP_STEPS, HEADS)
-        return np.ascontiguousarray(lanes.transpose(1, 0, 2).reshape(WARMUP_STEPS, -1))
+            x = x.reshape(steps, -1, len(blocks), per)  # [chunks, tokens, layers, ids]
+        else:
+            x = x.reshape(case.batch, steps, len(blocks), per).transpose(1, 0, 2, 3)
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(steps, len(blocks), -1))
+
+    def block_of(self, layer: int) -> int:
+        """The trace's column block of ``layer``'s ids."""
+        layer_ids = self.trace.meta["geometry"].get("layer_ids")
+        if self.trace.layers == 1:
+            return 0
+        if layer not in layer_ids:
+            raise SystemExit(f"the trace {self.trace.path} has no ids of layer {layer}")
+        return layer_ids.index(layer)
 
     def first_touch(self, case: Case) -> tuple[np.ndarray, np.ndarray]:
         """``first_touch`` of the case's timed steps after its warm-up."""
         if case not in self.touched:
-            self.touched[case] = first_touch(self.warmup(case), self.timed(case))
+            warm, timed = self.warmup(case), self.timed(case)
+            self.touched[case] = first_touch(
+                warm.reshape(len(warm), -1), timed.reshape(len(timed), -1)
+            )
         return self.touched[case]
 
 
@@ -751,7 +791,14 @@ def model_for(rig: Rig, case: Case) -> Model:
         else:
             hidden, layer_us = args.hidden, cpu_layer_us(args.hidden, TARGET_BATCH)
         model = Model(
-            hidden, args.layers, 1, rig.table.cols, torch.float8_e4m3fn, [0], device=rig.device
+            hidden,
+            args.layers,
+            1,
+            rig.table.cols,
+            torch.float8_e4m3fn,
+            [0],
+            device=rig.device,
+            ids_per_token=args.ids_per_layer,
         )
         rig.models[case.step_ms] = (model, hidden, layer_us)
         step = f"a {case.step_ms:g} ms step" if case.step_ms else "the CPU"
@@ -760,7 +807,7 @@ def model_for(rig: Rig, case: Case) -> Model:
             f"{layer_us:.0f} µs per layer matmul at batch {TARGET_BATCH}"
         )
     model = copy.copy(rig.models[case.step_ms][0])
-    model.ple_at = {case.ple_at: 0}
+    model.ple_at = {layer: j for j, layer in enumerate(case.ple_at)}
     return model
 
 
@@ -897,7 +944,7 @@ class PathRun:
     def __init__(self, case: Case, name: str, rig: Rig, text: Text, run: Run) -> None:
         self.case, self.name, self.rig, self.text, self.run = case, name, rig, text, run
         self.cuda = rig.cuda
-        self.n = case.batch * IDS_PER_TOKEN  # ids per step and PLE layer
+        self.n = case.batch * rig.args.ids_per_layer  # ids per step and PLE layer
         self.per_layer = math.ceil(self.n / rig.args.capacity)  # slots per PLE layer
         self.server: ColdServer | None = None
         self.lookups = self.hints = None
@@ -912,7 +959,9 @@ class PathRun:
         if name in SERVER_PATHS:
             self.server = ColdServer(rig.model_dir, rig.args, rig.workdir)
             rig.cache_bytes = self.server.cache_bytes
-            self.lookups, info = open_lookups(rig, self.server.socket, self.per_layer)
+            self.lookups, info = open_lookups(
+                rig, self.server.socket, self.per_layer * len(self.case.ple_at)
+            )
             if name in HINT_PATHS:
                 self.hints = Hints(self.server.socket, rig.table.name, rig.args.capacity)
         warm = self.device_ids(self.text.warmup(self.case))
@@ -938,7 +987,8 @@ class PathRun:
         self.strict = self.cuda and self.path.capturable
 
     def device_ids(self, ids: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(ids).to(self.rig.device).view(-1, 1, self.n)
+        """[steps, PLE layers, ids] on the device."""
+        return torch.from_numpy(ids).to(self.rig.device)
 
     def step(self, s: int) -> None:
         """Enqueue step ``s`` (no host synchronization on CUDA)."""
@@ -987,11 +1037,11 @@ class PathRun:
                 chunks = slice(p * k, (p + 1) * k)
                 with no_host_sync(self.strict):
                     if name == "prompt-ahead-arrival":  # the prompt arrives, then waits
-                        self.hints.hint(timed[chunks])
+                        self.hints.hint(timed[chunks].reshape(k, -1))
                         time.sleep(self.rig.args.queue_wait_ms / 1e3)
                     elif name == "prompt-ahead":  # scheduled: chunk 1 runs next
                         later = slice(p * k + 1, (p + 1) * k)
-                        self.hints.hint(timed[later])
+                        self.hints.hint(timed[later].reshape(k - 1, -1))
                     self.clock.begin(p * k)
                     for s in range(p * k, (p + 1) * k):
                         self.step(s)
@@ -1147,7 +1197,8 @@ def report_case(case: Case, runs: list[Run], rig: Rig) -> None:
     _, hidden, layer_us = rig.models.get(case.step_ms, (None, None, None))
     step = f"≈ {case.step_ms:g} ms step" if case.step_ms else "CPU step"
     say(
-        f"\n### {case.kind}, PLE layer {case.ple_at} of {rig.args.layers}, "
+        f"\n### {case.kind}, {'Engram' if rig.args.engram else 'PLE'} layer "
+        f"{case.layers} of {rig.args.layers}, "
         + (
             f"batch {case.batch}, {case.steps} steps"
             if case.kind == "decode"
@@ -1296,13 +1347,22 @@ def targets(results: dict[Case, list[Run]], args) -> dict:
                 out["decode_mid_e_over_a_whole"] = whole
                 out["decode_mid_steady_le_1.03"] = steady is not None and steady <= 1.03
                 out["decode_mid_whole_le_1.08"] = whole is not None and whole <= 1.08
+            if args.engram and a and e and e.windows and a.windows:
+                # Both Engram layers in one step: layer 14's reads hide behind
+                # 13 layers, layer 1's behind one; the step's ratio holds both.
+                steady = ratio(e.windows["steady"]["mean"], a.windows["steady"]["mean"])
+                out["decode_engram_e_over_a_steady"] = steady
+                out["decode_engram_e_over_a_whole"] = ratio(
+                    e.windows["whole"]["mean"], a.windows["whole"]["mean"]
+                )
+                out["decode_engram_steady_le_1.03"] = steady is not None and steady <= 1.03
             if case.ple_at == early and e and e.bound and "steady" in e.bound:
                 b = e.bound["steady"]
                 out["decode_early_stall_ms"] = b["stall_ms"]
                 out["decode_early_bound_ms"] = b["bound_ms"]
                 out["decode_early_stall_le_1.2_bound"] = b["stall_over_bound"] <= 1.2
         if case.kind == "prefill" and case.steps == 4 and a and a.prompts:
-            key = f"prefill4_L{case.ple_at}"
+            key = f"prefill4_L{case.layers}"
             for name in ("prompt-ahead", "prompt-ahead-arrival", "e"):
                 r = at.get(name)
                 if r and r.prompts:
@@ -1350,7 +1410,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="run on the CPU at a small size (the default without CUDA)",
     )
-    ap.add_argument("--trace", default=TRACE)
+    ap.add_argument(
+        "--trace",
+        default=TRACE,
+        help="real-text ids: bench.sim.text_trace's (PLE, the default) or "
+        "bench.sim.engram_trace's (DeepSeek-V4.1's two Engram layers in every case)",
+    )
     ap.add_argument("--cache-size", help="the server's row cache (GPU 1G, CPU 16M)")
     ap.add_argument(
         "--table-factor", type=float, default=10.5, help="table bytes ÷ row cache bytes (10.5)"
@@ -1361,8 +1426,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=20, help="the table content's seed")
     ap.add_argument("--table-dir", help="keep the table here and reuse it (default: temporary)")
     ap.add_argument("--workdir", help="parent of the temporary directory")
-    ap.add_argument("--layers", type=int, help="decoder layers (GPU 32, CPU 8)")
-    ap.add_argument("--ple-at", type=ints, help="PLE layer per case (GPU 1,16; CPU 1,4)")
+    ap.add_argument("--layers", type=int, help="decoder layers (GPU 32, CPU 8; Engram CPU 16)")
+    ap.add_argument(
+        "--ple-at",
+        type=ints,
+        help="PLE layer per case (GPU 1,16; CPU 1,4); an Engram trace's cases have its layers",
+    )
     ap.add_argument("--batches", type=ints, help="decode batches (GPU 1,32,128; CPU 4,32)")
     ap.add_argument("--step-ms", type=floats, help="decode step targets (part 1: 7, part 2: 40)")
     ap.add_argument(
@@ -1391,9 +1460,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.cpu is None:
         args.cpu = not torch.cuda.is_available()
     gpu = not args.cpu
+    if not os.path.exists(args.trace):
+        built = "engram_trace" if "engram" in os.path.basename(args.trace) else "text_trace"
+        ap.error(f"no trace at {args.trace}: build it with python -m bench.sim.{built}")
+    geometry = trace_geometry(args.trace)
+    args.engram, args.ids_per_layer = geometry["engram"], geometry["ids_per_layer"]
+    args.row_bytes = ENGRAM_ROW_BYTES if args.engram else PLE_ROW_BYTES
+    if args.engram and args.ple_at:
+        ap.error(f"--ple-at: an Engram trace's cases have its own layers {geometry['layer_ids']}")
     defaults = {
         "cache_size": ("1G", "16M"),
-        "layers": (32, 8),
+        "layers": (32, 16 if args.engram else 8),
         "ple_at": ([1, 16], [1, 4]),
         "batches": ([1, 32, 128], [4, 32]),
         "prompts": ([1, 4], [1, 4]),
@@ -1413,10 +1490,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"unknown paths {sorted(set(args.paths) - set(PATHS))}; use {PATHS}")
     args.paths = [p for p in PATHS if p in args.paths]  # the documented order
     if args.rows is None:
-        args.rows = int(args.table_factor * parse_size(args.cache_size)) // ROW_BYTES
-    if not all(0 <= i < args.layers for i in args.ple_at):
-        ap.error(f"--ple-at {args.ple_at}: layers are 0..{args.layers - 1}")
-    if args.chunk_tokens * IDS_PER_TOKEN > 64 * args.capacity:
+        args.rows = int(args.table_factor * parse_size(args.cache_size)) // args.row_bytes
+    # Each case's layers: one PLE layer a case, or every Engram layer in every case.
+    args.ple_at = [tuple(geometry["layer_ids"])] if args.engram else [(i,) for i in args.ple_at]
+    if not all(0 <= i < args.layers for layers in args.ple_at for i in layers):
+        ap.error(f"layers {args.ple_at}: the model's layers are 0..{args.layers - 1}")
+    most = max(len(layers) for layers in args.ple_at)
+    if math.ceil(args.chunk_tokens * args.ids_per_layer / args.capacity) * most > 64:
         ap.error("a chunk needs more than 64 slots: raise --capacity")
     return args
 
@@ -1446,7 +1526,11 @@ def main(argv=None) -> int:
         )
     results: dict[Case, list[Run]] = {}
     try:
-        say(f"== table: {args.rows:,} rows × {ROW_BYTES} B FP8 for a {args.cache_size} row cache")
+        kind = " (Engram rows' values: the scales stay resident)" if args.engram else ""
+        say(
+            f"== table: {args.rows:,} rows × {args.row_bytes} B FP8 for a {args.cache_size} "
+            f"row cache{kind}"
+        )
         table, data, report["table"] = prepare_table(args, workdir)
         t = report["table"]
         say(

@@ -112,8 +112,10 @@ class Result:
 
 # ----------------------------------------------------------------- the model
 class Model:
-    """The weights shared by every batch: ``W`` [H, H], ``Wp`` [16 · cols, H].
-    ``ple_at``: the PLE layers' indices (default: ``ple`` of them evenly spread)."""
+    """The weights shared by every batch: ``W`` [H, H], ``Wp`` [ids · cols, H].
+    ``ple_at``: the PLE layers' indices (default: ``ple`` of them evenly spread);
+    ``ids_per_token``: the rows a PLE layer reads a token (16; an Engram layer
+    24)."""
 
     def __init__(
         self,
@@ -124,10 +126,12 @@ class Model:
         row_dtype,
         ple_at: list[int] | None = None,
         device: str = DEVICE,
+        ids_per_token: int = IDS_PER_TOKEN,
     ) -> None:
         self.hidden, self.layers, self.row_dtype, self.device = hidden, layers, row_dtype, device
+        self.ids_per_token = ids_per_token
         self.W = torch.randn(hidden, hidden, device=device, dtype=torch.bfloat16) / hidden**0.5
-        k = IDS_PER_TOKEN * cols
+        k = ids_per_token * cols
         self.Wp = torch.randn(k, hidden, device=device, dtype=torch.bfloat16) / (k**0.5 * 64)
         if ple_at is None:
             ple_at = [(j * layers) // ple + layers // (2 * ple) for j in range(ple)]
@@ -157,7 +161,7 @@ class Model:
 
 class Batch:
     """A step's static buffers: hidden state, ids and rows per PLE layer.
-    ``id_sets`` [steps, PLE layers, tokens · 16]: the ids of each step (default:
+    ``id_sets`` [steps, PLE layers, tokens · ids a token]: the ids of each step (default:
     ``sets`` steps of random ids); ``feed`` takes them in turn."""
 
     def __init__(
@@ -170,7 +174,7 @@ class Batch:
         id_sets: torch.Tensor | None = None,
     ) -> None:
         ple, device = len(model.ple_at), model.device
-        self.tokens, self.n = tokens, tokens * IDS_PER_TOKEN
+        self.tokens, self.n = tokens, tokens * model.ids_per_token
         gen = torch.Generator(device=device).manual_seed(tokens)
         self.x = torch.randn(tokens, model.hidden, device=device, dtype=torch.bfloat16)
         self.ids = torch.zeros(ple, self.n, device=device, dtype=torch.int64)

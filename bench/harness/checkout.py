@@ -17,6 +17,7 @@ from pathlib import Path
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(BENCH)
 TRACE = os.path.join(BENCH, "traces", "qwen-text.npz")  # bench.sim.text_trace's real-text trace
+ENGRAM_TRACE = os.path.join(BENCH, "traces", "engram-text.npz")  # bench.sim.engram_trace's
 
 
 def installed_first() -> None:

@@ -48,6 +48,7 @@ import re
 import sys
 import time
 import zipfile
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -59,6 +60,7 @@ log = logging.getLogger("bench.sim.text_trace")
 HEADS_PER_NGRAM = 8
 NGRAM_SIZE = 3
 HEADS = (NGRAM_SIZE - 1) * HEADS_PER_NGRAM
+ENGRAM_FORMAT = "pleserver-engram-trace/1"  # bench.sim.engram_trace's files
 NGRAM_VOCAB_BASE = 20_000_000  # Qwen4ExpTextConfig default: ≈ 320 M rows over 16 heads
 UNIGRAM_VOCAB = 248_320  # Qwen4ExpTextConfig default vocab_size (Qwen3.5/3.6 tokenizer)
 DIVISOR = 128  # make_ngram_vocab_size_divisible_by
@@ -285,18 +287,30 @@ def write_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
 
 
 class Trace:
-    """A loaded trace: ids int64 [tokens, 16], documents, metadata."""
+    """A loaded trace: ids int64 [tokens, heads], documents, metadata.
+
+    ``heads`` ids a token: 16 for a PLE trace (one layer's), 48 for an Engram
+    trace (``bench.sim.engram_trace``: its 2 layers' 24, hashed here, each
+    layer's offset past the rows of the layers before it); ``layers``: the
+    layers whose ids a token has, ``heads / layers`` each."""
 
     def __init__(self, path: str) -> None:
         with np.load(path, allow_pickle=False) as z:
-            self.ids = z["ids"].astype(np.int64)
             self.tokens = z["tokens"]
             self.doc_starts = z["doc_starts"]
             self.meta = json.loads(z["meta"].item())
+            if self.meta["format"] == ENGRAM_FORMAT:
+                from bench.sim.engram_trace import engram_ids
+
+                self.ids, _ = engram_ids(self.tokens, self.doc_starts, z["token_map"], self.meta)
+            else:
+                self.ids = z["ids"].astype(np.int64)
         with open(path, "rb") as f:
             self.sha256 = sha256_bytes(f.read())
         self.path = path
         self.rows = int(self.meta["geometry"]["rows"])
+        self.heads = int(self.ids.shape[1])
+        self.layers = len(self.meta["geometry"].get("layer_ids", [0]))
 
     def scaled_ids(self, rows: int) -> np.ndarray:
         """The ids mapped onto a table of ``rows`` rows, proportionally (each
@@ -310,22 +324,50 @@ class Trace:
         equal lanes, decoded in lock step (step t = token t of every lane)."""
         ids = self.ids if rows is None else self.scaled_ids(rows)
         lane = len(ids) // sequences
-        lanes = ids[: lane * sequences].reshape(sequences, lane, HEADS)
-        return np.ascontiguousarray(lanes.transpose(1, 0, 2).reshape(lane, sequences * HEADS))
+        lanes = ids[: lane * sequences].reshape(sequences, lane, self.heads)
+        return np.ascontiguousarray(lanes.transpose(1, 0, 2).reshape(lane, sequences * self.heads))
 
     def prefill_chunks(self, tokens: int = 2048, rows: int | None = None) -> np.ndarray:
         """int64 [chunks, tokens * 16]: the token stream in chunks of ``tokens``."""
         ids = self.ids if rows is None else self.scaled_ids(rows)
         n = len(ids) // tokens
-        return np.ascontiguousarray(ids[: n * tokens].reshape(n, tokens * HEADS))
+        return np.ascontiguousarray(ids[: n * tokens].reshape(n, tokens * self.heads))
 
 
 def load_trace(path: str) -> Trace:
     return Trace(path)
 
 
+def trace_geometry(path: str) -> dict:
+    """What a trace's tokens read, from its metadata alone (no ids hashed):
+    ``engram`` (an Engram trace), ``layer_ids`` (an Engram trace's layers;
+    None: a PLE trace, whose ids serve any PLE layer) and ``ids_per_layer``."""
+    with np.load(path, allow_pickle=False) as z:
+        meta = json.loads(z["meta"].item())
+    geometry = meta["geometry"]
+    engram = meta["format"] == ENGRAM_FORMAT
+    return {
+        "engram": engram,
+        "layer_ids": list(geometry["layer_ids"]) if engram else None,
+        "ids_per_layer": int(geometry["ids_per_layer"] if engram else geometry.get("heads", HEADS)),
+    }
+
+
 # ---------------------------------------------------------------------- main
-def build(args) -> dict:
+@dataclass
+class Documents:
+    """The sources' documents, tokenized (``--source``, ``--max-tokens``,
+    ``--min-doc-tokens``), and the tokenizer."""
+
+    tokenizer: object
+    eos: int
+    tokenizer_meta: dict
+    sources: list[dict]
+    names: list[str]
+    tokens: list[np.ndarray]  # int32, one array a document
+
+
+def tokenized(args) -> Documents:
     tok, eos, tok_meta = qwen_tokenizer()
     documents, sources = [], []
     for name in args.source:
@@ -352,6 +394,13 @@ def build(args) -> dict:
         total,
         time.monotonic() - t0,
     )
+    return Documents(tok, eos, tok_meta, sources, names, doc_tokens)
+
+
+def build(args) -> dict:
+    docs = tokenized(args)
+    eos, tok_meta, sources = docs.eos, docs.tokenizer_meta, docs.sources
+    doc_tokens, names = docs.tokens, docs.names
     if args.check:
         check_against_vllm(eos, max(doc_tokens, key=len)[:4096])
 
@@ -414,6 +463,19 @@ def build(args) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = parser(__doc__, work_dir=False)
     ap.add_argument("--out", default=TRACE, help="where the trace goes")
+    add_text_args(ap)
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="first prove the hasher equals vLLM's constructed module",
+    )
+    args = ap.parse_args(argv)
+    args.source = args.source or list(SOURCES)
+    return args
+
+
+def add_text_args(ap: argparse.ArgumentParser) -> None:
+    """The text's options (``tokenized``)."""
     ap.add_argument(
         "--source",
         action="append",
@@ -429,14 +491,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--min-doc-tokens", type=int, default=16, help="leave out documents shorter than this"
     )
-    ap.add_argument(
-        "--check",
-        action="store_true",
-        help="first prove the hasher equals vLLM's constructed module",
-    )
-    args = ap.parse_args(argv)
-    args.source = args.source or list(SOURCES)
-    return args
 
 
 def main(argv=None) -> int:
