@@ -434,9 +434,9 @@ class ServerConfig:
     spin_us: int = _setting(
         2000,
         "duration",
-        "How long the serving loop spins after the last request before it blocks "
-        "(0: never spin); only after requests of CPU-driven channels: a GPU's are "
-        "looked for every gpu_poll_us.",
+        "How long the serving loop spins after the last lookup before it blocks "
+        "(0: never spin); only after lookups of CPU-driven channels: a GPU's are "
+        "looked for every gpu_poll_us, and a hint's client waits for nothing.",
         minimum=0,
         unit="us",
     )
@@ -445,7 +445,7 @@ class ServerConfig:
         "duration",
         "How often the serving loop looks at the doorbells of GPU-driven "
         "channels once it stops spinning (a GPU cannot wake it); after 0.1 s "
-        "without a doorbell, every millisecond.",
+        "without a lookup's doorbell (hints do not count), every millisecond.",
         minimum=1,
         unit="us",
     )

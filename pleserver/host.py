@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 
 from pleserver.observe.stats import format_bytes
@@ -38,6 +40,8 @@ UNKNOWN = 1 << 62
 """What ``mem_available`` answers when /proc/meminfo cannot be read."""
 MEMINFO = "/proc/meminfo"
 MEMINFO_ENV = "PLE_SERVER_MEMINFO"
+
+log = logging.getLogger("pleserver.host")
 """Names a file read instead of ``MEMINFO`` (tests; see the module's docstring)."""
 
 
@@ -207,6 +211,20 @@ def _errno_error(what: str) -> OSError:
 def name_thread(name: bytes) -> None:
     """Name the calling thread for the kernel (at most 15 bytes are kept)."""
     libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+
+
+def lower_priority(by: int) -> None:
+    """Raise the calling thread's nice value by ``by`` (Linux: a thread's nice
+    is its own; raising it needs no privilege), so that under contention the
+    scheduler runs the process's other threads, and its clients, first. A
+    refusal (a seccomp profile, say) is logged and left: the thread runs at the
+    process's priority, as before."""
+    tid = threading.get_native_id()
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + by))
+    except OSError as exc:
+        log.debug("cannot lower thread %d's priority: %s", tid, exc)
 
 
 def set_timer_slack(ns: int) -> None:

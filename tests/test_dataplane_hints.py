@@ -460,3 +460,95 @@ def test_hinted_rows_are_counted_per_table_taken_over_and_forgotten():
     assert hinted.live[0] == 0 and hinted.take(0, np.arange(100)).size == 0
     assert hinted.live[1] > 0  # the other table's stay
     assert int((hinted.slots >= 0).sum()) == hinted.live.sum()
+
+
+def server_threads(pid: int) -> dict[int, dict]:
+    """The server's threads by id: each one's name, nice and voluntary context
+    switches (its sleeps ended) so far."""
+    import glob
+    import os
+
+    found = {}
+    for task in glob.glob(f"/proc/{pid}/task/*"):
+        try:
+            with open(f"{task}/comm") as f:
+                name = f.read().strip()
+            with open(f"{task}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"{task}/status") as f:
+                switches = next(
+                    int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches")
+                )
+        except (OSError, StopIteration):
+            continue  # a thread that ended meanwhile
+        found[int(os.path.basename(task))] = {
+            "name": name,
+            "nice": int(fields[16]),
+            "switches": switches,
+        }
+    return found
+
+
+def named(threads: dict[int, dict], name: str) -> dict:
+    return next(t for t in threads.values() if t["name"] == name)
+
+
+def test_hints_never_make_the_loop_spin_and_the_reader_runs_below_the_server(
+    start_server, model, refs, tmp_path
+):
+    """The serving loop spins after a lookup (``spin_us``: the client's next
+    lookup is seen without a futex wake-up), never after a hint, whose client
+    waits for nothing: a flood of hints kept the loop busy beside the clients
+    it serves. The hint reader thread runs at a nice 10 above the server's, so
+    that on a busy machine lookups, and their clients, get the CPU first."""
+    server = serve(start_server, model, tmp_path, "24M")
+    with server.client(capacity=16, depth=8) as client:
+        client.hint(1, np.array([5]), wait=10.0)  # the reader has begun
+        time.sleep(0.1)  # past any spin of the hello's or the first hint's
+        spun = client.stats()["spin_seconds"]
+        for k in range(200):  # a hint every 1.5 ms, each shorter apart than a spin
+            client.hint(1, np.array([10 + k]), wait=10.0)
+            time.sleep(0.0015)
+        time.sleep(0.05)
+        assert client.stats()["spin_seconds"] == spun, "the loop spun after hints"
+        for _ in range(5):
+            ids = np.arange(100, 116)
+            assert np.array_equal(client.lookup(1, ids), refs[1][ids])
+        time.sleep(0.05)
+        assert client.stats()["spin_seconds"] > spun, "no spin after lookups"
+    threads = server_threads(server.pid)
+    main = threads[server.pid]
+    assert named(threads, "ple-hints")["nice"] == min(19, main["nice"] + 10), threads
+    assert named(threads, "ple-serving")["nice"] == main["nice"], threads
+    assert server.running and "Traceback" not in server.log()
+
+
+def test_a_gpu_driven_channel_that_only_hints_is_looked_at_every_millisecond(
+    start_server, model, refs, tmp_path
+):
+    """A GPU-driven channel is looked at every ``gpu_poll_us`` (50 µs) for a
+    while after a lookup: a decoding engine's next step rings soon. After a
+    hint it is looked at every millisecond, as an idle one: hints are best
+    effort, and rings of hints alone kept the loop waking 20 000 times a
+    second beside the clients it serves. The serving thread's sleeps over a
+    second of hint rings say which: about 20 000 ended at the fast look, a
+    few hundred at the slow one (each hint's own wake-up among them)."""
+    from pleclient.gpu import GpuLookups
+
+    server = serve(start_server, model, tmp_path, "24M")
+    with GpuLookups.open(server.socket, device="cpu", capacity=64, depth=4) as gl:
+        gl.hint(3, 1, np.array([7]))
+        time.sleep(0.3)  # past the fast look of the channel's opening
+        serving = lambda: named(server_threads(server.pid), "ple-serving")  # noqa: E731
+        before, t0 = serving()["switches"], time.monotonic()
+        for k in range(200):  # a ring of one hint every 5 ms
+            gl.hint(3, 1, np.array([1000 + k]))
+            time.sleep(0.005)
+        per_s = (serving()["switches"] - before) / (time.monotonic() - t0)
+        assert per_s < 4000, f"the serving thread woke {per_s:.0f} times a second"
+        gl.ring(0, 1, np.arange(16))  # lookups still answered
+        out = np.empty((16, refs[1].shape[1]), dtype=np.uint8)
+        gl.collect(0, out)
+        assert np.array_equal(out, refs[1][:16])
+        assert gl.failure is None
+    assert server.running and "Traceback" not in server.log()

@@ -31,8 +31,10 @@ and each submitter keeps ``--depth`` (12) slots of ``--request-rows`` (262 144,
 the default ``max_capacity``) random ids of the 2 M-row table submitted: cold
 reads, handed to the gather workers. ``--request-rows 16383`` and ``16384``
 sit either side of ``parallel_min_rows``. With ``--cold-bystander`` the
-bystander's table (1 M rows) is not warmed and does not fit the cache: its
-lookups are misses, handed to the gather workers beside the submitters'.
+bystander's table (1 M rows) is not warmed and does not fit the cache, and
+the bystander never looks a row up twice in the whole run (``FirstTouches``):
+its lookups are misses, handed to the gather workers beside the submitters'
+(``misses``: the bystander's misses per lookup, from its table's counters).
 
     python -m bench.floods.fairness --attack large-cold --submitters 0,1,3
 
@@ -59,7 +61,7 @@ import time
 
 import numpy as np
 
-from bench.harness.load import DISK_LOAD, Helpers, bystander, latency_ms
+from bench.harness.load import DISK_LOAD, FirstTouches, Helpers, bystander, latency_ms
 from bench.harness.provenance import OthersMeter, footer, loadavg, machine, source
 from bench.harness.scaffold import add_json, add_load, add_server_args, parser, save_json, work_dir
 from bench.harness.servers import Server, hist_quantiles, write_model
@@ -130,10 +132,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def run_case(server: Server, n: int, args) -> dict:
+def run_case(server: Server, n: int, args, ids) -> dict:
     argv = [server.socket, str(args.seconds + 2), str(args.request_rows), str(args.depth)]
     with Helpers("submitter", SUBMITTER, [argv] * n) as submitters:
-        case = measure(server, submitters, args)
+        case = measure(server, submitters, args, ids)
         reports = submitters.reports()
     submitted_rows = sum(r["rows"] for r in reports)
     return {
@@ -144,13 +146,13 @@ def run_case(server: Server, n: int, args) -> dict:
     }
 
 
-def disk_load_case(server: Server, model: str, queue_depth: int, args) -> dict:
+def disk_load_case(server: Server, model: str, queue_depth: int, args, ids) -> dict:
     """The bystander beside another process's random reads of the checkpoint's
     files at ``queue_depth`` (``DISK_LOAD``), no submitter."""
     paths = sorted(glob.glob(os.path.join(model, "*.safetensors")))
     argv = [json.dumps([paths, queue_depth, args.seconds + 2])]
     with Helpers("disk load", DISK_LOAD, [argv]) as load:
-        case = measure(server, load, args)
+        case = measure(server, load, args, ids)
         report = load.reports(timeout=args.seconds + 60)[0]
     return {
         "case": f"disk QD {queue_depth}",
@@ -161,21 +163,24 @@ def disk_load_case(server: Server, model: str, queue_depth: int, args) -> dict:
     }
 
 
-def measure(server: Server, load: Helpers, args) -> dict:
-    """The bystander's lookups beside ``load`` (ready, then a second to settle),
-    with the server's queue and server time of its table over them."""
+def measure(server: Server, load: Helpers, args, ids) -> dict:
+    """The bystander's lookups (of ``ids``: a generator, or ``FirstTouches``)
+    beside ``load`` (ready, then a second to settle), with the server's queue
+    and server time of its table over them."""
     load.wait_ready(server.log_tail)
     time.sleep(1.0)  # every helper in its steady state
-    rng = np.random.default_rng(7)
     meter = OthersMeter([server.proc.pid, *load.pids])
     with PleClient.connect(server.socket, name="bystander", capacity=16, depth=1) as client:
         before = PleClient.query_stats(server.socket)["tables"][1]
         meter.start()
-        ms = bystander(client, 1, args.seconds, args.gap_ms, rng)
+        ms = bystander(client, 1, args.seconds, args.gap_ms, ids)
         others = meter.stop()
         after = PleClient.query_stats(server.socket)["tables"][1]
+    lookups = after["requests"] - before["requests"]
+    misses = (after.get("io") or {}).get("misses", 0) - (before.get("io") or {}).get("misses", 0)
     return {
         **latency_ms(ms),
+        "misses_per_lookup": round(misses / lookups, 2) if lookups else None,
         "server_queue": hist_quantiles(before["queue_time"], after["queue_time"]),
         "server_time": hist_quantiles(before["server_time"], after["server_time"]),
         "others_cpu": others,
@@ -203,6 +208,9 @@ def main(argv=None) -> int:
             ],
         )
         large = args.attack == "large-cold"
+        # A cold bystander never looks a row up twice, in any case: its every
+        # lookup misses, whatever the earlier cases left in the cache.
+        ids = FirstTouches(bystanders, 7) if args.cold_bystander else np.random.default_rng(7)
         args.request_rows = args.request_rows or (262_144 if large else 16_383)
         args.depth = args.depth or (12 if large else 64)
         extra = ["--io", "direct", "--cache-size", args.cache_size] if large else []
@@ -217,22 +225,23 @@ def main(argv=None) -> int:
             print(
                 f"{'case':>13} {'lookups':>8} {'p50 ms':>8} {'p99 ms':>8} "
                 f"{'p99.9 ms':>9} {'max ms':>8} {'queue p50/p99 µs':>17} "
-                f"{'server p50/p99 µs':>18} {'rows|reads/s':>12} {'others cpu':>10}"
+                f"{'server p50/p99 µs':>18} {'misses':>6} {'rows|reads/s':>12} {'others cpu':>10}"
             )
             plan = [("submitters", n) for n in numbers(args.submitters)]
             plan += [("disk load", depth) for depth in numbers(args.disk_load)]
             for kind, n in plan:
                 if kind == "submitters":
-                    case = run_case(server, n, args)
+                    case = run_case(server, n, args, ids)
                 else:
-                    case = disk_load_case(server, model, n, args)
+                    case = disk_load_case(server, model, n, args, ids)
                 result["cases"].append(case)
                 load = case.get("submitter_rows_per_s", case.get("disk_load_reads_per_s"))
                 print(
                     f"{case['case']:>13} {case['bystander_lookups']:>8} "
                     f"{case['p50_ms']:>8.3f} {case['p99_ms']:>8.3f} {case['p999_ms']:>9.3f} "
                     f"{case['max_ms']:>8.3f} {_pair(case['server_queue']):>17} "
-                    f"{_pair(case['server_time']):>18} {load or 0:>12,} "
+                    f"{_pair(case['server_time']):>18} {case['misses_per_lookup']!s:>6} "
+                    f"{load or 0:>12,} "
                     f"{100 * case['others_cpu']:>9.1f}%",
                     flush=True,
                 )

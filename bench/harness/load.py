@@ -59,7 +59,29 @@ def cores_used(pids: Sequence[int], ticks0: Sequence[int], wall_s: float) -> flo
     return round(used / OthersMeter.HZ / wall_s, 2) if wall_s > 0 else 0.0
 
 
-def bystander(client, table, seconds: float, gap_ms: float, rng: np.random.Generator) -> np.ndarray:
+class FirstTouches:
+    """Stands in for a generator's ``integers`` where a bystander must never
+    look a row up twice (every lookup a miss, whatever earlier cases left in
+    the cache): successive slices of one permutation of ``rows`` rows."""
+
+    def __init__(self, rows: int, seed: int) -> None:
+        self._order = np.random.default_rng(seed).permutation(rows)
+        self._next = 0
+
+    def integers(self, low: int, high: int, size: int) -> np.ndarray:
+        if low != 0 or high != len(self._order):
+            whole = len(self._order)
+            raise ValueError(f"FirstTouches draws from [0, {whole}), not [{low}, {high})")
+        if self._next + size > high:
+            raise RuntimeError(f"every one of the {high} rows was looked up once already")
+        ids = self._order[self._next : self._next + size]
+        self._next += size
+        return ids
+
+
+def bystander(
+    client, table, seconds: float, gap_ms: float, rng: np.random.Generator | FirstTouches
+) -> np.ndarray:
     """A bystander's lookups of 16 random ids of ``table`` (a handle or an
     index), one every ``gap_ms`` for ``seconds``: each call's latency, in ms."""
     info = client.table(table) if isinstance(table, (int, str)) else table
