@@ -424,9 +424,11 @@ class HintReader:
         if self.tables[key].problem:  # its file changed on disk: not read again
             counts.drop("refused", rows.size)
             return rows[:0]
-        unique = np.unique(rows)
         try:
-            fresh = unique[~self.tables[key].cached_mask(unique)]
+            # The cache first, then the sort of what it lacks: a lot of cached
+            # rows (a flood of them) costs the probes alone, not a sort of
+            # 4 096 ids on the GIL (≈ 0.2 ms) for nothing to read.
+            fresh = np.unique(rows[~self.tables[key].cached_mask(rows)])
         except Exception:  # a hint never stops the reader
             log.exception("looking hinted rows up in the cache failed")
             counts.drop("read_error", rows.size)
