@@ -35,6 +35,12 @@ a flood of tiny hints competes for in the admission pass.
 beside the same bystander: hints that read nothing, whose cost is the hint
 reader's own beside the serving loop.
 
+``--flood lookups`` is the tiny flood's shape with lookups instead of hints:
+``--sessions`` sessions of 64 slots, each slot a 1-id lookup submitted again
+as soon as it is answered, beside the same cached bystander (lookups are not
+best effort: what bounds this flood is the admission pass's share and the
+channels' turns, not ``hint_rate``).
+
 ``--flood rings`` rings GPU-driven channels instead (``GpuLookups`` over the
 CPU stand-in of a CUDA stream): ``--sessions`` channels (8 is what one uid
 may hold at the default ``max_gpu_slots_per_uid``) of 64 hint slots, every
@@ -129,7 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_server_args(ap)
     ap.add_argument(
         "--flood",
-        choices=("large", "tiny", "cached", "rings"),
+        choices=("large", "tiny", "cached", "rings", "lookups"),
         default="large",
         help="large: one client hinting 8 × 16 384 cold ids at a time (default); cached: "
         "the same, of the bystander's cached rows; tiny: "
@@ -194,6 +200,36 @@ def measure_bystander(
     }
 
 
+LOOKUP_FLOODER = """
+import json, os, sys
+import numpy as np
+from pleclient import PleClient
+path, stop, sessions = sys.argv[1], sys.argv[2], int(sys.argv[3])
+clients = [
+    PleClient.connect(path, name=f"lookup-flooder-{i}", capacity=1, depth=64)
+    for i in range(sessions)
+]
+rows = clients[0].tables[0].rows
+ids = np.random.default_rng(os.getpid()).integers(0, rows, 4096)
+tickets = [[c.submit(0, ids[k : k + 1]) for k in range(64)] for c in clients]
+print("ready", flush=True)
+k = sent = 0
+while not os.path.exists(stop):
+    for client, mine in zip(clients, tickets):  # each slot again as soon as it is answered
+        for j in range(64):
+            mine[j].wait()
+            mine[j].release()
+            mine[j] = client.submit(0, ids[k % 4096 : k % 4096 + 1])
+            k += 1
+            sent += 1
+for mine in tickets:
+    for ticket in mine:
+        ticket.release()
+for client in clients:
+    client.close()
+print(json.dumps({"sent": sent, "skipped": 0}), flush=True)
+"""
+
 RINGS_FLOODER = """
 import json, os, sys
 import numpy as np
@@ -221,7 +257,7 @@ print(json.dumps({"sent": sent, "skipped": 0}), flush=True)
 
 def hot_rows(args: argparse.Namespace) -> int:
     """The bystander's cached rows (0: random rows of the whole table)."""
-    return args.hot_rows if args.flood in ("tiny", "cached", "rings") else 0
+    return args.hot_rows if args.flood in ("tiny", "cached", "rings", "lookups") else 0
 
 
 def warm_hot_rows(socket: str, rows: int) -> None:
@@ -235,6 +271,7 @@ def flood_case(server, args, workdir: str) -> dict:
     stop = os.path.join(workdir, "stop")
     flooder = {
         "tiny": [TINY_FLOODER, server.socket, stop, str(args.sessions)],
+        "lookups": [LOOKUP_FLOODER, server.socket, stop, str(args.sessions)],
         "rings": [RINGS_FLOODER, server.socket, stop, str(args.sessions)],
     }.get(args.flood, [FLOODER, server.socket, stop, str(hot)])
     with Helpers("flooder", flooder[0], [flooder[1:]], nice=args.flooder_nice) as flooders:
