@@ -40,9 +40,9 @@ UNKNOWN = 1 << 62
 """What ``mem_available`` answers when /proc/meminfo cannot be read."""
 MEMINFO = "/proc/meminfo"
 MEMINFO_ENV = "PLE_SERVER_MEMINFO"
+"""Names a file read instead of ``MEMINFO`` (tests; see the module's docstring)."""
 
 log = logging.getLogger("pleserver.host")
-"""Names a file read instead of ``MEMINFO`` (tests; see the module's docstring)."""
 
 
 @dataclass(frozen=True)
