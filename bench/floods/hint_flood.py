@@ -94,18 +94,24 @@ client.close()
 print(json.dumps({"sent": client.hints_sent, "skipped": client.hints_skipped}), flush=True)
 """
 
-TINY_FLOODER = """
+SESSIONS = """
 import json, os, sys
 import numpy as np
 from pleclient import PleClient
-path, stop, sessions = sys.argv[1], sys.argv[2], int(sys.argv[3])
+path, stop, sessions, kind = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 clients = [
-    PleClient.connect(path, name=f"tiny-flooder-{i}", capacity=1, depth=64)
+    PleClient.connect(path, name=f"{kind}-flooder-{i}", capacity=1, depth=64)
     for i in range(sessions)
 ]
 rows = clients[0].tables[0].rows
-rng = np.random.default_rng(os.getpid())
-ids = rng.integers(0, rows, 4096)
+ids = np.random.default_rng(os.getpid()).integers(0, rows, 4096)
+"""
+"""The start of a flood of one-id requests: ``sessions`` sessions of 64
+one-id slots, and 4 096 random ids of the table to send in turn."""
+
+TINY_FLOODER = (
+    SESSIONS
+    + """
 print("ready", flush=True)
 k = 0
 while not os.path.exists(stop):
@@ -119,11 +125,7 @@ for client in clients:
     client.close()
 print(json.dumps({"sent": sent, "skipped": skipped}), flush=True)
 """
-
-
-FLOODER_PROCESSES = 1
-"""Every flood is one process (its sessions or channels in one loop); the burn
-case runs as many burners."""
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -200,17 +202,9 @@ def measure_bystander(
     }
 
 
-LOOKUP_FLOODER = """
-import json, os, sys
-import numpy as np
-from pleclient import PleClient
-path, stop, sessions = sys.argv[1], sys.argv[2], int(sys.argv[3])
-clients = [
-    PleClient.connect(path, name=f"lookup-flooder-{i}", capacity=1, depth=64)
-    for i in range(sessions)
-]
-rows = clients[0].tables[0].rows
-ids = np.random.default_rng(os.getpid()).integers(0, rows, 4096)
+LOOKUP_FLOODER = (
+    SESSIONS
+    + """
 tickets = [[c.submit(0, ids[k : k + 1]) for k in range(64)] for c in clients]
 print("ready", flush=True)
 k = sent = 0
@@ -229,6 +223,7 @@ for client in clients:
     client.close()
 print(json.dumps({"sent": sent, "skipped": 0}), flush=True)
 """
+)
 
 RINGS_FLOODER = """
 import json, os, sys
@@ -270,21 +265,13 @@ def flood_case(server, args, workdir: str) -> dict:
     hot = hot_rows(args)
     stop = os.path.join(workdir, "stop")
     flooder = {
-        "tiny": [TINY_FLOODER, server.socket, stop, str(args.sessions)],
-        "lookups": [LOOKUP_FLOODER, server.socket, stop, str(args.sessions)],
+        "tiny": [TINY_FLOODER, server.socket, stop, str(args.sessions), "tiny"],
+        "lookups": [LOOKUP_FLOODER, server.socket, stop, str(args.sessions), "lookup"],
         "rings": [RINGS_FLOODER, server.socket, stop, str(args.sessions)],
     }.get(args.flood, [FLOODER, server.socket, stop, str(hot)])
-    with Helpers("flooder", flooder[0], [flooder[1:]], nice=args.flooder_nice) as flooders:
-        flooders.wait_ready(server.log_tail)
-        time.sleep(1.0)  # the flood in its steady state
-        ticks, t0 = [proc_ticks(p) for p in flooders.pids], time.monotonic()
-        case = measure_bystander(
-            server.socket, args.seconds, args.gap_ms, [server.pid, *flooders.pids], 2, hot
-        )
-        case["load_cores"] = cores_used(flooders.pids, ticks, time.monotonic() - t0)
-        open(stop, "w").close()
-        case["flooder"] = flooders.reports()[0]
-        return case
+    case, reports = loaded_case(server, args, "flooder", flooder[0], [flooder[1:]], stop, 2)
+    case["flooder"] = reports[0]
+    return case
 
 
 def burn_case(server, args, workdir: str, processes: int) -> dict:
@@ -292,17 +279,33 @@ def burn_case(server, args, workdir: str, processes: int) -> dict:
     and send the server nothing (``CPU_BURNER``), at the flooder's nice: what
     the flood's processes cost the bystander by sharing the cores alone."""
     stop = os.path.join(workdir, "stop-burn")
-    argvs = [[stop]] * processes
-    with Helpers("burner", CPU_BURNER, argvs, nice=args.flooder_nice) as burners:
-        burners.wait_ready(server.log_tail)
-        ticks, t0 = [proc_ticks(p) for p in burners.pids], time.monotonic()
+    case, _ = loaded_case(server, args, "burner", CPU_BURNER, [[stop]] * processes, stop, 4)
+    return case
+
+
+def loaded_case(
+    server, args, what: str, script: str, argvs: list, stop: str, seed: int
+) -> tuple[dict, list[dict]]:
+    """The bystander beside helper processes running ``script`` (one per
+    argument list, at the flooder's nice, ended by the file ``stop``), with
+    the cores they kept busy meanwhile (``load_cores``) and their processes;
+    and their reports."""
+    with Helpers(what, script, argvs, nice=args.flooder_nice) as helpers:
+        helpers.wait_ready(server.log_tail)
+        time.sleep(1.0)  # the load in its steady state
+        ticks, t0 = [proc_ticks(p) for p in helpers.pids], time.monotonic()
         case = measure_bystander(
-            server.socket, args.seconds, args.gap_ms, [server.pid, *burners.pids], 4, hot_rows(args)
+            server.socket,
+            args.seconds,
+            args.gap_ms,
+            [server.pid, *helpers.pids],
+            seed,
+            hot_rows(args),
         )
-        case["load_cores"] = cores_used(burners.pids, ticks, time.monotonic() - t0)
+        case["load_cores"] = cores_used(helpers.pids, ticks, time.monotonic() - t0)
+        case["processes"] = len(helpers.pids)
         open(stop, "w").close()
-        burners.reports()
-        return case
+        return case, helpers.reports()
 
 
 def main(argv=None) -> int:
@@ -333,7 +336,8 @@ def main(argv=None) -> int:
                 server.socket, args.seconds, args.gap_ms, pids, 1, hot
             )
             result["flood"] = flood_case(server, args, workdir)
-            result["burn"] = burn_case(server, args, workdir, FLOODER_PROCESSES)
+            # as many burners as the flood had processes
+            result["burn"] = burn_case(server, args, workdir, result["flood"]["processes"])
             result["alone_after"] = measure_bystander(
                 server.socket, args.seconds, args.gap_ms, pids, 3, hot
             )
