@@ -58,6 +58,7 @@ import time
 import numpy as np
 
 from bench.harness.checkout import REPO, TRACE
+from bench.harness.load import DISK_PROBE
 from bench.harness.provenance import OthersMeter, cpu_busy, envelope, loadavg
 from bench.harness.scaffold import add_json, add_server_args, parser, save_json, work_dir
 from bench.harness.servers import close_client
@@ -469,18 +470,6 @@ def native_module():
     return _native
 
 
-PROBE = textwrap.dedent("""
-    import json, sys, time
-    from pleserver import _native
-    paths, qd, seconds, kind = json.loads(sys.argv[1])
-    cpu = time.process_time()  # the probe's threads: its own CPU for its reads
-    r = _native.probe_random_reads(paths, block=4096, queue_depth=qd, seconds=seconds,
-                                   direct=True, kind=kind)
-    r["cpu_s"] = time.process_time() - cpu
-    print(json.dumps(r))
-""")
-
-
 def ceiling(
     paths: list[str], seconds: float, kind: str, depths: tuple[int, ...] = PROBE_DEPTHS
 ) -> dict:
@@ -494,7 +483,7 @@ def ceiling(
     out = {}
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for qd in depths:
-        argv = [sys.executable, "-c", PROBE, json.dumps([paths, qd, seconds, kind])]
+        argv = [sys.executable, "-c", DISK_PROBE, json.dumps([paths, qd, seconds, kind])]
         try:
             done = subprocess.run(
                 argv,

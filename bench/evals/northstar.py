@@ -539,9 +539,9 @@ class Text:
 
     def block_of(self, layer: int) -> int:
         """The trace's column block of ``layer``'s ids."""
-        layer_ids = self.trace.meta["geometry"].get("layer_ids")
         if self.trace.layers == 1:
             return 0
+        layer_ids = self.trace.meta["geometry"]["layer_ids"]
         if layer not in layer_ids:
             raise SystemExit(f"the trace {self.trace.path} has no ids of layer {layer}")
         return layer_ids.index(layer)

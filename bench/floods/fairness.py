@@ -150,7 +150,7 @@ def disk_load_case(server: Server, model: str, queue_depth: int, args, ids) -> d
     """The bystander beside another process's random reads of the checkpoint's
     files at ``queue_depth`` (``DISK_LOAD``), no submitter."""
     paths = sorted(glob.glob(os.path.join(model, "*.safetensors")))
-    argv = [json.dumps([paths, queue_depth, args.seconds + 2])]
+    argv = [json.dumps([paths, queue_depth, args.seconds + 2, "io_uring"])]
     with Helpers("disk load", DISK_LOAD, [argv]) as load:
         case = measure(server, load, args, ids)
         report = load.reports(timeout=args.seconds + 60)[0]

@@ -33,23 +33,27 @@ nothing, until its stop file exists. Beside the bystander it shows what
 sharing the machine's cores with a busy process costs a lookup by itself, the
 floor under what a flood of the same processes can cost it."""
 
-DISK_LOAD = """
+DISK_PROBE = """
 import json, sys, time
 from pleserver import _native
-paths, queue_depth, seconds = json.loads(sys.argv[1])
-print("ready", flush=True)
-cpu = time.process_time()
+paths, queue_depth, seconds, kind = json.loads(sys.argv[1])
+cpu = time.process_time()  # the probe's threads: its own CPU for its reads
 r = _native.probe_random_reads(paths, block=4096, queue_depth=queue_depth, seconds=seconds,
-                               direct=True, kind="io_uring")
-r["cpu_s"] = round(time.process_time() - cpu, 3)
+                               direct=True, kind=kind)
+r["cpu_s"] = time.process_time() - cpu
 print(json.dumps(r), flush=True)
 """
-"""A control load: 4 KiB ``O_DIRECT`` random reads over ``paths`` at
-``queue_depth`` for ``seconds`` (the disk probe of ``pleserver doctor``), from
-a process of its own that asks the server for nothing. Beside a bystander
-whose lookups read the disk it shows what the disk's own queue costs a read
-at that depth: the floor under what a client's large cold reads through the
-server can cost it."""
+"""The disk probe of ``pleserver doctor`` in a process of its own (it runs with
+the GIL released, where no signal handler runs: its caller can still end it):
+4 KiB ``O_DIRECT`` random reads over ``paths`` at ``queue_depth`` for
+``seconds``, its report and CPU as JSON. Its argument: ``[paths, queue_depth,
+seconds, kind]`` as JSON."""
+
+DISK_LOAD = 'print("ready", flush=True)\n' + DISK_PROBE
+"""A control load: ``DISK_PROBE`` as a helper (``Helpers``), asking the server
+for nothing. Beside a bystander whose lookups read the disk it shows what the
+disk's own queue costs a read at that depth: the floor under what a client's
+large cold reads through the server can cost it."""
 
 
 def cores_used(pids: Sequence[int], ticks0: Sequence[int], wall_s: float) -> float:

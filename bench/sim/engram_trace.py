@@ -94,7 +94,7 @@ def config_of(meta: dict) -> EngramConfig:
 def engram_ids(tokens: np.ndarray, doc_starts: np.ndarray, token_map: np.ndarray, meta: dict):
     """int64 [tokens, 24 · layers]: every layer's ids of every token, each
     document hashed as a request of its own, layer k's offset by the rows of
-    layers 0..k-1; and the rows of all layers together."""
+    layers 0..k-1 (the trace's ``rows`` are all layers' together)."""
     hasher = EngramHasher(config_of(meta), token_map.astype(np.int64))
     columns, offset = [], 0
     for layer in hasher.layers:
@@ -103,7 +103,7 @@ def engram_ids(tokens: np.ndarray, doc_starts: np.ndarray, token_map: np.ndarray
         )
         columns.append(ids + offset)
         offset += layer.rows
-    return np.concatenate(columns, axis=1), offset
+    return np.concatenate(columns, axis=1)
 
 
 def build(args) -> dict:

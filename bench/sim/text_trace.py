@@ -302,7 +302,7 @@ class Trace:
             if self.meta["format"] == ENGRAM_FORMAT:
                 from bench.sim.engram_trace import engram_ids
 
-                self.ids, _ = engram_ids(self.tokens, self.doc_starts, z["token_map"], self.meta)
+                self.ids = engram_ids(self.tokens, self.doc_starts, z["token_map"], self.meta)
             else:
                 self.ids = z["ids"].astype(np.int64)
         with open(path, "rb") as f:
