@@ -10,7 +10,8 @@ at gaps of more than ``STEP_GAP_NS`` between admissions (once a step has
 every table's lookup), and gives, per step:
 
 * ``period``: from this step's first admission to the next step's: the step's
-  own length as the server saw it (stock's length is its TPOT);
+  own length as the server saw it (stock's length is its TPOT), its mean beside
+  its quantiles (the decode rate pays the mean);
 * per table (PLE layer, in table order), ``ready``: from the step's first
   admission until that layer's rows were in place. The layer waits when this
   passes the time the GPU takes to reach it: at the latest ``period`` itself,
@@ -41,6 +42,9 @@ def _quantiles(values_ns: np.ndarray) -> dict | None:
     us = values_ns.astype(np.float64) / 1e3
     return {
         "n": len(us),
+        # the mean beside the median: a step's mean length is what the decode
+        # rate pays, and a few stalled steps move it and not the median
+        "mean_us": round(float(us.mean()), 1),
         "p50_us": round(float(np.percentile(us, 50, method="inverted_cdf")), 1),
         "p99_us": round(float(np.percentile(us, 99, method="inverted_cdf")), 1),
         "max_us": round(float(us.max()), 1),
@@ -128,7 +132,7 @@ def summary_lines(cells: list[dict], stock_step_ms: dict[tuple[str, int], float]
         "to the next step's) against stock's decode step (c over its decode tok/s); when "
         "its last PLE row was ready; "
         "the server's queue, and a miss's time at a gather worker (disk and gather)",
-        f"{'cell':<34} {'rep':>3} {'c':>3} {'steps':>6} {'stock':>6} {'period p50/p99':>15} "
+        f"{'cell':<34} {'rep':>3} {'c':>3} {'steps':>6} {'stock':>6} {'period mean/p50/p99':>20} "
         f"{'ready p50/p99/max':>20} {'queue p99':>9} {'worker p50/p99':>15} "
         f"{'disk %':>6} {'slow disk %':>11}",
     ]
@@ -138,7 +142,7 @@ def summary_lines(cells: list[dict], stock_step_ms: dict[tuple[str, int], float]
         lines.append(
             f"{c['name']:<34} {rep['rep']:>3} {rep['concurrency']:>3} {s['steps']:>6} "
             f"{'-' if stock is None else f'{stock:.2f}':>6} "
-            f"{_ms(s['period'], 'p50_us') + '/' + _ms(s['period'], 'p99_us'):>15} "
+            f"{'/'.join(_ms(s['period'], k) for k in ('mean_us', 'p50_us', 'p99_us')):>20} "
             f"{'/'.join(_ms(s['step_ready'], k) for k in ('p50_us', 'p99_us', 'max_us')):>20} "
             f"{_ms(s['queue'], 'p99_us'):>9} "
             f"{_ms(s['worker'], 'p50_us') + '/' + _ms(s['worker'], 'p99_us'):>15} "
