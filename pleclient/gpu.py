@@ -64,6 +64,7 @@ __all__ = [
     "HostStream",
     "Watchdog",
     "stream_memops_supported",
+    "GPU_OPS",
 ]
 
 WATCH_INTERVAL_S = 0.01
@@ -82,6 +83,10 @@ RECONNECT_MAX_S = 0.25
 (a restart is caught within a quarter of a second of its socket listening)."""
 RECONNECT_TIMEOUT_S = 2.0
 """One try's connect and handshake, at most (the watchdog answers nothing meanwhile)."""
+
+GPU_OPS = ("memops", "kernels")
+"""How a CUDA stream rings and collects: the driver's stream memory operations,
+or the two kernels of ``pleclient.gpu_kernels``."""
 
 # CUDA driver constants (cuda.h).
 _CU_STREAM_WAIT_VALUE_GEQ = 0x0
@@ -603,15 +608,21 @@ class GpuLookups:
         reader: CheckpointReader | None = None,
         fallback_after: float = FALLBACK_AFTER_S,
         reconnect_window: float = 30.0,
+        ops: str = "memops",
     ) -> GpuLookups:
         """Connect with a GPU-driven channel. ``device`` "cpu" gives the CPU
         stand-in (``HostStream``); a CUDA device needs stream memory
-        operations (``stream_memops_supported``). ``timeout``: how long the
+        operations (``stream_memops_supported``). ``ops``: how the stream
+        rings and collects on a CUDA device, one of ``GPU_OPS``: the driver's
+        stream memory operations (``CudaStream``) or two kernels of our own
+        (``pleclient.gpu_kernels.KernelStream``). ``timeout``: how long the
         watchdog lets one lookup wait for a server that is there. A server
         that goes away costs a stall (``Watchdog``): the next one adopts the
         channel; past ``fallback_after`` s the watchdog reads rung lookups'
         rows from the checkpoint with ``reader``, if given, else past
         ``reconnect_window`` s the lookups fail."""
+        if ops not in GPU_OPS:
+            raise PleError(f"GPU-driven lookups: ops={ops!r}: use one of {', '.join(GPU_OPS)}")
         client = PleClient.connect(
             socket_path,
             connect_timeout,
@@ -628,7 +639,12 @@ class GpuLookups:
                 supported, why = stream_memops_supported(device)
                 if not supported:
                     raise PleError(f"GPU-driven lookups cannot run on {device}: {why}")
-                stream = CudaStream(client, device)
+                if ops == "kernels":
+                    from pleclient.gpu_kernels import KernelStream
+
+                    stream = KernelStream(client, device)
+                else:
+                    stream = CudaStream(client, device)
             return cls(
                 client,
                 stream,

@@ -21,7 +21,10 @@ checkpoint, starts ``pleserver serve`` on it, and checks with
                every replay's hint received by the server, and lookups of
                rows hinted earlier counted as hits on hinted rows
 
-    python3 -m bench.gpu.channel_check [--json out.json]
+    python3 -m bench.gpu.channel_check [--json out.json] [--gpu-ops kernels]
+
+``--gpu-ops kernels`` runs every check with ``pleclient.gpu_kernels``' ring and
+collect kernels in place of the driver's stream memory operations.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 
 from bench.harness.checkout import REPO
 from bench.harness.scaffold import save_json
-from pleclient.gpu import GpuLookups, stream_memops_supported
+from pleclient.gpu import GPU_OPS, GpuLookups, stream_memops_supported
 from pleserver.devkit.launcher import ServerLauncher
 from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
 
@@ -52,8 +55,8 @@ CHILD = r"""
 import os, signal, sys, time, numpy as np, torch
 from pleclient.gpu import GpuLookups
 from bench.harness.checkout import REPO
-mode, socket = sys.argv[1], sys.argv[2]
-gl = GpuLookups.open(socket, device="cuda", capacity=1024, depth=2, timeout=60.0)
+mode, socket, ops = sys.argv[1], sys.argv[2], sys.argv[3]
+gl = GpuLookups.open(socket, device="cuda", capacity=1024, depth=2, timeout=60.0, ops=ops)
 rows = gl.client.table(1).rows
 ids = torch.arange(512, device="cuda")
 out = torch.empty((512, 160), dtype=torch.uint8, device="cuda")
@@ -89,9 +92,11 @@ def make_server(workdir: str):
     return ServerLauncher(ckpt, "--prewarm", "full", die_with_parent=True).start()
 
 
-def check_eager_and_graph(socket: str, refs: dict[int, torch.Tensor], report: dict) -> None:
+def check_eager_and_graph(
+    socket: str, refs: dict[int, torch.Tensor], report: dict, ops: str
+) -> None:
     device = torch.device("cuda")
-    gl = GpuLookups.open(socket, device=device, capacity=4096, depth=4, timeout=30.0)
+    gl = GpuLookups.open(socket, device=device, capacity=4096, depth=4, timeout=30.0, ops=ops)
     try:
         layers = (1, 3, 1, 3)
         sizes = (16, 512, 4096, 1000)
@@ -150,7 +155,7 @@ def check_eager_and_graph(socket: str, refs: dict[int, torch.Tensor], report: di
         gl.close()
 
 
-def check_hints(workdir: str, refs: dict[int, torch.Tensor], report: dict) -> None:
+def check_hints(workdir: str, refs: dict[int, torch.Tensor], report: dict, ops: str) -> None:
     """Hints from a CUDA stream, inside a graph (``hints`` in the docstring)."""
     from pleclient import PleClient
 
@@ -167,7 +172,9 @@ def check_hints(workdir: str, refs: dict[int, torch.Tensor], report: dict) -> No
         die_with_parent=True,
     ).start()
     with server:
-        gl = GpuLookups.open(server.socket, device=device, capacity=1024, depth=4, timeout=30.0)
+        gl = GpuLookups.open(
+            server.socket, device=device, capacity=1024, depth=4, timeout=30.0, ops=ops
+        )
         try:
             n = 512
             hint_ids = torch.empty(n, dtype=torch.int64, device=device)
@@ -210,9 +217,9 @@ def check_hints(workdir: str, refs: dict[int, torch.Tensor], report: dict) -> No
             gl.close()
 
 
-def run_child(mode: str, server) -> str:
+def run_child(mode: str, server, ops: str) -> str:
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, mode, server.socket],
+        [sys.executable, "-c", CHILD, mode, server.socket, ops],
         cwd=REPO,  # `-c`: the working directory first on the path, this checkout's packages
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -240,12 +247,19 @@ def run_child(mode: str, server) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the report here")
+    parser.add_argument(
+        "--gpu-ops",
+        choices=GPU_OPS,
+        default="memops",
+        help="how the stream rings and collects (pleclient.gpu.GPU_OPS)",
+    )
     args = parser.parse_args()
     supported, why = stream_memops_supported("cuda")
     report: dict = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "memops": why,
+        "gpu_ops": args.gpu_ops,
     }
     if not supported:
         print(json.dumps(report, indent=1))
@@ -255,12 +269,12 @@ def main() -> int:
         with server:
             ckpt = os.path.join(workdir, "ckpt")
             refs = {t.layer: torch.from_numpy(read_reference(ckpt, t.name)).cuda() for t in TABLES}
-            check_eager_and_graph(server.socket, refs, report)
-            report["error_in_graph"] = run_child("error", server)
+            check_eager_and_graph(server.socket, refs, report, args.gpu_ops)
+            report["error_in_graph"] = run_child("error", server, args.gpu_ops)
         second = make_server(workdir)
         with second:
-            report["watchdog_server_killed"] = run_child("watchdog", second)
-        check_hints(workdir, refs, report)
+            report["watchdog_server_killed"] = run_child("watchdog", second, args.gpu_ops)
+        check_hints(workdir, refs, report, args.gpu_ops)
     print(json.dumps(report, indent=1))
     save_json(report, args.json, indent=1)
     ok = (

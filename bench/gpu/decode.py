@@ -447,8 +447,11 @@ class Setup:
     why_not_d: str | None = None
 
 
-def open_gpu_driven(setup: Setup, socket_path: str, capacity: int, largest: int) -> None:
-    """Open d's session into ``setup``, or say in ``why_not_d`` why not."""
+def open_gpu_driven(
+    setup: Setup, socket_path: str, capacity: int, largest: int, ops: str = "memops"
+) -> None:
+    """Open d's (and e's) session into ``setup``, or say in ``why_not_d`` why
+    not. ``ops``: how the stream rings and collects (``pleclient.gpu.GPU_OPS``)."""
     try:
         from pleclient.gpu import GpuLookups, stream_memops_supported
     except ImportError as exc:
@@ -469,7 +472,12 @@ def open_gpu_driven(setup: Setup, socket_path: str, capacity: int, largest: int)
         return
     try:
         gl = GpuLookups.open(
-            socket_path, device=device, capacity=capacity, depth=ple * per_layer, timeout=30.0
+            socket_path,
+            device=device,
+            capacity=capacity,
+            depth=ple * per_layer,
+            timeout=30.0,
+            ops=ops,
         )
     except Exception as exc:
         setup.why_not_d = f"GpuLookups.open failed: {type(exc).__name__}: {exc}"
@@ -618,6 +626,12 @@ def main(argv=None) -> int:
     ap.add_argument("--id-sets", type=int, default=16, help="distinct steps of ids (16)")
     ap.add_argument("--capacity", type=int, default=16384, help="rows per request, c and d (16384)")
     ap.add_argument("--d-collect", choices=["main", "side"], default="main", help="see GpuDriven")
+    ap.add_argument(
+        "--gpu-ops",
+        choices=["memops", "kernels"],
+        default="memops",
+        help="d and e: the driver's stream memory operations, or pleclient.gpu_kernels' kernels",
+    )
     ap.add_argument("--workdir", help="where the checkpoint goes (default: a temporary dir)")
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     args = ap.parse_args(argv)
@@ -662,9 +676,9 @@ def main(argv=None) -> int:
             plugin=plugin,
         )
         del reference
-        if "d" in args.paths:
+        if {"d", "e"} & set(args.paths):
             largest = max([*batches, args.prefill]) * IDS_PER_TOKEN
-            open_gpu_driven(setup, server.socket, args.capacity, largest)
+            open_gpu_driven(setup, server.socket, args.capacity, largest, args.gpu_ops)
             if setup.why_not_d:
                 print(f"d unavailable: {setup.why_not_d}", file=sys.stderr)
         print(
