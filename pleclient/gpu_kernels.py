@@ -34,8 +34,10 @@ write crosses PCIe or NVLink-C2C.
 from __future__ import annotations
 
 import ctypes
+import glob
 import logging
 import math
+from pathlib import Path
 
 from pleclient import protocol as p
 from pleclient.channel import SlotView
@@ -143,7 +145,17 @@ def _nvrtc() -> ctypes.CDLL:
 
     major = int((torch.version.cuda or "12").split(".")[0])
     errors = []
-    for name in (f"libnvrtc.so.{major}", "libnvrtc.so"):
+    names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
+    # Not loaded yet by soname: the nvidia wheels beside torch, then a toolkit.
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            names += sorted(str(x) for x in Path(root).glob(f"*/lib/libnvrtc.so.{major}*"))
+    except ImportError:
+        pass
+    names += sorted(glob.glob(f"/usr/local/cuda*/lib64/libnvrtc.so.{major}*"))
+    for name in names:
         try:
             lib = ctypes.CDLL(name)
         except OSError as exc:
