@@ -95,6 +95,10 @@ def test_settings_defaults_follow_the_service(monkeypatch):
         False,
     )
     assert s.socket_dir == "/run/ple-server"
+    assert s.gpu_ops == "memops"
+    monkeypatch.setenv("VLLM_PLE_SHM_GPU_OPS", "Kernels")
+    assert settings.ShmSettings.from_env().gpu_ops == "kernels"
+    assert settings.GPU_OPS == __import__("pleclient.gpu").gpu.GPU_OPS  # one list, two homes
     monkeypatch.setenv("PLE_SERVER_SOCKET", "/tmp/a.sock")
     assert settings.ShmSettings.from_env().socket == "/tmp/a.sock"
     monkeypatch.setenv("VLLM_PLE_SHM_SOCKET", "/tmp/b.sock")
@@ -110,6 +114,7 @@ def test_settings_defaults_follow_the_service(monkeypatch):
         ("VLLM_PLE_SHM_LOOKUP_TIMEOUT", "-1"),
         ("VLLM_PLE_SHM_PREFETCH", "maybe"),
         ("VLLM_PLE_SHM_DEPTH", "99"),
+        ("VLLM_PLE_SHM_GPU_OPS", "graphs"),
     ],
 )
 def test_bad_settings_name_the_variable(monkeypatch, name, value):

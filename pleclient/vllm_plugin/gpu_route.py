@@ -134,15 +134,17 @@ class GpuRoute:
                 reader=reader,
                 fallback_after=settings.fallback_after or 0.0,
                 reconnect_window=settings.reconnect_window,
+                ops=settings.gpu_ops,
             )
         except Exception as exc:  # an older server, no locked memory, …: the host path works
             log.warning("PLE backend shm: host path: no GPU-driven channel (%s)", exc)
             return None
         log.info(
-            "PLE backend shm: GPU-driven lookups%s on %s: %d PLE layers × %d slots of %d ids, "
-            "no host synchronization per step",
+            "PLE backend shm: GPU-driven lookups%s on %s (%s): %d PLE layers × %d slots of %d "
+            "ids, no host synchronization per step",
             " (CPU stand-in)" if standin else "",
             device,
+            settings.gpu_ops,
             len(bindings),
             slots_per_layer,
             capacity,

@@ -80,6 +80,8 @@ ENV_CHECKPOINT = "VLLM_PLE_SHM_CHECKPOINT"
 ENV_GPU_PATH = "VLLM_PLE_SHM_GPU_PATH"
 GPU_PATH_STANDIN = "standin"
 GPU_PATHS = ("auto", "off", GPU_PATH_STANDIN)
+ENV_GPU_OPS = "VLLM_PLE_SHM_GPU_OPS"
+GPU_OPS = ("memops", "kernels")  # pleclient.gpu.GPU_OPS (no torch import here)
 ENV_ALLOW_DUMMY = "VLLM_PLE_SHM_ALLOW_DUMMY"
 ENV_PROMPT_AHEAD = "VLLM_PLE_SHM_PROMPT_AHEAD"
 PROMPT_AHEAD_ARRIVAL = "arrival"
@@ -99,6 +101,7 @@ VARIABLES = (
     ENV_PREFETCH,
     ENV_CHECKPOINT,
     ENV_GPU_PATH,
+    ENV_GPU_OPS,
     ENV_ALLOW_DUMMY,
     ENV_PROMPT_AHEAD,
 )
@@ -142,6 +145,7 @@ class ShmSettings:
     allow_dummy: bool = False
     socket_dir: str = DEFAULT_SOCKET_DIR
     gpu_path: str = "auto"
+    gpu_ops: str = "memops"  # how the GPU-driven route rings and collects
     prompt_ahead: tuple[str, ...] = PROMPT_AHEAD_STAGES
 
     @classmethod
@@ -162,6 +166,9 @@ class ShmSettings:
         gpu_path = os.environ.get(ENV_GPU_PATH, "").strip().lower() or "auto"
         if gpu_path not in GPU_PATHS:
             raise SettingsError(f"{ENV_GPU_PATH}={gpu_path!r}: use one of {', '.join(GPU_PATHS)}")
+        gpu_ops = os.environ.get(ENV_GPU_OPS, "").strip().lower() or "memops"
+        if gpu_ops not in GPU_OPS:
+            raise SettingsError(f"{ENV_GPU_OPS}={gpu_ops!r}: use one of {', '.join(GPU_OPS)}")
         return cls(
             socket=socket,
             connect_timeout=_float(ENV_CONNECT_TIMEOUT, 10.0, minimum=0.1),
@@ -175,6 +182,7 @@ class ShmSettings:
             allow_dummy=_bool(ENV_ALLOW_DUMMY, False),
             socket_dir=os.environ.get(ENV_SOCKET_DIR) or DEFAULT_SOCKET_DIR,
             gpu_path=gpu_path,
+            gpu_ops=gpu_ops,
             prompt_ahead=_stages(ENV_PROMPT_AHEAD),
         )
 
