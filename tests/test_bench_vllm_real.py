@@ -301,6 +301,9 @@ def test_cell_names_say_what_runs():
     assert vc.parse_cell("shm-default-deepsmall-pin-tp").pin
     assert vc.parse_cell("stock-default-deepsmall-pin-tp").pin  # (the engine's CPUs alike)
     assert vc.pin_cpus(range(16)) == (list(range(14)), [14, 15])
+    kernels = vc.parse_cell("shm-default-deepsmall-kernels-tp2")
+    assert kernels.env()["VLLM_PLE_SHM_GPU_OPS"] == "kernels"
+    assert vc.parse_cell("shm-default-tp").env()["VLLM_PLE_SHM_GPU_OPS"] == "memops"
     with pytest.raises(vc.CellError, match="none for the engine"):
         vc.pin_cpus([0, 1])
 
@@ -311,6 +314,8 @@ def test_cell_names_say_what_runs():
         ("shm-default-host", "refused by the plugin"),
         ("stock-eager-direct", "need the shm backend"),
         ("stock-default-nospin", "need the shm backend"),
+        ("stock-default-kernels", "needs shm on that route"),
+        ("shm-eager-host-kernels", "needs shm on that route"),
         ("eager", "no backend"),
         ("shm-eager-fast", "unknown word"),
         ("stock-shm", "two backends"),

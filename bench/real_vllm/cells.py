@@ -22,6 +22,10 @@ says what it is, words joined by ``-`` in any order:
   direct                    shm: ``--io direct`` with a 1 GiB row cache (else
                             ``--io mmap``)
   nopa                      shm: ``VLLM_PLE_SHM_PROMPT_AHEAD=off``
+  kernels                   shm: ``VLLM_PLE_SHM_GPU_OPS=kernels`` (the GPU-driven
+                            route's ring and collect as two kernels of the
+                            plugin's, ``pleclient.gpu_kernels``; else the
+                            driver's stream memory operations)
   unordered                 shm: ple-server's ``--no-gather-in-order`` (a step's
                             layers read side by side, not one after another)
   nospin                    shm: ple-server's ``--spin-us 0`` (its serving loop
@@ -207,6 +211,7 @@ class Cell:
     mode: str = "default"  # eager | piecewise | default
     checkpoint: str = "small-bf16"
     route: str = "gpu"  # shm: gpu | host
+    gpu_ops: str = "memops"  # shm, gpu route: memops | kernels
     io: str = "mmap"  # shm: mmap | direct
     cache_size: str | None = None  # shm direct: the row cache
     prompt_ahead: bool = True
@@ -249,6 +254,8 @@ class Cell:
             if socket:
                 env["VLLM_PLE_SHM_SOCKET"] = socket
             env["VLLM_PLE_SHM_GPU_PATH"] = "off" if self.route == "host" else "auto"
+            if self.route == "gpu":
+                env["VLLM_PLE_SHM_GPU_OPS"] = self.gpu_ops
             if not self.prompt_ahead:
                 env["VLLM_PLE_SHM_PROMPT_AHEAD"] = "off"
         return env
@@ -311,6 +318,8 @@ def parse_cell(name: str) -> Cell:
             fields["cache_size"] = DIRECT_CACHE
         elif word == "nopa":
             fields["prompt_ahead"] = False
+        elif word == "kernels":
+            fields["gpu_ops"] = "kernels"
         elif word == "unordered":
             fields["gather_in_order"] = False
         elif word == "nospin":
@@ -338,7 +347,7 @@ def parse_cell(name: str) -> Cell:
         else:
             raise CellError(
                 f"{name}: unknown word {word!r}; a cell name joins {BACKENDS}, {MODES}, "
-                "serve, host, direct, nopa, unordered, nospin, pin, "
+                "serve, host, direct, nopa, kernels, unordered, nospin, pin, "
                 "fp8/nvfp4/large/deep/deepsmall, mp0, x<N>, tp[<N>], ttft[<N>], noexact, "
                 "restart, verify, prof "
                 "(bench/real_vllm/cells.py)"
@@ -354,6 +363,8 @@ def parse_cell(name: str) -> Cell:
 
 def cell_problem(cell: Cell) -> str | None:
     """Why a cell cannot run as named, or None."""
+    if cell.gpu_ops != "memops" and (not cell.shm or cell.route != "gpu"):
+        return "kernels: the GPU-driven route's operations; it needs shm on that route"
     if not cell.shm and (
         cell.route != "gpu"
         or cell.io != "mmap"
@@ -491,6 +502,15 @@ PLANS: dict[str, list[str]] = {
         "shm-default-deepsmall-noexact-tp2",
         "stock-default-deepsmall-pin-noexact-tp2",
         "shm-default-deepsmall-pin-noexact-tp2",
+    ],
+    # the GPU-driven route's ring and collect as kernels against the stream
+    # memory operations (pleclient.gpu_kernels): the forward graph under the
+    # profiler (a fresh host's call), then the decode rate, both beside stock
+    "ops": [
+        "shm-default-deepsmall-kernels-noexact-prof",
+        "stock-default-deepsmall-noexact-tp2",
+        "shm-default-deepsmall-noexact-tp2",
+        "shm-default-deepsmall-kernels-tp2",
     ],
     # eager stock and shm on one host, and vllm serve's exact cells
     "close-33": [
