@@ -565,6 +565,25 @@ class Watchdog:
             self._thread.join()
 
 
+def _cuda_stream(client: PleClient, device, ops: str) -> Stream:
+    """``ops``' stream on ``device``; the stream memory operations where the
+    kernels cannot be built here (no NVRTC, an architecture it does not know),
+    said in the log: the lookups are the same, only slower."""
+    if ops == "kernels":
+        from pleclient.gpu_kernels import KernelStream
+
+        try:
+            return KernelStream(client, device)
+        except PleError as exc:
+            log.warning(
+                "GPU-driven lookups on %s: the ring and collect kernels are not available "
+                "(%s); using the driver's stream memory operations",
+                device,
+                exc,
+            )
+    return CudaStream(client, device)
+
+
 class GpuLookups:
     """A GPU-driven channel: lookups enqueued on a stream, watched over."""
 
@@ -639,12 +658,7 @@ class GpuLookups:
                 supported, why = stream_memops_supported(device)
                 if not supported:
                     raise PleError(f"GPU-driven lookups cannot run on {device}: {why}")
-                if ops == "kernels":
-                    from pleclient.gpu_kernels import KernelStream
-
-                    stream = KernelStream(client, device)
-                else:
-                    stream = CudaStream(client, device)
+                stream = _cuda_stream(client, device, ops)
             return cls(
                 client,
                 stream,

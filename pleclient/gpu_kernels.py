@@ -273,7 +273,11 @@ class KernelStream:
         self._torch = torch
         self._layout = client.channel.layout
         self._arrived = torch.zeros(self._layout.depth, dtype=torch.int32, device=self.device)
-        self._kernels = _Kernels(self.device)
+        try:
+            self._kernels = _Kernels(self.device)
+        except BaseException:
+            self._memops.close()
+            raise
 
     def _stream(self) -> ctypes.c_void_p:
         return ctypes.c_void_p(self._torch.cuda.current_stream(self.device).cuda_stream)
