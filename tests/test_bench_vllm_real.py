@@ -1223,6 +1223,12 @@ def test_the_summary_gives_each_verify_cells_row_check():
 
 
 # ------------------------------------------------------------------ the scripts
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.sh")))
+def test_every_bench_script_parses(script):
+    run = subprocess.run(["bash", "-n", str(BENCH / script)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
 def test_the_device_script_parses_and_lists_the_checkpoints_its_cells_need(tmp_path):
     assert subprocess.run(["bash", "-n", str(BENCH / "device_vllm.sh")]).returncode == 0
     r = subprocess.run(

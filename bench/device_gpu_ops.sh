@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU-driven route's two ways of ringing and collecting, on a GPU host
+# without vLLM or network (torch with CUDA is enough): the driver's stream
+# memory operations against pleclient/gpu_kernels.py's two kernels.
+#
+#   bash bench/device_gpu_ops.sh            # ≈ 4 min on an H100
+#
+# 1. bench/gpu/channel_check.py --gpu-ops kernels: rows bit-exact eagerly and
+#    in 200 graph replays, no host sync, an error answer fails the step, a
+#    killed server's wait ends, hints from a graph (its watchdog case waits
+#    out the reconnect window: about 35 s);
+# 2. bench/gpu/decode.py, paths a (the GPU-resident table) and e (every PLE
+#    layer's lookup rung at the step's start, the plugin's order), once with
+#    each --gpu-ops: e / a of each is what the route's operations cost a step.
+#
+# Environment (all optional): PYTHON (default python3); OUT, where the logs and
+# JSONs go (default .); DECODE_ARGS, bench/gpu/decode.py's arguments besides
+# --gpu-ops and --json.
+set -uo pipefail
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-.}
+DECODE_ARGS=${DECODE_ARGS:---rows 400000 --parts 4 --batches 1,32 --paths a,e --prefill 0 --timed-steps 50}
+
+echo "== build the native modules"
+if ! "$PYTHON" setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1; then
+    tail -20 "$OUT/build.log" >&2
+    echo "the native modules did not build; ple-server needs them" >&2
+    exit 2
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+echo "== $(nproc) CPUs, $("$PYTHON" -c 'import torch; print("torch", torch.__version__)')"
+
+status=0
+for ops in kernels memops; do
+    echo "== bench/gpu/decode.py --gpu-ops $ops"
+    # shellcheck disable=SC2086  # DECODE_ARGS: words on purpose
+    PYTHONUNBUFFERED=1 "$PYTHON" -m bench.gpu.decode $DECODE_ARGS --gpu-ops "$ops" \
+        --json "$OUT/gpu-decode-$ops.json" >"$OUT/gpu-decode-$ops.log" 2>&1 || status=1
+    tail -14 "$OUT/gpu-decode-$ops.log"
+done
+echo "== bench/gpu/channel_check.py --gpu-ops kernels"
+PYTHONUNBUFFERED=1 "$PYTHON" -m bench.gpu.channel_check --gpu-ops kernels \
+    --json "$OUT/channel-check-kernels.json" >"$OUT/channel-check-kernels.log" 2>&1 || status=1
+tail -30 "$OUT/channel-check-kernels.log"
+exit $status
