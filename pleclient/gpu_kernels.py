@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import importlib.util
 import logging
 import math
 from pathlib import Path
@@ -147,13 +148,9 @@ def _nvrtc() -> ctypes.CDLL:
     errors = []
     names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
     # Not loaded yet by soname: the nvidia wheels beside torch, then a toolkit.
-    try:
-        import nvidia
-
-        for root in nvidia.__path__:
-            names += sorted(str(x) for x in Path(root).glob(f"*/lib/libnvrtc.so.{major}*"))
-    except ImportError:
-        pass
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        names += sorted(str(x) for x in Path(root).glob(f"*/lib/libnvrtc.so.{major}*"))
     names += sorted(glob.glob(f"/usr/local/cuda*/lib64/libnvrtc.so.{major}*"))
     for name in names:
         try:
