@@ -54,7 +54,10 @@ COLLECT_THREADS = 256
 COLLECT_BYTES_PER_BLOCK = 16384
 """Each collect block copies about this much (a decode lookup of 512 rows of
 320 bytes takes 10 blocks, one of 16 rows one block)."""
-COLLECT_MAX_BLOCKS = 128
+COLLECT_MAX_BLOCKS = 32
+"""A prefill chunk's lookup (8 192 rows, 2.6 MB) copies 80 KB a block: every
+block polls the done word over the link while it waits, so their number is
+kept small."""
 
 _BODY = r"""
 typedef unsigned int u32;
@@ -95,9 +98,12 @@ extern "C" __global__ void ple_collect(volatile u32 *done, const unsigned char *
     __shared__ u32 answer;
     if (threadIdx.x == 0) {
         u32 d;
+        /* Block 0 looks often; the others less, so that a large lookup's
+         * blocks do not fill the link with reads of one word while the
+         * server works (they start their copies at most ~2 µs late). */
         while ((d = *done) < PLE_OK) {
 #if __CUDA_ARCH__ >= 700
-            __nanosleep(128);
+            __nanosleep(blockIdx.x == 0 ? 128 : 2048);
 #endif
         }
         __threadfence_system(); /* G3 */
