@@ -167,6 +167,9 @@ class Stream(Protocol):
     """Enqueues one slot's half of a lookup, the way ``pleclient.protocol``
     orders the words."""
 
+    ops: str
+    """What runs the words: ``memops``, ``kernels`` (``GPU_OPS``) or ``host``."""
+
     def ring(
         self, slot: SlotView, table: int, ids, count: int, kind: int | None = None
     ) -> None: ...
@@ -178,6 +181,8 @@ class Stream(Protocol):
 
 class CudaStream:
     """The words written and waited on by the current CUDA stream of ``device``."""
+
+    ops = "memops"
 
     def __init__(self, client: PleClient, device) -> None:
         import torch
@@ -290,6 +295,8 @@ class CudaStream:
 class HostStream:
     """The CPU stand-in: the same words, written and waited on by the caller's
     thread (``ids`` and ``out`` are NumPy arrays or CPU tensors)."""
+
+    ops = "host"
 
     def __init__(self, wait_timeout: float) -> None:
         self._wait_timeout = wait_timeout  # past the watchdog's: only a broken one
@@ -674,6 +681,13 @@ class GpuLookups:
     @property
     def tables(self) -> list[TableInfo]:
         return self.client.tables
+
+    @property
+    def ops(self) -> str:
+        """What rings and collects in fact: ``memops`` or ``kernels`` on a CUDA
+        device (``kernels`` asked for and not available runs ``memops``), ``host``
+        for the CPU stand-in."""
+        return self.stream.ops
 
     @property
     def capacity(self) -> int:

@@ -21,9 +21,10 @@ current stream (so a CUDA graph captures them like any kernel):
 * ``ple_collect`` (as many blocks as the rows need): one thread of each block
   polls the done word until it is OK or ERROR, then fences (G3, pairs with
   the server's E1); the block copies its share of the rows into the output.
-  An ERROR traps (the step fails, as the memop stream's device-side assert
-  makes it); the last block to finish returns the word to WAITING
-  (wait-then-reset) and its arrival counter to zero.
+  An ERROR fails a device-side assertion (the step fails with
+  ``cudaErrorAssert``, as the memop stream's check makes it); the last block
+  to finish returns the word to WAITING (wait-then-reset) and its arrival
+  counter to zero.
 
 The server sees nothing new: the same words, values and order. Host memory is
 read and written through the segment's device mapping (``PinnedSegment``),
@@ -62,8 +63,6 @@ kept small."""
 _BODY = r"""
 typedef unsigned int u32;
 typedef unsigned long long u64;
-
-extern "C" __device__ int vprintf(const char *format, const char *args);
 
 /* G1, G2 (pleclient.protocol): every thread's ids, then table, count and
  * kind, are visible system-wide before the doorbell; the doorbell before the
@@ -111,10 +110,12 @@ extern "C" __global__ void ple_collect(volatile u32 *done, const unsigned char *
     }
     __syncthreads();
     if (answer != PLE_OK) {
-        if (threadIdx.x == 0 && blockIdx.x == 0)
-            vprintf("ple-server answered a GPU-driven lookup with an error, or its watchdog "
-                    "gave up on the server: see the pleclient.gpu log\n", 0);
-        __trap();
+        /* A device-side assertion, as the stream memory operations' check
+         * raises: the step fails with cudaErrorAssert and this text. */
+        if (threadIdx.x == 0)
+            assert(answer == PLE_OK && "ple-server answered a GPU-driven lookup with an error, "
+                   "or its watchdog gave up on the server: see the pleclient.gpu log");
+        return;
     }
     u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 stride = (u64)gridDim.x * blockDim.x;
@@ -128,6 +129,7 @@ extern "C" __global__ void ple_collect(volatile u32 *done, const unsigned char *
         __threadfence();
         if (atomicAdd(arrived, 1u) == gridDim.x - 1) {
             /* The last block: every block has read done and its rows. */
+            __threadfence();
             *arrived = 0u;
             *done = PLE_WAITING; /* wait-then-reset */
             __threadfence_system();
@@ -176,6 +178,8 @@ def _nvrtc() -> ctypes.CDLL:
         lib.nvrtcCompileProgram.argtypes = [vp, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.nvrtcGetPTXSize.argtypes = [vp, ctypes.POINTER(sz)]
         lib.nvrtcGetPTX.argtypes = [vp, ctypes.c_char_p]
+        lib.nvrtcGetCUBINSize.argtypes = [vp, ctypes.POINTER(sz)]
+        lib.nvrtcGetCUBIN.argtypes = [vp, ctypes.c_char_p]
         lib.nvrtcGetProgramLogSize.argtypes = [vp, ctypes.POINTER(sz)]
         lib.nvrtcGetProgramLog.argtypes = [vp, ctypes.c_char_p]
         lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(vp)]
@@ -183,8 +187,9 @@ def _nvrtc() -> ctypes.CDLL:
     raise PleError(f"NVRTC cannot be loaded ({'; '.join(errors)})")
 
 
-def compile_ptx(source: str, arch: str) -> bytes:
-    """``source`` compiled to PTX for ``arch`` (e.g. ``compute_90``)."""
+def compile_source(source: str, arch: str) -> bytes:
+    """``source`` compiled by NVRTC for ``arch``: PTX for a virtual architecture
+    (``compute_90``), a cubin for a real one (``sm_90``)."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"ple.cu", 0, None, None):
@@ -198,14 +203,27 @@ def compile_ptx(source: str, arch: str) -> bytes:
             lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
             text = ctypes.create_string_buffer(size.value)
             lib.nvrtcGetProgramLog(prog, text)
-            raise PleError(f"NVRTC could not compile the ring and collect kernels: {text.value!r}")
+            raise PleError(
+                f"NVRTC could not compile the ring and collect kernels for {arch}: {text.value!r}"
+            )
+        cubin = arch.startswith("sm_")
+        get_size, get = (
+            (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN)
+            if cubin
+            else (lib.nvrtcGetPTXSize, lib.nvrtcGetPTX)
+        )
         size = ctypes.c_size_t()
-        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-        ptx = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetPTX(prog, ptx)
-        return ptx.raw
+        get_size(prog, ctypes.byref(size))
+        image = ctypes.create_string_buffer(size.value)
+        get(prog, image)
+        return image.raw if cubin else image.raw.rstrip(b"\0") + b"\0"
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def compile_ptx(source: str, arch: str) -> bytes:
+    """``source`` as PTX for the virtual architecture ``arch`` (``compute_90``)."""
+    return compile_source(source, arch)
 
 
 class _Kernels:
@@ -215,7 +233,6 @@ class _Kernels:
         import torch
 
         major, minor = torch.cuda.get_device_capability(device)
-        ptx = compile_ptx(SOURCE, f"compute_{major}{minor}")
         lib = _cuda()
         lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
         lib.cuModuleGetFunction.argtypes = [
@@ -235,8 +252,23 @@ class _Kernels:
         lib.cuModuleUnload.argtypes = [ctypes.c_void_p]
         self._lib = lib
         self.module = ctypes.c_void_p()
-        with torch.cuda.device(device):
-            _check(lib.cuModuleLoadData(ctypes.byref(self.module), ptx), "cuModuleLoadData")
+        # A cubin for the device itself (no JIT at start, and no PTX newer
+        # than the driver reads); PTX for the driver to compile where NVRTC
+        # does not know the device's architecture.
+        errors = []
+        for arch in (f"sm_{major}{minor}", f"compute_{major}{minor}"):
+            try:
+                image = compile_source(SOURCE, arch)
+                with torch.cuda.device(device):
+                    _check(
+                        lib.cuModuleLoadData(ctypes.byref(self.module), image),
+                        f"cuModuleLoadData ({arch})",
+                    )
+                break
+            except PleError as exc:
+                errors.append(str(exc))
+        else:
+            raise PleError("; ".join(errors))
         self.ring = self._function(b"ple_ring")
         self.collect = self._function(b"ple_collect")
 
@@ -266,6 +298,8 @@ class KernelStream:
     stream of ``device`` (see the module docstring); the same segment mapping
     as ``pleclient.gpu.CudaStream``."""
 
+    ops = "kernels"
+
     def __init__(self, client, device) -> None:
         import torch
 
@@ -275,8 +309,10 @@ class KernelStream:
         self.device = self._memops.device
         self._torch = torch
         self._layout = client.channel.layout
-        self._arrived = torch.zeros(self._layout.depth, dtype=torch.int32, device=self.device)
         try:
+            self._arrived = torch.zeros(self._layout.depth, dtype=torch.int32, device=self.device)
+            # Zeroed before any collect runs, whatever stream that is on.
+            torch.cuda.current_stream(self.device).synchronize()
             self._kernels = _Kernels(self.device)
         except BaseException:
             self._memops.close()

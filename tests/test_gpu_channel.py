@@ -67,6 +67,12 @@ def test_a_gpu_driven_flag_that_is_not_a_boolean_is_refused(server):
         assert "gpu_driven" in reply["message"]
 
 
+def test_the_lookups_say_what_rings_and_an_unknown_way_is_refused(lookups, server):
+    assert lookups.ops == "host"  # the CPU stand-in; memops or kernels on a GPU
+    with pytest.raises(PleError, match="use one of memops, kernels"):
+        GpuLookups.open(server.socket, device="cpu", ops="graphs")
+
+
 def test_rung_slots_are_answered_bit_exact_replay_after_replay(lookups, references, server):
     stats = PleClient.query_stats(server.socket)
     assert (stats["channels"], stats["gpu_channels"]) == (1, 1)

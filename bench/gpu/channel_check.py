@@ -97,6 +97,7 @@ def check_eager_and_graph(
 ) -> None:
     device = torch.device("cuda")
     gl = GpuLookups.open(socket, device=device, capacity=4096, depth=4, timeout=30.0, ops=ops)
+    report["gpu_ops_run"] = gl.ops  # what rang and collected in fact
     try:
         layers = (1, 3, 1, 3)
         sizes = (16, 512, 4096, 1000)
@@ -285,6 +286,7 @@ def main() -> int:
         and report.get("hints_graph_replays_not_exact") == 0
         and report.get("hints_received", 0) >= 50 * 512
         and report.get("hints_hits", 0) > 0
+        and report.get("gpu_ops_run") == args.gpu_ops  # not a fallback passed off as it
     )
     return 0 if ok else 1
 

@@ -483,6 +483,8 @@ def open_gpu_driven(
         setup.why_not_d = f"GpuLookups.open failed: {type(exc).__name__}: {exc}"
         return
     setup.lookups, setup.per_layer = gl, per_layer
+    if gl.ops != ops:
+        setup.why_not_d = f"--gpu-ops {ops} asked, {gl.ops} runs (the log says why)"
     setup.table_info = next((t for t in gl.tables if t.name == setup.table.name), None)
     if setup.table_info is None:
         setup.why_not_d = f"the GPU-driven session lists no table {setup.table.name}"

@@ -144,7 +144,7 @@ class GpuRoute:
             "ids, no host synchronization per step",
             " (CPU stand-in)" if standin else "",
             device,
-            settings.gpu_ops,
+            lookups.ops,
             len(bindings),
             slots_per_layer,
             capacity,
