@@ -14,11 +14,11 @@ profiler's trace, docs/BENCHMARKS.md "What the GPU does in a decode step").
 small kernels, compiled once per device with NVRTC and launched on the
 current stream (so a CUDA graph captures them like any kernel):
 
-* ``ple_ring`` (one block): every thread copies its share of the ids into the
+* ``slot_ring`` (one block): every thread copies its share of the ids into the
   slot and fences (``__threadfence_system``); after the block's barrier one
   thread writes table, count (and kind), fences (G1), writes the doorbell,
   fences (G2) and writes the rung word.
-* ``ple_collect`` (as many blocks as the rows need): one thread of each block
+* ``slot_collect`` (as many blocks as the rows need): one thread of each block
   polls the done word until it is OK or ERROR, then fences (G3, pairs with
   the server's E1); the block copies its share of the rows into the output.
   An ERROR fails a device-side assertion (the step fails with
@@ -67,7 +67,7 @@ typedef unsigned long long u64;
 /* G1, G2 (pleclient.protocol): every thread's ids, then table, count and
  * kind, are visible system-wide before the doorbell; the doorbell before the
  * rung word, the one word the server polls. */
-extern "C" __global__ void ple_ring(const long long *__restrict__ ids, long long *slot_ids,
+extern "C" __global__ void slot_ring(const long long *__restrict__ ids, long long *slot_ids,
                                     u32 count, volatile u32 *table_word, u32 table,
                                     volatile u32 *count_word, volatile u32 *kind_word, u32 kind,
                                     int write_kind, volatile u32 *doorbell, volatile u32 *rung)
@@ -90,7 +90,7 @@ extern "C" __global__ void ple_ring(const long long *__restrict__ ids, long long
 
 /* G3: the rows are read only after done reads OK, behind a system-scope fence
  * (pairs with the server's release store of done, E1). */
-extern "C" __global__ void ple_collect(volatile u32 *done, const unsigned char *rows,
+extern "C" __global__ void slot_collect(volatile u32 *done, const unsigned char *rows,
                                        unsigned char *out, u64 nbytes, int vectors,
                                        u32 *arrived)
 {
@@ -269,8 +269,8 @@ class _Kernels:
                 errors.append(str(exc))
         else:
             raise PleError("; ".join(errors))
-        self.ring = self._function(b"ple_ring")
-        self.collect = self._function(b"ple_collect")
+        self.ring = self._function(b"slot_ring")
+        self.collect = self._function(b"slot_collect")
 
     def _function(self, name: bytes) -> ctypes.c_void_p:
         fn = ctypes.c_void_p()

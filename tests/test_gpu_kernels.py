@@ -50,7 +50,7 @@ def test_nvrtc_gives_a_cubin_for_the_device_itself(arch):
 
 def test_the_kernels_compile_and_assemble_for_the_gpus_users_run(ptx, tmp_path):
     arch, text = ptx
-    assert ".entry ple_ring(" in text and ".entry ple_collect(" in text
+    assert ".entry slot_ring(" in text and ".entry slot_collect(" in text
     source = tmp_path / "ple.ptx"
     source.write_text(text)
     sm = arch.replace("compute_", "sm_")
@@ -63,7 +63,7 @@ def test_the_kernels_compile_and_assemble_for_the_gpus_users_run(ptx, tmp_path):
 
 
 def test_the_ring_fences_before_the_doorbell_and_before_the_rung_word(ptx):
-    lines = _entry(ptx[1], "ple_ring")
+    lines = _entry(ptx[1], "slot_ring")
     stores = [i for i, line in enumerate(lines) if line.startswith("st.volatile.global.u32")]
     fences = [i for i, line in enumerate(lines) if line.startswith("membar.sys")]
     barrier = next(i for i, line in enumerate(lines) if line.startswith("bar.sync"))
@@ -80,7 +80,7 @@ def test_the_ring_fences_before_the_doorbell_and_before_the_rung_word(ptx):
 
 
 def test_the_collect_reads_rows_only_behind_the_fence_after_done(ptx):
-    lines = _entry(ptx[1], "ple_collect")
+    lines = _entry(ptx[1], "slot_collect")
     done_loads = [i for i, line in enumerate(lines) if line.startswith("ld.volatile.global.u32")]
     fence = next(i for i, line in enumerate(lines) if line.startswith("membar.sys"))
     row_loads = [i for i, line in enumerate(lines) if re.match(r"ld\.global\.(v4\.u32|u8)", line)]
