@@ -121,6 +121,11 @@ def _cuda() -> ctypes.CDLL:
             ctypes.c_int,
         ]
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        # pleclient.gpu_kernels' module and launches
+        lib.cuModuleLoadData.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p]
+        lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
+        lib.cuModuleUnload.argtypes = [vp]
+        lib.cuLaunchKernel.argtypes = [vp, *[ctypes.c_uint] * 7, vp, ctypes.POINTER(vp), vp]
         _libcuda = lib
     return _libcuda
 

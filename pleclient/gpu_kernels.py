@@ -221,11 +221,6 @@ def compile_source(source: str, arch: str) -> bytes:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def compile_ptx(source: str, arch: str) -> bytes:
-    """``source`` as PTX for the virtual architecture ``arch`` (``compute_90``)."""
-    return compile_source(source, arch)
-
-
 class _Kernels:
     """The two kernels loaded in the current context of ``device``."""
 
@@ -234,22 +229,6 @@ class _Kernels:
 
         major, minor = torch.cuda.get_device_capability(device)
         lib = _cuda()
-        lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
-        lib.cuModuleGetFunction.argtypes = [
-            ctypes.POINTER(ctypes.c_void_p),
-            ctypes.c_void_p,
-            ctypes.c_char_p,
-        ]
-        lib.cuLaunchKernel.argtypes = (
-            [ctypes.c_void_p]
-            + [ctypes.c_uint] * 7
-            + [
-                ctypes.c_void_p,
-                ctypes.POINTER(ctypes.c_void_p),
-                ctypes.c_void_p,
-            ]
-        )
-        lib.cuModuleUnload.argtypes = [ctypes.c_void_p]
         self._lib = lib
         self.module = ctypes.c_void_p()
         # A cubin for the device itself (no JIT at start, and no PTX newer

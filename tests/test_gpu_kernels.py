@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pleclient.gpu_kernels import SOURCE, compile_ptx, compile_source
+from pleclient.gpu_kernels import SOURCE, compile_source
 
 ARCHS = ("compute_80", "compute_90")  # Ampere; Hopper and Grace Hopper
 
@@ -39,7 +39,7 @@ def _entry(ptx: str, name: str) -> list[str]:
 
 @pytest.fixture(scope="module", params=ARCHS)
 def ptx(request) -> tuple[str, str]:
-    return request.param, compile_ptx(SOURCE, request.param).rstrip(b"\0").decode()
+    return request.param, compile_source(SOURCE, request.param).rstrip(b"\0").decode()
 
 
 @pytest.mark.parametrize("arch", ("sm_80", "sm_90"))
