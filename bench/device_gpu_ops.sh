@@ -14,29 +14,22 @@
 #    each --gpu-ops: e / a of each is what the route's operations cost a step.
 #
 # Environment (all optional): PYTHON (default python3); OUT, where the logs and
-# JSONs go (default .); DECODE_ARGS, bench/gpu/decode.py's arguments besides
-# --gpu-ops and --json.
+# JSONs go (default .; decode's under OUT/kernels and OUT/memops); DECODE_ARGS,
+# bench/gpu/decode.py's arguments besides --gpu-ops and --json.
 set -uo pipefail
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-.}
 DECODE_ARGS=${DECODE_ARGS:---rows 400000 --parts 4 --batches 1,32 --paths a,e --prefill 0 --timed-steps 50}
 
-echo "== build the native modules"
-if ! "$PYTHON" setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1; then
-    tail -20 "$OUT/build.log" >&2
-    echo "the native modules did not build; ple-server needs them" >&2
-    exit 2
-fi
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-echo "== $(nproc) CPUs, $("$PYTHON" -c 'import torch; print("torch", torch.__version__)')"
-
 status=0
 for ops in kernels memops; do
-    echo "== bench/gpu/decode.py --gpu-ops $ops"
+    # device_gpu_decode.sh builds the native modules (in place: once) and
+    # prints the machine, then runs bench/gpu/decode.py.
+    mkdir -p "$OUT/$ops"
     # shellcheck disable=SC2086  # DECODE_ARGS: words on purpose
-    PYTHONUNBUFFERED=1 "$PYTHON" -m bench.gpu.decode $DECODE_ARGS --gpu-ops "$ops" \
-        --json "$OUT/gpu-decode-$ops.json" >"$OUT/gpu-decode-$ops.log" 2>&1 || status=1
-    tail -14 "$OUT/gpu-decode-$ops.log"
+    OUT="$OUT/$ops" PYTHON="$PYTHON" bash "$(dirname "$0")/device_gpu_decode.sh" \
+        $DECODE_ARGS --gpu-ops "$ops" >"$OUT/gpu-decode-$ops.log" 2>&1 || status=1
+    tail -16 "$OUT/gpu-decode-$ops.log"
 done
 echo "== bench/gpu/channel_check.py --gpu-ops kernels"
 PYTHONUNBUFFERED=1 "$PYTHON" -m bench.gpu.channel_check --gpu-ops kernels \
