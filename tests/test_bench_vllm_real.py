@@ -325,6 +325,8 @@ def test_cell_names_say_what_runs():
         ("shm-default-mp0-verify", "needs shm, eager"),
         ("shm-eager-verify", "and mp0"),
         ("serve-shm-default-prof", "drop serve"),
+        ("serve-stock-default-dsv41", "drop serve"),
+        ("shm-eager-mp0-dsv41-verify", "drop dsv41"),
     ],
 )
 def test_a_cell_that_cannot_run_is_refused_with_its_reason(name, problem):
@@ -486,6 +488,43 @@ def test_plans_expand_to_cells_and_their_checkpoints():
     assert nvfp4[1].args(Path("/w"))[-2:] == ["--dtype", "nvfp4"]
     with pytest.raises(vc.CellError, match="named twice"):
         vc.expand("stock-eager,stock-eager")
+    dsv41 = vc.expand("dsv41")
+    assert {c.checkpoint for c in dsv41} == {"dsv41-fp8"}
+    assert {c.reference_key() for c in dsv41 if c.mode == "eager"} == {
+        "generate/eager/deepseek-v41/mp0"
+    }
+    (ckpt,) = vc.checkpoints_needed(dsv41)
+    assert ckpt.dummy_weights and ckpt.args(Path("/w")) == ["--model", "deepseek-v41"]
+
+
+def test_the_deepseek_checkpoint_holds_its_engram_tables_for_a_stock_engine(tmp_path):
+    """``--model deepseek-v41``: the devkit's whole model, its marker, its two
+    Engram tables where ``engram_tables`` finds them for a stock engine, a
+    second run reusing it; Qwen-only arguments refused."""
+    from bench.real_vllm.engram_tables import engram_tensor_files
+
+    out = tmp_path / "dsv41"
+    argv = [sys.executable, "-m", "bench.real_vllm.checkpoint", "--out", str(out)]
+    argv += ["--model", "deepseek-v41", "--device", "cpu", "--reuse"]
+    for _ in range(2):
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert "already holds this checkpoint" in r.stderr
+    marker = json.loads((out / "bench-checkpoint.json").read_text())
+    assert (marker["model"], marker["layers"], marker["dtype"]) == ("deepseek-v41", 16, "fp8")
+    assert sorted(marker["tables"]) == ["layers.1.engram.embed", "layers.14.engram.embed"]
+    assert abs(marker["table_bytes"] / 2**30 - vc.table_gib_estimate("dsv41-fp8")) < 0.01
+    files = engram_tensor_files(out)
+    assert sorted(files) == [
+        f"layers.{layer}.engram.embed.{kind}" for layer in (1, 14) for kind in ("scale", "weight")
+    ]
+    assert all(p.parent == out and p.exists() for p in files.values())
+    with pytest.raises(FileNotFoundError, match="--whole-model"):
+        engram_tensor_files(tmp_path)
+    bad = subprocess.run(
+        [*argv[:-1], "--dtype", "nvfp4"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert bad.returncode == 2 and "writes its own FP8 model" in bad.stderr
 
 
 def test_the_deadline_skips_a_cell_that_would_not_end_in_time():

@@ -136,6 +136,26 @@ def test_pleclient_discovery_finds_the_two_engram_tables_and_nothing_else(whole)
     }
 
 
+def test_the_harness_cells_start_dummy_engines_and_stock_gets_the_tables_by_name(vllm_view):
+    """bench/real_vllm's dsv41 cells: vLLM takes their arguments (dummy weights,
+    no image), a stock engine has the worker extension that copies the tables
+    in, and vLLM's own mapper sends the checkpoint's Engram tensors to each
+    layer's ``engram.embed_tokens`` values and scales."""
+    harness = vllm_view["harness"]
+    for name, cell in harness["cells"].items():
+        assert cell["load_format"] == "dummy" and cell["image_limit"] == 0, name
+        assert bool(cell["extension"]) is (not name.startswith("shm")), name
+        assert cell["offload"] is name.startswith("offload"), name
+    assert harness["tensors"] == [
+        f"layers.{layer}.engram.embed.{kind}" for layer in (1, 14) for kind in ("scale", "weight")
+    ]
+    assert harness["mapped"] == [
+        f"language_model.model.layers.{layer}.engram.embed_tokens.{param}"
+        for layer in (1, 14)
+        for param in ("weight_scale_inv", "weight")
+    ]
+
+
 def test_cuda_resolves_the_fp8_config_to_deepseeks_own_with_mxfp4_experts(config, vllm_view):
     quant = vllm_view["quantization"]
     assert quant["override"] == "deepseek_v4_fp8"  # DeepseekV4FP8Config claims it (CUDA, ROCm)
@@ -264,7 +284,40 @@ def vllm_view_scenario(args: dict) -> dict:
             "expert_dtype": hf.expert_dtype,
             "hf_quant_method": model_config.hf_config.quantization_config["quant_method"],
         },
+        "harness": harness_view(model),
     }
+
+
+def harness_view(model: str) -> dict:
+    """What vLLM makes of the real-vLLM harness's dsv41 cells (bench/real_vllm):
+    each cell's ``LLM`` arguments up to a ``VllmConfig``, and the names vLLM's
+    own weight mapper gives the Engram tensors that a stock engine's
+    ``load_engram_tables`` feeds to the model's ``load_weights``."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.models.deepseek_v41.nvidia.model import _linear_scale_param_name
+    from vllm.models.deepseek_v41.nvidia.vl_model import _make_deepseek_v4_vl_weights_mapper
+
+    from bench.real_vllm import coordinator, engram_tables
+    from bench.real_vllm.cells import parse_cell
+
+    cells = {}
+    for name in ("stock-eager-dsv41-mp0", "shm-default-dsv41-mp0", "offload-eager-dsv41"):
+        config = EngineArgs(
+            model=model, **coordinator.engine_kwargs(parse_cell(name))
+        ).create_engine_config()
+        cells[name] = {
+            "load_format": str(config.load_config.load_format),
+            "extension": config.parallel_config.worker_extension_cls,
+            "offload": config.engram_config.cpu_offload,
+            "image_limit": config.model_config.multimodal_config.get_limit_per_prompt("image"),
+        }
+    hf = config.model_config.hf_config
+    mapper = _make_deepseek_v4_vl_weights_mapper(
+        hf.expert_dtype, _linear_scale_param_name(config, hf.expert_dtype)
+    )
+    files = engram_tables.engram_tensor_files(Path(model))
+    mapped = [n for n, _ in mapper.apply((name, None) for name in sorted(files))]
+    return {"cells": cells, "tensors": sorted(files), "mapped": mapped}
 
 
 SCENARIOS = {"vllm_view": vllm_view_scenario}

@@ -34,8 +34,11 @@ says what it is, words joined by ``-`` in any order:
   pin                       the engine on every CPU but the last ``PIN_SERVER_CPUS``,
                             ple-server (shm) on those: whether the server's
                             threads slow vLLM's host side where they share CPUs
-  fp8 | nvfp4 | large | deep | deepsmall
-                            the checkpoint (else ``small-bf16``): ``CHECKPOINTS``
+  fp8 | nvfp4 | large | deep | deepsmall | dsv41
+                            the checkpoint (else ``small-bf16``): ``CHECKPOINTS``;
+                            dsv41 is a whole DeepSeek-V4.1 with Engram tables
+                            (``LLM.generate`` only: a stock engine gets the
+                            tables copied in through a worker extension)
   mp0                       ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core
                             in the same process, every prompt queued before the
                             first step
@@ -155,17 +158,29 @@ class Checkpoint:
     ngram_vocab_base: int
     dtype: str = "bf16"
     twin_of: str | None = None  # FP8, NVFP4: the copy of this BF16 checkpoint
+    model: str = "qwen4exp"  # | deepseek-v41 (bench/real_vllm/checkpoint.py --model)
 
     @property
     def family(self) -> str:
         """Checkpoints of one family hold the same numbers (an FP8 twin included),
         so a stock run of one is a reference for the others. NVFP4 rounds the
         rows: its copy is a family of its own."""
+        if self.model != "qwen4exp":
+            return self.model
         rounded = "-nvfp4" if self.dtype == "nvfp4" else ""
         return f"{self.layers}L-{self.ngram_vocab_base}{rounded}"
 
+    @property
+    def dummy_weights(self) -> bool:
+        """Only the n-gram tables are in the files: vLLM draws the other weights
+        (``load_format="dummy"``), and a stock engine gets the tables copied in
+        (``bench/real_vllm/engram_tables.py``)."""
+        return self.model == "deepseek-v41"
+
     def args(self, work: Path) -> list[str]:
         """``bench/real_vllm/checkpoint.py``'s arguments, but ``--out`` and ``--device``."""
+        if self.model != "qwen4exp":
+            return ["--model", self.model]
         if self.twin_of:
             return ["--twin-of", str(work / "ckpt" / self.twin_of), "--dtype", self.dtype]
         return [
@@ -187,6 +202,9 @@ CHECKPOINTS = {
         Checkpoint("large-bf16", 4, 1_100_000),  # two of 5.6 GB: 10.5 GiB, --io direct
         Checkpoint("deep-bf16", 16, 550_000),  # four of 2.8 GB: 10.5 GiB
         Checkpoint("deepsmall-bf16", 16, 100_000),  # the deep trunk on mmap
+        # the whole DeepSeek-V4.1 of pleserver.devkit.deepseek_v41: two Engram tables of
+        # about 0.1 GB (FP8 rows of 264 bytes) on decoder layers 1 and 14
+        Checkpoint("dsv41-fp8", 16, 0, "fp8", model="deepseek-v41"),
     )
 }
 CHECKPOINT_WORDS = {
@@ -195,6 +213,7 @@ CHECKPOINT_WORDS = {
     "large": "large-bf16",
     "deep": "deep-bf16",
     "deepsmall": "deepsmall-bf16",
+    "dsv41": "dsv41-fp8",
 }
 
 
@@ -348,7 +367,7 @@ def parse_cell(name: str) -> Cell:
             raise CellError(
                 f"{name}: unknown word {word!r}; a cell name joins {BACKENDS}, {MODES}, "
                 "serve, host, direct, nopa, kernels, unordered, nospin, pin, "
-                "fp8/nvfp4/large/deep/deepsmall, mp0, x<N>, tp[<N>], ttft[<N>], noexact, "
+                "fp8/nvfp4/large/deep/deepsmall/dsv41, mp0, x<N>, tp[<N>], ttft[<N>], noexact, "
                 "restart, verify, prof "
                 "(bench/real_vllm/cells.py)"
             )
@@ -395,6 +414,14 @@ def cell_problem(cell: Cell) -> str | None:
             "verify checks each lookup in Python: it needs shm, eager (a replayed CUDA graph "
             "never reaches Python) and mp0 (the check is installed in the engine's process)"
         )
+    dummy = CHECKPOINTS[cell.checkpoint].dummy_weights
+    if dummy and cell.api != "generate":
+        return (
+            "dsv41's stock engine gets its Engram tables through LLM.collective_rpc after the "
+            "start (load_format=dummy reads no file): drop serve"
+        )
+    if dummy and (cell.verify or cell.restart):
+        return "verify and restart are Qwen4Exp PLE cells: drop dsv41"
     if cell.profile and cell.api != "generate":
         return "prof profiles LLM.generate's worker (LLM.start_profile): drop serve"
     if cell.restart and cell.backend == "offload":
@@ -438,6 +465,15 @@ PLANS: dict[str, list[str]] = {
     ],
     # NVFP4 tables (vLLM's Triton decode resident; the plugin's decode from rows)
     "nvfp4": ["stock-default-nvfp4-mp0", "shm-default-nvfp4-mp0"],
+    # the whole DeepSeek-V4.1 (Engram on layers 1 and 14): shm against stock, eager and
+    # vLLM's default graphs, mp0 (every prompt queued before the first step)
+    "dsv41": [
+        "stock-eager-dsv41-mp0",
+        "shm-eager-dsv41-mp0",
+        "stock-default-dsv41-mp0",
+        "shm-default-dsv41-mp0",
+        "shm-default-dsv41-mp0-kernels",
+    ],
     # vllm serve, driven by the openai client
     "serve": ["serve-stock-default", "serve-shm-default", "serve-stock-default#2"],
     # ple-server killed, reloaded and restarted under vllm serve's 32 streams
@@ -697,8 +733,11 @@ def plan_text(
 
 
 def table_gib_estimate(checkpoint: str) -> float:
-    """PLE tables of a checkpoint, GiB (16 heads × base rows × 160 columns)."""
+    """PLE tables of a checkpoint, GiB (16 heads × base rows × 160 columns);
+    a DeepSeek-V4.1's Engram tables: the devkit's default (206 MB)."""
     ck = CHECKPOINTS[checkpoint]
+    if ck.model == "deepseek-v41":
+        return 0.19
     tables = len({4: (2, 3), 16: (2, 6, 10, 14)}[ck.layers])
     row_bytes = 160 * (1 if ck.dtype == "fp8" else 2)
     return tables * 16 * ck.ngram_vocab_base * row_bytes / 2**30

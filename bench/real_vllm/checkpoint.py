@@ -66,6 +66,13 @@ reuses it (``--reuse``).
         --twin-of ckpt/small-bf16 --dtype nvfp4
     python -m bench.real_vllm.checkpoint --out ckpt/large-bf16 --ngram-vocab-base 1100000
     python -m bench.real_vllm.checkpoint --out ckpt/tiny --tiny --device cpu
+    python -m bench.real_vllm.checkpoint --out ckpt/dsv41 --model deepseek-v41
+
+``--model deepseek-v41`` writes ``pleserver.devkit.deepseek_v41``'s whole
+16-layer DeepSeek-V4.1 instead (Engram on decoder layers 1 and 14; only the
+Engram tables are in its safetensors: vLLM draws the rest under
+``load_format="dummy"``, and ``bench/real_vllm/engram_tables.py`` gives a stock
+engine the tables).
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ MARKER = "bench-checkpoint.json"
 MARKER_FORMAT = "qwen4-checkpoint/1"
 VOCAB = 512
 EOS = 256  # <|endoftext|>: the first id after the 256 bytes
+MODELS = ("qwen4exp", "deepseek-v41")
 PLE_LAYER_IDS = {4: [2, 3], 16: [2, 6, 10, 14]}  # one-indexed, as in the config
 ROWS_CHUNK = 1 << 20  # rows filled at a time (bounds the FP32 temporary on the device)
 
@@ -469,6 +477,7 @@ def table_bytes(model_dir: Path) -> dict[str, int]:
 def marker_of(args: argparse.Namespace) -> dict:
     return {
         "format": MARKER_FORMAT,
+        "model": args.model,
         "layers": args.layers,
         "ngram_vocab_base": args.ngram_vocab_base,
         "dtype": args.dtype,
@@ -506,7 +515,13 @@ def write_checkpoint(args: argparse.Namespace) -> dict:
         log.info("%s already holds this checkpoint (%s): reused", out, MARKER)
         return json.loads((out / MARKER).read_text())
     t0 = time.monotonic()
-    if source is not None and args.dtype == "nvfp4":
+    if args.model == "deepseek-v41":
+        from pleserver.devkit.deepseek_v41 import write_whole_deepseek_v41
+
+        if out.exists():
+            shutil.rmtree(out)
+        write_whole_deepseek_v41(str(out), seed=args.seed)
+    elif source is not None and args.dtype == "nvfp4":
         nvfp4_twin(source, out, args.device)
     elif source is not None:
         fp8_twin(source, out)
@@ -541,6 +556,14 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--out", type=Path, required=True, help="the checkpoint directory")
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="qwen4exp",
+        help="qwen4exp (this script's trunks) or deepseek-v41: pleserver.devkit.deepseek_v41's "
+        "whole 16-layer model, Engram tables only in its safetensors (its engines load "
+        'with load_format="dummy"; --layers, --ngram-vocab-base and --dtype do not apply)',
+    )
     parser.add_argument("--layers", type=int, choices=sorted(PLE_LAYER_IDS), default=4)
     parser.add_argument(
         "--ngram-vocab-base",
@@ -573,6 +596,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     args.dtype = args.dtype or ("fp8" if args.twin_of else "bf16")
+    if args.model == "deepseek-v41" and (args.twin_of or args.tiny or args.dtype != "bf16"):
+        parser.error(
+            "--model deepseek-v41 writes its own FP8 model: no --twin-of, --tiny or --dtype"
+        )
+    if args.model == "deepseek-v41":
+        # its 16 layers, its Engram tables (E4M3 values, UE8M0 scales), no PLE vocabulary
+        args.layers, args.dtype, args.ngram_vocab_base = 16, "fp8", None
     if args.twin_of and args.dtype == "bf16":
         parser.error("--twin-of writes an fp8 or nvfp4 copy: --dtype bf16 is the source's")
     if args.dtype == "nvfp4" and not args.twin_of:

@@ -67,10 +67,11 @@ from pathlib import Path
 
 from bench.harness.checkout import bench_only, installed_first
 from bench.harness.provenance import cpu_topology, thread_cpu_s
-from bench.real_vllm import gpu_trace
+from bench.real_vllm import engram_tables, gpu_trace
 from bench.real_vllm import steps as vllm_steps
 from bench.real_vllm.cells import (
     CELL_FORMAT,
+    CHECKPOINTS,
     CONCURRENCY,
     EXACT_TOKENS,
     PROFILE_CONCURRENCY,
@@ -709,6 +710,12 @@ def engine_kwargs(cell: Cell, profile_dir: Path | None = None) -> dict:
         kwargs["enforce_eager"] = True
     elif cell.mode == "piecewise":
         kwargs["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+    if CHECKPOINTS[cell.checkpoint].dummy_weights:
+        # only the Engram tables are in the files; the model is text-only
+        kwargs["load_format"] = "dummy"
+        kwargs["limit_mm_per_prompt"] = {"image": 0}
+        if not cell.shm:
+            kwargs["worker_extension_cls"] = engram_tables.EXTENSION
     if profile_dir is not None:
         kwargs["profiler_config"] = profiler_config(profile_dir)
     return kwargs
@@ -1117,6 +1124,12 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
             engine = GenerateEngine(cell, model_dir, profile_dir)
         data["times"]["engine_start_s"] = round(time.monotonic() - t, 1)
         data["versions"] = versions()
+        if CHECKPOINTS[cell.checkpoint].dummy_weights and not cell.shm:
+            t = time.monotonic()
+            data["engram_tables"] = engine.llm.collective_rpc(
+                "load_engram_tables", args=(str(model_dir),)
+            )[0]
+            data["times"]["engram_tables_s"] = round(time.monotonic() - t, 1)
         if cell.verify:  # (mp0: the worker is in this process)
             from bench.real_vllm import verify as vllm_verify
 

@@ -1,0 +1,75 @@
+"""Stock vLLM's DeepSeek-V4.1 Engram tables, from the checkpoint the shm cell serves.
+
+The whole-model DeepSeek-V4.1 of ``pleserver.devkit.deepseek_v41 --whole-model``
+keeps only its Engram tables in safetensors: every other weight is vLLM's
+``load_format="dummy"`` draw, which seeds each tensor alike, so a stock engine
+and a shm engine hold the same numbers everywhere but in the tables. A shm
+engine reads the tables through ple-server; a stock engine gets them from here,
+through the model's own ``load_weights`` (its name mapping and head-shard
+loader, the path a real checkpoint takes), after the engine has started. The
+copy lands in the parameters' own storage, so the CUDA graphs captured at start
+read the rows copied in.
+
+It is a worker extension (``LLM(worker_extension_cls=EXTENSION)``), so the
+call reaches the worker by name through ``LLM.collective_rpc`` under V1
+multiprocessing too, with no pickled function.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+EXTENSION = "bench.real_vllm.engram_tables.CheckpointEngramTables"
+# vLLM 0.33's own filter for these tensors (weight_utils.py's instanttensor regex)
+ENGRAM_TENSOR = re.compile(r"(?:^|\.)engram\.embed\.(?:weight|scale)$")
+
+
+def engram_tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Each Engram tensor's name in the checkpoint and the file that holds it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        found = {n: model_dir / f for n, f in weight_map.items() if ENGRAM_TENSOR.search(n)}
+    else:
+        from safetensors import safe_open
+
+        found = {}
+        for path in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                names = f.keys()  # (a safe_open handle is not iterable)
+                found.update({n: path for n in names if ENGRAM_TENSOR.search(n)})
+    if not found:
+        raise FileNotFoundError(
+            f"{model_dir}: no Engram tensor (layers.<L>.engram.embed.weight/.scale) in its "
+            "safetensors; write it with python -m pleserver.devkit.deepseek_v41 --whole-model"
+        )
+    return found
+
+
+class CheckpointEngramTables:
+    """Methods vLLM mixes into its GPU worker (``worker_extension_cls``)."""
+
+    def load_engram_tables(self, model_dir: str) -> dict:
+        """Load the checkpoint's Engram tensors into this worker's model; what was
+        loaded, by vLLM parameter name, with each tensor's shape."""
+        from safetensors import safe_open
+
+        files = engram_tensor_files(Path(model_dir))
+
+        def tensors():
+            for name, path in sorted(files.items()):
+                with safe_open(str(path), framework="pt") as f:
+                    yield name, f.get_tensor(name)
+
+        model = self.model_runner.model  # type: ignore[attr-defined]  # the worker's
+        loaded = model.load_weights(tensors())
+        params = dict(model.named_parameters())
+        engram = sorted(n for n in loaded if ".engram." in n)
+        if len(engram) != len(files):
+            raise RuntimeError(
+                f"{len(files)} Engram tensors in {model_dir}, {len(engram)} loaded "
+                f"({engram}): the model's name mapping did not take them all"
+            )
+        return {n: list(params[n].shape) if n in params else None for n in engram}
