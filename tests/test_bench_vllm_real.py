@@ -327,6 +327,8 @@ def test_cell_names_say_what_runs():
         ("serve-shm-default-prof", "drop serve"),
         ("serve-stock-default-dsv41", "drop serve"),
         ("shm-eager-mp0-dsv41-verify", "drop dsv41"),
+        ("shm-eager-mp0-gpus2-verify", "one GPU"),
+        ("stock-eager-gpus0", "at least one GPU"),
     ],
 )
 def test_a_cell_that_cannot_run_is_refused_with_its_reason(name, problem):
@@ -488,6 +490,10 @@ def test_plans_expand_to_cells_and_their_checkpoints():
     assert nvfp4[1].args(Path("/w"))[-2:] == ["--dtype", "nvfp4"]
     with pytest.raises(vc.CellError, match="named twice"):
         vc.expand("stock-eager,stock-eager")
+    tp = vc.expand("gpus2")
+    assert {c.gpus for c in tp} == {2} and {c.checkpoint for c in tp} == {"large-bf16"}
+    assert tp[0].reference_key() == tp[1].reference_key() == "generate/default/4L-1100000/mp0/tp2"
+    assert vc.parse_cell("stock-default-mp0").reference_key() == "generate/default/4L-100000/mp0"
     dsv41 = vc.expand("dsv41")
     assert {c.checkpoint for c in dsv41} == {"dsv41-fp8"}
     assert {c.reference_key() for c in dsv41 if c.mode == "eager"} == {
@@ -1337,7 +1343,7 @@ config = AutoConfig.from_pretrained(model)
 tokenizer = get_tokenizer(model)
 ids = tokenizer.encode(text, add_special_tokens=False)
 checked = {}
-for name in ("stock-eager", "offload-piecewise", "shm-default"):
+for name in ("stock-eager", "offload-piecewise", "shm-default", "serve-shm-default-gpus2"):
     cell = vllm_cells.parse_cell(name)
     kwargs = dict(vllm_real.engine_kwargs(cell))
     cc = kwargs.pop("compilation_config", None)  # LLM() makes the dict a CompilationConfig
@@ -1355,6 +1361,7 @@ for name in ("stock-eager", "offload-piecewise", "shm-default"):
             "prefix_caching": e.enable_prefix_caching,
             "max_num_seqs": e.max_num_seqs,
             "chunk": e.max_num_batched_tokens,
+            "tp": e.tensor_parallel_size,
         }
         for e in (generate, serve)
     ]
@@ -1447,6 +1454,7 @@ def test_vllm_takes_the_checkpoint_and_every_cells_arguments(vllm_facts):
             assert e["eager"] is name.endswith("eager"), (name, e)
             assert e["prefix_caching"] is False
             assert (e["max_num_seqs"], e["chunk"]) == (32, 512)
+            assert e["tp"] == (2 if name.endswith("gpus2") else 1), (name, e)
     assert all("PIECEWISE" in e["cudagraph_mode"] for e in result["args"]["offload-piecewise"])
 
 

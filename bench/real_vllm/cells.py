@@ -42,6 +42,9 @@ says what it is, words joined by ``-`` in any order:
   mp0                       ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core
                             in the same process, every prompt queued before the
                             first step
+  gpus<N>                   ``--tensor-parallel-size N``: N GPU workers, each
+                            its own client of the one ple-server (a host with
+                            N GPUs)
   x<N>                      N exact runs (default 3)
   tp | tp<N>                throughput, N repetitions (default 3) of
                             concurrency 1, 8 and 32, interleaved
@@ -244,6 +247,7 @@ class Cell:
     restart: bool = False  # serve: the streams; shm: the server killed, reloaded, restarted
     verify: bool = False  # shm eager mp0: every PLE row checked against the checkpoint
     profile: bool = False  # generate: decode steps under vLLM's torch profiler
+    gpus: int = 1  # --tensor-parallel-size
     instance: int = 1
 
     @property
@@ -261,9 +265,11 @@ class Cell:
         return parse_size(self.cache_size) / 2**30 if self.cache_size else None
 
     def reference_key(self) -> str:
-        """Stock runs of this key are the references of a shm cell of it."""
+        """Stock runs of this key are the references of a shm cell of it (the
+        same engine shape: a TP engine's sums run in another order)."""
         family = CHECKPOINTS[self.checkpoint].family
-        return f"{self.api}/{self.mode}/{family}/{'mp' if self.multiproc else 'mp0'}"
+        gpus = f"/tp{self.gpus}" if self.gpus > 1 else ""
+        return f"{self.api}/{self.mode}/{family}/{'mp' if self.multiproc else 'mp0'}{gpus}"
 
     def env(self, socket: str | None = None) -> dict[str, str]:
         """The environment the engine starts with (beside the host's)."""
@@ -357,6 +363,8 @@ def parse_cell(name: str) -> Cell:
             fields["verify"] = True
         elif word == "prof":
             fields["profile"] = True
+        elif m := re.fullmatch(r"gpus(\d+)", word):
+            fields["gpus"] = int(m[1])
         elif m := re.fullmatch(r"x(\d+)", word):
             fields["exact_runs"] = int(m[1])
         elif m := re.fullmatch(r"tp(\d*)", word):
@@ -367,8 +375,8 @@ def parse_cell(name: str) -> Cell:
             raise CellError(
                 f"{name}: unknown word {word!r}; a cell name joins {BACKENDS}, {MODES}, "
                 "serve, host, direct, nopa, kernels, unordered, nospin, pin, "
-                "fp8/nvfp4/large/deep/deepsmall/dsv41, mp0, x<N>, tp[<N>], ttft[<N>], noexact, "
-                "restart, verify, prof "
+                "fp8/nvfp4/large/deep/deepsmall/dsv41, mp0, gpus<N>, x<N>, tp[<N>], ttft[<N>], "
+                "noexact, restart, verify, prof "
                 "(bench/real_vllm/cells.py)"
             )
     if not seen_backend:
@@ -414,6 +422,10 @@ def cell_problem(cell: Cell) -> str | None:
             "verify checks each lookup in Python: it needs shm, eager (a replayed CUDA graph "
             "never reaches Python) and mp0 (the check is installed in the engine's process)"
         )
+    if cell.gpus < 1:
+        return "gpus<N>: at least one GPU"
+    if cell.gpus > 1 and cell.verify:
+        return "verify installs its check in the engine's process: one GPU (drop gpus)"
     dummy = CHECKPOINTS[cell.checkpoint].dummy_weights
     if dummy and cell.api != "generate":
         return (
@@ -473,6 +485,14 @@ PLANS: dict[str, list[str]] = {
         "stock-default-dsv41-mp0",
         "shm-default-dsv41-mp0",
         "shm-default-dsv41-mp0-kernels",
+    ],
+    # tensor parallel over two GPUs of one host (nvidia-h200-x2): two GPU workers, each
+    # a client of the one ple-server; exactness under mp0, then the decode rate
+    "gpus2": [
+        "stock-default-large-gpus2-mp0",
+        "shm-default-large-direct-gpus2-mp0",
+        "stock-default-large-gpus2-noexact-tp",
+        "shm-default-large-direct-gpus2-noexact-tp",
     ],
     # vllm serve, driven by the openai client
     "serve": ["serve-stock-default", "serve-shm-default", "serve-stock-default#2"],

@@ -710,6 +710,8 @@ def engine_kwargs(cell: Cell, profile_dir: Path | None = None) -> dict:
         kwargs["enforce_eager"] = True
     elif cell.mode == "piecewise":
         kwargs["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+    if cell.gpus > 1:
+        kwargs["tensor_parallel_size"] = cell.gpus
     if CHECKPOINTS[cell.checkpoint].dummy_weights:
         # only the Engram tables are in the files; the model is text-only
         kwargs["load_format"] = "dummy"
@@ -765,6 +767,8 @@ def serve_argv(cell: Cell, model_dir: Path, port: int) -> list[str]:
         "--engram-config",
         json.dumps({"cpu_offload": cell.backend == "offload"}),
     ]
+    if cell.gpus > 1:
+        argv += ["--tensor-parallel-size", str(cell.gpus)]
     if cell.mode == "eager":
         argv.append("--enforce-eager")
     elif cell.mode == "piecewise":
