@@ -1254,6 +1254,21 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
                 f"{v.get('rows', 0)} rows: {verdict}"
                 + "".join(f"\n    {m}" for m in v.get("mismatches", []))
             )
+    tabled = [c for c in cells if c.get("engram_tables")]
+    if tabled:
+        lines += [
+            "",
+            "== stock's Engram tables copied in (dummy weights): did they change its output?",
+        ]
+        for c in tabled:
+            t = c["engram_tables"]
+            verdict = (
+                f"yes, {len(t['prompts_with_other_tokens'])} prompts' tokens differ "
+                "(exactness tests the rows)"
+                if t["output_changed"]
+                else "NO: the output ignores the rows, so exactness says nothing of them"
+            )
+            lines.append(f"{c['name']:<40} {len(t['loaded'])} tensors: {verdict}")
     lines += streams_lines(cells)
     served = [c for c in cells if (c.get("server") or {}).get("cell")]
     if served:

@@ -1129,11 +1129,7 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
         data["times"]["engine_start_s"] = round(time.monotonic() - t, 1)
         data["versions"] = versions()
         if CHECKPOINTS[cell.checkpoint].dummy_weights and not cell.shm:
-            t = time.monotonic()
-            data["engram_tables"] = engine.llm.collective_rpc(
-                "load_engram_tables", args=(str(model_dir),)
-            )[0]
-            data["times"]["engram_tables_s"] = round(time.monotonic() - t, 1)
+            data["engram_tables"] = load_stock_tables(engine, model_dir, text, data["times"])
         if cell.verify:  # (mp0: the worker is in this process)
             from bench.real_vllm import verify as vllm_verify
 
@@ -1182,6 +1178,27 @@ def cell_main(name: str, work: Path, out: Path, run_id: str, order: int, end_at:
         sys.stderr.flush()
     # An engine's teardown can hang; the coordinator ends the process group.
     os._exit(status)
+
+
+def load_stock_tables(engine: GenerateEngine, model_dir: Path, text, times: dict) -> dict:
+    """A dummy-weight stock engine's Engram tables, from the checkpoint
+    (``engram_tables``), with one exact run before and one after: whether
+    the tables change the output says whether the cell's exactness means
+    anything of the rows (dummy weights are small: a model whose output
+    ignored its Engram rows would pass any comparison of them)."""
+    prompts = exact_prompts(text)
+    before = engine.exact(prompts, EXACT_TOKENS)
+    t = time.monotonic()
+    loaded = engine.llm.collective_rpc("load_engram_tables", args=(str(model_dir),))[0]
+    times["engram_tables_s"] = round(time.monotonic() - t, 1)
+    after = engine.exact(prompts, EXACT_TOKENS)
+    pairs = zip(before["tokens"], after["tokens"], strict=True)  # the same prompts
+    differ = [i for i, (a, b) in enumerate(pairs) if a != b]
+    return {
+        "loaded": loaded,
+        "output_changed": before != after,
+        "prompts_with_other_tokens": differ,
+    }
 
 
 def add_step_timelines(data: dict, records) -> None:
