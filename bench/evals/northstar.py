@@ -184,6 +184,7 @@ from bench.harness.servers import hist_quantiles
 from bench.sim.text_trace import load_trace, trace_geometry
 from pleclient import PleClient
 from pleclient.checkpoint import INDEX_FILE, TableSpec, discover_tables
+from pleclient.gpu import GPU_OPS
 from pleclient.vllm_plugin.prompt_ahead import SLOT_WAIT_S, unique_in_order
 from pleserver.config import parse_size
 from pleserver.devkit.launcher import ServerLauncher
@@ -836,7 +837,11 @@ def open_lookups(rig: Rig, socket_path: str, per_layer: int):
         depth=per_layer,
         timeout=60.0,
         name="northstar",
+        ops=rig.args.gpu_ops,
     )
+    if rig.cuda and gl.ops != rig.args.gpu_ops:
+        gl.close()  # a fallback passed off as the ops asked for would mislabel every figure
+        raise Unavailable(f"--gpu-ops {rig.args.gpu_ops}: {gl.ops} would run (see the log)")
     info = next((t for t in gl.tables if t.name == rig.table.name), None)
     if info is None:
         gl.close()
@@ -1448,6 +1453,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="prompt-ahead-arrival: arrival to scheduling (7: one decode step)",
     )
     ap.add_argument("--paths", default=",".join(PATHS), help=f"subset of {','.join(PATHS)}")
+    ap.add_argument(
+        "--gpu-ops",
+        choices=GPU_OPS,
+        default="memops",
+        help="how the GPU-driven paths ring and collect: the driver's stream memory "
+        "operations or pleclient.gpu_kernels' two kernels (default memops)",
+    )
     ap.add_argument("--capacity", type=int, default=16384, help="ids per request (16384)")
     ap.add_argument("--probe-seconds", type=float, help="per queue depth (GPU 2, CPU 0.5)")
     ap.add_argument(
