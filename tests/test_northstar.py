@@ -159,3 +159,19 @@ def test_northstar_on_the_cpu_checks_rows_and_counts_every_cold_miss(tmp_path, f
     assert runs["prefill", "e"]["prompts"]["prompt_ms"][0] > 0
     assert not list(tmp_path.glob("ple-northstar-*")), "the benchmark left its directory"
     assert not shm_entries()
+
+
+def test_an_engram_layer_can_run_alone_but_only_one_the_trace_has(tmp_path, capsys):
+    """``--ple-at`` with an Engram trace: a case for each named layer alone (a
+    deeper layer's reads without layer 1's); a layer the trace has no ids
+    of is refused by name."""
+    from bench.evals import northstar
+
+    trace = tmp_path / "trace.npz"
+    small_engram_trace(trace)
+    common = ["--cpu", "--trace", str(trace), "--layers", "4"]
+    assert northstar.parse_args(common).ple_at == [ENGRAM_LAYERS]
+    assert northstar.parse_args([*common, "--ple-at", "3,1"]).ple_at == [(3,), (1,)]
+    with pytest.raises(SystemExit):
+        northstar.parse_args([*common, "--ple-at", "2"])
+    assert "has the ids of its layers [1, 3] only" in capsys.readouterr().err

@@ -1355,12 +1355,14 @@ def targets(results: dict[Case, list[Run]], args) -> dict:
             if args.engram and a and e and e.windows and a.windows:
                 # Both Engram layers in one step: layer 14's reads hide behind
                 # 13 layers, layer 1's behind one; the step's ratio holds both.
+                # A layer run alone (--ple-at) has its own figures.
+                key = "decode_engram" if len(args.ple_at) == 1 else f"decode_engram_L{case.layers}"
                 steady = ratio(e.windows["steady"]["mean"], a.windows["steady"]["mean"])
-                out["decode_engram_e_over_a_steady"] = steady
-                out["decode_engram_e_over_a_whole"] = ratio(
+                out[f"{key}_e_over_a_steady"] = steady
+                out[f"{key}_e_over_a_whole"] = ratio(
                     e.windows["whole"]["mean"], a.windows["whole"]["mean"]
                 )
-                out["decode_engram_steady_le_1.03"] = steady is not None and steady <= 1.03
+                out[f"{key}_steady_le_1.03"] = steady is not None and steady <= 1.03
             if case.ple_at == early and e and e.bound and "steady" in e.bound:
                 b = e.bound["steady"]
                 out["decode_early_stall_ms"] = b["stall_ms"]
@@ -1435,7 +1437,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--ple-at",
         type=ints,
-        help="PLE layer per case (GPU 1,16; CPU 1,4); an Engram trace's cases have its layers",
+        help="PLE layer per case (GPU 1,16; CPU 1,4); with an Engram trace, a case for each "
+        "of its layers named, alone (default: one case of all its layers)",
     )
     ap.add_argument("--batches", type=ints, help="decode batches (GPU 1,32,128; CPU 4,32)")
     ap.add_argument("--step-ms", type=floats, help="decode step targets (part 1: 7, part 2: 40)")
@@ -1478,8 +1481,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     geometry = trace_geometry(args.trace)
     args.engram, args.ids_per_layer = geometry["engram"], geometry["ids_per_layer"]
     args.row_bytes = ENGRAM_ROW_BYTES if args.engram else PLE_ROW_BYTES
-    if args.engram and args.ple_at:
-        ap.error(f"--ple-at: an Engram trace's cases have its own layers {geometry['layer_ids']}")
+    engram_alone = args.ple_at if args.engram else None  # a case for each such layer alone
+    if engram_alone and set(engram_alone) - set(geometry["layer_ids"]):
+        ap.error(
+            f"--ple-at {engram_alone}: an Engram trace has the ids of its layers "
+            f"{geometry['layer_ids']} only"
+        )
     defaults = {
         "cache_size": ("1G", "16M"),
         "layers": (32, 16 if args.engram else 8),
@@ -1503,8 +1510,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.paths = [p for p in PATHS if p in args.paths]  # the documented order
     if args.rows is None:
         args.rows = int(args.table_factor * parse_size(args.cache_size)) // args.row_bytes
-    # Each case's layers: one PLE layer a case, or every Engram layer in every case.
-    args.ple_at = [tuple(geometry["layer_ids"])] if args.engram else [(i,) for i in args.ple_at]
+    # Each case's layers: one PLE layer a case; every Engram layer in every case,
+    # or each one named with --ple-at alone (a deeper layer's reads without layer 1's)
+    if args.engram:
+        args.ple_at = (
+            [(i,) for i in engram_alone] if engram_alone else [tuple(geometry["layer_ids"])]
+        )
+    else:
+        args.ple_at = [(i,) for i in args.ple_at]
     if not all(0 <= i < args.layers for layers in args.ple_at for i in layers):
         ap.error(f"layers {args.ple_at}: the model's layers are 0..{args.layers - 1}")
     most = max(len(layers) for layers in args.ple_at)
