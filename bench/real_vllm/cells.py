@@ -566,7 +566,14 @@ PLANS: dict[str, list[str]] = {
         "shm-default-deepsmall-kernels-noexact-prof",
         "stock-default-deepsmall-noexact-tp2",
         "shm-default-deepsmall-noexact-tp2",
-        "shm-default-deepsmall-kernels-tp2",
+        "shm-default-deepsmall-kernels-noexact-tp2",
+    ],
+    # the kernels exact against stock under mp0 (where stock is reproducible),
+    # eager and in vLLM's default graphs, and every eager row against the checkpoint
+    "ops-exact": [
+        "stock-default-deepsmall-mp0",
+        "shm-default-deepsmall-kernels-mp0",
+        "shm-eager-mp0-kernels-verify",
     ],
     # eager stock and shm on one host, and vllm serve's exact cells
     "close-33": [
