@@ -63,7 +63,9 @@ class CheckpointEngramTables:
                 with safe_open(str(path), framework="pt") as f:
                     yield name, f.get_tensor(name)
 
-        model = self.model_runner.model  # type: ignore[attr-defined]  # the worker's
+        # the worker's model, out of any CUDA graph wrapper (vLLM's default graphs
+        # wrap it, and a wrapper is no nn.Module)
+        model = self.get_model()  # type: ignore[attr-defined]
         loaded = model.load_weights(tensors())
         params = dict(model.named_parameters())
         engram = sorted(n for n in loaded if ".engram." in n)
