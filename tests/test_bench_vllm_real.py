@@ -1268,18 +1268,25 @@ def test_the_summary_gives_each_verify_cells_row_check():
 
 
 def test_the_summary_says_whether_stocks_engram_tables_changed_its_output():
-    moved, still = (vc.parse_cell(n) for n in ("stock-eager-dsv41-mp0", "stock-default-dsv41-mp0"))
+    moved, lps, still = (
+        vc.parse_cell(n)
+        for n in ("stock-eager-dsv41-mp0", "stock-piecewise-dsv41-mp0", "stock-default-dsv41-mp0")
+    )
     loaded = {"language_model.model.layers.1.engram.embed_tokens.weight": [1, 256]}
     cells = [
         {"name": moved.name, "cell": moved.to_json(), "status": "done", "order": 0,
          "engram_tables": {"loaded": loaded, "output_changed": True,
                            "prompts_with_other_tokens": [0, 3]}},
-        {"name": still.name, "cell": still.to_json(), "status": "done", "order": 1,
+        {"name": lps.name, "cell": lps.to_json(), "status": "done", "order": 1,
+         "engram_tables": {"loaded": loaded, "output_changed": True,
+                           "prompts_with_other_tokens": []}},
+        {"name": still.name, "cell": still.to_json(), "status": "done", "order": 2,
          "engram_tables": {"loaded": loaded, "output_changed": False,
                            "prompts_with_other_tokens": []}},
     ]  # fmt: skip
     part = vc.summary(cells).split("== stock's Engram tables")[1]
     assert f"{moved.name:<40} 1 tensors: yes, 2 prompts' tokens differ" in part
+    assert f"{lps.name:<40} 1 tensors: yes, in the logprobs only" in part
     assert f"{still.name:<40} 1 tensors: NO: the output ignores the rows" in part
 
 

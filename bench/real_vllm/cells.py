@@ -1269,11 +1269,13 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
         ]
         for c in tabled:
             t = c["engram_tables"]
+            other = len(t["prompts_with_other_tokens"])
             verdict = (
-                f"yes, {len(t['prompts_with_other_tokens'])} prompts' tokens differ "
-                "(exactness tests the rows)"
-                if t["output_changed"]
-                else "NO: the output ignores the rows, so exactness says nothing of them"
+                "NO: the output ignores the rows, so exactness says nothing of them"
+                if not t["output_changed"]
+                else f"yes, {other} prompts' tokens differ (exactness tests the rows)"
+                if other
+                else "yes, in the logprobs only (exactness tests the rows)"
             )
             lines.append(f"{c['name']:<40} {len(t['loaded'])} tensors: {verdict}")
     lines += streams_lines(cells)
