@@ -557,6 +557,14 @@ def test_the_deadline_skips_a_cell_that_would_not_end_in_time():
     assert vc.expected_seconds(
         vc.parse_cell("shm-default-direct-large-tp"), costs, warm
     ) > vc.expected_seconds(vc.parse_cell("shm-default-large-tp"), costs, warm)
+    # another model's first start compiles its own kernels: Qwen's warm starts say nothing
+    dsv41 = vc.parse_cell("stock-eager-dsv41-mp0")
+    assert vc.expected_seconds(dsv41, costs, warm) >= costs.first_start_extra_s
+    warm.record("generate", "eager", 400.0, "deepseek-v41")  # its first: cold
+    assert warm.measured("generate", "eager", "deepseek-v41") is None
+    warm.record("generate", "eager", 90.0, "deepseek-v41")
+    assert warm.measured("generate", "eager", "deepseek-v41") == 90.0
+    assert warm.measured("generate", "eager") == 60.0  # Qwen's own, unchanged
 
 
 def test_prompts_are_real_text_and_new_for_every_measurement():

@@ -665,19 +665,26 @@ class History:
     def save(self, path: Path) -> None:
         path.write_text(json.dumps({"starts": self.starts}, indent=1))
 
-    def compiled(self) -> bool:
-        return any(s["mode"] != "eager" for s in self.starts)
+    # A model's first start compiles its own kernels (DeepSeek-V4.1's DeepGEMM and
+    # TileLang beside Qwen4Exp's Triton and CuTe DSL): starts are kept per model.
+    def of_model(self, model: str) -> list[dict]:
+        return [s for s in self.starts if s.get("model", "qwen4exp") == model]
 
-    def record(self, api: str, mode: str, seconds: float) -> None:
+    def compiled(self, model: str = "qwen4exp") -> bool:
+        return any(s["mode"] != "eager" for s in self.of_model(model))
+
+    def record(self, api: str, mode: str, seconds: float, model: str = "qwen4exp") -> None:
         """A start of ``seconds`` (without the load of resident tables)."""
-        cold = not self.starts or (mode != "eager" and not self.compiled())
-        self.starts.append({"api": api, "mode": mode, "seconds": round(seconds, 1), "cold": cold})
+        cold = not self.of_model(model) or (mode != "eager" and not self.compiled(model))
+        self.starts.append(
+            {"api": api, "mode": mode, "model": model, "seconds": round(seconds, 1), "cold": cold}
+        )
 
-    def measured(self, api: str, mode: str) -> float | None:
-        """The latest warm start of this API and mode."""
+    def measured(self, api: str, mode: str, model: str = "qwen4exp") -> float | None:
+        """The latest warm start of this API, mode and model."""
         seen = [
             s["seconds"]
-            for s in self.starts
+            for s in self.of_model(model)
             if s["api"] == api and s["mode"] == mode and not s.get("cold")
         ]
         return seen[-1] if seen else None
@@ -685,14 +692,15 @@ class History:
 
 def expected_seconds(cell: Cell, costs: Costs, history: History, table_gib: float = 0.0) -> float:
     """What a cell is expected to take, start to end."""
-    measured = history.measured(cell.api, cell.mode)
+    model = CHECKPOINTS[cell.checkpoint].model
+    measured = history.measured(cell.api, cell.mode, model)
     if measured is not None:
         start = 1.05 * measured
     else:
         start = costs.engine_start_s[cell.mode] + (cell.api == "serve") * costs.serve_extra_s
-        if not history.starts:
+        if not history.of_model(model):
             start += costs.first_start_extra_s
-        elif cell.mode != "eager" and not history.compiled():
+        elif cell.mode != "eager" and not history.compiled(model):
             start += costs.first_compile_extra_s
     start += resident_load_s(cell, costs, table_gib)
     if cell.shm:
@@ -752,7 +760,7 @@ def plan_text(
         if d.run:
             clock += d.expected_s
             guess = costs.engine_start_s[cell.mode] + (cell.api == "serve") * costs.serve_extra_s
-            history.record(cell.api, cell.mode, guess)
+            history.record(cell.api, cell.mode, guess, CHECKPOINTS[cell.checkpoint].model)
             lines.append(f"{cell.name:<36} {d.expected_s:>5.0f} s  ends at {clock:>5.0f} s")
         else:
             lines.append(f"{cell.name:<36} {d.expected_s:>5.0f} s  {d.reason}")

@@ -441,7 +441,7 @@ def run(
         start = (record.get("times") or {}).get("engine_start_s")
         if start is not None:
             load = min(resident_load_s(cell, costs, gib), start / 2)  # a guess: never most of it
-            history.record(cell.api, cell.mode, start - load)
+            history.record(cell.api, cell.mode, start - load, CHECKPOINTS[cell.checkpoint].model)
             history.save(history_path)
         say(
             f"   {record.get('status')} in {record['coordinator']['wall_s']:.0f} s"
