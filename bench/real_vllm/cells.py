@@ -705,6 +705,8 @@ def expected_seconds(cell: Cell, costs: Costs, history: History, table_gib: floa
     start += resident_load_s(cell, costs, table_gib)
     if cell.shm:
         start += costs.server_start_s
+    elif CHECKPOINTS[cell.checkpoint].dummy_weights:
+        start += 2 * costs.exact_run_s  # the runs before and after the tables' copy
     rep = costs.tp_rep_s * (costs.disk_factor if cell.io == "direct" else 1.0)
     return (
         start
