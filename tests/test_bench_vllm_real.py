@@ -1005,7 +1005,9 @@ def no_standins_left():
     assert not left, f"stand-in processes outlived the coordinator: {left}"
 
 
-def run_coordinator(tmp_path, sleeps: dict, deadline_s: float) -> list[dict]:
+def run_coordinator(
+    tmp_path, sleeps: dict, deadline_s: float, env: dict | None = None
+) -> list[dict]:
     r = subprocess.run(
         [
             sys.executable,
@@ -1021,6 +1023,7 @@ def run_coordinator(tmp_path, sleeps: dict, deadline_s: float) -> list[dict]:
         text=True,
         timeout=120,
         cwd=REPO,
+        env=env,
     )
     lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, r.stdout[-3000:] + r.stderr[-3000:]
@@ -1062,6 +1065,20 @@ def test_the_coordinator_skips_what_does_not_fit_and_kills_what_overruns(
     kept = json.loads((tmp_path / "out" / "cells" / "stock-eager.json").read_text())
     assert kept["times"]["engine_start_s"] == 1.5  # what it wrote before is kept
     assert "log_tail" in kept
+
+
+def test_a_cell_wanting_more_gpus_than_the_host_has_is_skipped_with_why(tmp_path, no_standins_left):
+    """A host of one GPU (``nvidia-smi`` answering as one does): a gpus2 cell
+    is not started, and says so; a one-GPU cell runs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 0\n")  # index 0 (and 0 MiB used)
+    smi.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    results = run_coordinator(tmp_path, {"stock-eager-gpus2": 0.1, "stock-eager": 0.1}, 60, env=env)
+    assert [r["status"] for r in results] == ["skipped", "done"]
+    assert results[0]["reason"] == "skipped: 2 GPUs, 1 here"
 
 
 # ------------------------------------------------------------------ the summary

@@ -89,6 +89,7 @@ from bench.real_vllm.cells import (
     Cell,
     CellError,
     Costs,
+    Decision,
     History,
     cell_brief,
     checkpoints_needed,
@@ -188,6 +189,12 @@ def _nvidia_smi(*args: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return r.stdout if r.returncode == 0 else None
+
+
+def gpu_count() -> int | None:
+    """GPUs this host has (None without ``nvidia-smi``: the engine will say)."""
+    out = _nvidia_smi("--query-gpu=index", "--format=csv,noheader")
+    return len(out.split()) if out else None
 
 
 def gpu_used_mib() -> int | None:
@@ -417,9 +424,12 @@ def run(
     info["gpu_used_mib_before"] = baseline = gpu_used_mib()
     _write_json(out / "run.json", info)
     results = []
+    gpus = gpu_count()
     for order, cell in enumerate(cells):
         left = t0 + deadline_s - time.time()
         d = decide(cell, left, costs, history, checkpoint_table_gib(work, cell))
+        if d.run and gpus is not None and cell.gpus > gpus:
+            d = Decision(False, d.expected_s, d.left_s, f"skipped: {cell.gpus} GPUs, {gpus} here")
         if not d.run:
             say(f"== {cell.name}: {d.reason}")
             record = cell_record(
