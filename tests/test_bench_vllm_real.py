@@ -527,6 +527,21 @@ def test_the_deepseek_checkpoint_holds_its_engram_tables_for_a_stock_engine(tmp_
     assert all(p.parent == out and p.exists() for p in files.values())
     with pytest.raises(FileNotFoundError, match="--whole-model"):
         engram_tensor_files(tmp_path)
+    # the copy's check: a rank's rows (from its engram_vocab_start) byte for byte
+    import torch
+    from safetensors import safe_open
+
+    from bench.real_vllm.engram_tables import check_rows
+
+    name = "layers.14.engram.embed.scale"
+    with safe_open(str(files[name]), framework="pt") as f:
+        table = f.get_tensor(name)
+    param = torch.nn.Parameter(table[100:200].view(torch.uint8).clone(), requires_grad=False)
+    param.engram_vocab_start = 100  # type: ignore[attr-defined]
+    check_rows(param, table, name)
+    param.data[-1, 0] ^= 1
+    with pytest.raises(RuntimeError, match="row 99 differs"):
+        check_rows(param, table, name)
     bad = subprocess.run(
         [*argv[:-1], "--dtype", "nvfp4"], capture_output=True, text=True, timeout=60, cwd=REPO
     )

@@ -154,6 +154,7 @@ def test_the_harness_cells_start_dummy_engines_and_stock_gets_the_tables_by_name
         for layer in (1, 14)
         for param in ("weight_scale_inv", "weight")
     ]
+    assert harness["ours"] == harness["mapped"]  # the names the copy then checks
 
 
 def test_cuda_resolves_the_fp8_config_to_deepseeks_own_with_mxfp4_experts(config, vllm_view):
@@ -317,7 +318,8 @@ def harness_view(model: str) -> dict:
     )
     files = engram_tables.engram_tensor_files(Path(model))
     mapped = [n for n, _ in mapper.apply((name, None) for name in sorted(files))]
-    return {"cells": cells, "tensors": sorted(files), "mapped": mapped}
+    ours = [engram_tables.param_name(name) for name in sorted(files)]
+    return {"cells": cells, "tensors": sorted(files), "mapped": mapped, "ours": ours}
 
 
 SCENARIOS = {"vllm_view": vllm_view_scenario}

@@ -68,10 +68,36 @@ class CheckpointEngramTables:
         model = self.get_model()  # type: ignore[attr-defined]
         loaded = model.load_weights(tensors())
         params = dict(model.named_parameters())
-        engram = sorted(n for n in loaded if ".engram." in n)
-        if len(engram) != len(files):
+        wanted = {param_name(n): n for n in files}
+        if not set(wanted) <= set(loaded):
             raise RuntimeError(
-                f"{len(files)} Engram tensors in {model_dir}, {len(engram)} loaded "
-                f"({engram}): the model's name mapping did not take them all"
+                f"the model's load_weights took {sorted(n for n in loaded if '.engram.' in n)} "
+                f"of {sorted(wanted)}: its name mapping did not take every Engram tensor"
             )
-        return {n: list(params[n].shape) if n in params else None for n in engram}
+        for name, tensor_name in wanted.items():  # the bytes landed where the graphs read
+            with safe_open(str(files[tensor_name]), framework="pt") as f:
+                check_rows(params[name], f.get_tensor(tensor_name), name)
+        return {n: list(params[n].shape) for n in sorted(wanted)}
+
+
+def param_name(tensor_name: str) -> str:
+    """vLLM's parameter of a checkpoint Engram tensor (its DeepSeek-V4.1 mapper:
+    ``layers.L.engram.embed.weight`` → ``…embed_tokens.weight``, ``.scale`` →
+    ``…embed_tokens.weight_scale_inv``, under the vision wrapper's prefix)."""
+    layer_part, _, kind = tensor_name.rpartition(".embed.")
+    param = {"weight": "weight", "scale": "weight_scale_inv"}[kind]
+    return f"language_model.model.{layer_part}.embed_tokens.{param}"
+
+
+def check_rows(param, tensor, name: str) -> None:
+    """The first and last rows of ``param`` (this rank's rows, from its
+    ``engram_vocab_start``) equal the checkpoint's, byte for byte."""
+    import torch
+
+    start = int(getattr(param, "engram_vocab_start", 0))
+    rows = param.shape[0]
+    for r in (0, rows - 1):
+        got = param.data[r].view(torch.uint8).cpu()
+        want = tensor[start + r].view(torch.uint8)
+        if not torch.equal(got, want):
+            raise RuntimeError(f"{name}: row {r} differs from the checkpoint after the copy")
