@@ -561,9 +561,11 @@ PLANS: dict[str, list[str]] = {
     ],
     # the GPU-driven route's ring and collect as kernels against the stream
     # memory operations (pleclient.gpu_kernels): the forward graph under the
-    # profiler (a fresh host's call), then the decode rate, both beside stock
+    # profiler beside stock's (a fresh host's call), then the decode rate of
+    # both ways beside stock (the next call: CELLS=<the skipped ones>)
     "ops": [
         "shm-default-deepsmall-kernels-noexact-prof",
+        "stock-default-deepsmall-noexact-prof",
         "stock-default-deepsmall-noexact-tp2",
         "shm-default-deepsmall-noexact-tp2",
         "shm-default-deepsmall-kernels-noexact-tp2",
