@@ -3,9 +3,9 @@
 # without vLLM or network (torch with CUDA is enough): the driver's stream
 # memory operations against pleclient/gpu_kernels.py's two kernels.
 #
-#   bash bench/device_gpu_ops.sh            # ≈ 4 min on an H100
+#   bash bench/device_gpu_ops.sh            # 96 s on an H100
 #   REPS=3 DECODE_ARGS="--rows 400000 --parts 4 --batches 1,32 --paths a,e --prefill 0 \
-#       --timed-steps 200" bash bench/device_gpu_ops.sh   # a spread: ≈ 6 min
+#       --timed-steps 200" bash bench/device_gpu_ops.sh   # a spread: ≈ 4 min
 #
 # 1. bench/gpu/channel_check.py --gpu-ops kernels: rows bit-exact eagerly and
 #    in 200 graph replays, no host sync, an error answer fails the step, a
@@ -20,7 +20,7 @@
 # OUT/<rep>-<ops> with REPS); DECODE_ARGS, bench/gpu/decode.py's arguments
 # besides --gpu-ops and --json; REPS, decode's runs of each way, interleaved
 # and each one starting with the other way (default 1; 3 for a spread: ≈ 40 s a
-# run on an H100 with --timed-steps 200).
+# run on an H100 with --timed-steps 200: 25 s).
 set -uo pipefail
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-.}
