@@ -19,8 +19,8 @@
 # JSONs go (default .; decode's under OUT/kernels and OUT/memops, or
 # OUT/<rep>-<ops> with REPS); DECODE_ARGS, bench/gpu/decode.py's arguments
 # besides --gpu-ops and --json; REPS, decode's runs of each way, interleaved
-# and each one starting with the other way (default 1; 3 for a spread: ≈ 40 s a
-# run on an H100 with --timed-steps 200: 25 s).
+# and each one starting with the other way (default 1; 3 for a spread: a run
+# takes about 25 s on an H100 with --timed-steps 200).
 set -uo pipefail
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-.}
