@@ -1330,6 +1330,30 @@ def test_the_summary_says_whether_stocks_engram_tables_changed_its_output():
     assert f"{still.name:<40} 1 tensors: NO: the output ignores the rows" in part
 
 
+def test_a_shm_cell_whose_workers_ran_another_way_is_flagged_in_the_summary():
+    """The route and ops each worker logged (``routes_run``; the plugin's own
+    line, tests/test_vllm_plugin_rows.py) against what the cell's name asks."""
+    from bench.real_vllm.coordinator import routes_run
+
+    line = "pleclient.vllm_plugin: PLE backend shm: GPU-driven lookups on cuda:0 ({}): 4 PLE"
+    assert routes_run("\n".join([line.format("kernels"), "other", line.format("kernels")])) == [
+        "gpu:kernels",
+        "gpu:kernels",
+    ]
+    kernels, host = (vc.parse_cell(n) for n in ("shm-default-kernels-tp", "shm-eager-host"))
+    cells = [
+        {"name": kernels.name, "cell": kernels.to_json(), "status": "done", "order": 0,
+         "routes_run": routes_run(line.format("memops"))},
+        {"name": host.name, "cell": host.to_json(), "status": "done", "order": 1,
+         "routes_run": ["host"]},
+    ]  # fmt: skip
+    table = vc.summary(cells).split("== cells")[1]
+    assert "NOT AS NAMED: its workers ran gpu:memops, not gpu:kernels" in table
+    assert table.count("NOT AS NAMED") == 1  # the host cell ran as named
+    cells[0]["routes_run"] = []
+    assert "no worker said which route it ran" in vc.summary(cells)
+
+
 # ------------------------------------------------------------------ the scripts
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.sh")))
 def test_every_bench_script_parses(script):

@@ -263,9 +263,15 @@ def test_missing_server_names_the_socket(tmp_path, checkpoint):
         rows.bind(expected(FP8))
 
 
-def test_a_lookup_larger_than_its_layer_slots_takes_them_in_turns(server, checkpoint, reference):
+def test_a_lookup_larger_than_its_layer_slots_takes_them_in_turns(
+    server, checkpoint, reference, caplog
+):
     """The GPU-driven route (its CPU stand-in) sizes each layer's slots for its
-    largest lookup; a larger one rings its later requests as slots come back."""
+    largest lookup; a larger one rings its later requests as slots come back.
+    The route chosen is logged as the real-vLLM harness reads it."""
+    from bench.real_vllm.coordinator import routes_run
+
+    caplog.set_level("INFO", logger="pleclient.vllm_plugin")
     rows = Routes(
         RowService(
             settings.ShmSettings(
@@ -280,6 +286,7 @@ def test_a_lookup_larger_than_its_layer_slots_takes_them_in_turns(server, checkp
         out = typed(BF16, 450)
         bf16.lookup(ids, out)  # 5 requests over the layer's 2 slots
         assert bf16.route is not None and bf16.route.name == "gpu-driven (CPU stand-in)"
+        assert routes_run(caplog.text) == ["gpu:host"]
         assert np.array_equal(as_bytes(out), reference[3][ids.numpy()])
         bf16.start(ids[:150])
         out = typed(BF16, 150)
@@ -309,7 +316,9 @@ def test_step_layers_outnumbering_the_slots_take_them_in_layer_order(routes, ref
     assert client.free_slots == 2
 
 
-def test_the_host_route_under_full_cuda_graphs_stops_at_the_route_choice(server, checkpoint):
+def test_the_host_route_under_full_cuda_graphs_stops_at_the_route_choice(
+    server, checkpoint, caplog
+):
     """A worker whose vLLM captures full CUDA graphs and whose lookups take the
     host path (off here; with auto, where GPU-driven lookups are unavailable)
     fails when its first lookup chooses the route, before any graph is
@@ -339,7 +348,11 @@ def test_the_host_route_under_full_cuda_graphs_stops_at_the_route_choice(server,
         refusing.close()
     plain = routes_with(None)
     try:
+        caplog.set_level("INFO", logger="pleclient.vllm_plugin")
         binding = plain.service.bind(expected(FP8))
         assert plain.for_layer(binding, torch.device("cuda")) is plain.host
+        from bench.real_vllm.coordinator import routes_run
+
+        assert routes_run(caplog.text)[-1] == "host"  # as the real-vLLM harness reads it
     finally:
         plain.close()

@@ -1117,6 +1117,21 @@ def judgments(cells: list[dict]) -> dict[str, dict]:
     return out
 
 
+def route_mismatch(c: dict) -> str | None:
+    """What a shm cell's workers ran, where it is not what the cell asked for
+    (``routes_run``, from their logs): its figures are not the named way's."""
+    ran = c.get("routes_run")
+    cell = c.get("cell") or {}
+    if ran is None or cell.get("backend") != "shm":
+        return None
+    wanted = "host" if cell.get("route") == "host" else f"gpu:{cell.get('gpu_ops', 'memops')}"
+    if not ran:
+        return f"NOT AS NAMED: no worker said which route it ran (wanted {wanted})"
+    if set(ran) != {wanted}:
+        return f"NOT AS NAMED: its workers ran {', '.join(ran)}, not {wanted}"
+    return None
+
+
 def cell_brief(c: dict) -> str:
     """One line of what a cell measured, printed as it ends."""
     from bench.real_vllm.exact import Outcome, distinct_outcomes
@@ -1241,7 +1256,7 @@ def summary(cells: list[dict], runs: Iterable[dict] = ()) -> str:
     lines.append(f"{'cell':<40} {'status':<8} {'start s':>8} {'total s':>8}  note")
     for c in cells:
         t = c.get("times") or {}
-        note = c.get("error") or c.get("reason") or ""
+        note = c.get("error") or c.get("reason") or route_mismatch(c) or ""
         lines.append(
             f"{c['name']:<40} {c.get('status', '?'):<8} {_num(t.get('engine_start_s')):>8} "
             f"{_num(t.get('total_s')):>8}  {note[:100]}"

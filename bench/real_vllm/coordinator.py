@@ -364,6 +364,28 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+# What the plugin says in each worker's log as its route is chosen
+# (gpu_route.py's GpuRoute.choose): the route and the ops in fact, which a
+# cell's name only asks for (a kernels request that cannot build runs memops).
+GPU_ROUTE_LINE = re.compile(
+    r"PLE backend shm: GPU-driven lookups( \(CPU stand-in\))? on (\S+) \((\w+)\)"
+)
+HOST_ROUTE_LINE = re.compile(r"PLE backend shm: host path[ ,:(]")
+ROUTE_LOG_BYTES = 64 * 1024 * 1024  # the start's lines: within a cell's log
+
+
+def routes_run(log: str) -> list[str]:
+    """Each worker's route as its log says, in order: ``gpu:<ops>`` (``gpu:host``
+    for the CPU stand-in) or ``host``."""
+    found = []
+    for line in log.splitlines():
+        if m := GPU_ROUTE_LINE.search(line):
+            found.append("gpu:host" if m[1] else f"gpu:{m[3]}")
+        elif HOST_ROUTE_LINE.search(line):
+            found.append("host")
+    return found
+
+
 def _tail(path: Path, chars: int) -> str:
     try:
         with open(path, "rb") as f:
@@ -534,6 +556,8 @@ def run_one(
     }
     if record.get("status") != "done":
         record["log_tail"] = _tail(log_path, LOG_TAIL_CHARS)
+    if cell.shm:
+        record["routes_run"] = routes_run(_tail(log_path, ROUTE_LOG_BYTES))
     _write_json(json_path, record)
     _write_json(work / "cells" / f"{run_id}-{stem}.json", record)
     (out / "logs" / f"{stem}.log").write_text(_tail(log_path, OUT_LOG_BYTES))
