@@ -1556,6 +1556,8 @@ def main(argv=None) -> int:
             f"== table: {args.rows:,} rows × {args.row_bytes} B FP8 for a {args.cache_size} "
             f"row cache{kind}"
         )
+        if cuda:  # (what rings and collects on the GPU-driven paths d and e)
+            say(f"== GPU-driven paths: --gpu-ops {args.gpu_ops}")
         table, data, report["table"] = prepare_table(args, workdir)
         t = report["table"]
         say(
