@@ -17,7 +17,6 @@ multiprocessing too, with no pickled function.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -27,19 +26,16 @@ ENGRAM_TENSOR = re.compile(r"(?:^|\.)engram\.embed\.(?:weight|scale)$")
 
 
 def engram_tensor_files(model_dir: Path) -> dict[str, Path]:
-    """Each Engram tensor's name in the checkpoint and the file that holds it."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        found = {n: model_dir / f for n, f in weight_map.items() if ENGRAM_TENSOR.search(n)}
-    else:
-        from safetensors import safe_open
+    """Each Engram tensor's name in the checkpoint and the file that holds it
+    (the safetensors headers, as ple-server's discovery reads them)."""
+    from pleclient.checkpoint import checkpoint_files, read_header
 
-        found = {}
-        for path in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(path), framework="pt") as f:
-                names = f.keys()  # (a safe_open handle is not iterable)
-                found.update({n: path for n in names if ENGRAM_TENSOR.search(n)})
+    found = {
+        name: Path(path)
+        for path in checkpoint_files(str(model_dir))[0]
+        for name in read_header(path)[0]
+        if ENGRAM_TENSOR.search(name)
+    }
     if not found:
         raise FileNotFoundError(
             f"{model_dir}: no Engram tensor (layers.<L>.engram.embed.weight/.scale) in its "
@@ -56,27 +52,23 @@ class CheckpointEngramTables:
         loaded, by vLLM parameter name, with each tensor's shape."""
         from safetensors import safe_open
 
-        files = engram_tensor_files(Path(model_dir))
-
-        def tensors():
-            for name, path in sorted(files.items()):
-                with safe_open(str(path), framework="pt") as f:
-                    yield name, f.get_tensor(name)
-
+        tensors = {}
+        for name, path in sorted(engram_tensor_files(Path(model_dir)).items()):
+            with safe_open(str(path), framework="pt") as f:
+                tensors[name] = f.get_tensor(name)  # (the small model's: 0.2 GB in all)
         # the worker's model, out of any CUDA graph wrapper (vLLM's default graphs
         # wrap it, and a wrapper is no nn.Module)
         model = self.get_model()  # type: ignore[attr-defined]
-        loaded = model.load_weights(tensors())
+        loaded = model.load_weights(iter(tensors.items()))
         params = dict(model.named_parameters())
-        wanted = {param_name(n): n for n in files}
+        wanted = {param_name(n): n for n in tensors}
         if not set(wanted) <= set(loaded):
             raise RuntimeError(
                 f"the model's load_weights took {sorted(n for n in loaded if '.engram.' in n)} "
                 f"of {sorted(wanted)}: its name mapping did not take every Engram tensor"
             )
         for name, tensor_name in wanted.items():  # the bytes landed where the graphs read
-            with safe_open(str(files[tensor_name]), framework="pt") as f:
-                check_rows(params[name], f.get_tensor(tensor_name), name)
+            check_rows(params[name], tensors[tensor_name], name)
         return {n: list(params[n].shape) for n in sorted(wanted)}
 
 
