@@ -371,7 +371,6 @@ GPU_ROUTE_LINE = re.compile(
     r"PLE backend shm: GPU-driven lookups( \(CPU stand-in\))? on (\S+) \((\w+)\)"
 )
 HOST_ROUTE_LINE = re.compile(r"PLE backend shm: host path[ ,:(]")
-ROUTE_LOG_BYTES = 64 * 1024 * 1024  # the start's lines: within a cell's log
 
 
 def routes_run(log: str) -> list[str]:
@@ -557,7 +556,11 @@ def run_one(
     if record.get("status") != "done":
         record["log_tail"] = _tail(log_path, LOG_TAIL_CHARS)
     if cell.shm:
-        record["routes_run"] = routes_run(_tail(log_path, ROUTE_LOG_BYTES))
+        # (the whole log: the lines are near its start, which a tail may have lost)
+        try:
+            record["routes_run"] = routes_run(log_path.read_text(errors="replace"))
+        except OSError:
+            record["routes_run"] = []
     _write_json(json_path, record)
     _write_json(work / "cells" / f"{run_id}-{stem}.json", record)
     (out / "logs" / f"{stem}.log").write_text(_tail(log_path, OUT_LOG_BYTES))
