@@ -45,10 +45,18 @@ def test_bad_setting_is_reported_by_name():
 
 
 def test_entry_point_patches_modules_as_vllm_imports_them_and_is_reentrant():
-    result = run_scenario("entry_point_hook", env={"VLLM_PLE_BACKEND": "shm"})
+    result = run_scenario(
+        "entry_point_hook", env={"VLLM_PLE_BACKEND": "shm", "VLLM_LOGGING_LEVEL": "INFO"}
+    )
     assert result["registered"] and result["patched"]
     assert result["init_stable"]  # register() again did not wrap twice
     assert result["finders"] == 1
+    # The plugin's INFO lines reach vLLM's log once, in vLLM's format
+    # ("(MainProcess pid=…) INFO 12-07 21:37:06 [scenarios.py:412] ..."), as
+    # its own lines do.
+    lines = result["plugin_log"].splitlines()
+    assert len(lines) == 1 and lines[0].endswith("] PLE backend shm: a line for the log"), lines
+    assert ") INFO " in lines[0] and "[scenarios.py:" in lines[0], lines
     assert result["skips_shards"] and result["keeps_scale"]
     for ops in (result["splitting_ops"], result["explicit_splitting_ops"]):
         assert "vllm::ple_shm_lookup" in ops

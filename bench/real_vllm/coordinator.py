@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import datetime
 import itertools
@@ -556,11 +557,12 @@ def run_one(
     if record.get("status") != "done":
         record["log_tail"] = _tail(log_path, LOG_TAIL_CHARS)
     if cell.shm:
-        # (the whole log: the lines are near its start, which a tail may have lost)
-        try:
-            record["routes_run"] = routes_run(log_path.read_text(errors="replace"))
-        except OSError:
-            record["routes_run"] = []
+        # The whole logs (the lines are near their start, which a tail may have
+        # lost): the cell's, and vllm serve's, where its workers log.
+        record["routes_run"] = []
+        for path in (log_path, work / "logs" / f"{run_id}-{stem}.serve.log"):
+            with contextlib.suppress(OSError):
+                record["routes_run"] += routes_run(path.read_text(errors="replace"))
     _write_json(json_path, record)
     _write_json(work / "cells" / f"{run_id}-{stem}.json", record)
     (out / "logs" / f"{stem}.log").write_text(_tail(log_path, OUT_LOG_BYTES))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from pleclient.families.deepseek_v41 import MXFP8_BLOCK
+from pleclient.vllm_plugin.kernel_call import KernelCall
 
 
 def row_bytes(cols: int) -> int:
@@ -56,21 +57,43 @@ def decode_into(raw: torch.Tensor, out: torch.Tensor, *, kernel: bool | None = N
     rows = out.view(n, cols)
     through_kernel = raw.is_cuda if kernel is None else kernel
     if through_kernel:
-        from vllm.models.deepseek_v41.common.engram import _engram_lookup_kernel
-        from vllm.triton_utils import triton
+        kernel_call(values, scales, rows).launch()
+        return
+    scale = (scales.to(torch.int32) << 23).view(torch.float32)
+    decoded = values.view(torch.float8_e4m3fn).to(torch.float32).view(n, -1, MXFP8_BLOCK)
+    rows.view(n, -1, MXFP8_BLOCK).copy_((decoded * scale[:, :, None]).to(torch.bfloat16))
 
-        grid = triton.cdiv(n, 16)
-        _engram_lookup_kernel[(grid,)](
+
+def kernel_call(values: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor) -> KernelCall:
+    """vLLM's ``_engram_lookup_kernel`` over served rows: ``values`` (FP8 bytes
+    ``[n, cols]``), ``scales`` (``[n, cols/32]``) into ``rows`` (BF16 ``[n, cols]``),
+    with ids ``0..n-1``, one head, the whole range owned, unsorted.
+
+    ``sorted_dst`` gets the ids, as vLLM passes its indices when it does not
+    sort: on CUDA ``SORTED`` is a runtime argument, so the sorted branch is
+    compiled as well and needs a pointer there (``kernel_call``)."""
+    from vllm.models.deepseek_v41.common.engram import _engram_lookup_kernel
+    from vllm.triton_utils import triton
+
+    n, cols = rows.shape
+    grid = triton.cdiv(n, 16)
+    ids = torch.arange(n, dtype=torch.int64, device=rows.device).view(n, 1)
+    return KernelCall(
+        _engram_lookup_kernel,
+        (grid,),
+        (
             values.view(torch.float8_e4m3fn),
             scales,
-            torch.arange(n, dtype=torch.int64, device=raw.device).view(n, 1),
-            None,  # (not SORTED)
+            ids,
+            ids,  # sorted_dst: unread unless SORTED
             rows,
             0,
             n,
             n,
             1,
             1,
+        ),
+        dict(
             HEAD_START=0,
             LOCAL_HEADS=1,
             TOTAL_HEADS=1,
@@ -81,11 +104,8 @@ def decode_into(raw: torch.Tensor, out: torch.Tensor, *, kernel: bool | None = N
             SORTED=False,
             PACKED=False,
             OUT_STRIDE=cols,
-        )
-        return
-    scale = (scales.to(torch.int32) << 23).view(torch.float32)
-    decoded = values.view(torch.float8_e4m3fn).to(torch.float32).view(n, -1, MXFP8_BLOCK)
-    rows.view(n, -1, MXFP8_BLOCK).copy_((decoded * scale[:, :, None]).to(torch.bfloat16))
+        ),
+    )
 
 
 class Mxfp8Rows:

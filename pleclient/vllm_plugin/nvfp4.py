@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 
 from pleclient.families.qwen4_exp import NVFP4_BLOCK
+from pleclient.vllm_plugin.kernel_call import KernelCall
 
 
 def row_bytes(cols: int) -> int:
@@ -61,23 +62,7 @@ def decode_into(raw: torch.Tensor, global_scale: torch.Tensor, out: torch.Tensor
     scales = raw[:, packed:].contiguous()
     rows = out.view(n, cols)
     if raw.is_cuda:
-        from vllm.models.qwen4_exp.common.ngram_embedding import (
-            _lookup_nvfp4_ple_embedding_kernel,
-        )
-        from vllm.triton_utils import triton
-
-        ids = torch.arange(n, dtype=torch.int64, device=raw.device)
-        _lookup_nvfp4_ple_embedding_kernel[(n,)](
-            values,
-            scales,  # uint8, as stock passes weight_scale.view(torch.uint8)
-            global_scale,
-            ids,
-            rows,
-            cols,
-            0,
-            n,
-            BLOCK_D=triton.next_power_of_2(cols),
-        )
+        kernel_call(values, scales, global_scale, rows).launch()
         return
     from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
         dequantize_to_dtype,
@@ -87,6 +72,34 @@ def decode_into(raw: torch.Tensor, global_scale: torch.Tensor, out: torch.Tensor
         dequantize_to_dtype(
             values, scales.view(torch.float8_e4m3fn), global_scale, out.dtype, swizzle=False
         )
+    )
+
+
+def kernel_call(
+    values: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, rows: torch.Tensor
+) -> KernelCall:
+    """Stock's ``_lookup_nvfp4_ple_embedding_kernel`` over served rows: packed
+    ``values`` ``[n, cols/2]`` and block ``scales`` ``[n, cols/16]`` (uint8) into
+    ``rows`` ``[n, cols]``, with ids ``0..n-1`` and the range ``[0, n)`` owned."""
+    from vllm.models.qwen4_exp.common.ngram_embedding import _lookup_nvfp4_ple_embedding_kernel
+    from vllm.triton_utils import triton
+
+    n, cols = rows.shape
+    ids = torch.arange(n, dtype=torch.int64, device=rows.device)
+    return KernelCall(
+        _lookup_nvfp4_ple_embedding_kernel,
+        (n,),
+        (
+            values,
+            scales,  # uint8, as stock passes weight_scale.view(torch.uint8)
+            global_scale,
+            ids,
+            rows,
+            cols,
+            0,
+            n,
+        ),
+        dict(BLOCK_D=triton.next_power_of_2(cols)),
     )
 
 

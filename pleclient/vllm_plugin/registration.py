@@ -29,6 +29,7 @@ from types import ModuleType
 from pleclient.vllm_plugin import compat, settings
 from pleclient.vllm_plugin.compat import DEEPSEEK_V41, QWEN4_EXP, QWEN38_FLASH_NEXT, Target
 from pleclient.vllm_plugin.errors import PleBackendError
+from pleclient.vllm_plugin.logs import join_vllm_logging
 
 log = logging.getLogger("pleclient.vllm_plugin")
 
@@ -156,6 +157,7 @@ def register() -> None:
     settings.ShmSettings.from_env()  # validate every knob now, in every process
     require_native()
     compat.check_layout(TARGETS)  # raises UnsupportedVllm, naming what is missing
+    join_vllm_logging()
     global _finder
     with _lock:
         if _finder is None:

@@ -415,6 +415,7 @@ def entry_point_hook(args: dict) -> dict:
 
     compat.check_layout(registration.TARGETS)  # raises on a vLLM it cannot patch
     return {
+        "plugin_log": _plugin_log_through_vllms_handlers(),
         "vllm_version": compat.vllm_version(),
         "untested_warning": compat._warned,
         "splitting_ops": _piecewise_splitting_ops(),
@@ -431,6 +432,29 @@ def entry_point_hook(args: dict) -> dict:
         ),
         "model_classes": model_classes,
     }
+
+
+def _plugin_log_through_vllms_handlers() -> str:
+    """What one INFO line of the plugin's logger writes once vLLM has configured
+    its logging, as its engine core and workers do at their start (here twice:
+    the second configuration replaces the first one's handlers)."""
+    import io
+    import logging
+
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    for level in ("WARNING", "INFO"):
+        configure_logging(LoggingConfig(log_level=level, configure_logging=True))
+    text = io.StringIO()
+    handlers = logging.getLogger("vllm").handlers
+    streams = [h.setStream(text) for h in handlers]
+    try:
+        logging.getLogger("pleclient.vllm_plugin").info("PLE backend shm: a line for the log")
+    finally:
+        for handler, stream in zip(handlers, streams, strict=True):
+            handler.setStream(stream)
+    return text.getvalue()
 
 
 def _piecewise_splitting_ops(explicit: list[str] | None = None) -> list[str]:
