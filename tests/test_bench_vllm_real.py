@@ -501,6 +501,9 @@ def test_plans_expand_to_cells_and_their_checkpoints():
     }
     (ckpt,) = vc.checkpoints_needed(dsv41)
     assert ckpt.dummy_weights and ckpt.args(Path("/w")) == ["--model", "deepseek-v41"]
+    # stock and shm alike compile DeepGEMM's kernels as used, not all at the start
+    assert {c.env().get("VLLM_DEEP_GEMM_WARMUP") for c in dsv41} == {"skip"}
+    assert "VLLM_DEEP_GEMM_WARMUP" not in vc.parse_cell("shm-eager-mp0").env()
 
 
 def test_the_deepseek_checkpoint_holds_its_engram_tables_for_a_stock_engine(tmp_path):

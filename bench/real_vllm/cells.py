@@ -274,6 +274,12 @@ class Cell:
     def env(self, socket: str | None = None) -> dict[str, str]:
         """The environment the engine starts with (beside the host's)."""
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.multiproc else "0"}
+        if CHECKPOINTS[self.checkpoint].model == "deepseek-v41":
+            # vLLM's DeepGEMM warm-up compiles 246 kernels on a fresh host, more
+            # than 7 minutes of an H100's start (more than a device call holds
+            # beside the cells); skipped, the kernels the runs use are compiled
+            # when first used, the same kernels, in stock and shm alike.
+            env["VLLM_DEEP_GEMM_WARMUP"] = "skip"
         if self.shm:
             env["VLLM_PLE_BACKEND"] = "shm"
             if socket:
