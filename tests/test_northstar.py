@@ -156,6 +156,7 @@ def test_northstar_on_the_cpu_checks_rows_and_counts_every_cold_miss(tmp_path, f
         assert r["steps"] == 60 and len(r["step_ms"]) == 60
         assert [r["windows"][w]["steps"] for w in ("first 50", "warming", "steady")] == [15, 15, 30]
     assert set(decode["e"]["bound"]) == {"first 50", "warming", "steady", "whole"}
+    assert set(report["disk"]) == {"1", "8", "32", "128"}  # the depths the bound reads
     assert runs["prefill", "e"]["prompts"]["prompt_ms"][0] > 0
     assert not list(tmp_path.glob("ple-northstar-*")), "the benchmark left its directory"
     assert not shm_entries()
@@ -175,3 +176,20 @@ def test_an_engram_layer_can_run_alone_but_only_one_the_trace_has(tmp_path, caps
     with pytest.raises(SystemExit):
         northstar.parse_args([*common, "--ple-at", "2"])
     assert "has the ids of its layers [1, 3] only" in capsys.readouterr().err
+
+
+def test_the_bound_of_a_steps_reads_is_the_disks_time_at_their_queue_depth():
+    """``disk_time_s``: one read costs the QD-1 latency; ``n`` reads issued
+    together cost ``n ÷ rate(n)``, the rate at that depth probed or
+    interpolated on log depth; past the deepest probe, its rate."""
+    from bench.evals.northstar import disk_time_s
+
+    disk = {d: {"reads_per_s": r} for d, r in (("1", 40e3), ("8", 80e3), ("32", 100e3))}
+    disk["128"] = {"error": "the probe did not return"}  # a failed depth is left out
+    assert disk_time_s(1, disk) == pytest.approx(1 / 40e3)
+    assert disk_time_s(8, disk) == pytest.approx(8 / 80e3)
+    assert disk_time_s(16, disk) == pytest.approx(16 / 90e3)  # half way on log depth
+    assert disk_time_s(1000, disk) == pytest.approx(1000 / 100e3)
+    assert disk_time_s(0.5, disk) == pytest.approx(0.5 / 40e3)
+    assert disk_time_s(0, disk) == 0.0
+    assert disk_time_s(5, {"1": {"error": "no"}}) is None

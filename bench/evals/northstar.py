@@ -121,9 +121,11 @@ mean read latency and the reads in flight (averaged over the steps' time, and
 over the time the disk was busy). From the trace: each step's first-touch ids
 (their row not in any earlier step nor the warm-up: a row cache that never
 evicts misses exactly these; the server's count is printed beside it) per
-window. The physical bound of a decode step's stall, (reads per step ÷ the
-QD-128 rate) + one QD-1 read latency, is printed beside the measured stall
-(x − a) per window; reads per window are the trace's first-touch rows scaled by
+window. The physical bound of a decode step's stall, the disk's own time for
+the step's reads issued together (reads ÷ the rate at a queue depth of that
+many reads, probed at depths 1, 8, 32 and 128 and interpolated between them;
+past 128, the QD-128 rate), is printed beside the measured stall (x − a) per
+window; reads per window are the trace's first-touch rows scaled by
 the path's measured reads per first-touch row. Also: the CPU other processes
 used during each path (``OthersMeter``), the commit, the machine.
 
@@ -150,6 +152,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import itertools
 import json
 import math
 import os
@@ -1172,12 +1175,41 @@ def fmt(v, spec: str = ".3f", none: str = "–") -> str:
     return none if v is None else format(v, spec)
 
 
+BOUND_DEPTHS = (1, 8, 32, 128)
+"""The queue depths the disk is probed at, for the bound of a step's reads."""
+
+
+def disk_time_s(reads: float, disk: dict) -> float | None:
+    """The disk's own time for ``reads`` 4 KiB random reads issued together:
+    ``reads ÷ rate(d)`` at the queue depth ``d = reads`` (at most the deepest
+    probed, where the rate no longer grows), the rate measured at that depth,
+    or interpolated on ``log d`` between the two probed depths around it. At a
+    steady depth ``d`` each read takes ``d ÷ rate(d)`` (Little's law), so a
+    batch of ``d`` reads is one such latency; a single read is the QD-1
+    latency. None without a probe."""
+    rates = sorted(
+        (int(q), v["reads_per_s"])
+        for q, v in disk.items()
+        if q.isdigit() and isinstance(v, dict) and v.get("reads_per_s")
+    )
+    if not rates or reads <= 0:
+        return None if not rates else 0.0
+    depth = min(max(reads, rates[0][0]), rates[-1][0])
+    rate = rates[-1][1]
+    for (d0, r0), (d1, r1) in itertools.pairwise(rates):
+        if d0 <= depth <= d1:
+            t = math.log(depth / d0) / math.log(d1 / d0)
+            rate = r0 + t * (r1 - r0)
+            break
+    return reads / rate
+
+
 def add_bounds(runs: list[Run], disk: dict) -> None:
     """Each decode server path's stall (x − a) per window beside its physical
-    bound: reads per step ÷ the QD-128 rate + one QD-1 read latency."""
-    qd1, qd128 = (disk.get(q, {}).get("reads_per_s") for q in ("1", "128"))
+    bound: the disk's own time for the step's reads at their queue depth
+    (``disk_time_s``)."""
     a = next((r for r in runs if r.path == "a" and r.windows), None)
-    if not (qd1 and qd128 and a):
+    if a is None or disk_time_s(1.0, disk) is None:
         return
     for r in runs:
         if r.path not in SERVER_PATHS or not r.windows or not r.server or not r.trace:
@@ -1189,12 +1221,12 @@ def add_bounds(runs: list[Run], disk: dict) -> None:
             if x is None or base is None:
                 continue
             reads = r.trace[w]["new_rows_per_step"] * per_row
-            bound = (reads / qd128 + 1 / qd1) * 1e3
+            bound = 1e3 * (disk_time_s(reads, disk) or 0.0)
             r.bound[w] = {
                 "reads_per_step": reads,
                 "bound_ms": bound,
                 "stall_ms": x - base,
-                "stall_over_bound": (x - base) / bound,
+                "stall_over_bound": (x - base) / bound if bound > 0 else None,
             }
 
 
@@ -1247,7 +1279,8 @@ def report_case(case: Case, runs: list[Run], rig: Rig) -> None:
                     f"bound vs stall, {r.path}: "
                     + "; ".join(
                         f"{w} {b['bound_ms']:.2f} vs {b['stall_ms']:.2f} ms "
-                        f"({b['stall_over_bound']:.2f}×, {b['reads_per_step']:.0f} reads/step)"
+                        f"({fmt(b['stall_over_bound'], '.2f')}×, "
+                        f"{b['reads_per_step']:.0f} reads/step)"
                         for w, b in r.bound.items()
                     )
                 )
@@ -1367,7 +1400,8 @@ def targets(results: dict[Case, list[Run]], args) -> dict:
                 b = e.bound["steady"]
                 out["decode_early_stall_ms"] = b["stall_ms"]
                 out["decode_early_bound_ms"] = b["bound_ms"]
-                out["decode_early_stall_le_1.2_bound"] = b["stall_over_bound"] <= 1.2
+                ratio_ = b["stall_over_bound"]
+                out["decode_early_stall_le_1.2_bound"] = ratio_ is not None and ratio_ <= 1.2
         if case.kind == "prefill" and case.steps == 4 and a and a.prompts:
             key = f"prefill4_L{case.layers}"
             for name in ("prompt-ahead", "prompt-ahead-arrival", "e"):
@@ -1568,7 +1602,7 @@ def main(argv=None) -> int:
         args.disk_device, how = block_device(os.path.realpath(table.files[0]))
         report["disk_device"] = {"name": args.disk_device, "found_as": how}
         say(f"== disk {args.disk_device} ({how}): 4 KiB O_DIRECT random reads")
-        report["disk"] = ceiling(sorted(table.files), args.probe_seconds, "auto", (1, 128))
+        report["disk"] = ceiling(sorted(table.files), args.probe_seconds, "auto", BOUND_DEPTHS)
         qd1 = report["disk"].get("1", {}).get("reads_per_s")
         if qd1:
             say(f"   one read at QD 1: {1e3 / qd1:.3f} ms")
