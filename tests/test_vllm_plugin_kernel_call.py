@@ -11,12 +11,13 @@ from __future__ import annotations
 from tests.vllm_helpers import run_scenario
 
 ARCHS = [90, 121]
+ROWS = [1, 5, 16]  # Triton's launcher makes a 1 a constant and marks multiples of 16
 
 
 def test_the_decoders_kernel_launches_compile_for_hopper_and_gb10(tmp_path):
     result = run_scenario(
         "compile_row_decoders",
-        {"archs": ARCHS},
+        {"archs": ARCHS, "rows": ROWS},
         module="tests.vllm_helpers.kernel_scenarios",
         env={
             "CUDA_VISIBLE_DEVICES": "",
@@ -25,9 +26,10 @@ def test_the_decoders_kernel_launches_compile_for_hopper_and_gb10(tmp_path):
         },
         timeout=600,
     )
+    variants = {f"sm_{a}, {n} rows" for a in ARCHS for n in ROWS}
     for decoder in ("mxfp8", "nvfp4"):
-        assert result[decoder] == {str(a): "ok" for a in ARCHS}, result
+        assert result[decoder] == dict.fromkeys(variants, "ok"), result
     # The control: the launch the interpreter accepted fails to compile, so the
     # check above is one the compiler could have failed.
-    for arch in ARCHS:
-        assert "NoneType" in result["mxfp8 with sorted_dst None"][str(arch)], result
+    control = result["mxfp8 with sorted_dst None"]
+    assert set(control) == variants and all("NoneType" in e for e in control.values()), control

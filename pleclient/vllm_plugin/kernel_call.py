@@ -33,36 +33,25 @@ class KernelCall:
     def compile_for(self, arch: int, warp_size: int = 32) -> Any:
         """Compile this launch for an NVIDIA GPU of compute capability ``arch``
         (90: H100, H200, GH200; 121: GB10) without one, and return Triton's
-        compiled kernel. The arguments give the signature as Triton's launcher
-        would derive it: tensors as pointers, numbers by their width, ``None``
-        and ``tl.constexpr`` parameters as constants."""
-        import triton
+        compiled kernel. The arguments are bound and specialized by Triton's
+        own launcher code (its binder and ``_pack_args``: pointer types and
+        alignment, integer widths and divisibility, a 1 made a constant,
+        ``do_not_specialize``), so the variant compiled is the one this launch
+        would compile on such a GPU."""
+        from triton import knobs
         from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        from triton.runtime.jit import mangle_type
+        from triton.compiler import ASTSource, compile, make_backend
+        from triton.runtime.jit import create_function_from_signature
 
-        params = self.kernel.params
-        named = dict(zip((p.name for p in params), self.args, strict=False))
-        unknown = set(self.kwargs) - {p.name for p in params}
-        if len(self.args) > len(params) or unknown:
-            raise TypeError(
-                f"{self.kernel.__name__} takes {[p.name for p in params]}; "
-                f"got {len(self.args)} positional arguments and {sorted(self.kwargs)}"
-            )
-        named.update(self.kwargs)
-        signature: dict[str, str] = {}
-        constants: dict[tuple[int, ...], Any] = {}
-        for i, p in enumerate(params):
-            if p.name in named:
-                value = named[p.name]
-            elif p.has_default:
-                value = p.default
-            else:
-                raise TypeError(f"{self.kernel.__name__}: no value for {p.name}")
-            if p.is_constexpr or value is None:
-                signature[p.name] = "constexpr"
-                constants[(i,)] = value
-            else:
-                signature[p.name] = mangle_type(value)
-        source = ASTSource(fn=self.kernel, signature=signature, constexprs=constants)
-        return triton.compile(source, target=GPUTarget("cuda", arch, warp_size))
+        target = GPUTarget("cuda", arch, warp_size)
+        backend = make_backend(target)
+        kwargs = dict(self.kwargs)
+        kwargs.setdefault("debug", bool(knobs.runtime.debug))
+        kwargs.setdefault("instrumentation_mode", knobs.compilation.instrumentation_mode)
+        binder = create_function_from_signature(self.kernel.signature, self.kernel.params, backend)
+        bound, specialization, options = binder(*self.args, **kwargs)
+        options, signature, constants, attrs = self.kernel._pack_args(
+            backend, kwargs, bound, specialization, options
+        )
+        source = ASTSource(self.kernel, signature, constants, attrs)
+        return compile(source, target=target, options=options.__dict__)
