@@ -1207,7 +1207,10 @@ def disk_time_s(reads: float, disk: dict) -> float | None:
 def add_bounds(runs: list[Run], disk: dict) -> None:
     """Each decode server path's stall (x − a) per window beside its physical
     bound: the disk's own time for the step's reads at their queue depth
-    (``disk_time_s``)."""
+    (``disk_time_s``), of the window's mean reads a step. That time grows more
+    slowly than the reads (the rate rises with depth), so with reads varying
+    from step to step it is at least the mean of the steps' own bounds: a
+    bound a stall meets more easily, not less."""
     a = next((r for r in runs if r.path == "a" and r.windows), None)
     if a is None or disk_time_s(1.0, disk) is None:
         return
