@@ -31,7 +31,7 @@ def test_served_rows_decode_as_vllms_engram_lookup_through_torch_and_its_kernel(
         env=TRITON_ON_CPU,
         timeout=600,
     )
-    assert result["equal"] == {"torch": True, "kernel": True}, result
+    assert result["equal"] == {"torch": True, "kernel": True, "kernel, buffers": True}, result
     assert result["values"] == 40 * 24 * 256 and result["zeros"] > 0  # (scale byte 0)
 
 

@@ -192,6 +192,39 @@ def test_two_prefetches_in_flight_collect_in_any_order(routes, reference):
     assert np.array_equal(as_bytes(out_b), reference[3][b.numpy()])
 
 
+def test_a_host_break_called_while_vllm_captures_asks_the_server_nothing(server, routes, reference):
+    """The host route's calls are eager breaks; vLLM makes each break's first
+    call during the capture, before the GPU ran the segment ahead of it, so
+    the ids it hands over are not computed yet (here: what an unwritten
+    buffer may hold, ids the server refuses). That call sends nothing and
+    zeroes the output; the replays' calls, after the capture, read rows."""
+    capturing = [True]
+    binding = routes.service.bind(expected(BF16))
+    bf16 = LayerLookups(binding, routes, StoredRows(binding), capturing=lambda: capturing[0])
+
+    def requests() -> int:
+        with server.client() as client:
+            return sum(t["requests"] for t in client.stats()["tables"])
+
+    before = requests()
+    garbage = torch.tensor([-7, BF16.rows + 11, 3], dtype=torch.int64)
+    out = typed(BF16, 3).fill_(1)
+    bf16.lookup(garbage, out)
+    assert not out.any()
+    bf16.start(garbage)
+    out.fill_(1)
+    bf16.finish(out)
+    assert not out.any() and not bf16.in_flight
+    assert bf16.route is not None and not bf16.route.capturable  # (the host route)
+    assert requests() == before
+    capturing[0] = False  # a replay
+    ids = torch.tensor([0, BF16.rows - 1, 3], dtype=torch.int64)
+    bf16.start(ids)
+    bf16.finish(out)
+    assert np.array_equal(as_bytes(out), reference[3][ids.numpy()])
+    assert requests() > before
+
+
 def test_a_third_uncollected_prefetch_asks_for_more_depth(routes):
     held = [layer(routes, BF16), layer(routes, BF16)]
     ids = torch.arange(10)

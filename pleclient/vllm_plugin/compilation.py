@@ -117,3 +117,13 @@ def full_graphs_refused(mode: str, route: str) -> UnsupportedCompilation:
         f"(or --enforce-eager); or, on a GPU with stream memory operations, "
         f"{ENV_GPU_PATH}=auto, whose GPU-driven lookups full graphs hold"
     )
+
+
+def breakable_capture_running() -> bool:
+    """Whether vLLM's breakable CUDA-graph capture is under way in this thread
+    (``BreakableCUDAGraphCapture``): an eager break's call then is the one made
+    at capture, before the GPU ran the segment recorded ahead of it, and a
+    replay's call comes after the capture ended."""
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+    return BreakableCUDAGraphCapture.current() is not None

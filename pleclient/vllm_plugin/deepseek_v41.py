@@ -40,6 +40,7 @@ from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 
 from pleclient.families.deepseek_v41 import MXFP8, TABLE_NAME
 from pleclient.vllm_plugin import compat
+from pleclient.vllm_plugin.compilation import breakable_capture_running
 from pleclient.vllm_plugin.errors import PleBackendError
 from pleclient.vllm_plugin.identity import Expected
 from pleclient.vllm_plugin.lookups import LayerLookups
@@ -81,7 +82,11 @@ class EngramShmStorage(nn.Module):
             max_ids=max_tokens * self.n_hash_cols,
         )
         self.lookups = LayerLookups(
-            binding, routes, Mxfp8Rows(self.dim), eager=eager_break_during_capture
+            binding,
+            routes,
+            Mxfp8Rows(self.dim, binding.max_ids, torch.get_default_device()),
+            eager=eager_break_during_capture,
+            capturing=breakable_capture_running,
         )
 
     @property

@@ -11,7 +11,11 @@ holds per layer::
   it is not ``capturable`` (the host route), the calls run as eager breaks
   (vLLM's ``eager_break_during_capture``, passed in as ``eager``): they write
   into caller-provided outputs and keep the started lookup here, so a replayed
-  graph runs them again, in order.
+  graph runs them again, in order. A break's first call is made while vLLM
+  captures (``capturing``, passed in too), before the GPU has run the segment
+  recorded ahead of it: the ids it would read are not computed yet (an Engram
+  layer's hash ran in that segment). That call asks the server nothing and
+  zeroes the output; each replay makes the real call on the step's ids.
 * Routes deal in rows as served (uint8 ``[n, row_bytes]``); the layer's
   encoding turns them into the model's rows, once, here: ``StoredRows`` (the
   table's dtype, or converted to the output's) or ``nvfp4.Nvfp4Rows`` (packed
@@ -71,6 +75,14 @@ def _now(call: Call) -> Call:
     return call
 
 
+def _never() -> bool:
+    return False
+
+
+def _zero_out(*args: torch.Tensor) -> None:
+    args[-1].zero_()  # (the output: last of lookup's and finish's arguments)
+
+
 class LayerLookups:
     """One PLE layer's lookups (see the module docstring)."""
 
@@ -87,15 +99,18 @@ class LayerLookups:
         encoding: RowEncoding,
         *,
         eager: Runner = _now,
+        capturing: Callable[[], bool] = _never,
         route: Route | None = None,
     ) -> None:
         """``eager``: how calls that cannot be captured run in CUDA graphs;
-        ``route``: a fixed route (default: ``routes.for_layer`` at the first
-        lookup)."""
+        ``capturing``: whether such a call is the one made during the capture
+        (no server, zeroed output); ``route``: a fixed route (default:
+        ``routes.for_layer`` at the first lookup)."""
         self.binding = binding
         self._routes = routes
         self._encoding = encoding
         self._eager = eager
+        self._capturing = capturing
         self._cols = binding.expected.cols
         self._route: Route | None = None
         self._pending: Any = None  # the route's handle of the started lookup
@@ -143,11 +158,23 @@ class LayerLookups:
 
     def _take(self, route: Route) -> None:
         self._route = route
-        run = _now if route.capturable else self._eager
-        self._lookup_now = run(self._lookup)
-        self._start_now = run(self._start)
-        self._finish_now = run(self._finish)
-        self._discard_now = run(self._discard)
+        if route.capturable:
+            self._lookup_now, self._start_now = self._lookup, self._start
+            self._finish_now, self._discard_now = self._finish, self._discard
+            return
+        self._lookup_now = self._eager(self._unless_capturing(self._lookup, _zero_out))
+        self._start_now = self._eager(self._unless_capturing(self._start, self._discard_ids))
+        self._finish_now = self._eager(self._unless_capturing(self._finish, _zero_out))
+        self._discard_now = self._eager(self._discard)
+
+    def _unless_capturing(self, call: Call, at_capture: Call) -> Call:
+        def run(*args: Any) -> None:
+            (at_capture if self._capturing() else call)(*args)
+
+        return run
+
+    def _discard_ids(self, ids: torch.Tensor) -> None:
+        self._discard()  # (a start during the capture: nothing is sent)
 
     def _lookup(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         route = self._route

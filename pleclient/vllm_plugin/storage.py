@@ -52,6 +52,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 )
 
 from pleclient.families.qwen4_exp import NVFP4
+from pleclient.vllm_plugin.compilation import breakable_capture_running
 from pleclient.vllm_plugin.errors import PleBackendError
 from pleclient.vllm_plugin.identity import Expected
 from pleclient.vllm_plugin.lookups import LayerLookups, RowEncoding, StoredRows
@@ -145,7 +146,11 @@ class Qwen4ExpPLEShmEmbedding(Qwen4ExpPLEEmbedding):
             else StoredRows(binding)
         )
         self._lookups = LayerLookups(
-            binding, self._routes, encoding, eager=eager_break_during_capture
+            binding,
+            self._routes,
+            encoding,
+            eager=eager_break_during_capture,
+            capturing=breakable_capture_running,
         )
 
     @property

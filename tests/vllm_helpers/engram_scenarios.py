@@ -101,7 +101,7 @@ def decode_engram_rows(args: dict) -> dict:
         values.view(torch.float8_e4m3fn),
         scales,
         ids,
-        None,
+        ids,  # sorted_dst, as vLLM passes its indices unsorted
         stock,
         0,
         rows,
@@ -121,9 +121,16 @@ def decode_engram_rows(args: dict) -> dict:
     )
     served = torch.cat([values, scales], dim=1)[ids.flatten()]  # as ple-server answers
     equal = {}
-    for path in ("torch", "kernel"):
+    # (buffers made for more rows than decoded: the decode takes a prefix)
+    buffers = mxfp8.DecodeBuffers(n + 7, cols, torch.device("cpu"))
+    for path in ("torch", "kernel", "kernel, buffers"):
         out = torch.empty((tokens, heads, cols), dtype=torch.bfloat16)
-        mxfp8.decode_into(served, out, kernel=path == "kernel")
+        mxfp8.decode_into(
+            served,
+            out,
+            kernel=path.startswith("kernel"),
+            buffers=buffers if path.endswith("buffers") else None,
+        )
         equal[path] = bool(torch.equal(out.view(torch.int16), stock.view(torch.int16)))
     return {"equal": equal, "values": stock.numel(), "zeros": int((stock == 0).sum())}
 
