@@ -358,7 +358,7 @@ def test_the_host_route_under_full_cuda_graphs_stops_at_the_route_choice(
     captured, naming the mode and the ways out. The same worker on CPU, or
     without full graphs, takes the host route."""
 
-    def routes_with(full_graphs: str | None) -> Routes:
+    def routes_with(full_graphs) -> Routes:
         return Routes(
             RowService(
                 settings.ShmSettings(
@@ -389,3 +389,13 @@ def test_the_host_route_under_full_cuda_graphs_stops_at_the_route_choice(
         assert routes_run(caplog.text)[-1] == "host"  # as the real-vLLM harness reads it
     finally:
         plain.close()
+    # The mode is read when the route is chosen: vLLM's model runner may settle
+    # another one after the routes were built (here: full graphs given up).
+    mode: list[str | None] = ["FULL_AND_PIECEWISE"]
+    settled = routes_with(lambda: mode[0])
+    try:
+        binding = settled.service.bind(expected(FP8))
+        mode[0] = None
+        assert settled.for_layer(binding, torch.device("cuda")) is settled.host
+    finally:
+        settled.close()

@@ -42,6 +42,7 @@ import logging
 import os
 import sys
 from types import ModuleType
+from typing import Any
 
 from pleclient.vllm_plugin.errors import UnsupportedCompilation
 from pleclient.vllm_plugin.settings import ENV_BACKEND, ENV_GPU_PATH
@@ -93,16 +94,22 @@ def check_graph_mode(config: object) -> None:
         raise full_graphs_refused(mode, f"the host path ({ENV_GPU_PATH}=off)")
 
 
-def full_graph_mode() -> str | None:
-    """The ``-cc.cudagraph_mode`` of the vLLM config in effect when it captures
-    full graphs (one of ``FULL_GRAPH_MODES``), else None; None too outside a
-    vLLM run, which has not imported ``vllm.config`` (nothing of vLLM is
+def current_compilation_config() -> Any:
+    """The compilation config of the vLLM config in effect, or None (outside a
+    vLLM run, which has not imported ``vllm.config``: nothing of vLLM is
     imported here)."""
     module = sys.modules.get("vllm.config")  # a vLLM run has imported it
     if module is None:
         return None
-    config = module.get_current_vllm_config_or_none()
-    compilation = getattr(config, "compilation_config", None)
+    return getattr(module.get_current_vllm_config_or_none(), "compilation_config", None)
+
+
+def full_graph_mode(compilation: Any = None) -> str | None:
+    """The ``-cc.cudagraph_mode`` of ``compilation`` (default: the config in
+    effect) when it captures full graphs (one of ``FULL_GRAPH_MODES``), else
+    None; None too outside a vLLM run."""
+    if compilation is None:
+        compilation = current_compilation_config()
     mode = getattr(getattr(compilation, "cudagraph_mode", None), "name", None)
     return mode if mode in FULL_GRAPH_MODES else None
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -91,20 +92,30 @@ class Routes:
         """The process's routes, over a session with the environment's settings."""
         routes = cls._shared
         if routes is None or routes._pid != os.getpid():
-            # Built with the first PLE layer, under vLLM's config: its graph mode.
+            # Built with the first PLE layer, under vLLM's config; its graph
+            # mode is read from that config when the route is chosen, after
+            # vLLM's model runner settled it (the V2 runner may change it).
+            config = compilation.current_compilation_config()
             routes = cls._shared = cls(
-                RowService(ShmSettings.from_env()), full_graphs=compilation.full_graph_mode()
+                RowService(ShmSettings.from_env()),
+                full_graphs=lambda: compilation.full_graph_mode(config),
             )
             atexit.register(routes.close)
         return routes
 
-    def __init__(self, service: RowService, *, full_graphs: str | None = None) -> None:
+    def __init__(
+        self,
+        service: RowService,
+        *,
+        full_graphs: str | Callable[[], str | None] | None = None,
+    ) -> None:
         """``full_graphs``: the ``-cc.cudagraph_mode`` with which vLLM captures
-        whole steps in CUDA graphs, if it does (``compilation.full_graph_mode``):
-        the host route cannot run in them, so choosing it on a CUDA device
-        raises ``UnsupportedCompilation``."""
+        whole steps in CUDA graphs, if it does (``compilation.full_graph_mode``),
+        or what reads it when the route is chosen: the host route cannot run
+        in them, so choosing it on a CUDA device raises
+        ``UnsupportedCompilation``."""
         self.service = service
-        self.full_graphs = full_graphs
+        self._full_graphs = full_graphs if callable(full_graphs) else lambda: full_graphs
         self.host = HostRoute(service)
         self.zeros = ZeroRoute()
         self._gpu: GpuRoute | None = None
@@ -149,9 +160,10 @@ class Routes:
                 [b for b in self.service.bindings if not b.dummy],
                 self.service.checkpoint_reader(),
             )
-            if self._gpu is None and device.type == "cuda" and self.full_graphs:
+            full_graphs = self._full_graphs()
+            if self._gpu is None and device.type == "cuda" and full_graphs:
                 raise compilation.full_graphs_refused(
-                    self.full_graphs,
+                    full_graphs,
                     "the host path (GPU-driven lookups are not available here: the "
                     "log line before this error says why)",
                 )
