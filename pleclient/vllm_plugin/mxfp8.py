@@ -107,7 +107,7 @@ def kernel_call(
 
     ``sorted_dst`` gets the ids, as vLLM passes its indices when it does not
     sort: on CUDA ``SORTED`` is a runtime argument, so the sorted branch is
-    compiled as well and needs a pointer there (``kernel_call``)."""
+    compiled as well and needs a pointer there (``pleclient.vllm_plugin.kernel_call``)."""
     from vllm.models.deepseek_v41.common.engram import _engram_lookup_kernel
     from vllm.triton_utils import triton
 
