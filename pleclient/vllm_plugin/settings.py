@@ -26,12 +26,15 @@ Every knob, its default and why:
                                    bit-exact, until a server is back (it keeps trying).
                                    ``off``: never; past the reconnect window the step
                                    fails instead.
-``VLLM_PLE_SHM_DEPTH=4``           channel slots. Prefetch keeps two requests in flight
-                                   (the next layer's and the current one's) plus slots
-                                   whose device copy is still running.
+``VLLM_PLE_SHM_DEPTH=4``           the host path's channel slots (2–64). A step's PLE
+                                   layers take them in layer order: PLE layers + 1
+                                   slots put every layer's request out at the step's
+                                   start; with fewer, later layers' requests go out as
+                                   earlier layers finish.
 ``VLLM_PLE_SHM_CAPACITY``          rows per request (default: the server's, 16384).
                                    Larger batches are split over slots.
-``VLLM_PLE_SHM_PREFETCH=1``        look rows up for layer i+1 while layer i runs
+``VLLM_PLE_SHM_PREFETCH=1``        ask for every PLE layer's rows when the step starts
+                                   (``step``), collect each at its layer
                                    (``start_prefetch``/``finalize_prefetch``). 0 = look
                                    up synchronously in ``forward``.
 ``VLLM_PLE_SHM_GPU_PATH=auto``     ``auto``: on a CUDA device with stream memory
@@ -40,6 +43,11 @@ Every knob, its default and why:
                                    elsewhere the host path. ``off``: always the host
                                    path. ``standin``: the GPU-driven path's CPU
                                    stand-in, on any device (for tests).
+``VLLM_PLE_SHM_GPU_OPS=memops``    what rings and collects on the GPU-driven route:
+                                   ``memops``, the driver's stream memory operations;
+                                   ``kernels``, two small kernels compiled with NVRTC
+                                   (``pleclient.gpu_kernels``), two graph nodes a PLE
+                                   layer instead of eleven.
 ``VLLM_PLE_SHM_CHECKPOINT``        the checkpoint directory the identity check reads.
                                    Default: vLLM's ``--model`` (a local directory, or a
                                    Hugging Face repo already in the local cache).
