@@ -64,6 +64,7 @@ __all__ = [
     "HostStream",
     "Watchdog",
     "stream_memops_supported",
+    "DEFAULT_GPU_OPS",
     "GPU_OPS",
 ]
 
@@ -87,6 +88,13 @@ RECONNECT_TIMEOUT_S = 2.0
 GPU_OPS = ("memops", "kernels")
 """How a CUDA stream rings and collects: the driver's stream memory operations,
 or the two kernels of ``pleclient.gpu_kernels``."""
+DEFAULT_GPU_OPS = "kernels"
+"""Two graph nodes a PLE layer instead of eleven: inside vLLM 0.33's default
+CUDA graphs on an H100 the stream memory operations left the GPU idle about
+0.27 ms a decode step (0.89–0.90 × stock resident), the kernels decoded at
+1.01–1.15 × stock, identical to it (docs/BENCHMARKS.md, "The ring and collect
+as kernels inside vLLM's engine"). Where the kernels cannot be built the
+memops run."""
 
 # CUDA driver constants (cuda.h).
 _CU_STREAM_WAIT_VALUE_GEQ = 0x0
@@ -639,7 +647,7 @@ class GpuLookups:
         reader: CheckpointReader | None = None,
         fallback_after: float = FALLBACK_AFTER_S,
         reconnect_window: float = 30.0,
-        ops: str = "memops",
+        ops: str = DEFAULT_GPU_OPS,
     ) -> GpuLookups:
         """Connect with a GPU-driven channel. ``device`` "cpu" gives the CPU
         stand-in (``HostStream``); a CUDA device needs stream memory

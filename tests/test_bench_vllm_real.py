@@ -303,7 +303,9 @@ def test_cell_names_say_what_runs():
     assert vc.pin_cpus(range(16)) == (list(range(14)), [14, 15])
     kernels = vc.parse_cell("shm-default-deepsmall-kernels-tp2")
     assert kernels.env()["VLLM_PLE_SHM_GPU_OPS"] == "kernels"
-    assert vc.parse_cell("shm-default-tp").env()["VLLM_PLE_SHM_GPU_OPS"] == "memops"
+    memops = vc.parse_cell("shm-default-deepsmall-memops-tp2")
+    assert memops.env()["VLLM_PLE_SHM_GPU_OPS"] == "memops"
+    assert "VLLM_PLE_SHM_GPU_OPS" not in vc.parse_cell("shm-default-tp").env()  # the plugin's
     with pytest.raises(vc.CellError, match="none for the engine"):
         vc.pin_cpus([0, 1])
 
@@ -316,6 +318,7 @@ def test_cell_names_say_what_runs():
         ("stock-default-nospin", "need the shm backend"),
         ("stock-default-kernels", "needs shm on that route"),
         ("shm-eager-host-kernels", "needs shm on that route"),
+        ("offload-default-memops", "needs shm on that route"),
         ("eager", "no backend"),
         ("shm-eager-fast", "unknown word"),
         ("stock-shm", "two backends"),
@@ -1350,9 +1353,12 @@ def test_a_shm_cell_whose_workers_ran_another_way_is_flagged_in_the_summary():
         {"name": host.name, "cell": host.to_json(), "status": "done", "order": 1,
          "routes_run": ["host"]},
     ]  # fmt: skip
+    plain = vc.parse_cell("shm-default-tp")  # the plugin's default: kernels
+    cells.append({"name": plain.name, "cell": plain.to_json(), "status": "done", "order": 2,
+                  "routes_run": routes_run(line.format("kernels"))})  # fmt: skip
     table = vc.summary(cells).split("== cells")[1]
     assert "NOT AS NAMED: its workers ran gpu:memops, not gpu:kernels" in table
-    assert table.count("NOT AS NAMED") == 1  # the host cell ran as named
+    assert table.count("NOT AS NAMED") == 1  # the host and the plain cell ran as named
     cells[0]["routes_run"] = []
     assert "no worker said which route it ran" in vc.summary(cells)
 

@@ -98,7 +98,7 @@ def test_northstar_on_the_cpu_checks_rows_and_counts_every_cold_miss(tmp_path, f
         layers = ["--ple-at", "2"]
     else:  # every case has the trace's two Engram layers
         small_engram_trace(trace)
-        layers = ["--gpu-ops", "kernels"]  # (the CPU stand-in runs the words from the host)
+        layers = ["--gpu-ops", "memops"]  # (the CPU stand-in runs the words from the host)
     argv = [
         sys.executable,
         "-m",
@@ -131,7 +131,7 @@ def test_northstar_on_the_cpu_checks_rows_and_counts_every_cold_miss(tmp_path, f
     want = {"ple": [[2]], "engram": [list(ENGRAM_LAYERS)]}[family]
     assert [c["ple_at"] for c in report["cases"]] == want * 2, [c["key"] for c in report["cases"]]
     assert report["table"]["row_bytes"] == {"ple": 160, "engram": 256}[family]
-    assert report["args"]["gpu_ops"] == {"ple": "memops", "engram": "kernels"}[family]
+    assert report["args"]["gpu_ops"] == {"ple": "kernels", "engram": "memops"}[family]
     assert report["disk"]["1"]["reads_per_s"] > 0 and report["disk"]["128"]["reads_per_s"] > 0
     runs = {(c["kind"], r["path"]): r for c in report["cases"] for r in c["runs"]}
     assert set(runs) == {("decode", p) for p in ("a", "b", "e", "d")} | {

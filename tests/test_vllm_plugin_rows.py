@@ -95,10 +95,12 @@ def test_settings_defaults_follow_the_service(monkeypatch):
         False,
     )
     assert s.socket_dir == "/run/ple-server"
-    assert s.gpu_ops == "memops"
-    monkeypatch.setenv("VLLM_PLE_SHM_GPU_OPS", "Kernels")
-    assert settings.ShmSettings.from_env().gpu_ops == "kernels"
-    assert settings.GPU_OPS == __import__("pleclient.gpu").gpu.GPU_OPS  # one list, two homes
+    assert s.gpu_ops == "kernels"
+    monkeypatch.setenv("VLLM_PLE_SHM_GPU_OPS", "Memops")
+    assert settings.ShmSettings.from_env().gpu_ops == "memops"
+    gpu = __import__("pleclient.gpu").gpu
+    assert settings.GPU_OPS == gpu.GPU_OPS  # one list, two homes
+    assert settings.DEFAULT_GPU_OPS == gpu.DEFAULT_GPU_OPS
     monkeypatch.setenv("PLE_SERVER_SOCKET", "/tmp/a.sock")
     assert settings.ShmSettings.from_env().socket == "/tmp/a.sock"
     monkeypatch.setenv("VLLM_PLE_SHM_SOCKET", "/tmp/b.sock")

@@ -38,7 +38,7 @@ def every_variable(checkpoint: Path, socket_dir: Path) -> dict[str, str]:
         "VLLM_PLE_SHM_PREFETCH": "0",
         "VLLM_PLE_SHM_CHECKPOINT": str(checkpoint),
         "VLLM_PLE_SHM_GPU_PATH": "off",
-        "VLLM_PLE_SHM_GPU_OPS": "kernels",
+        "VLLM_PLE_SHM_GPU_OPS": "memops",
         "VLLM_PLE_SHM_ALLOW_DUMMY": "0",
         "VLLM_PLE_SHM_PROMPT_AHEAD": "arrival",
     }

@@ -187,7 +187,7 @@ from bench.harness.servers import hist_quantiles
 from bench.sim.text_trace import load_trace, trace_geometry
 from pleclient import PleClient
 from pleclient.checkpoint import INDEX_FILE, TableSpec, discover_tables
-from pleclient.gpu import GPU_OPS
+from pleclient.gpu import DEFAULT_GPU_OPS, GPU_OPS
 from pleclient.vllm_plugin.prompt_ahead import SLOT_WAIT_S, unique_in_order
 from pleserver.config import parse_size
 from pleserver.devkit.launcher import ServerLauncher
@@ -1496,9 +1496,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--gpu-ops",
         choices=GPU_OPS,
-        default="memops",
+        default=DEFAULT_GPU_OPS,
         help="how the GPU-driven paths ring and collect: the driver's stream memory "
-        "operations or pleclient.gpu_kernels' two kernels (default memops)",
+        f"operations or pleclient.gpu_kernels' two kernels (default {DEFAULT_GPU_OPS})",
     )
     ap.add_argument("--capacity", type=int, default=16384, help="ids per request (16384)")
     ap.add_argument("--probe-seconds", type=float, help="per queue depth (GPU 2, CPU 0.5)")

@@ -21,10 +21,11 @@ checkpoint, starts ``pleserver serve`` on it, and checks with
                every replay's hint received by the server, and lookups of
                rows hinted earlier counted as hits on hinted rows
 
-    python3 -m bench.gpu.channel_check [--json out.json] [--gpu-ops kernels]
+    python3 -m bench.gpu.channel_check [--json out.json] [--gpu-ops memops]
 
-``--gpu-ops kernels`` runs every check with ``pleclient.gpu_kernels``' ring and
-collect kernels in place of the driver's stream memory operations.
+``--gpu-ops`` chooses what rings and collects in every check:
+``pleclient.gpu_kernels``' two kernels (the default, ``DEFAULT_GPU_OPS``) or
+the driver's stream memory operations.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch
 
 from bench.harness.checkout import REPO
 from bench.harness.scaffold import save_json
-from pleclient.gpu import GPU_OPS, GpuLookups, stream_memops_supported
+from pleclient.gpu import DEFAULT_GPU_OPS, GPU_OPS, GpuLookups, stream_memops_supported
 from pleserver.devkit.launcher import ServerLauncher
 from pleserver.devkit.synthetic import SyntheticTable, read_reference, write_checkpoint
 
@@ -251,8 +252,8 @@ def main() -> int:
     parser.add_argument(
         "--gpu-ops",
         choices=GPU_OPS,
-        default="memops",
-        help="how the stream rings and collects (pleclient.gpu.GPU_OPS)",
+        default=DEFAULT_GPU_OPS,
+        help=f"how the stream rings and collects (default {DEFAULT_GPU_OPS})",
     )
     args = parser.parse_args()
     supported, why = stream_memops_supported("cuda")

@@ -77,6 +77,7 @@ from bench.harness.checkout import REPO
 from bench.harness.provenance import OthersMeter, machine, source
 from pleclient import protocol
 from pleclient.checkpoint import TableSpec, discover_tables
+from pleclient.gpu import DEFAULT_GPU_OPS, GPU_OPS
 from pleserver.devkit.launcher import ServerLauncher
 
 LABELS = {
@@ -630,9 +631,10 @@ def main(argv=None) -> int:
     ap.add_argument("--d-collect", choices=["main", "side"], default="main", help="see GpuDriven")
     ap.add_argument(
         "--gpu-ops",
-        choices=["memops", "kernels"],
-        default="memops",
-        help="d and e: the driver's stream memory operations, or pleclient.gpu_kernels' kernels",
+        choices=GPU_OPS,
+        default=DEFAULT_GPU_OPS,
+        help="d and e: the driver's stream memory operations, or pleclient.gpu_kernels' "
+        f"kernels (default {DEFAULT_GPU_OPS})",
     )
     ap.add_argument("--workdir", help="where the checkpoint goes (default: a temporary dir)")
     ap.add_argument("--json", metavar="PATH", help="write the results here")

@@ -22,10 +22,11 @@ says what it is, words joined by ``-`` in any order:
   direct                    shm: ``--io direct`` with a 1 GiB row cache (else
                             ``--io mmap``)
   nopa                      shm: ``VLLM_PLE_SHM_PROMPT_AHEAD=off``
-  kernels                   shm: ``VLLM_PLE_SHM_GPU_OPS=kernels`` (the GPU-driven
-                            route's ring and collect as two kernels of the
-                            plugin's, ``pleclient.gpu_kernels``; else the
-                            driver's stream memory operations)
+  kernels | memops          shm: ``VLLM_PLE_SHM_GPU_OPS`` (the GPU-driven route's
+                            ring and collect as two kernels of the plugin's,
+                            ``pleclient.gpu_kernels``, or the driver's stream
+                            memory operations; else the plugin's default,
+                            kernels)
   unordered                 shm: ple-server's ``--no-gather-in-order`` (a step's
                             layers read side by side, not one after another)
   nospin                    shm: ple-server's ``--spin-us 0`` (its serving loop
@@ -233,7 +234,7 @@ class Cell:
     mode: str = "default"  # eager | piecewise | default
     checkpoint: str = "small-bf16"
     route: str = "gpu"  # shm: gpu | host
-    gpu_ops: str = "memops"  # shm, gpu route: memops | kernels
+    gpu_ops: str | None = None  # shm, gpu route: memops | kernels; None: the plugin's
     io: str = "mmap"  # shm: mmap | direct
     cache_size: str | None = None  # shm direct: the row cache
     prompt_ahead: bool = True
@@ -285,7 +286,7 @@ class Cell:
             if socket:
                 env["VLLM_PLE_SHM_SOCKET"] = socket
             env["VLLM_PLE_SHM_GPU_PATH"] = "off" if self.route == "host" else "auto"
-            if self.route == "gpu":
+            if self.route == "gpu" and self.gpu_ops:
                 env["VLLM_PLE_SHM_GPU_OPS"] = self.gpu_ops
             if not self.prompt_ahead:
                 env["VLLM_PLE_SHM_PROMPT_AHEAD"] = "off"
@@ -349,8 +350,8 @@ def parse_cell(name: str) -> Cell:
             fields["cache_size"] = DIRECT_CACHE
         elif word == "nopa":
             fields["prompt_ahead"] = False
-        elif word == "kernels":
-            fields["gpu_ops"] = "kernels"
+        elif word in _gpu_ops()[1]:
+            fields["gpu_ops"] = word
         elif word == "unordered":
             fields["gather_in_order"] = False
         elif word == "nospin":
@@ -380,7 +381,7 @@ def parse_cell(name: str) -> Cell:
         else:
             raise CellError(
                 f"{name}: unknown word {word!r}; a cell name joins {BACKENDS}, {MODES}, "
-                "serve, host, direct, nopa, kernels, unordered, nospin, pin, "
+                "serve, host, direct, nopa, kernels, memops, unordered, nospin, pin, "
                 "fp8/nvfp4/large/deep/deepsmall/dsv41, mp0, gpus<N>, x<N>, tp[<N>], ttft[<N>], "
                 "noexact, restart, verify, prof "
                 "(bench/real_vllm/cells.py)"
@@ -394,10 +395,19 @@ def parse_cell(name: str) -> Cell:
     return cell
 
 
+def _gpu_ops() -> tuple[str, tuple[str, ...]]:
+    """The plugin's default GPU ops and every choice (imported when first
+    asked: the coordinator imports this module before the installed
+    pleclient is found, ``installed_first``)."""
+    from pleclient.vllm_plugin.settings import DEFAULT_GPU_OPS, GPU_OPS
+
+    return DEFAULT_GPU_OPS, GPU_OPS
+
+
 def cell_problem(cell: Cell) -> str | None:
     """Why a cell cannot run as named, or None."""
-    if cell.gpu_ops != "memops" and (not cell.shm or cell.route != "gpu"):
-        return "kernels: the GPU-driven route's operations; it needs shm on that route"
+    if cell.gpu_ops and (not cell.shm or cell.route != "gpu"):
+        return f"{cell.gpu_ops}: the GPU-driven route's operations; it needs shm on that route"
     if not cell.shm and (
         cell.route != "gpu"
         or cell.io != "mmap"
@@ -490,7 +500,7 @@ PLANS: dict[str, list[str]] = {
         "shm-eager-dsv41-mp0",
         "stock-default-dsv41-mp0",
         "shm-default-dsv41-mp0",
-        "shm-default-dsv41-mp0-kernels",
+        "shm-default-dsv41-mp0-memops",
     ],
     # tensor parallel over two GPUs of one host (nvidia-h200-x2): two GPU workers, each
     # a client of the one ple-server; exactness under mp0, then the decode rate
@@ -565,16 +575,16 @@ PLANS: dict[str, list[str]] = {
         "stock-default-deepsmall-pin-noexact-tp2",
         "shm-default-deepsmall-pin-noexact-tp2",
     ],
-    # the GPU-driven route's ring and collect as kernels against the stream
-    # memory operations (pleclient.gpu_kernels): the forward graph under the
-    # profiler beside stock's (a fresh host's call), then the decode rate of
-    # both ways beside stock (the next call: CELLS=<the skipped ones>)
+    # the GPU-driven route's ring and collect as kernels (pleclient.gpu_kernels,
+    # the default) against the stream memory operations: the decode rate of
+    # both ways beside stock on one host (a fresh host's call), then the
+    # forward graph under the profiler beside stock's (the next call)
     "ops": [
+        "stock-default-deepsmall-noexact-tp2",
+        "shm-default-deepsmall-kernels-noexact-tp2",
+        "shm-default-deepsmall-memops-noexact-tp2",
         "shm-default-deepsmall-kernels-noexact-prof",
         "stock-default-deepsmall-noexact-prof",
-        "stock-default-deepsmall-noexact-tp2",
-        "shm-default-deepsmall-noexact-tp2",
-        "shm-default-deepsmall-kernels-noexact-tp2",
     ],
     # the kernels exact against stock under mp0 (where stock is reproducible),
     # eager and in vLLM's default graphs, and every eager row against the checkpoint
@@ -1130,7 +1140,8 @@ def route_mismatch(c: dict) -> str | None:
     cell = c.get("cell") or {}
     if ran is None or cell.get("backend") != "shm":
         return None
-    wanted = "host" if cell.get("route") == "host" else f"gpu:{cell.get('gpu_ops', 'memops')}"
+    ops = cell.get("gpu_ops") or _gpu_ops()[0]  # (None: the plugin's default)
+    wanted = "host" if cell.get("route") == "host" else f"gpu:{ops}"
     if not ran:
         return f"NOT AS NAMED: no worker said which route it ran (wanted {wanted})"
     if set(ran) != {wanted}:

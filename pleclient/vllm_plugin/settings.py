@@ -43,11 +43,12 @@ Every knob, its default and why:
                                    elsewhere the host path. ``off``: always the host
                                    path. ``standin``: the GPU-driven path's CPU
                                    stand-in, on any device (for tests).
-``VLLM_PLE_SHM_GPU_OPS=memops``    what rings and collects on the GPU-driven route:
-                                   ``memops``, the driver's stream memory operations;
+``VLLM_PLE_SHM_GPU_OPS=kernels``   what rings and collects on the GPU-driven route:
                                    ``kernels``, two small kernels compiled with NVRTC
                                    (``pleclient.gpu_kernels``), two graph nodes a PLE
-                                   layer instead of eleven.
+                                   layer; ``memops``, the driver's stream memory
+                                   operations, eleven (the kernels' fallback where
+                                   NVRTC cannot build them).
 ``VLLM_PLE_SHM_CHECKPOINT``        the checkpoint directory the identity check reads.
                                    Default: vLLM's ``--model`` (a local directory, or a
                                    Hugging Face repo already in the local cache).
@@ -90,6 +91,7 @@ GPU_PATH_STANDIN = "standin"
 GPU_PATHS = ("auto", "off", GPU_PATH_STANDIN)
 ENV_GPU_OPS = "VLLM_PLE_SHM_GPU_OPS"
 GPU_OPS = ("memops", "kernels")  # pleclient.gpu.GPU_OPS (no torch import here)
+DEFAULT_GPU_OPS = "kernels"  # pleclient.gpu.DEFAULT_GPU_OPS, which says why
 ENV_ALLOW_DUMMY = "VLLM_PLE_SHM_ALLOW_DUMMY"
 ENV_PROMPT_AHEAD = "VLLM_PLE_SHM_PROMPT_AHEAD"
 PROMPT_AHEAD_ARRIVAL = "arrival"
@@ -153,7 +155,7 @@ class ShmSettings:
     allow_dummy: bool = False
     socket_dir: str = DEFAULT_SOCKET_DIR
     gpu_path: str = "auto"
-    gpu_ops: str = "memops"  # how the GPU-driven route rings and collects
+    gpu_ops: str = DEFAULT_GPU_OPS  # how the GPU-driven route rings and collects
     prompt_ahead: tuple[str, ...] = PROMPT_AHEAD_STAGES
 
     @classmethod
@@ -174,7 +176,7 @@ class ShmSettings:
         gpu_path = os.environ.get(ENV_GPU_PATH, "").strip().lower() or "auto"
         if gpu_path not in GPU_PATHS:
             raise SettingsError(f"{ENV_GPU_PATH}={gpu_path!r}: use one of {', '.join(GPU_PATHS)}")
-        gpu_ops = os.environ.get(ENV_GPU_OPS, "").strip().lower() or "memops"
+        gpu_ops = os.environ.get(ENV_GPU_OPS, "").strip().lower() or DEFAULT_GPU_OPS
         if gpu_ops not in GPU_OPS:
             raise SettingsError(f"{ENV_GPU_OPS}={gpu_ops!r}: use one of {', '.join(GPU_OPS)}")
         return cls(
