@@ -566,7 +566,7 @@ def test_the_deadline_skips_a_cell_that_would_not_end_in_time():
     assert not late.run and late.reason.startswith("skipped: expected")
     # a warm start measured on the host replaces the guess and the first start's cost
     assert warm.measured("generate", "eager") == 60.0
-    assert vc.expected_seconds(cell, costs, warm) < fresh - costs.first_start_extra_s
+    assert vc.expected_seconds(cell, costs, warm) < fresh - costs.first_start_extra_s["qwen4exp"]
     assert warm.measured("generate", "default") is None
     first_compile = vc.expected_seconds(vc.parse_cell("stock-default"), costs, warm)
     warm.record("generate", "default", 95.0)  # the first compiled start: cold too
@@ -580,7 +580,8 @@ def test_the_deadline_skips_a_cell_that_would_not_end_in_time():
     ) > vc.expected_seconds(vc.parse_cell("shm-default-large-tp"), costs, warm)
     # another model's first start compiles its own kernels: Qwen's warm starts say nothing
     dsv41 = vc.parse_cell("stock-eager-dsv41-mp0")
-    assert vc.expected_seconds(dsv41, costs, warm) >= costs.first_start_extra_s
+    assert vc.expected_seconds(dsv41, costs, warm) >= costs.first_start_extra_s["deepseek-v41"]
+    assert costs.first_start_extra_s["deepseek-v41"] > costs.first_start_extra_s["qwen4exp"]
     warm.record("generate", "eager", 400.0, "deepseek-v41")  # its first: cold
     assert warm.measured("generate", "eager", "deepseek-v41") is None
     warm.record("generate", "eager", 90.0, "deepseek-v41")
@@ -991,8 +992,8 @@ def argv_of(cell, work, out, run_id, order, end_at):
             str(end_at), "MARK", str(sleeps[cell.name])]
 
 costs = vllm_cells.Costs(engine_start_s={"eager": 2.0, "piecewise": 2.0, "default": 2.0},
-                         first_start_extra_s=0.0, first_compile_extra_s=0.0, exact_run_s=0.0,
-                         teardown_s=0.0, margin_s=1.0)
+                         first_start_extra_s={"qwen4exp": 0.0}, first_compile_extra_s=0.0,
+                         exact_run_s=0.0, teardown_s=0.0, margin_s=1.0)
 cells = vllm_cells.expand(list(sleeps))
 results = vllm_real.run(cells, work, out, t0=time.time(), deadline_s=deadline, costs=costs,
                         run_id="test", probe=False, argv_of=argv_of)

@@ -641,10 +641,16 @@ class Costs:
     engine_start_s: dict[str, float] = field(
         default_factory=lambda: {"eager": 70.0, "piecewise": 80.0, "default": 80.0}
     )
-    # A fresh host's first start, every kernel compiled: 174–182 s on the H100,
-    # 224 s on the H200, 257–266 s on the H100 for the deep trunk's (a deadline
-    # that overruns ends the cell, what it measured kept).
-    first_start_extra_s: float = 180.0
+    # A model's first start on a host, every kernel of it compiled (a deadline
+    # that overruns ends the cell, what it measured kept). Qwen4Exp: 174–182 s
+    # on the H100, 224 s on the H200, 257–266 s on the H100 for the deep
+    # trunk's. DeepSeek-V4.1 (eager, DeepGEMM's warm-up skipped): 309 s to
+    # start on an H100 (TileLang's compiles, FlashInfer's JIT build in vLLM's
+    # warm-up), and its first runs compiled on: the first had not ended 55 s
+    # later.
+    first_start_extra_s: dict[str, float] = field(
+        default_factory=lambda: {"qwen4exp": 180.0, "deepseek-v41": 360.0}
+    )
     first_compile_extra_s: float = 30.0  # a later first start with torch.compile (not eager)
     serve_extra_s: float = 15.0  # vllm serve's API server and readiness
     server_start_s: float = 5.0  # ple-server, nothing prewarmed
@@ -717,7 +723,7 @@ def expected_seconds(cell: Cell, costs: Costs, history: History, table_gib: floa
     else:
         start = costs.engine_start_s[cell.mode] + (cell.api == "serve") * costs.serve_extra_s
         if not history.of_model(model):
-            start += costs.first_start_extra_s
+            start += costs.first_start_extra_s.get(model, max(costs.first_start_extra_s.values()))
         elif cell.mode != "eager" and not history.compiled(model):
             start += costs.first_compile_extra_s
     start += resident_load_s(cell, costs, table_gib)
