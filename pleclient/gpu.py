@@ -597,7 +597,11 @@ def _cuda_stream(client: PleClient, device, ops: str) -> Stream:
         except PleError as exc:
             log.warning(
                 "GPU-driven lookups on %s: the ring and collect kernels are not available "
-                "(%s); using the driver's stream memory operations",
+                "(%s); using the driver's stream memory operations, the same lookups with "
+                "about 0.07 ms more a PLE layer a step. To have the kernels, install NVRTC for "
+                "torch's CUDA (its nvidia-cuda-nvrtc wheel, or a CUDA toolkit under "
+                "/usr/local/cuda); to choose the stream memory operations and silence this, set "
+                "VLLM_PLE_SHM_GPU_OPS=memops",
                 device,
                 exc,
             )
