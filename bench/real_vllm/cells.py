@@ -577,12 +577,13 @@ PLANS: dict[str, list[str]] = {
     ],
     # the GPU-driven route's ring and collect as kernels (pleclient.gpu_kernels,
     # the default) against the stream memory operations: the decode rate of
-    # both ways beside stock on one host (a fresh host's call), then the
-    # forward graph under the profiler beside stock's (the next call)
+    # both ways beside stock on one host, 3 interleaved repetitions (a fresh
+    # host's call), then the forward graph under the profiler beside stock's
+    # (the next call)
     "ops": [
-        "stock-default-deepsmall-noexact-tp2",
-        "shm-default-deepsmall-kernels-noexact-tp2",
-        "shm-default-deepsmall-memops-noexact-tp2",
+        "stock-default-deepsmall-noexact-tp",
+        "shm-default-deepsmall-kernels-noexact-tp",
+        "shm-default-deepsmall-memops-noexact-tp",
         "shm-default-deepsmall-kernels-noexact-prof",
         "stock-default-deepsmall-noexact-prof",
     ],
