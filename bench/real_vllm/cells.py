@@ -724,7 +724,7 @@ def expected_seconds(cell: Cell, costs: Costs, history: History, table_gib: floa
     else:
         start = costs.engine_start_s[cell.mode] + (cell.api == "serve") * costs.serve_extra_s
         if not history.of_model(model):
-            start += costs.first_start_extra_s.get(model, max(costs.first_start_extra_s.values()))
+            start += costs.first_start_extra_s[model]
         elif cell.mode != "eager" and not history.compiled(model):
             start += costs.first_compile_extra_s
     start += resident_load_s(cell, costs, table_gib)
